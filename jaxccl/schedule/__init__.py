@@ -1,0 +1,39 @@
+"""The schedule IR, its reference interpreter, MSCCL XML and the compiled table."""
+
+from jaxccl.schedule.builder import Handle, ScheduleBuilder
+from jaxccl.schedule.ir import (
+    SCHEMA_VERSION,
+    Buffer,
+    Collective,
+    Op,
+    OpKind,
+    Schedule,
+    Threadblock,
+    chunk_bounds,
+    make_schedule,
+    period_elements,
+)
+
+
+def from_msccl_xml(text: str) -> Schedule:
+    """Imports an MSCCL XML algorithm; see :mod:`jaxccl.schedule.msccl_xml`."""
+    from jaxccl.schedule.msccl_xml import from_msccl_xml as _impl
+
+    return _impl(text)
+
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "Buffer",
+    "Collective",
+    "Handle",
+    "Op",
+    "OpKind",
+    "Schedule",
+    "ScheduleBuilder",
+    "Threadblock",
+    "chunk_bounds",
+    "from_msccl_xml",
+    "make_schedule",
+    "period_elements",
+]
