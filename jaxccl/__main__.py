@@ -1,0 +1,5 @@
+import sys
+
+from jaxccl.cli import main
+
+sys.exit(main())
