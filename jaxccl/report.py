@@ -14,7 +14,9 @@ from typing import Any, TextIO, TypeVar
 T = TypeVar("T")
 
 
-def progress(items: Iterable[T], *, total: int | None = None, label: str = "", stream: TextIO | None = None) -> Iterator[T]:
+def progress(
+    items: Iterable[T], *, total: int | None = None, label: str = "", stream: TextIO | None = None
+) -> Iterator[T]:
     """Yields ``items`` while drawing a one-line progress bar on stderr.
 
     Redraws in place on a terminal; elsewhere prints one line per item so logs stay readable.
@@ -52,8 +54,13 @@ def format_bytes(n: float) -> str:
     return f"{n} B"  # pragma: no cover
 
 
-def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str] | None = None, *, stream: TextIO | None = None,
-                floatfmt: str = ".4g") -> None:
+def print_table(
+    rows: Sequence[Mapping[str, Any]],
+    columns: Sequence[str] | None = None,
+    *,
+    stream: TextIO | None = None,
+    floatfmt: str = ".4g",
+) -> None:
     """Prints ``rows`` (dicts) as an aligned text table with the given column order."""
     out = stream or sys.stdout
     if not rows:

@@ -88,8 +88,9 @@ class ScheduleBuilder:
             table[key] = idx
         return idx
 
-    def _append(self, rank: int, tb: int, kind: OpKind, src: Loc | None, dst: Loc | None, count: int,
-                after: Iterable[Handle]) -> Handle:
+    def _append(
+        self, rank: int, tb: int, kind: OpKind, src: Loc | None, dst: Loc | None, count: int, after: Iterable[Handle]
+    ) -> Handle:
         deps = []
         for h in after:
             if h is None:

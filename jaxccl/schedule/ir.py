@@ -431,8 +431,17 @@ def _tb_from_dict(d: Mapping[str, Any]) -> Threadblock:
     ops = []
     for item in d["ops"]:
         kind, src, soff, dst, doff, cnt, deps = item
-        ops.append(Op(OpKind(kind), _buf_from_xml(src), int(soff), _buf_from_xml(dst), int(doff), int(cnt),
-                      tuple(tuple(x) for x in deps)))
+        ops.append(
+            Op(
+                OpKind(kind),
+                _buf_from_xml(src),
+                int(soff),
+                _buf_from_xml(dst),
+                int(doff),
+                int(cnt),
+                tuple(tuple(x) for x in deps),
+            )
+        )
     return Threadblock(tuple(ops), int(d["send"]), int(d["recv"]), int(d.get("chan", 0)))
 
 

@@ -155,7 +155,7 @@ class Topology:
         kinds = self._graph.nodes
 
         def keep(n: Node) -> bool:
-            return n == u or n == v or kinds[n]["kind"] != "gpu"
+            return n in (u, v) or kinds[n]["kind"] != "gpu"
 
         return nx.subgraph_view(self._graph, filter_node=keep)
 

@@ -111,7 +111,9 @@ def single_node(num_gpus: int = 8, *, nvlink_gbps: float = 2880) -> Topology:
     return Topology(g, name=f"single node x{num_gpus}", meta=meta)
 
 
-def ring(num_gpus: int, *, link_gbps: float = 400, latency: float = SWITCH_HOP_LATENCY, bidirectional: bool = True) -> Topology:
+def ring(
+    num_gpus: int, *, link_gbps: float = 400, latency: float = SWITCH_HOP_LATENCY, bidirectional: bool = True
+) -> Topology:
     """GPUs joined in a ring by direct links (``r -> r+1``, and back if bidirectional)."""
     if not isinstance(num_gpus, int) or num_gpus < 2:
         raise TopologyError(f"ring(): needs at least 2 GPUs, got {num_gpus!r}")
