@@ -11,6 +11,19 @@ from jaxccl.errors import ExecutorError, JaxcclError, ScheduleError, SynthesisEr
 
 __version__ = "0.1.0"
 
+
+def has_cuda_support() -> bool:
+    """Whether the CUDA executor was built and a CUDA device is visible.
+
+    >>> isinstance(has_cuda_support(), bool)
+    True
+    """
+    try:
+        from jaxccl.runtime import native
+    except ImportError:
+        return False
+    return native.has_cuda_support()
+
 # The collectives and the Communicator import JAX; load them on first use so that
 # ``import jaxccl`` stays cheap and ``jaxccl.emulate()`` can run before JAX starts.
 _LAZY = {
@@ -43,6 +56,7 @@ __all__ = [
     "all_gather",
     "all_to_all",
     "emulate",
+    "has_cuda_support",
     "psum",
     "psum_scatter",
     "schedule",

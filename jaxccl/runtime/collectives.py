@@ -1,0 +1,297 @@
+"""The collectives users call inside ``jax.shard_map``: same signatures and semantics as ``jax.lax``.
+
+Each function maps over the leaves of a pytree, checks its arguments (axis
+name in scope, shapes, dtype), makes the operand device-varying over the
+axis (as ``lax`` does, so ``check_vma=True`` type-checks), resolves the
+:class:`~jaxccl.runtime.communicator.Communicator` in scope for the axis (or
+the default one) and binds the primitive of :mod:`jaxccl.runtime.primitives`.
+
+Supported: one named mesh axis of ``jax.shard_map`` (a 1-tuple is accepted),
+any whole-byte dtype for ``all_gather``/``all_to_all``; ``psum_scatter``/``psum``
+on float32, bfloat16 and float16 (reduced in float32, as XLA:CPU does) and
+int32; others raise ``TypeError``. Not supported (clear
+``NotImplementedError``): ``axis_index_groups``, several axes at once, axes of
+``vmap``/``pmap``, ``all_gather(..., to=...)`` other than ``"varying"``.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Hashable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxccl.runtime import communicator as _comm
+from jaxccl.runtime import primitives as _p
+
+__all__ = ["all_gather", "all_to_all", "psum", "psum_scatter"]
+
+_REDUCE_DTYPES = tuple(np.dtype(d) for d in (np.float32, jnp.bfloat16, np.float16, np.int32))
+_SUB_BYTE = frozenset({"int2", "uint2", "int4", "uint4", "float4_e2m1fn"})
+
+
+def _unsupported(fn: str, **options: Any) -> None:
+    for name, value in options.items():
+        if value is not None:
+            raise NotImplementedError(f"jaxccl.{fn}: {name}={value!r} is not supported (only None)")
+
+
+def _axes_in_scope() -> tuple[list[Hashable], frozenset, dict]:
+    from jax.extend.core import unsafe_get_axis_names_DO_NOT_USE
+
+    names = list(unsafe_get_axis_names_DO_NOT_USE())
+    mesh = jax.sharding.get_abstract_mesh()
+    manual = frozenset(getattr(mesh, "manual_axes", ())) if not mesh.empty else frozenset()
+    shape = dict(mesh.shape) if not mesh.empty else {}
+    return names, manual, shape
+
+
+def _axis(fn: str, axis_name: Any) -> tuple[Hashable, int]:
+    """The single manual mesh axis named by ``axis_name`` and its size."""
+    if isinstance(axis_name, (tuple, list)):
+        if len(axis_name) != 1:
+            raise NotImplementedError(
+                f"jaxccl.{fn}: collectives over several axes at once ({tuple(axis_name)}) are not supported; "
+                "pass one mesh axis name"
+            )
+        axis_name = axis_name[0]
+    names, manual, shape = _axes_in_scope()
+    if axis_name not in names:
+        where = f"axes in scope: {tuple(names)}" if names else "no named axes are in scope"
+        raise NameError(
+            f"jaxccl.{fn}: unbound axis name {axis_name!r} ({where}); call it inside jax.shard_map over a "
+            "mesh with that axis"
+        )
+    if axis_name not in manual:
+        raise NotImplementedError(
+            f"jaxccl.{fn}: axis {axis_name!r} is not a manual axis of jax.shard_map (vmap/pmap axes are not "
+            f"supported); manual mesh axes in scope: {tuple(sorted(manual, key=str))}"
+        )
+    return axis_name, int(shape[axis_name])
+
+
+def _canon(fn: str, what: str, value: Any, ndim: int) -> int:
+    try:
+        v = operator.index(value)
+    except TypeError:
+        raise TypeError(f"jaxccl.{fn}: {what} must be an int, got {value!r}") from None
+    if not -ndim <= v < ndim:
+        raise ValueError(f"jaxccl.{fn}: {what}={value} is out of range for an operand with {ndim} dimension(s)")
+    return v % ndim
+
+
+def _check_dtype(fn: str, dtype: Any, *, reduction: bool) -> None:
+    dt = np.dtype(dtype)
+    if reduction and dt not in _REDUCE_DTYPES:
+        raise TypeError(
+            f"jaxccl.{fn}: dtype {dt.name} is not supported for reductions; supported: "
+            f"{', '.join(d.name for d in _REDUCE_DTYPES)}"
+        )
+    if not reduction and (dt.kind not in "biufcV" or dt.name in _SUB_BYTE):
+        raise TypeError(f"jaxccl.{fn}: dtype {dt.name} is not supported (sub-byte and object dtypes cannot be moved)")
+
+
+def _varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
+    """``x`` made device-varying over ``axis_name`` (no-op when it already is or check_vma=False)."""
+    if axis_name in jax.typeof(x).mat.varying:
+        return x
+    return lax.pcast(x, (axis_name,), to="varying")
+
+
+def _prepare(fn: str, x: Any, axis_name: Any, *, reduction: bool):
+    name, n = _axis(fn, axis_name)
+    x = jnp.asarray(x)
+    _check_dtype(fn, x.dtype, reduction=reduction)
+    comm = _comm.resolve(name, n)
+    return _varying(x, name), name, n, comm
+
+
+def all_gather(
+    x: Any,
+    axis_name: Hashable,
+    *,
+    axis: int = 0,
+    tiled: bool = False,
+    axis_index_groups: Any = None,
+    to: str = "varying",
+) -> Any:
+    """Gathers ``x`` from every device of mesh axis ``axis_name``; as :func:`jax.lax.all_gather`.
+
+    Args:
+        x: array or pytree of arrays (per-device values inside ``jax.shard_map``).
+        axis_name: the mesh axis.
+        axis: where the gathered blocks go: a new axis at ``axis`` (``tiled=False``)
+            or concatenated along existing axis ``axis`` (``tiled=True``).
+        tiled: see ``axis``.
+        axis_index_groups: not supported (must be ``None``).
+        to: only ``"varying"`` (the ``lax`` default) is supported.
+
+    Returns:
+        Shape of ``x`` with ``axis_size`` inserted at ``axis`` (or ``x.shape[axis]``
+        multiplied by it), bitwise equal to ``jax.lax.all_gather``.
+
+    Example:
+        >>> import jax, numpy as np, jaxccl
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+        >>> f = jax.jit(jax.shard_map(lambda x: jaxccl.all_gather(x, "i", tiled=True),
+        ...                           mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+        >>> f(np.arange(4.0, dtype=np.float32)).tolist()  # both devices hold [0, 1, 2, 3]
+        [0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0]
+    """
+    _unsupported("all_gather", axis_index_groups=axis_index_groups)
+    if to != "varying":
+        raise NotImplementedError(f"jaxccl.all_gather: to={to!r} is not supported (only 'varying')")
+
+    def bind(leaf):
+        leaf, name, n, comm = _prepare("all_gather", leaf, axis_name, reduction=False)
+        ax = _canon("all_gather", "axis", axis, leaf.ndim if tiled else leaf.ndim + 1)
+        return _p.all_gather_p.bind(
+            leaf, axis_name=name, axis=ax, tiled=bool(tiled), axis_size=n, comm=comm, site=_p.new_site()
+        )
+
+    return jax.tree.map(bind, x)
+
+
+def all_to_all(
+    x: Any,
+    axis_name: Hashable,
+    split_axis: int,
+    concat_axis: int,
+    *,
+    tiled: bool = False,
+    axis_index_groups: Any = None,
+) -> Any:
+    """Sends block ``d`` of ``x`` along ``split_axis`` to device ``d``; as :func:`jax.lax.all_to_all`.
+
+    Blocks received from device ``s`` are placed at position ``s`` along
+    ``concat_axis``. With ``tiled=False`` the size of ``split_axis`` must equal
+    the axis size; that axis is removed and a new one of the axis size is
+    inserted at ``concat_axis``.
+
+    Raises:
+        ValueError: ``x.shape[split_axis]`` does not split over the axis size.
+
+    Example:
+        >>> import jax, numpy as np, jaxccl
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+        >>> f = jax.jit(jax.shard_map(lambda x: jaxccl.all_to_all(x, "i", 0, 0, tiled=True),
+        ...                           mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+        >>> f(np.arange(4, dtype=np.int32)).tolist()
+        [0, 2, 1, 3]
+    """
+    _unsupported("all_to_all", axis_index_groups=axis_index_groups)
+
+    def bind(leaf):
+        leaf, name, n, comm = _prepare("all_to_all", leaf, axis_name, reduction=False)
+        nd = leaf.ndim
+        sa = _canon("all_to_all", "split_axis", split_axis, nd)
+        ca = _canon("all_to_all", "concat_axis", concat_axis, nd)
+        if tiled:
+            if leaf.shape[sa] % n:
+                raise ValueError(
+                    f"jaxccl.all_to_all: split_axis {sa} has size {leaf.shape[sa]}, which is not divisible by "
+                    f"the size {n} of axis {name!r}"
+                )
+        else:
+            if leaf.shape[sa] != n:
+                raise ValueError(
+                    f"jaxccl.all_to_all: with tiled=False the size of split_axis {sa} ({leaf.shape[sa]}) must equal "
+                    f"the size {n} of axis {name!r}"
+                )
+            if sa < ca:
+                ca += 1
+                leaf = lax.expand_dims(leaf, (ca,))
+            elif sa > ca:
+                leaf = lax.expand_dims(leaf, (ca,))
+                sa += 1
+        out = _p.all_to_all_p.bind(
+            leaf, axis_name=name, split_axis=sa, concat_axis=ca, axis_size=n, comm=comm, site=_p.new_site()
+        )
+        if not tiled and sa != ca:
+            out = lax.squeeze(out, (sa,))
+        return out
+
+    return jax.tree.map(bind, x)
+
+
+def psum_scatter(
+    x: Any,
+    axis_name: Hashable,
+    *,
+    scatter_dimension: int = 0,
+    tiled: bool = False,
+    axis_index_groups: Any = None,
+) -> Any:
+    """Sums ``x`` over mesh axis ``axis_name`` and scatters the result; as :func:`jax.lax.psum_scatter`.
+
+    Device ``r`` receives block ``r`` of the sum along ``scatter_dimension``
+    (``tiled=True``: that dimension shrinks by the axis size; ``tiled=False``:
+    its size must equal the axis size and it is removed). With the default
+    (rank-ordered) schedule the sum is bitwise equal to ``jax.lax``'s.
+
+    Raises:
+        ValueError: the scatter dimension does not split over the axis size.
+        TypeError: a dtype jaxccl does not reduce (bool, complex, ...).
+
+    Example:
+        >>> import jax, numpy as np, jaxccl
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+        >>> f = jax.jit(jax.shard_map(lambda x: jaxccl.psum_scatter(x, "i", tiled=True),
+        ...                           mesh=mesh, in_specs=P("i"), out_specs=P("i")))
+        >>> f(np.arange(4.0, dtype=np.float32)).tolist()
+        [2.0, 4.0]
+    """
+    _unsupported("psum_scatter", axis_index_groups=axis_index_groups)
+
+    def bind(leaf):
+        leaf, name, n, comm = _prepare("psum_scatter", leaf, axis_name, reduction=True)
+        d = _canon("psum_scatter", "scatter_dimension", scatter_dimension, leaf.ndim)
+        size = leaf.shape[d]
+        if tiled and size % n:
+            raise ValueError(
+                f"jaxccl.psum_scatter: scatter_dimension {d} has size {size}, which is not divisible by the size "
+                f"{n} of axis {name!r}"
+            )
+        if not tiled and size != n:
+            raise ValueError(
+                f"jaxccl.psum_scatter: with tiled=False the size of scatter_dimension {d} ({size}) must equal the "
+                f"size {n} of axis {name!r}"
+            )
+        return _p.reduce_scatter_p.bind(
+            leaf, axis_name=name, scatter_dimension=d, tiled=bool(tiled), axis_size=n, comm=comm, site=_p.new_site()
+        )
+
+    return jax.tree.map(bind, x)
+
+
+def psum(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
+    """All-reduce sum of ``x`` over mesh axis ``axis_name``; as :func:`jax.lax.psum`.
+
+    Runs the communicator's ``all_reduce`` schedule when one is installed
+    (the default: rank-ordered), else ReduceScatter + AllGather (MCCL Sec. 3).
+    The result is invariant over the axis (``check_vma=True`` types it as
+    ``lax.psum``'s).
+
+    Example:
+        >>> import jax, numpy as np, jaxccl
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+        >>> f = jax.jit(jax.shard_map(lambda x: jaxccl.psum(x, "i"),
+        ...                           mesh=mesh, in_specs=P("i"), out_specs=P()))
+        >>> f(np.arange(4.0, dtype=np.float32)).tolist()
+        [2.0, 4.0]
+    """
+    _unsupported("psum", axis_index_groups=axis_index_groups)
+
+    def bind(leaf):
+        leaf, name, n, comm = _prepare("psum", leaf, axis_name, reduction=True)
+        return _p.psum_p.bind(leaf, axis_name=name, axis_size=n, comm=comm, site=_p.new_site())
+
+    return jax.tree.map(bind, x)

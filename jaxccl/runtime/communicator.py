@@ -1,0 +1,331 @@
+"""Communicators: one mesh axis bound to a backend and its active schedules.
+
+A :class:`Communicator` owns one schedule per collective (``all_gather``,
+``all_to_all``, ``reduce_scatter``, ``all_reduce``). ``with comm:`` makes the
+jaxccl collectives over ``comm.axis_name`` use it; outside any ``with``, a
+default communicator per ``(axis name, axis size)`` is used (ring AllGather,
+direct AllToAll, rank-ordered direct ReduceScatter, rank-ordered AllReduce).
+
+Hot-swap. On the native backends (``cpu``, ``cuda``) every collective of a
+communicator has a registry *slot* in the native module; the compiled program
+carries only the slot number (an FFI attribute), and :meth:`Communicator.install`
+replaces the table in the slot. The next call runs the new schedule without
+recompiling anything, even when its chunk count differs. The ``ppermute``
+backend lowers the schedule into the program itself, so an install there
+makes the next call of a jitted function retrace and recompile (it bumps a
+generation counter that is part of JAX's jit cache key).
+
+Scope and caching. The communicators in scope are kept in a JAX config state
+that is part of the jit cache key and the trace context (the same mechanism
+as ``jax.default_matmul_precision``), so a jitted function called under
+another communicator is retraced instead of silently reusing the old one.
+This uses ``jax._src.config`` (no public hook exists in jax 0.10.2).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from collections.abc import Hashable
+from typing import Any
+
+from jaxccl.errors import ExecutorError, ScheduleError
+from jaxccl.schedule.ir import Collective, Schedule
+
+__all__ = ["BACKENDS", "COLLECTIVES", "Communicator", "current", "default_communicator", "resolve"]
+
+BACKENDS = ("cpu", "cuda", "ppermute", "auto")
+COLLECTIVES = tuple(c.value for c in Collective)
+_ALIASES = {"psum_scatter": "reduce_scatter", "psum": "all_reduce"}
+
+_uids = itertools.count(1)
+_LIVE: weakref.WeakValueDictionary[int, Communicator] = weakref.WeakValueDictionary()
+_DEFAULTS: dict[tuple[Hashable, int], Communicator] = {}
+_LOCK = threading.Lock()
+
+
+def _make_states() -> tuple[Any, Any]:
+    """(scope, generation): config states that are part of JAX's jit cache key and trace context."""
+    from jax._src import config as jax_config
+
+    scope = jax_config.string_or_object_state(
+        "jaxccl_communicators",
+        (),
+        "jaxccl communicators in scope: ((axis name, communicator id), ...)",
+        include_in_jit_key=True,
+        include_in_trace_context=True,
+    )
+    gen = jax_config.string_or_object_state(
+        "jaxccl_trace_generation",
+        0,
+        "bumped when a schedule that is lowered into programs (ppermute backend) changes",
+        include_in_jit_key=True,
+        include_in_trace_context=True,
+    )
+    return scope, gen
+
+
+# Created at import (before any jaxccl trace), once per process.
+_STATES = _make_states()
+
+
+def _states() -> tuple[Any, Any]:
+    return _STATES
+
+
+def _canonical(collective: str | Collective) -> Collective:
+    name = collective.value if isinstance(collective, Collective) else str(collective)
+    name = _ALIASES.get(name, name)
+    try:
+        return Collective(name)
+    except ValueError:
+        raise ValueError(
+            f"unknown collective {collective!r}; expected one of {COLLECTIVES} (or 'psum_scatter', 'psum')"
+        ) from None
+
+
+def _native():
+    try:
+        from jaxccl.runtime import native
+    except ImportError as e:  # the extension is not built
+        raise ExecutorError(
+            f"the jaxccl native module is not available ({e}); build it (pip install -e .) or use backend='ppermute'"
+        ) from e
+    return native
+
+
+def native_available() -> bool:
+    """Whether the native module (CPU executor) can be imported."""
+    try:
+        _native()
+    except ExecutorError:
+        return False
+    return True
+
+
+def _default_schedule(collective: Collective, n: int, with_all_reduce: bool) -> Schedule | None:
+    from jaxccl.synth import baselines
+
+    if collective is Collective.ALL_GATHER:
+        return baselines.ring_allgather(n)
+    if collective is Collective.ALL_TO_ALL:
+        return baselines.direct_alltoall(n)
+    if collective is Collective.REDUCE_SCATTER:
+        return baselines.direct_reduce_scatter(n)
+    return baselines.ordered_allreduce(n) if with_all_reduce else None
+
+
+class Communicator:
+    """Binds mesh axis ``axis_name`` to a backend, a topology and one schedule per collective.
+
+    Args:
+        mesh: the ``jax.sharding.Mesh`` the collectives run over (inside ``jax.shard_map``).
+        axis_name: the mesh axis this communicator serves.
+        topology: optional :class:`jaxccl.topology.Topology` with ``num_gpus``
+            equal to the axis size. Without one, ``psum`` runs the rank-ordered
+            AllReduce schedule; with one, ``psum`` is ReduceScatter + AllGather
+            (MCCL Sec. 3: the AllGather half is the adaptive one) until an
+            ``all_reduce`` schedule is installed.
+        backend: ``"cpu"`` (the native CPU executor through XLA FFI),
+            ``"cuda"`` (native CUDA executor), ``"ppermute"`` (the schedule
+            lowered to ``jax.lax.ppermute`` rounds; works everywhere, also
+            multi-process) or ``"auto"`` (``cuda`` if the native module has CUDA
+            support, else ``cpu``).
+
+    Example:
+        >>> import jax, numpy as np, jaxccl
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()), ("data",))
+        >>> comm = jaxccl.Communicator(mesh, "data", backend="ppermute")
+        >>> f = jax.jit(jax.shard_map(lambda x: jaxccl.all_gather(x, "data", tiled=True),
+        ...                           mesh=mesh, in_specs=P("data"), out_specs=P("data")))
+        >>> with comm:
+        ...     y = f(np.arange(2.0 * len(jax.devices()), dtype=np.float32))
+        >>> comm.schedule("all_gather").name
+        'ring_allgather'
+    """
+
+    def __init__(self, mesh: Any, axis_name: Hashable, *, topology: Any = None, backend: str = "auto"):
+        axis_names = tuple(getattr(mesh, "axis_names", ()))
+        if axis_name not in axis_names:
+            raise ValueError(f"Communicator: mesh has no axis {axis_name!r}; its axes are {axis_names}")
+        self._init(axis_name, int(mesh.shape[axis_name]), mesh=mesh, topology=topology, backend=backend)
+
+    def _init(self, axis_name: Hashable, axis_size: int, *, mesh: Any, topology: Any, backend: str) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"Communicator: unknown backend {backend!r}; expected one of {BACKENDS}")
+        if topology is not None and getattr(topology, "num_gpus", None) != axis_size:
+            raise ValueError(
+                f"Communicator: topology has {getattr(topology, 'num_gpus', None)} GPUs but mesh axis "
+                f"{axis_name!r} has {axis_size} devices"
+            )
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.axis_size = axis_size
+        self.topology = topology
+        self.uid = next(_uids)
+        self._is_default = mesh is None
+        self._lock = threading.Lock()
+        self._slots: dict[Collective, int] = {}
+        if backend == "auto" and not self._is_default:
+            backend = "cuda" if native_available() and _native().has_cuda_support() else "cpu"
+        self.backend = backend
+        self._schedules: dict[Collective, Schedule | None] = {
+            c: _default_schedule(c, axis_size, with_all_reduce=topology is None) for c in Collective
+        }
+        if backend in ("cpu", "cuda"):
+            native = _native()
+            if backend == "cuda" and not native.has_cuda_support():
+                raise ExecutorError("Communicator(backend='cuda'): the native module was built without CUDA")
+            for c, s in self._schedules.items():
+                if s is not None:
+                    self._install_native(c, s)
+        _LIVE[self.uid] = self
+
+    # ------------------------------------------------------------------ schedules
+    def schedule(self, collective: str | Collective) -> Schedule | None:
+        """The active schedule of ``collective`` (``None``: ``all_reduce`` runs as ReduceScatter + AllGather)."""
+        return self._schedules[_canonical(collective)]
+
+    def install(self, collective: str | Collective, schedule: Schedule) -> None:
+        """Makes ``schedule`` the active schedule of ``collective``, from the next call on.
+
+        Checks it with the reference interpreter (``schedule.validate()``) first.
+        Native backends compile it to a table and swap it into the
+        collective's registry slot: already-compiled programs pick it up
+        without recompiling. On the ``ppermute`` backend the next call of a
+        jitted function retraces. Float reductions are bitwise equal to
+        ``jax.lax`` only with schedules that sum in ascending rank order
+        (``info["ordered_reduction"]``).
+
+        Raises:
+            ScheduleError: ``schedule`` is for another collective or another
+                number of ranks, or fails the interpreter.
+            ExecutorError: the native registry refused it.
+        """
+        coll = _canonical(collective)
+        if not isinstance(schedule, Schedule):
+            raise ScheduleError(f"install({coll.value!r}): expected a Schedule, got {type(schedule).__name__}")
+        if schedule.collective is not coll:
+            raise ScheduleError(
+                f"install({coll.value!r}): the schedule implements {schedule.collective.value}, not {coll.value}"
+            )
+        if schedule.num_ranks != self.axis_size:
+            raise ScheduleError(
+                f"install({coll.value!r}): schedule {schedule.name or schedule.digest[:12]} is for "
+                f"N={schedule.num_ranks} ranks but axis {self.axis_name!r} has {self.axis_size} devices"
+            )
+        schedule.validate()
+        with self._lock:
+            if self.backend in ("cpu", "cuda"):
+                self._install_native(coll, schedule)
+            self._schedules[coll] = schedule
+        if self.backend in ("ppermute", "auto"):
+            _bump_generation()
+
+    def _install_native(self, coll: Collective, schedule: Schedule) -> None:
+        from jaxccl.schedule.table import compile_table
+
+        native = _native()
+        slot = self._slots.get(coll)
+        if slot is None:
+            slot = int(native.new_slot())
+            self._slots[coll] = slot
+        native.install(slot, compile_table(schedule, num_slots=8))
+
+    def slot(self, collective: str | Collective) -> int:
+        """The native registry slot of ``collective`` (allocated and filled on first use)."""
+        coll = _canonical(collective)
+        with self._lock:
+            if coll not in self._slots:
+                s = self._schedules[coll]
+                if s is None:
+                    raise ExecutorError(f"{self!r}: no {coll.value} schedule installed")
+                self._install_native(coll, s)
+            return self._slots[coll]
+
+    # ---------------------------------------------------------------------- scope
+    def __enter__(self) -> Communicator:
+        scope, _ = _states()
+        entries = tuple(e for e in scope.value if e[0] != self.axis_name) + ((self.axis_name, self.uid),)
+        cm = scope(entries)
+        cm.__enter__()
+        self._cms = getattr(self, "_cms", [])
+        self._cms.append(cm)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._cms.pop().__exit__(*exc)
+
+    def __repr__(self) -> str:
+        kind = "default " if self._is_default else ""
+        return f"Communicator({kind}axis={self.axis_name!r}, N={self.axis_size}, backend={self.backend!r})"
+
+
+def _bump_generation() -> None:
+    _, gen = _states()
+    with _LOCK:
+        gen.set_global(gen.get_global() + 1)
+
+
+def default_communicator(axis_name: Hashable, axis_size: int) -> Communicator:
+    """The communicator used for ``axis_name`` when none is in scope (backend chosen at lowering).
+
+    Its backend is ``"auto"`` in a wider sense than :class:`Communicator`'s:
+    on the CPU platform the native executor when the module is built and the
+    program runs in one process, else ``ppermute``; on GPUs the CUDA executor
+    when available, else ``ppermute``.
+    """
+    key = (axis_name, int(axis_size))
+    with _LOCK:
+        comm = _DEFAULTS.get(key)
+        if comm is None:
+            comm = Communicator.__new__(Communicator)
+            comm._init(axis_name, int(axis_size), mesh=None, topology=None, backend="auto")
+            _DEFAULTS[key] = comm
+    return comm
+
+
+def current(axis_name: Hashable) -> Communicator | None:
+    """The communicator in scope for ``axis_name`` (innermost ``with``), or ``None``."""
+    scope, _ = _states()
+    for name, uid in reversed(scope.value):
+        if name == axis_name:
+            comm = _LIVE.get(uid)
+            if comm is not None:
+                return comm
+    return None
+
+
+def resolve(axis_name: Hashable, axis_size: int) -> Communicator:
+    """The communicator a collective over ``axis_name`` (of ``axis_size`` devices) uses now."""
+    comm = current(axis_name)
+    if comm is None:
+        return default_communicator(axis_name, axis_size)
+    if comm.axis_size != axis_size:
+        raise ValueError(
+            f"{comm!r} is in scope for axis {axis_name!r}, but that axis has {axis_size} devices here "
+            f"(the communicator was built for {comm.axis_size})"
+        )
+    return comm
+
+
+def lowering_backend(comm: Communicator, platform: str) -> str:
+    """The backend ``comm`` runs on ``platform`` ("cpu", "cuda", "rocm", ...)."""
+    if comm.backend != "auto":
+        if comm.backend == "cpu" and platform != "cpu":
+            raise ExecutorError(f"{comm!r}: the cpu backend cannot run on platform {platform!r}")
+        if comm.backend == "cuda" and platform != "cuda":
+            raise ExecutorError(f"{comm!r}: the cuda backend cannot run on platform {platform!r}")
+        return comm.backend
+    import jax
+
+    if jax.process_count() > 1 or not native_available():
+        return "ppermute"
+    native = _native()
+    if platform == "cpu":
+        return "cpu"
+    if platform == "cuda" and native.has_cuda_support():
+        return "cuda"
+    return "ppermute"

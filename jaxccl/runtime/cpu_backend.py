@@ -1,0 +1,71 @@
+"""The native backends: the flat collective as one XLA FFI custom call into the jaxccl executor.
+
+The call is ``jaxccl_cpu_collective`` (``jaxccl_cuda_collective`` on GPUs)
+with operands ``x`` (this rank's flat input) and ``coords = [rank, group]``
+(int32): ``rank = lax.axis_index(axis)`` and ``group`` the linear index of
+this device's coordinates along the other manual mesh axes, so that on a 2-D
+mesh the independent groups of a collective over one axis rendezvous
+separately. Attributes (compile-time): ``slot`` (the communicator's registry
+slot of that collective, whose table the executor reads at run time, which is
+what makes hot-swap recompile-free), ``site`` (a unique id of the lowered call
+site, part of the rendezvous key) and ``axis_size``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxccl.schedule.ir import Collective
+
+__all__ = ["TARGETS", "flat_collective", "output_elems"]
+
+TARGETS = {"cpu": "jaxccl_cpu_collective", "cuda": "jaxccl_cuda_collective"}
+
+
+def output_elems(coll: Collective, input_elems: int, n: int) -> int:
+    """Elements of a rank's flat output for a flat input of ``input_elems``."""
+    if coll is Collective.ALL_GATHER:
+        return n * input_elems
+    if coll is Collective.REDUCE_SCATTER:
+        return input_elems // n
+    return input_elems
+
+
+def _group(group_axes: tuple[tuple[object, int], ...]) -> jax.Array:
+    g = jnp.int32(0)
+    for name, size in group_axes:
+        g = g * size + lax.axis_index(name).astype(jnp.int32)
+    return g
+
+
+def flat_collective(
+    coll: Collective,
+    flat: jax.Array,
+    *,
+    axis_name,
+    axis_size: int,
+    group_axes: tuple[tuple[object, int], ...],
+    slot: int,
+    site: int,
+    backend: str = "cpu",
+    dep: jax.Array | None = None,
+) -> jax.Array:
+    """Runs collective ``coll`` of the table in registry ``slot`` on this rank's flat buffer.
+
+    ``dep``, an int32 zero computed from an earlier collective's result, is
+    added to ``coords`` so that XLA runs this call after that one.
+    """
+    from jaxccl.runtime import native  # registers the FFI targets on import
+
+    del native
+    n = int(axis_size)
+    rank = lax.axis_index(axis_name).astype(jnp.int32) if n > 1 else jnp.int32(0)
+    coords = jnp.stack([rank, _group(group_axes)]).astype(jnp.int32)
+    if dep is not None:
+        coords = coords + dep
+    out = jax.ShapeDtypeStruct((output_elems(coll, int(flat.shape[0]), n),), flat.dtype)
+    call = jax.ffi.ffi_call(TARGETS[backend], out, has_side_effect=True)
+    return call(flat, coords, slot=np.int64(slot), site=np.int64(site), axis_size=np.int64(n))

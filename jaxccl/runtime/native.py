@@ -1,0 +1,171 @@
+"""The compiled executor: loads ``jaxccl._native``, registers its FFI targets, wraps its registry.
+
+Importing this module registers the CPU target ``jaxccl_cpu_collective`` with
+XLA (once per process) and, when the optional CUDA module was built and a GPU
+is visible, ``jaxccl_cuda_collective``. The registry holds compiled tables
+(:func:`jaxccl.schedule.table.compile_table`) in numbered slots; a compiled JAX
+program names only the slot, so :func:`install` swaps schedules without
+recompiling.
+
+Example:
+    >>> from jaxccl.runtime import native  # doctest: +SKIP
+    >>> slot = native.new_slot()  # doctest: +SKIP
+    >>> native.install(slot, schedule)  # a Schedule or a compiled table  # doctest: +SKIP
+    1
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from jaxccl.errors import ExecutorError, ScheduleError
+
+try:
+    from jaxccl import _native
+except ImportError as e:  # pragma: no cover - depends on the build
+    raise ImportError(
+        f"jaxccl's native module is missing: pip install -e . (builds jaxccl._native with CMake; original error: {e})"
+    ) from e
+
+CPU_TARGET = "jaxccl_cpu_collective"
+CUDA_TARGET = "jaxccl_cuda_collective"
+TIMEOUT_ENV = "JAXCCL_TIMEOUT_S"
+
+_registered = False
+_cuda: Any = None
+_cuda_checked = False
+
+
+def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    import jax
+
+    for name, capsule in _native.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+    if has_cuda_support():
+        for name, capsule in _cuda.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    _registered = True
+
+
+def _cuda_module() -> Any:
+    """The attached CUDA module, or None when it was not built or cannot load."""
+    global _cuda, _cuda_checked
+    if not _cuda_checked:
+        _cuda_checked = True
+        try:
+            from jaxccl import _native_cuda
+        except ImportError:
+            _native_cuda = None
+        if _native_cuda is not None:
+            _native_cuda.attach(_native._core_api())
+        _cuda = _native_cuda
+    return _cuda
+
+
+def has_cuda_support() -> bool:
+    """True if the CUDA executor was built and at least one CUDA device is visible."""
+    mod = _cuda_module()
+    return mod is not None and mod.device_count() > 0
+
+
+def _wrap(fn: Any, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except ValueError as e:
+        raise ExecutorError(str(e)) from None
+
+
+def new_slot() -> int:
+    """Creates an empty schedule slot and returns its id."""
+    return int(_native.new_slot())
+
+
+def as_table(table_or_schedule: Any, *, num_slots: int = 8) -> np.ndarray:
+    """A compiled table from a :class:`~jaxccl.schedule.Schedule` (compiled here) or an int32 array."""
+    from jaxccl.schedule.ir import Schedule
+
+    if isinstance(table_or_schedule, Schedule):
+        from jaxccl.schedule.table import compile_table
+
+        return compile_table(table_or_schedule, num_slots=num_slots)
+    arr = np.asarray(table_or_schedule)
+    if arr.ndim != 1 or arr.dtype != np.int32:
+        raise ScheduleError(f"a compiled table is a 1-D int32 array, got {arr.dtype}{list(arr.shape)}")
+    return np.ascontiguousarray(arr)
+
+
+def install(slot: int, table_or_schedule: Any, *, num_slots: int = 8) -> int:
+    """Validates a table (or compiles a Schedule) and makes it the slot's current version.
+
+    Launches that have already picked a table keep theirs; the next launch runs
+    the new one. Returns the new version number (1, 2, ...).
+
+    Raises:
+        ExecutorError: the table is malformed (the message names the bad word)
+            or the slot does not exist.
+    """
+    return int(_wrap(_native.install, int(slot), as_table(table_or_schedule, num_slots=num_slots)))
+
+
+def validate_table(table: np.ndarray) -> None:
+    """Runs the native word-by-word check of a compiled table; raises ``ExecutorError``."""
+    _wrap(_native.validate, as_table(table))
+
+
+def current_version(slot: int) -> int:
+    """The slot's current table version (0 before the first install)."""
+    return int(_wrap(_native.current_version, int(slot)))
+
+
+def remove(slot: int) -> None:
+    """Deletes a slot; launches already running keep their table."""
+    _wrap(_native.remove, int(slot))
+
+
+def launch_count(slot: int) -> int:
+    """How many launches have picked a table from this slot."""
+    return int(_wrap(_native.launch_count, int(slot)))
+
+
+def last_launch_version(slot: int) -> int:
+    """The table version the slot's most recent launch ran (0 if none)."""
+    return int(_wrap(_native.last_launch_version, int(slot)))
+
+
+def set_timeout(seconds: float) -> None:
+    """Sets the deadline (seconds) of every rendezvous and executor wait; default 60 or ``$JAXCCL_TIMEOUT_S``."""
+    _wrap(_native.set_timeout, float(seconds))
+
+
+def get_timeout() -> float:
+    """The current deadline of rendezvous and executor waits, in seconds."""
+    return float(_native.get_timeout())
+
+
+def stats() -> dict[str, int]:
+    """Executor bookkeeping: pending rendezvous entries, occurrence counters, worker threads, slots."""
+    return {k: int(v) for k, v in _native.stats().items()}
+
+
+def _timeout_from_env() -> None:
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None or not value.strip():
+        return
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ExecutorError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from None
+    try:
+        set_timeout(seconds)
+    except ExecutorError as e:
+        raise ExecutorError(f"{TIMEOUT_ENV}={value!r}: {e}") from None
+
+
+_timeout_from_env()
+_register()

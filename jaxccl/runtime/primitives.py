@@ -1,0 +1,362 @@
+"""JAX primitives of the jaxccl collectives: abstract eval, lowering, transpose and batching rules.
+
+Four primitives mirror ``jax.lax``'s: ``jaxccl_all_gather``,
+``jaxccl_all_to_all`` (always tiled; the front end reshapes as ``lax`` does),
+``jaxccl_reduce_scatter`` and ``jaxccl_psum``. Their parameters are the
+``lax`` ones (``axis_name`` is a single mesh axis) plus ``axis_size``,
+``comm`` (the :class:`~jaxccl.runtime.communicator.Communicator` resolved at
+trace time) and ``site``, a fresh id per bind (rebinding rules allocate new
+ones). The site keeps equations distinct, and the lowerings are registered
+``cacheable=False``: JAX otherwise emits identical equations as one cached
+function, and two call sites would share one native rendezvous id.
+
+``shard_map`` with ``check_vma=True``. In jax 0.10.2 the varying-manual-axes
+type lives in the avals (``jax.typeof(x).mat.varying``); ``shard_map`` has no
+per-primitive rule tables any more: it calls the primitive's abstract eval and
+reads the output's ``mat``. So the abstract evals here propagate it exactly as
+``lax``'s collectives do: AllGather, AllToAll and ReduceScatter return the
+input's varying set (the front end first makes the input varying over the
+axis with ``jax.lax.pcast(..., to="varying")``, as ``lax`` does); ``psum``
+removes the axis (its result is invariant). Under ``check_vma=False`` the
+sets are empty and pass through unchanged. Transposes follow the types:
+``all_gather`` <-> ``psum_scatter``, ``all_to_all`` <-> ``all_to_all`` with
+split and concat swapped, and ``psum``'s transpose is ``pcast`` to varying
+when the input was varying (check_vma=True; ``lax.psum``'s rule) or ``psum``
+(check_vma=False, where ``lax`` keeps the old psum-of-cotangent rule).
+
+Lowering is written in JAX ops with ``mlir.lower_fun``: reshape/transpose to
+the flat chunk layout of ``docs/schedule-ir.md``, run the flat collective on
+the backend the communicator picks for the platform (the native FFI executor
+or the ppermute rounds), and reshape back. Three details make reductions
+bitwise equal to XLA:CPU's:
+
+- bf16/f16 are promoted to f32 around the flat collective and rounded once at
+  the end, as XLA:CPU does;
+- XLA:CPU's sums start from the identity, ``((0 + x0) + x1) + ...``, so a sum
+  of negative zeros is +0; a rank-ordered schedule computes ``(x0 + x1) + ...``
+  and the result gets -0 -> +0 (the only difference between the two folds);
+- on the ppermute backend the operand first passes an identity ``ppermute``,
+  a fusion barrier: otherwise XLA fuses e.g. a multiply producing the operand
+  into the schedule's additions and LLVM contracts them into an FMA.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+from jax.interpreters.mlir import ir
+
+from jaxccl.runtime import communicator as _comm
+from jaxccl.schedule.ir import Collective
+
+__all__ = ["all_gather_p", "all_to_all_p", "psum_p", "reduce_scatter_p"]
+
+all_gather_p = Primitive("jaxccl_all_gather")
+all_to_all_p = Primitive("jaxccl_all_to_all")
+reduce_scatter_p = Primitive("jaxccl_reduce_scatter")
+psum_p = Primitive("jaxccl_psum")
+
+_sites = itertools.count(1)
+
+
+def _no_impl(name: str):
+    def impl(*args, **kwargs):
+        raise RuntimeError(f"jaxccl.{name} must be called inside jax.shard_map (under jax.jit or not)")
+
+    return impl
+
+
+# ---------------------------------------------------------------- abstract eval
+def _ag_shape(shape, axis: int, tiled: bool, n: int) -> tuple[int, ...]:
+    s = list(shape)
+    if tiled:
+        s[axis] *= n
+    else:
+        s.insert(axis, n)
+    return tuple(s)
+
+
+def _rs_shape(shape, dim: int, tiled: bool, n: int) -> tuple[int, ...]:
+    s = list(shape)
+    if tiled:
+        s[dim] //= n
+    else:
+        del s[dim]
+    return tuple(s)
+
+
+def _a2a_shape(shape, split_axis: int, concat_axis: int, n: int) -> tuple[int, ...]:
+    s = list(shape)
+    s[split_axis] //= n
+    s[concat_axis] *= n
+    return tuple(s)
+
+
+def _all_gather_abstract_eval(x, *, axis_name, axis, tiled, axis_size, comm, site):
+    return x.update(shape=_ag_shape(x.shape, axis, tiled, axis_size), weak_type=False)
+
+
+def _reduce_scatter_abstract_eval(x, *, axis_name, scatter_dimension, tiled, axis_size, comm, site):
+    return x.update(shape=_rs_shape(x.shape, scatter_dimension, tiled, axis_size), weak_type=False)
+
+
+def _all_to_all_abstract_eval(x, *, axis_name, split_axis, concat_axis, axis_size, comm, site):
+    return x.update(shape=_a2a_shape(x.shape, split_axis, concat_axis, axis_size), weak_type=False)
+
+
+def _psum_abstract_eval(x, *, axis_name, axis_size, comm, site):
+    mat = x.mat
+    return x.update(manual_axis_type=mat.update(varying=frozenset(mat.varying) - {axis_name}), weak_type=False)
+
+
+# ---------------------------------------------------------------------- transposes
+def new_site() -> int:
+    """A fresh collective-site id. Every bind gets one (rebinds in transpose/batching rules too), so
+    two call sites never share an id even where JAX caches identical lowerings."""
+    return next(_sites)
+
+
+def _rebind(prim: Primitive, x, params: dict, **changes):
+    return prim.bind(x, **{**params, **changes, "site": new_site()})
+
+
+def _all_gather_transpose(ct, x, *, axis, tiled, **params):
+    return (_rebind(reduce_scatter_p, ct, params, scatter_dimension=axis, tiled=tiled),)
+
+
+def _reduce_scatter_transpose(ct, x, *, scatter_dimension, tiled, **params):
+    return (_rebind(all_gather_p, ct, params, axis=scatter_dimension, tiled=tiled),)
+
+
+def _all_to_all_transpose(ct, x, *, split_axis, concat_axis, **params):
+    return (_rebind(all_to_all_p, ct, params, split_axis=concat_axis, concat_axis=split_axis),)
+
+
+def _psum_transpose(ct, x, **params):
+    axis_name = params["axis_name"]
+    if axis_name in x.aval.mat.varying:  # check_vma=True: psum is varying -> invariant, as lax.psum
+        return (lax.pcast(ct, (axis_name,), to="varying"),)
+    return (_rebind(psum_p, ct, params),)  # check_vma=False: lax's psum_p transposes to psum
+
+
+# ------------------------------------------------------------------------ batching
+def _batch_rule(prim: Primitive, *axis_params: str):
+    """vmap: move the batch dim to the front and shift the positional axis parameters by one."""
+
+    def rule(vals, dims, **params):
+        (x,), (d,) = vals, dims
+        if d is None:
+            return _rebind(prim, x, params), None
+        x = x if d == 0 else jnp.moveaxis(x, d, 0)
+        return _rebind(prim, x, params, **{k: params[k] + 1 for k in axis_params}), 0
+
+    return rule
+
+
+# ------------------------------------------------------------------------ lowering
+_PROMOTE = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
+
+
+def _flat_collective(
+    coll: Collective, flat: jax.Array, *, axis_name, axis_size, comm, site: int, backend, dep=None
+) -> jax.Array:
+    """The flat-buffer collective on this rank (chunk layout of docs/schedule-ir.md)."""
+    if backend == "ppermute":
+        from jaxccl.runtime import ppermute_backend
+
+        if coll.reduces and axis_size > 1:
+            # An identity ppermute is a fusion barrier: without it XLA:CPU fuses the producer of the operand
+            # into the schedule's additions and may contract a multiply and an add into an FMA, which
+            # rounds differently from lax (whose collective reads a materialized operand).
+            flat = lax.ppermute(flat, axis_name, perm=[(i, i) for i in range(axis_size)])
+        return ppermute_backend.run_schedule(comm.schedule(coll), flat, axis_name)
+    from jaxccl.runtime import cpu_backend
+
+    kind, group_axes = backend
+    return cpu_backend.flat_collective(
+        coll,
+        flat,
+        axis_name=axis_name,
+        axis_size=axis_size,
+        group_axes=group_axes,
+        slot=comm.slot(coll),
+        site=site,
+        backend=kind,
+        dep=dep,
+    )
+
+
+def _signed_zero_fix(y: jax.Array) -> jax.Array:
+    """``y + 0.0``, i.e. -0 -> +0. XLA:CPU's reductions start from the identity, ``((0 + x0) + x1) + ...``,
+    which turns a sum of negative zeros into +0; adding +0 once at the end makes a fold ``(x0 + x1) + ...``
+    bitwise equal to that (it changes nothing but the sign of a zero). Written as a select because XLA
+    folds ``y + 0``."""
+    if not jnp.issubdtype(y.dtype, jnp.floating):
+        return y
+    zero = jnp.zeros((), y.dtype)
+    return jnp.where(y == zero, zero, y)
+
+
+def _reduce(coll: Collective, flat: jax.Array, **kw) -> jax.Array:
+    """A reducing flat collective with bf16/f16 promoted to f32 (one rounding at the end, as XLA:CPU)."""
+    dtype = flat.dtype
+    if np.dtype(dtype) in _PROMOTE:
+        flat = flat.astype(jnp.float32)
+    return _signed_zero_fix(_flat_collective(coll, flat, **kw)).astype(dtype)
+
+
+def _kw(axis_name, axis_size, comm, site, backend, dep=None, sub: int = 0) -> dict:
+    # Native site ids: two sub-calls per primitive site (psum = ReduceScatter + AllGather).
+    return dict(axis_name=axis_name, axis_size=axis_size, comm=comm, site=2 * site + sub, backend=backend, dep=dep)
+
+
+def _all_gather_impl(x, *, axis, tiled, **params):
+    n = params["axis_size"]
+    y = _flat_collective(Collective.ALL_GATHER, x.reshape(-1), **_kw(**params))
+    y = jnp.moveaxis(y.reshape((n, *x.shape)), 0, axis)
+    return y.reshape(_ag_shape(x.shape, axis, tiled, n))
+
+
+def _blocks_first(x, dim: int, n: int):
+    """``x`` with ``dim`` split into ``(n, dim // n)`` and the ``n`` blocks moved to the front."""
+    s = x.shape
+    x = x.reshape((*s[:dim], n, s[dim] // n, *s[dim + 1 :]))
+    return jnp.moveaxis(x, dim, 0)
+
+
+def _all_to_all_impl(x, *, split_axis, concat_axis, **params):
+    n = params["axis_size"]
+    xb = _blocks_first(x, split_axis, n)  # (n, *block); block d goes to rank d
+    y = _flat_collective(Collective.ALL_TO_ALL, xb.reshape(-1), **_kw(**params))
+    y = jnp.moveaxis(y.reshape(xb.shape), 0, concat_axis)  # the block from rank s lands at position s
+    return y.reshape(_a2a_shape(x.shape, split_axis, concat_axis, n))
+
+
+def _reduce_scatter_impl(x, *, scatter_dimension, tiled, **params):
+    n = params["axis_size"]
+    xb = _blocks_first(x, scatter_dimension, n)
+    y = _reduce(Collective.REDUCE_SCATTER, xb.reshape(-1), **_kw(**params))
+    return y.reshape(_rs_shape(x.shape, scatter_dimension, tiled, n))
+
+
+def _psum_impl(x, **params):
+    n, comm = params["axis_size"], params["comm"]
+    flat = x.reshape(-1)
+    if comm.schedule(Collective.ALL_REDUCE) is not None:
+        return _reduce(Collective.ALL_REDUCE, flat, **_kw(**params)).reshape(x.shape)
+    # ReduceScatter + AllGather on a buffer padded to a multiple of N (MCCL Sec. 3).
+    e = flat.shape[0]
+    dtype = flat.dtype
+    work = flat.astype(jnp.float32) if np.dtype(dtype) in _PROMOTE else flat
+    if e % n:
+        work = jnp.concatenate([work, jnp.zeros((-e % n,), work.dtype)])
+    part = _signed_zero_fix(_flat_collective(Collective.REDUCE_SCATTER, work, **_kw(**params))).astype(dtype)
+    full = _flat_collective(Collective.ALL_GATHER, part, **{**_kw(**params, sub=1), "dep": None})
+    return full[:e].reshape(x.shape)
+
+
+def _group_axes(ctx, axis_name) -> tuple[tuple[object, int], ...]:
+    """The other manual mesh axes (name, size): their coordinates identify this rank's group."""
+    axis_context = ctx.module_context.axis_context
+    mesh = getattr(axis_context, "mesh", None)
+    if mesh is None:
+        return ()
+    manual = getattr(axis_context, "manual_axes", frozenset(mesh.axis_names))
+    shape = dict(mesh.shape)
+    auto = [a for a in mesh.axis_names if a not in manual and shape[a] > 1]
+    if auto:
+        raise NotImplementedError(
+            f"jaxccl native backends need every mesh axis manual in jax.shard_map; axes {auto} are not "
+            "(use backend='ppermute' for partially manual shard_map)"
+        )
+    return tuple((a, int(shape[a])) for a in mesh.axis_names if a != axis_name and a in manual)
+
+
+_CHAIN_KEY = "jaxccl_last_native_collective"
+
+
+def _chain_dep(prev: jax.Array) -> jax.Array:
+    """An int32 zero that XLA cannot fold away and that depends on ``prev``."""
+    first = prev.reshape(-1)[:1]
+    if jnp.issubdtype(first.dtype, jnp.complexfloating):
+        first = jnp.real(first)
+    return lax.clamp(jnp.int32(0), first.astype(jnp.int32)[0], jnp.int32(0))
+
+
+def _lowering(impl):
+    """Lowering rule: ``impl`` in JAX ops for the backend the communicator runs on this platform.
+
+    Native calls are chained: each one's ``coords`` operand depends (through a
+    zero XLA cannot fold) on the result of the previous jaxccl native collective
+    lowered into the same block. XLA:CPU orders custom calls only by their
+    buffers and runs independent ones concurrently, in an order that can differ
+    between devices; the executor's calls block until their peers arrive, so
+    without an order common to all devices a program with several independent
+    collectives can deadlock (observed: 27 independent calls on a 2x4 mesh).
+    """
+
+    def rule(ctx, x, *, comm, **params):
+        platforms = ctx.module_context.platforms
+        backends = {_comm.lowering_backend(comm, p) for p in platforms}
+        if len(backends) != 1:
+            raise NotImplementedError(f"jaxccl: lowering for several platforms at once ({platforms}) is not supported")
+        backend = backends.pop()
+        if backend == "ppermute":
+            fn = functools.partial(impl, backend=backend)
+            return mlir.lower_fun(fn, multiple_results=False)(ctx, x, comm=comm, **params)
+        backend = (backend, _group_axes(ctx, params["axis_name"]))
+        chain = ctx.module_context.cached_primitive_lowerings  # a per-module dict
+        key = (_CHAIN_KEY, ir.InsertionPoint.current.block)
+        prev = chain.get(key)
+        if prev is None or not prev[1].size:
+            fn = functools.partial(impl, backend=backend, dep=None)
+            out = mlir.lower_fun(fn, multiple_results=False)(ctx, x, comm=comm, **params)
+        else:
+
+            def fn(x, p, **kw):
+                return impl(x, backend=backend, dep=_chain_dep(p), **kw)
+
+            sub = ctx.replace(avals_in=[*ctx.avals_in, prev[1]])
+            out = mlir.lower_fun(fn, multiple_results=False)(sub, x, prev[0], comm=comm, **params)
+        flat, _ = mlir.ir_tree_registry.flatten(out)
+        chain[key] = (flat[0], ctx.avals_out[0])
+        return out
+
+    return rule
+
+
+# ---------------------------------------------------------------- registration
+for _p, _name in (
+    (all_gather_p, "all_gather"),
+    (all_to_all_p, "all_to_all"),
+    (reduce_scatter_p, "psum_scatter"),
+    (psum_p, "psum"),
+):
+    _p.def_impl(_no_impl(_name))
+
+all_gather_p.def_abstract_eval(_all_gather_abstract_eval)
+all_to_all_p.def_abstract_eval(_all_to_all_abstract_eval)
+reduce_scatter_p.def_abstract_eval(_reduce_scatter_abstract_eval)
+psum_p.def_abstract_eval(_psum_abstract_eval)
+
+ad.deflinear2(all_gather_p, _all_gather_transpose)
+ad.deflinear2(all_to_all_p, _all_to_all_transpose)
+ad.deflinear2(reduce_scatter_p, _reduce_scatter_transpose)
+ad.deflinear2(psum_p, _psum_transpose)
+
+batching.primitive_batchers[all_gather_p] = _batch_rule(all_gather_p, "axis")
+batching.primitive_batchers[all_to_all_p] = _batch_rule(all_to_all_p, "split_axis", "concat_axis")
+batching.primitive_batchers[reduce_scatter_p] = _batch_rule(reduce_scatter_p, "scatter_dimension")
+batching.primitive_batchers[psum_p] = _batch_rule(psum_p)
+
+mlir.register_lowering(all_gather_p, _lowering(_all_gather_impl), cacheable=False)
+mlir.register_lowering(all_to_all_p, _lowering(_all_to_all_impl), cacheable=False)
+mlir.register_lowering(reduce_scatter_p, _lowering(_reduce_scatter_impl), cacheable=False)
+mlir.register_lowering(psum_p, _lowering(_psum_impl), cacheable=False)

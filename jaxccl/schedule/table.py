@@ -1,0 +1,401 @@
+"""Compiling a :class:`~jaxccl.schedule.Schedule` into the flat ``int32`` table the executors interpret.
+
+The format is "Compiled table (version 1)" of ``docs/schedule-ir.md``: a
+16-word header, a rank table (``N x 2``), a threadblock table (``T x 8``) and
+an op table (``O x 10``). The native executors (``xla_ffi/table.cc``) check
+every word again before they run a table.
+
+Two things happen here beyond copying fields:
+
+* **Dependencies.** An op with more than one dependency becomes a chain of
+  ``nop`` ops in front of it, one dependency each; op indices named by
+  dependencies are remapped to the expanded threadblocks.
+* **Direct sends.** A sending op is marked *direct* (the receiver reads the
+  sender's buffer in place instead of a staged copy) when its source range is
+  never written after the send: the source is ``INPUT`` (read-only for the
+  executors), or every chunk of the range is written at most once in the whole
+  rank program and that write happens-before the send (program order plus
+  dependencies). ``rrs`` sends a sum that exists nowhere else, so it is never
+  direct.
+
+Example:
+    >>> from jaxccl.schedule import Buffer, ScheduleBuilder
+    >>> from jaxccl.schedule.table import compile_table, header
+    >>> b = ScheduleBuilder("all_gather", num_ranks=2, chunks_per_period=1)
+    >>> for r in range(2):
+    ...     _ = b.copy(r, (Buffer.INPUT, 0), (Buffer.OUTPUT, r))
+    ...     _ = b.transfer(r, 1 - r, (Buffer.INPUT, 0), (Buffer.OUTPUT, r))
+    >>> t = compile_table(b.build())
+    >>> header(t)["num_threadblocks"], header(t)["num_connections"]
+    (6, 2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxccl.errors import ScheduleError
+from jaxccl.schedule.ir import Buffer, OpKind, Schedule
+
+MAGIC = 0x4C43434A  # "JCCL" little-endian
+VERSION = 1
+HEADER_WORDS = 16
+RANK_WORDS = 2
+TB_WORDS = 8
+OP_WORDS = 10
+
+FLAG_ORDERED_REDUCTION = 1
+OP_FLAG_DIRECT = 1
+
+HEADER_FIELDS = (
+    "magic",
+    "version",
+    "collective",
+    "num_ranks",
+    "chunks_per_period",
+    "input_chunks",
+    "output_chunks",
+    "scratch_chunks",
+    "num_slots",
+    "num_threadblocks",
+    "num_ops",
+    "flags",
+    "digest_low32",
+    "num_connections",
+    "reserved0",
+    "reserved1",
+)
+TB_FIELDS = ("rank", "send_peer", "recv_peer", "channel", "first_op", "num_ops", "send_conn", "recv_conn")
+OP_FIELDS = ("kind", "src_buf", "src_off", "dst_buf", "dst_off", "count", "dep_tb", "dep_op", "flags", "reserved")
+
+# Which of (src, dst) each op kind uses in the table; unused fields are (-1, 0).
+_USES_SRC = frozenset(
+    {OpKind.SEND, OpKind.RECV_REDUCE_COPY, OpKind.RECV_REDUCE_SEND, OpKind.RECV_REDUCE_COPY_SEND, OpKind.COPY}
+    | {OpKind.REDUCE}
+)
+_USES_DST = frozenset(
+    {OpKind.RECV, OpKind.RECV_COPY_SEND, OpKind.RECV_REDUCE_COPY, OpKind.RECV_REDUCE_COPY_SEND, OpKind.COPY}
+    | {OpKind.REDUCE}
+)
+
+
+def _send_source(op: Any) -> tuple[Buffer, int]:
+    """Where the outgoing message of a sending op is read from (``rrs``: its ``src`` operand)."""
+    if op.kind in (OpKind.RECV_COPY_SEND, OpKind.RECV_REDUCE_COPY_SEND):
+        return op.dst, op.dst_off
+    return op.src, op.src_off
+
+
+def _recv_target_offset(op: Any) -> int:
+    """The chunk offset whose class an incoming message must match."""
+    return op.src_off if op.kind is OpKind.RECV_REDUCE_SEND else op.dst_off
+
+
+def compile_table(schedule: Schedule, num_slots: int = 8) -> np.ndarray:
+    """Compiles ``schedule`` into the version-1 table of ``docs/schedule-ir.md``.
+
+    Args:
+        schedule: the schedule; it is not validated here (call
+            :meth:`Schedule.validate` first), but structural errors (bad peers,
+            ranges, dependencies, unmatched connections) raise.
+        num_slots: message slots per connection (``>= 1``); a send blocks
+            while its connection holds this many unconsumed messages.
+
+    Returns:
+        A 1-D little-endian ``int32`` array.
+
+    Raises:
+        ScheduleError: naming the rank, threadblock and op that cannot be compiled.
+
+    Example:
+        >>> from jaxccl.schedule import Buffer, ScheduleBuilder
+        >>> b = ScheduleBuilder("all_reduce", num_ranks=1, chunks_per_period=1)
+        >>> _ = b.copy(0, (Buffer.INPUT, 0), (Buffer.OUTPUT, 0))
+        >>> compile_table(b.build())[:2].tolist() == [MAGIC, VERSION]
+        True
+    """
+    if int(num_slots) < 1:
+        raise ScheduleError(f"num_slots must be >= 1, got {num_slots}")
+    s = schedule
+    n, c = s.num_ranks, s.chunks_per_period
+    sizes = {Buffer.INPUT: s.in_chunks, Buffer.OUTPUT: s.out_chunks, Buffer.SCRATCH: s.scratch_chunks}
+
+    _check_structure(s, sizes)
+    conns = _connections(s)
+    direct = [_direct_sends(s, r) for r in range(n)]
+
+    rank_rows: list[tuple[int, int]] = []
+    tb_rows: list[list[int]] = []
+    op_rows: list[list[int]] = []
+    for r, tbs in enumerate(s.ranks):
+        rank_rows.append((len(tb_rows), len(tbs)))
+        # Expanded index of every original op: its nop chain comes first.
+        new_index = [_expanded_indices(tbs, t) for t in range(len(tbs))]
+        for t, tb in enumerate(tbs):
+            first = len(op_rows)
+            for i, op in enumerate(tb.ops):
+                deps = _cross_deps(op, i, t)
+                mapped = [(dt, new_index[dt][di]) for dt, di in deps]
+                for dt, di in mapped[:-1]:
+                    op_rows.append([OpKind.NOP.code, -1, 0, -1, 0, 0, dt, di, 0, 0])
+                dep_tb, dep_op = mapped[-1] if mapped else (-1, -1)
+                row = [op.kind.code, -1, 0, -1, 0, 0 if op.kind is OpKind.NOP else op.count, dep_tb, dep_op, 0, 0]
+                if op.kind in _USES_SRC:
+                    row[1], row[2] = int(op.src), op.src_off
+                if op.kind in _USES_DST:
+                    row[3], row[4] = int(op.dst), op.dst_off
+                if (t, i) in direct[r]:
+                    row[8] = OP_FLAG_DIRECT
+                op_rows.append(row)
+            send_conn = conns[(r, tb.send_peer, tb.channel)] if tb.send_peer >= 0 else -1
+            recv_conn = conns[(tb.recv_peer, r, tb.channel)] if tb.recv_peer >= 0 else -1
+            num_ops = len(op_rows) - first
+            tb_rows.append([r, tb.send_peer, tb.recv_peer, tb.channel, first, num_ops, send_conn, recv_conn])
+
+    hdr = [0] * HEADER_WORDS
+    hdr[0] = MAGIC
+    hdr[1] = VERSION
+    hdr[2] = s.collective.code
+    hdr[3] = n
+    hdr[4] = c
+    hdr[5] = s.in_chunks
+    hdr[6] = s.out_chunks
+    hdr[7] = s.scratch_chunks
+    hdr[8] = int(num_slots)
+    hdr[9] = len(tb_rows)
+    hdr[10] = len(op_rows)
+    hdr[11] = FLAG_ORDERED_REDUCTION if s.info.get("ordered_reduction") else 0
+    hdr[12] = int(s.digest[-8:], 16)
+    hdr[13] = len(conns)
+
+    words = np.empty(HEADER_WORDS + RANK_WORDS * n + TB_WORDS * len(tb_rows) + OP_WORDS * len(op_rows), np.int64)
+    words[:HEADER_WORDS] = hdr
+    pos = HEADER_WORDS
+    words[pos : pos + RANK_WORDS * n] = np.asarray(rank_rows, np.int64).reshape(-1)
+    pos += RANK_WORDS * n
+    if tb_rows:
+        words[pos : pos + TB_WORDS * len(tb_rows)] = np.asarray(tb_rows, np.int64).reshape(-1)
+    pos += TB_WORDS * len(tb_rows)
+    if op_rows:
+        words[pos:] = np.asarray(op_rows, np.int64).reshape(-1)
+    if words.max(initial=0) > 0xFFFFFFFF or words.min(initial=0) < -(2**31):
+        raise ScheduleError("schedule too large for an int32 table")
+    # Words above 2**31 (the magic, the digest) wrap to their two's-complement int32 value.
+    return words.astype(np.uint32).view(np.int32).astype("<i4", copy=False)
+
+
+def header(table: np.ndarray) -> dict[str, int]:
+    """The header words of a compiled table by name (the digest as an unsigned value)."""
+    t = np.asarray(table)
+    if t.ndim != 1 or t.size < HEADER_WORDS:
+        raise ScheduleError(f"a table is a 1-D array of at least {HEADER_WORDS} words")
+    u = t[:HEADER_WORDS].astype(np.int64) & 0xFFFFFFFF
+    out = {name: int(v) for name, v in zip(HEADER_FIELDS, u)}
+    for name in HEADER_FIELDS[2:12] + HEADER_FIELDS[13:]:
+        out[name] = int(np.int32(np.uint32(out[name])))
+    return out
+
+
+def decode(table: np.ndarray) -> dict[str, Any]:
+    """Splits a compiled table into its header, rank, threadblock and op rows (for tests and debugging)."""
+    t = np.asarray(table).astype(np.int64)
+    h = header(table)
+    n, nt, no = h["num_ranks"], h["num_threadblocks"], h["num_ops"]
+    expected = HEADER_WORDS + RANK_WORDS * n + TB_WORDS * nt + OP_WORDS * no
+    if t.size != expected:
+        raise ScheduleError(f"table has {t.size} words; its header implies {expected}")
+    pos = HEADER_WORDS
+    ranks = t[pos : pos + RANK_WORDS * n].reshape(n, RANK_WORDS)
+    pos += RANK_WORDS * n
+    tbs = t[pos : pos + TB_WORDS * nt].reshape(nt, TB_WORDS)
+    pos += TB_WORDS * nt
+    ops = t[pos:].reshape(no, OP_WORDS)
+    return {
+        "header": h,
+        "ranks": [tuple(int(x) for x in row) for row in ranks],
+        "threadblocks": [dict(zip(TB_FIELDS, (int(x) for x in row))) for row in tbs],
+        "ops": [dict(zip(OP_FIELDS, (int(x) for x in row))) for row in ops],
+    }
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _where(r: int, t: int, i: int | None = None) -> str:
+    return f"rank {r}, threadblock {t}" + ("" if i is None else f", op {i}")
+
+
+def _check_structure(s: Schedule, sizes: dict[Buffer, int]) -> None:
+    n, c = s.num_ranks, s.chunks_per_period
+    for r, tbs in enumerate(s.ranks):
+        send_keys: set[tuple[int, int]] = set()
+        recv_keys: set[tuple[int, int]] = set()
+        for t, tb in enumerate(tbs):
+            for peer, what, keys in ((tb.send_peer, "send", send_keys), (tb.recv_peer, "receive", recv_keys)):
+                if peer == -1:
+                    continue
+                if not 0 <= peer < n or peer == r:
+                    raise ScheduleError(f"{_where(r, t)}: {what} peer {peer} is not another rank of 0..{n - 1}")
+                if (peer, tb.channel) in keys:
+                    raise ScheduleError(
+                        f"{_where(r, t)}: a second threadblock to {what} with rank {peer} on channel {tb.channel}"
+                    )
+                keys.add((peer, tb.channel))
+            if tb.channel < 0:
+                raise ScheduleError(f"{_where(r, t)}: negative channel {tb.channel}")
+            for i, op in enumerate(tb.ops):
+                where = _where(r, t, i)
+                if op.kind.sends and tb.send_peer < 0:
+                    raise ScheduleError(f"{where}: '{op.kind.value}' sends but the threadblock has no send peer")
+                if op.kind.receives and tb.recv_peer < 0:
+                    raise ScheduleError(f"{where}: '{op.kind.value}' receives but the threadblock has no receive peer")
+                if op.kind in _USES_DST and op.dst is Buffer.INPUT:
+                    raise ScheduleError(f"{where}: '{op.kind.value}' writes the input buffer, which is read-only")
+                for used, buf, off in ((_USES_SRC, op.src, op.src_off), (_USES_DST, op.dst, op.dst_off)):
+                    if op.kind in used and off + op.count > sizes[buf]:
+                        raise ScheduleError(
+                            f"{where}: chunks {off}..{off + op.count - 1} of {buf.name} exceed its {sizes[buf]} chunks"
+                        )
+                if op.kind in _USES_SRC and op.kind in _USES_DST and (op.src_off - op.dst_off) % c:
+                    raise ScheduleError(
+                        f"{where}: src offset {op.src_off} and dst offset {op.dst_off} differ in chunk class mod {c}"
+                    )
+                for dt, di in op.deps:
+                    if not (0 <= dt < len(tbs) and 0 <= di < len(tbs[dt].ops)):
+                        raise ScheduleError(f"{where}: dependency ({dt}, {di}) names no op of rank {r}")
+                    if dt == t and di >= i:
+                        raise ScheduleError(f"{where}: depends on op {di} of its own threadblock, which runs later")
+
+
+def _cross_deps(op: Any, i: int, t: int | None) -> list[tuple[int, int]]:
+    """The op's dependencies on other threadblocks (same-threadblock ones are implied by program order)."""
+    return sorted({(dt, di) for dt, di in op.deps if dt != t})
+
+
+def _expanded_indices(tbs: Sequence[Any], t: int) -> list[int]:
+    idx, k = [], 0
+    for i, op in enumerate(tbs[t].ops):
+        k += max(len(_cross_deps(op, i, t)) - 1, 0)
+        idx.append(k)
+        k += 1
+    return idx
+
+
+def _connections(s: Schedule) -> dict[tuple[int, int, int], int]:
+    """Numbers the (sender, receiver, channel) triples and checks both ends agree message by message."""
+    senders: dict[tuple[int, int, int], tuple[int, Any]] = {}
+    receivers: dict[tuple[int, int, int], tuple[int, Any]] = {}
+    for r, tbs in enumerate(s.ranks):
+        for t, tb in enumerate(tbs):
+            if tb.send_peer >= 0:
+                senders[(r, tb.send_peer, tb.channel)] = (t, tb)
+            if tb.recv_peer >= 0:
+                receivers[(tb.recv_peer, r, tb.channel)] = (t, tb)
+    c = s.chunks_per_period
+    for key in sorted(set(senders) | set(receivers)):
+        a, b, ch = key
+        if key not in receivers:
+            raise ScheduleError(
+                f"{_where(a, senders[key][0])} sends to rank {b} on channel {ch}, "
+                f"but rank {b} has no threadblock receiving from rank {a} on that channel"
+            )
+        if key not in senders:
+            raise ScheduleError(
+                f"{_where(b, receivers[key][0])} receives from rank {a} on channel {ch}, "
+                f"but rank {a} has no threadblock sending to rank {b} on that channel"
+            )
+        st, stb = senders[key]
+        rt, rtb = receivers[key]
+        sends = [(i, op) for i, op in enumerate(stb.ops) if op.kind.sends]
+        recvs = [(i, op) for i, op in enumerate(rtb.ops) if op.kind.receives]
+        if len(sends) != len(recvs):
+            raise ScheduleError(
+                f"connection rank {a} -> rank {b} channel {ch}: {len(sends)} sending ops but {len(recvs)} receiving ops"
+            )
+        for k, ((si, sop), (ri, rop)) in enumerate(zip(sends, recvs)):
+            src_off = _send_source(sop)[1]
+            if sop.count != rop.count or (src_off - _recv_target_offset(rop)) % c:
+                raise ScheduleError(
+                    f"connection rank {a} -> rank {b} channel {ch}, message {k}: {_where(a, st, si)} sends "
+                    f"{sop.count} chunk(s) from offset {src_off} but {_where(b, rt, ri)} expects {rop.count} "
+                    f"at offset {_recv_target_offset(rop)} (counts and chunk classes must match)"
+                )
+    return {key: k for k, key in enumerate(sorted(senders))}
+
+
+# ------------------------------------------------------------------ direct sends
+
+
+def _direct_sends(s: Schedule, r: int) -> set[tuple[int, int]]:
+    """``(threadblock, op)`` of the sends of rank ``r`` whose source range is never written after them."""
+    tbs = s.ranks[r]
+    ops = [(t, i, op) for t, tb in enumerate(tbs) for i, op in enumerate(tb.ops)]
+    candidates = [(t, i, op) for t, i, op in ops if op.kind.sends and op.kind is not OpKind.RECV_REDUCE_SEND]
+    if not candidates:
+        return set()
+    # Per buffer chunk: how many ops write it, and (where that is one) which op.
+    writes = {b: np.zeros(s.buffer_chunks(b), np.int64) for b in (Buffer.OUTPUT, Buffer.SCRATCH)}
+    writer = {b: np.full(s.buffer_chunks(b), -1, np.int64) for b in (Buffer.OUTPUT, Buffer.SCRATCH)}
+    for k, (_, _, op) in enumerate(ops):
+        if op.kind in _USES_DST:
+            writes[op.dst][op.dst_off : op.dst_off + op.count] += 1
+            writer[op.dst][op.dst_off : op.dst_off + op.count] = k
+    need = {(t, i) for t, i, _ in candidates}
+    for tb in tbs:
+        for op in tb.ops:
+            need.update((dt, di) for dt, di in op.deps)
+    clocks = _vector_clocks(tbs, need)
+
+    def happens_before(w: tuple[int, int], x: tuple[int, int]) -> bool:
+        if w[0] == x[0]:
+            return w[1] <= x[1]
+        clock = clocks.get(x)
+        return clock is not None and clock[w[0]] >= w[1]
+
+    direct = set()
+    for t, i, op in candidates:
+        buf, off = _send_source(op)
+        if buf is Buffer.INPUT:
+            direct.add((t, i))
+            continue
+        count = writes[buf][off : off + op.count]
+        if count.max(initial=0) > 1:
+            continue
+        ws = set(writer[buf][off : off + op.count][count == 1].tolist())
+        if all(happens_before(ops[k][:2], (t, i)) for k in ws):
+            direct.add((t, i))
+    return direct
+
+
+def _vector_clocks(tbs: Sequence[Any], need: set[tuple[int, int]]) -> dict[tuple[int, int], np.ndarray]:
+    """Vector clocks (per threadblock, the last op that happens-before-or-is the op) of the ops in ``need``.
+
+    Ops on a dependency cycle get no clock (they never run; their sends are not direct).
+    """
+    nt = len(tbs)
+    cur = [np.full(nt, -1, np.int64) for _ in range(nt)]
+    ptr = [0] * nt
+    snap: dict[tuple[int, int], np.ndarray] = {}
+    progress = True
+    while progress:
+        progress = False
+        for t in range(nt):
+            ops = tbs[t].ops
+            while ptr[t] < len(ops):
+                i = ptr[t]
+                deps = _cross_deps(ops[i], i, t)
+                if any(ptr[dt] <= di for dt, di in deps):
+                    break
+                clock = cur[t]
+                for d in deps:
+                    clock = np.maximum(clock, snap[d])
+                clock[t] = i
+                cur[t] = clock
+                if (t, i) in need:
+                    snap[(t, i)] = clock.copy()
+                ptr[t] += 1
+                progress = True
+    return snap

@@ -1,0 +1,207 @@
+"""Communicator: scope, defaults, install/hot-swap without recompiling, validation, many async steps."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxccl
+from jaxccl.errors import ScheduleError
+from jaxccl.runtime import communicator as comm_mod
+from jaxccl.schedule import Buffer, ScheduleBuilder
+from jaxccl.synth import baselines
+
+N = 4
+
+
+def _mesh(n: int = N) -> Mesh:
+    return Mesh(np.array(jax.devices()[:n]), ("d",))
+
+
+def _jit(fn, mesh, out_specs=None):
+    out_specs = P("d") if out_specs is None else out_specs
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=out_specs))
+
+
+def _x(shape, seed=0, dtype=np.float32):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _fold(terms):
+    acc = np.zeros_like(terms[0])
+    for t in terms:  # ((0 + a) + b) + ...: float32 adds in the given order
+        acc = acc + t
+    return acc
+
+
+def _reduce_scatter_in_order(x: np.ndarray, n: int, order_of) -> np.ndarray:
+    """psum_scatter(tiled, dim 0) of per-device blocks, owner r summing sources in order_of(r)."""
+    blocks = x.reshape(n, n, -1)  # [source, destination block, elements]
+    return np.concatenate([_fold([blocks[s, r] for s in order_of(r)]) for r in range(n)])
+
+
+@functools.cache
+def _rs_program():
+    return _jit(lambda v: jaxccl.psum_scatter(v, "d", tiled=True), _mesh())
+
+
+@pytest.mark.parametrize("backend", ["cpu", "ppermute"])
+def test_install_changes_the_result_path(backend):
+    """A ring ReduceScatter sums in ring order, not rank order: the result shows which schedule ran."""
+    x = _x((N * N * 64,), seed=1)
+    comm = jaxccl.Communicator(_mesh(), "d", backend=backend)
+    f = _rs_program()
+    ordered = _reduce_scatter_in_order(x, N, lambda r: range(N))
+    ring = _reduce_scatter_in_order(x, N, lambda r: [(r + 1 + k) % N for k in range(N)])
+    assert ordered.tobytes() != ring.tobytes()  # the data tells the two orders apart
+    with comm:
+        before = np.asarray(f(x))
+        size = f._cache_size()
+        comm.install("psum_scatter", baselines.ring_reduce_scatter(N))
+        after = np.asarray(f(x))
+        assert comm.schedule("reduce_scatter").name == "ring_reduce_scatter"
+        # native backends swap the table under the compiled program; ppermute retraces once
+        assert f._cache_size() == (size if backend == "cpu" else size + 1)
+    assert before.tobytes() == ordered.tobytes()
+    assert after.tobytes() == ring.tobytes()
+
+
+def test_hot_swap_without_recompiling_even_with_another_chunk_count():
+    from jaxccl.runtime import native
+
+    mesh = _mesh(8)
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    traces = []
+
+    def body(v):
+        traces.append(1)
+        return jaxccl.all_gather(v, "d", tiled=True)
+
+    f = _jit(body, mesh)
+    x = _x((8 * 30,), seed=2)  # 30 elements per rank: chunk sizes differ for C=4
+    want = np.asarray(_jit(lambda v: jax.lax.all_gather(v, "d", tiled=True), mesh)(x))
+    slot = comm.slot("all_gather")
+    with comm:
+        assert np.asarray(f(x)).tobytes() == want.tobytes()
+        assert f._cache_size() == 1
+        for s in (baselines.ring_allgather(8, channels=4), baselines.recursive_doubling_allgather(8)):
+            comm.install("all_gather", s)
+            version = native.current_version(slot)
+            assert np.asarray(f(x)).tobytes() == want.tobytes()
+            assert f._cache_size() == 1 and len(traces) == 1
+            assert native.last_launch_version(slot) == version == native.current_version(slot)
+        assert comm.schedule("all_gather").name == "recursive_doubling_allgather"
+
+
+def test_scope_selects_the_communicator_and_retraces_per_communicator():
+    mesh = _mesh()
+    x = _x((N * 8,), seed=3)
+    f = _jit(lambda v: jaxccl.all_to_all(v, "d", 0, 0, tiled=True), mesh)
+    want = np.asarray(_jit(lambda v: jax.lax.all_to_all(v, "d", 0, 0, tiled=True), mesh)(x))
+    a = jaxccl.Communicator(mesh, "d", backend="cpu")
+    b = jaxccl.Communicator(mesh, "d", backend="ppermute")
+    outs = [f(x)]  # the default communicator
+    with a:
+        outs.append(f(x))
+        with b:
+            outs.append(f(x))
+            assert comm_mod.current("d") is b
+        assert comm_mod.current("d") is a
+    assert comm_mod.current("d") is None
+    assert f._cache_size() == 3
+    assert all(np.asarray(o).tobytes() == want.tobytes() for o in outs)
+
+
+def test_defaults_and_backend_resolution():
+    mesh = _mesh()
+    comm = jaxccl.Communicator(mesh, "d")
+    assert comm.backend == "cpu"  # "auto" without CUDA support
+    names = {c: comm.schedule(c).name for c in ("all_gather", "all_to_all", "reduce_scatter", "all_reduce")}
+    assert names == {
+        "all_gather": "ring_allgather",
+        "all_to_all": "direct_alltoall",
+        "reduce_scatter": "direct_reduce_scatter",
+        "all_reduce": "ordered_allreduce",
+    }
+    assert comm.schedule("psum_scatter") is comm.schedule("reduce_scatter")
+    default = comm_mod.default_communicator("d", N)
+    assert default is comm_mod.default_communicator("d", N)
+    assert default.schedule("all_gather").num_ranks == N
+
+
+@pytest.mark.parametrize("backend", ["cpu", "ppermute"])
+def test_psum_as_reduce_scatter_plus_all_gather(backend):
+    """With a topology and no all_reduce schedule, psum is ReduceScatter + AllGather (padded to N)."""
+    mesh = _mesh()
+    comm = jaxccl.Communicator(mesh, "d", topology=jaxccl.topology.single_node(N), backend=backend)
+    assert comm.schedule("all_reduce") is None
+    x = _x((N * 7, 3), seed=4)  # 21 elements per rank: not a multiple of N
+    f = _jit(lambda v: jaxccl.psum(v, "d"), mesh, out_specs=P())
+    want = _jit(lambda v: jax.lax.psum(v, "d"), mesh, out_specs=P())(x)
+    with comm:
+        got = f(x)
+    assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+
+def _broken_all_gather(n: int):
+    """Rank 0's chunk never reaches rank n-1: the interpreter must refuse it."""
+    b = ScheduleBuilder("all_gather", num_ranks=n, chunks_per_period=1)
+    for r in range(n):
+        b.copy(r, (Buffer.INPUT, 0), (Buffer.OUTPUT, r))
+        for d in range(n):
+            if d != r and not (r == 0 and d == n - 1):
+                b.transfer(r, d, (Buffer.INPUT, 0), (Buffer.OUTPUT, r))
+    return b.build(name="broken")
+
+
+def test_install_validates():
+    comm = jaxccl.Communicator(_mesh(), "d", backend="ppermute")
+    with pytest.raises(ScheduleError, match="N=8 ranks.*4 devices"):
+        comm.install("all_gather", baselines.ring_allgather(8))
+    with pytest.raises(ScheduleError, match="implements all_to_all, not all_gather"):
+        comm.install("all_gather", baselines.direct_alltoall(N))
+    with pytest.raises(ScheduleError):
+        comm.install("all_gather", _broken_all_gather(N))
+    with pytest.raises(ValueError, match="unknown collective"):
+        comm.install("broadcast", baselines.ring_allgather(N))
+    assert comm.schedule("all_gather").name == "ring_allgather"  # nothing changed
+
+
+def test_constructor_errors():
+    mesh = _mesh()
+    with pytest.raises(ValueError, match="no axis 'x'.*\\('d',\\)"):
+        jaxccl.Communicator(mesh, "x")
+    with pytest.raises(ValueError, match="unknown backend 'nccl'"):
+        jaxccl.Communicator(mesh, "d", backend="nccl")
+    with pytest.raises(ValueError, match="8 GPUs but mesh axis 'd' has 4"):
+        jaxccl.Communicator(mesh, "d", topology=jaxccl.topology.single_node(8))
+
+
+def test_wrong_axis_size_in_scope():
+    comm = jaxccl.Communicator(_mesh(), "d", backend="ppermute")
+    f = _jit(lambda v: jaxccl.all_gather(v, "d"), _mesh(2))
+    with comm, pytest.raises(ValueError, match="built for 4"):
+        f(_x((4,)))
+
+
+def test_300_async_steps_on_8_devices():
+    mesh = _mesh(8)
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    # all_to_all (0 -> 0) twice is the identity; +1 per step keeps every step's output distinct
+    step = jax.jit(
+        jax.shard_map(
+            lambda v: jaxccl.all_to_all(v, "d", 0, 0, tiled=True) + 1, mesh=mesh, in_specs=P("d"), out_specs=P("d")
+        )
+    )
+    x0 = np.random.default_rng(5).integers(-100, 100, size=(8 * 8 * 16,)).astype(np.int32)
+    y = x0
+    with comm:
+        for _ in range(300):  # no blocking in between: XLA queues the launches
+            y = step(y)
+        y = np.asarray(y)
+    assert y.tobytes() == (x0 + 300).tobytes()

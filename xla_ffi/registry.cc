@@ -1,0 +1,105 @@
+#include "registry.h"
+
+#include <cmath>
+#include <cstdlib>
+
+namespace jaxccl {
+
+Registry& Registry::Get() {
+  static Registry* registry = [] {
+    auto* r = new Registry();  // never destroyed: worker threads may outlive static teardown
+    // $JAXCCL_TIMEOUT_S sets the default deadline; jaxccl.runtime.native rejects malformed values loudly.
+    if (const char* env = std::getenv("JAXCCL_TIMEOUT_S")) {
+      char* end = nullptr;
+      const double s = std::strtod(env, &end);
+      if (end != env && *end == '\0') (void)r->SetTimeout(s);
+    }
+    return r;
+  }();
+  return *registry;
+}
+
+int64_t Registry::NewSlot() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t id = next_slot_++;
+  slots_.emplace(id, Slot{});
+  return id;
+}
+
+ffi::ErrorOr<Registry::Slot*> Registry::Find(int64_t slot) {
+  auto it = slots_.find(slot);
+  if (it == slots_.end()) {
+    return ErrorResult<Slot*>(ffi::Error::InvalidArgument(
+        StrCat("jaxccl: no schedule slot ", slot, " (it was never created with new_slot() or was removed)")));
+  }
+  return &it->second;
+}
+
+ffi::ErrorOr<int64_t> Registry::Install(int64_t slot, const int32_t* words, size_t num_words) {
+  auto parsed = ParseTable(words, num_words);  // outside the lock: tables can be large
+  if (!parsed.has_value()) return ErrorResult<int64_t>(std::move(parsed.error()));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = Find(slot);
+  if (!s.has_value()) return ErrorResult<int64_t>(std::move(s.error()));
+  Slot* st = *s;
+  st->current = TableSnapshot{std::move(*parsed), st->next_version++};
+  return st->current.version;
+}
+
+ffi::ErrorOr<int64_t> Registry::CurrentVersion(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = Find(slot);
+  if (!s.has_value()) return ErrorResult<int64_t>(std::move(s.error()));
+  return (*s)->current.version;
+}
+
+ffi::Error Registry::Remove(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (slots_.erase(slot) == 0) {
+    return ffi::Error::InvalidArgument(StrCat("jaxccl: no schedule slot ", slot, " to remove"));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<TableSnapshot> Registry::Acquire(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = Find(slot);
+  if (!s.has_value()) return ErrorResult<TableSnapshot>(std::move(s.error()));
+  Slot* st = *s;
+  if (!st->current.table) {
+    return ErrorResult<TableSnapshot>(
+        ffi::Error::InvalidArgument(StrCat("jaxccl: no schedule installed in slot ", slot, " (call install first)")));
+  }
+  ++st->launches;
+  st->last_launch_version = st->current.version;
+  return st->current;
+}
+
+ffi::ErrorOr<int64_t> Registry::LaunchCount(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = Find(slot);
+  if (!s.has_value()) return ErrorResult<int64_t>(std::move(s.error()));
+  return (*s)->launches;
+}
+
+ffi::ErrorOr<int64_t> Registry::LastLaunchVersion(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = Find(slot);
+  if (!s.has_value()) return ErrorResult<int64_t>(std::move(s.error()));
+  return (*s)->last_launch_version;
+}
+
+size_t Registry::NumSlots() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return slots_.size();
+}
+
+ffi::Error Registry::SetTimeout(double seconds) {
+  if (!std::isfinite(seconds) || seconds <= 0) {
+    return ffi::Error::InvalidArgument(StrCat("jaxccl: timeout must be a positive number of seconds, got ", seconds));
+  }
+  timeout_s_.store(seconds, std::memory_order_relaxed);
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxccl

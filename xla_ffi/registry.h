@@ -1,0 +1,65 @@
+// The schedule registry: numbered slots holding versioned compiled tables.
+//
+// Python installs a table into a slot (jaxccl.runtime.native.install); the
+// compiled JAX program only names the slot (an FFI attribute), and the last
+// rank to arrive at a launch picks the slot's current table once for the whole
+// launch. Installing a new table therefore never recompiles the program.
+#ifndef JAXCCL_XLA_FFI_REGISTRY_H_
+#define JAXCCL_XLA_FFI_REGISTRY_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+
+#include "common.h"
+#include "table.h"
+
+namespace jaxccl {
+
+// What a launch runs: one table version, fixed for the whole launch.
+struct TableSnapshot {
+  std::shared_ptr<const Table> table;
+  int64_t version = 0;
+};
+
+class Registry {
+ public:
+  static Registry& Get();
+
+  int64_t NewSlot();
+  // Parses/validates the table, makes it the slot's current version; returns that version (1, 2, ...).
+  ffi::ErrorOr<int64_t> Install(int64_t slot, const int32_t* words, size_t num_words);
+  // Current version (0 if nothing was installed yet).
+  ffi::ErrorOr<int64_t> CurrentVersion(int64_t slot);
+  ffi::Error Remove(int64_t slot);
+  // The slot's current table for one launch; counts the launch.
+  ffi::ErrorOr<TableSnapshot> Acquire(int64_t slot);
+  ffi::ErrorOr<int64_t> LaunchCount(int64_t slot);
+  // Version that the most recent launch of the slot ran (0 if none).
+  ffi::ErrorOr<int64_t> LastLaunchVersion(int64_t slot);
+  size_t NumSlots();
+
+  // Deadline of every rendezvous and wait, in seconds.
+  double timeout_s() const { return timeout_s_.load(std::memory_order_relaxed); }
+  ffi::Error SetTimeout(double seconds);
+
+ private:
+  struct Slot {
+    TableSnapshot current;
+    int64_t next_version = 1;
+    int64_t launches = 0;
+    int64_t last_launch_version = 0;
+  };
+  ffi::ErrorOr<Slot*> Find(int64_t slot);  // requires mu_
+
+  std::mutex mu_;
+  std::map<int64_t, Slot> slots_;
+  int64_t next_slot_ = 1;
+  std::atomic<double> timeout_s_{60.0};
+};
+
+}  // namespace jaxccl
+
+#endif  // JAXCCL_XLA_FFI_REGISTRY_H_
