@@ -24,6 +24,7 @@ def has_cuda_support() -> bool:
         return False
     return native.has_cuda_support()
 
+
 # The collectives and the Communicator import JAX; load them on first use so that
 # ``import jaxccl`` stays cheap and ``jaxccl.emulate()`` can run before JAX starts.
 _LAZY = {
@@ -36,6 +37,10 @@ _LAZY = {
 
 
 def __getattr__(name: str):
+    if name == "sim":
+        import importlib
+
+        return importlib.import_module("jaxccl.sim")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'jaxccl' has no attribute {name!r}")

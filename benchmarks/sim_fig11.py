@@ -1,0 +1,27 @@
+"""MCCL Fig. 11 / App. E on the simulator: training time per batch, NCCL vs jaxccl.
+
+One pipeline stage of Llama 405B and DeepSeek 671B (MCCL Table 4) on 128-2048 GPUs, no failure and
+Fail1-3.
+
+Prints progress and a table; writes JSON and a PNG (defaults under
+``benchmarks/results/``). The same code runs as ``jaxccl sim fig11``; see
+:mod:`jaxccl.sim.experiments` and ``docs/results.md``.
+
+Usage:
+    PYTHONPATH=. nice -n 10 python benchmarks/sim_fig11.py [--quick] [--gpus 128 256] [--workload llama405b]
+        [--json PATH] [--png PATH]
+"""
+
+from __future__ import annotations
+
+import sys
+
+from jaxccl.cli import main
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if "--json" not in args:
+        args += ["--json", "benchmarks/results/sim_fig11.json"]
+    if "--png" not in args:
+        args += ["--png", "benchmarks/results/sim_fig11.png"]
+    sys.exit(main(["sim", "fig11", *args]))

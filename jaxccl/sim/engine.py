@@ -1,0 +1,656 @@
+"""The event loop: resolves a :class:`~jaxccl.sim.model.Program` in time order.
+
+State: the time of every DAG node (the max of its predecessors'), the number of
+unresolved predecessors of each, and the *active flows* (messages that started
+and have not sent their last byte) with remaining bytes, rate and the time they
+were last settled.
+
+One iteration takes every event within a relative tolerance of the earliest one
+(a batch: synchronous ring steps, all flows of an AllToAll...):
+
+1. *Events*: a flow ends at its current rate (END), a flow's first pipeline
+   piece is out while some forward waits for it (a *watch*), a queued node is
+   due (ARR = END + route latency; job starts), or a gated launch is due.
+2. The resolved nodes propagate through the DAG: successors lose a pending
+   predecessor and take the max time; a node left with none resolves. A LAUNCH
+   whose gates are open (each source's first piece out + its latency, see
+   :mod:`jaxccl.sim.model`) starts a flow; ARR is queued at ``time + latency``.
+3. Rates are recomputed max-min fairly only in the connected components (flows
+   linked by shared links) of the flows that started or ended: allocations of
+   disjoint components are independent. A forward's rate is capped by the
+   current rates of the sources it streams from (cut-through cannot outrun the
+   data); when a flow's rate changes, the flows streaming from it are re-rated
+   in turn. Flows whose rate changed get a new predicted END.
+
+Work per batch is proportional to what changed, not to the number of active
+flows: small batches and components run as plain Python over memoryviews of
+the DAG arrays, large ones (a whole AllToAll starting) switch to numpy
+(vectorized DAG waves, :func:`jaxccl.sim.fairness.max_min_rates`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time as _time
+from collections.abc import Callable
+
+import numpy as np
+
+from jaxccl.errors import ScheduleError
+from jaxccl.sim.fairness import max_min_rates
+from jaxccl.sim.model import ARR, END, GOT, LAUNCH, MSG_KINDS, Program, _ranges
+
+__all__ = ["EngineStats", "simulate"]
+
+REL_TOL = 1e-9  # events closer than this (relative to the clock) form one batch
+_BIG_FRONTIER = 128  # DAG frontiers above this propagate with numpy
+_BIG_COMPONENT = 256  # components above this are allocated with numpy
+_MAX_ROUNDS = 64  # cap-propagation rounds per batch
+_NUMPY_SET = 48  # flows in multi-flow components above which one numpy call solves them all
+_INF = float("inf")
+_E_NODE, _E_END, _E_WATCH, _E_LAUNCH = 0, 1, 2, 3
+_IDLE, _RUN, _DONE = 0, 1, 2
+
+
+class EngineStats(dict):
+    """Counters of one run: ``batches``, ``rate_updates``, ``numpy_allocations``, ``max_active``, ``wall_s``."""
+
+
+class _Sim:
+    def __init__(self, prog: Program, progress: Callable[[float], None] | None, max_wall_s: float | None):
+        self.p = prog
+        self.progress = progress
+        self.max_wall_s = max_wall_s
+        n_ops, n_msgs = prog.num_ops, prog.num_msgs
+        self.n_msgs = n_msgs
+        base = 2 * n_ops
+        self.b_launch = base + LAUNCH * n_msgs
+        self.b_end = base + END * n_msgs
+        self.b_arr = base + ARR * n_msgs
+        self.b_got = base + GOT * n_msgs
+        self.b_start = base + MSG_KINDS * n_msgs
+        self.pending = prog.pending.copy()
+        self.tnode = np.zeros(prog.num_nodes, dtype=np.float64)
+        self.pv = memoryview(self.pending)
+        self.tv = memoryview(self.tnode)
+        self.ptr = memoryview(prog.succ_ptr)
+        self.sidx = memoryview(prog.succ_idx)
+        self.lat = memoryview(prog.msg_latency)
+        self.size = memoryview(prog.msg_bytes)
+        self.fp_rem = prog.msg_bytes - prog.msg_fp_bytes  # remaining bytes once the first piece is out
+        self.fpr = memoryview(self.fp_rem)
+        self.src_ptr = memoryview(prog.msg_src_ptr)
+        self.src_idx = memoryview(prog.msg_src_idx)
+        self.path_ptr = prog.msg_path_ptr
+        self.path_links = prog.msg_path_links
+        self.ppv = memoryview(prog.msg_path_ptr)
+        self.plv = memoryview(prog.msg_path_links)
+        self.cap = prog.link_capacity
+        self.capl = prog.link_capacity.tolist()
+        self.streamed = memoryview(prog.msg_streamed.view(np.uint8))
+        # flow state (per message)
+        self.state = np.zeros(n_msgs, dtype=np.int8)
+        self.rate = np.zeros(n_msgs, dtype=np.float64)
+        self.rem = np.zeros(n_msgs, dtype=np.float64)
+        self.ft = np.zeros(n_msgs, dtype=np.float64)
+        self.ver = np.zeros(n_msgs, dtype=np.int64)
+        self.fp_t = np.full(n_msgs, np.nan)  # when the first piece was out (NaN: not yet / unknown)
+        self.sv, self.rv, self.remv = memoryview(self.state), memoryview(self.rate), memoryview(self.rem)
+        self.ftv, self.verv, self.fpv = memoryview(self.ft), memoryview(self.ver), memoryview(self.fp_t)
+        self.links: dict[int, tuple[int, ...]] = {}  # active flow -> its links
+        self.bott: dict[int, float] = {}  # active flow -> smallest capacity on its route
+        self.on_link: dict[int, set[int]] = {}  # link -> active flows
+        self.ups: dict[int, list[int]] = {}  # active flow -> active flows it streams from
+        self.downs: dict[int, set[int]] = {}  # active flow -> active flows streaming from it
+        self.waiters: dict[int, list[int]] = {}  # message -> launches waiting for its first piece
+        self.gate_left: dict[int, int] = {}  # gated launch -> gates still closed
+        self.launch_t: dict[int, float] = {}  # gated launch -> earliest start so far
+        self.heap: list[tuple[float, int, int, int, int]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.limit = 0.0
+        self.done_msgs = 0
+        self.stats = EngineStats(batches=0, rate_updates=0, numpy_allocations=0, max_active=0)
+        self.t_wall = _time.perf_counter()
+
+    # ------------------------------------------------------------------ queue
+    def push(self, t: float, kind: int, x: int, ver: int = 0) -> None:
+        heapq.heappush(self.heap, (t, self.seq, kind, x, ver))
+        self.seq += 1
+
+    # ------------------------------------------------------------------ gates
+    def first_piece(self, u: int) -> float | None:
+        """When message ``u``'s first piece was out, if it is by now."""
+        t = self.fpv[u]
+        if t == t:  # not NaN
+            return t
+        if self.sv[u] != _RUN:
+            return None
+        rate = self.rv[u]
+        if rate <= 0:
+            return None
+        t = self.ftv[u] + max(self.remv[u] - self.fpr[u], 0.0) / rate
+        if t <= self.limit:
+            self.fpv[u] = t
+            return t
+        return None
+
+    def gate(self, m: int, launched: list[int]) -> None:
+        """LAUNCH of ``m`` is resolved in the DAG: check its gates (stream sources)."""
+        t = self.tv[self.b_launch + m]
+        a, b = self.src_ptr[m], self.src_ptr[m + 1]
+        closed = 0
+        for k in range(a, b):
+            u = self.src_idx[k]
+            tf = self.first_piece(u)
+            if tf is None:
+                w = self.waiters.get(u)
+                if w is None:
+                    self.waiters[u] = [m]
+                    self.watch(u)
+                else:
+                    w.append(m)
+                closed += 1
+            else:
+                t = max(t, tf + self.lat[u])
+        if closed:
+            self.gate_left[m] = closed
+            self.launch_t[m] = t
+        elif t <= self.limit:
+            launched.append(m)
+            self.tv[self.b_launch + m] = t
+        else:
+            self.push(t, _E_LAUNCH, m)
+
+    def watch(self, u: int) -> None:
+        """Queues the gate-opening event of message ``u``: first piece out + latency (once ``u`` has a rate)."""
+        t = self.fpv[u]
+        if t != t:  # first piece not out yet: predict it
+            if self.sv[u] != _RUN or self.rv[u] <= 0:
+                return
+            t = self.ftv[u] + max(self.remv[u] - self.fpr[u], 0.0) / self.rv[u]
+        self.push(t + self.lat[u], _E_WATCH, u, self.verv[u])
+
+    def open_gates(self, u: int, launched: list[int]) -> None:
+        """Message ``u``'s first piece is out (``fp_t`` set): release the launches waiting for it."""
+        ws = self.waiters.pop(u, None)
+        if not ws:
+            return
+        t_open = self.fpv[u] + self.lat[u]
+        for m in ws:
+            t = max(self.launch_t[m], t_open)
+            left = self.gate_left[m] - 1
+            if left:
+                self.gate_left[m] = left
+                self.launch_t[m] = t
+                continue
+            del self.gate_left[m]
+            del self.launch_t[m]
+            if t <= self.limit:
+                launched.append(m)
+                self.tv[self.b_launch + m] = t
+            else:
+                self.push(t, _E_LAUNCH, m)
+
+    # ------------------------------------------------------------- propagation
+    def propagate(self, frontier: list[int], launched: list[int]) -> None:
+        """Resolves the successors of ``frontier`` (whose times are final); collects launches."""
+        tv, pv, ptr, sidx, lat = self.tv, self.pv, self.ptr, self.sidx, self.lat
+        b_launch, b_end, b_arr, b_got = self.b_launch, self.b_end, self.b_arr, self.b_got
+        stack = frontier
+        while stack:
+            if len(stack) > _BIG_FRONTIER:
+                self._propagate_np(np.asarray(stack, dtype=np.int64), launched)
+                return
+            x = stack.pop()
+            tx = tv[x]
+            for k in range(ptr[x], ptr[x + 1]):
+                s = sidx[k]
+                if tv[s] < tx:
+                    tv[s] = tx
+                left = pv[s] - 1
+                pv[s] = left
+                if left:
+                    continue
+                if s < b_launch or s >= b_got:
+                    stack.append(s)
+                elif s < b_end:
+                    self.gate(s - b_launch, launched)
+                elif s >= b_arr:  # ARR: END + latency
+                    d = lat[s - b_arr]
+                    if d > 0:
+                        t = tv[s] + d
+                        tv[s] = t
+                        self.push(t, _E_NODE, s)
+                    else:
+                        stack.append(s)
+                else:
+                    raise AssertionError(f"END node {s} resolved by the DAG")
+
+    def _propagate_np(self, frontier: np.ndarray, launched: list[int]) -> None:
+        tnode, pending, prog = self.tnode, self.pending, self.p
+        ptr, sidx = prog.succ_ptr, prog.succ_idx
+        while frontier.size:
+            starts = ptr[frontier]
+            lens = ptr[frontier + 1] - starts
+            idx = _ranges(starts, lens)
+            if idx.size == 0:
+                return
+            succ = sidx[idx].astype(np.int64)
+            np.maximum.at(tnode, succ, np.repeat(tnode[frontier], lens))
+            np.subtract.at(pending, succ, 1)
+            cand = succ[pending[succ] == 0]
+            if cand.size == 0:
+                return
+            cand = np.unique(cand)
+            is_launch = (cand >= self.b_launch) & (cand < self.b_end)
+            is_arr = (cand >= self.b_arr) & (cand < self.b_got)
+            nxt = cand[~is_launch & ~is_arr]
+            for m in (cand[is_launch] - self.b_launch).tolist():
+                self.gate(m, launched)
+            if is_arr.any():
+                dn = cand[is_arr]
+                d = prog.msg_latency[dn - self.b_arr]
+                tnode[dn] += d
+                later = d > 0
+                for t, node in zip(tnode[dn[later]].tolist(), dn[later].tolist()):
+                    self.push(t, _E_NODE, node)
+                if not later.all():
+                    nxt = np.concatenate([nxt, dn[~later]])
+            frontier = nxt
+
+    # ------------------------------------------------------------------- flows
+    def start_flows(self, launched: list[int], seeds: set[int], frontier: list[int]) -> None:
+        """Starts the launched messages; empty ones end at once (their END joins ``frontier``)."""
+        tv, sv, size = self.tv, self.sv, self.size
+        ppv, plv, sp, si = self.ppv, self.plv, self.src_ptr, self.src_idx
+        on_link, capl = self.on_link, self.capl
+        for m in launched:
+            t = tv[self.b_launch + m]
+            if size[m] <= 0:
+                sv[m] = _RUN
+                self.ftv[m] = t
+                self.remv[m] = 0.0
+                self.end(m, t, frontier, seeds, active=False)
+                continue
+            sv[m] = _RUN
+            self.remv[m] = size[m]
+            self.ftv[m] = t
+            self.rv[m] = 0.0
+            links = tuple(plv[ppv[m] : ppv[m + 1]])
+            self.links[m] = links
+            bott = _INF
+            for link in links:
+                s = on_link.get(link)
+                if s is None:
+                    on_link[link] = {m}
+                else:
+                    s.add(m)
+                c = capl[link]
+                if c < bott:
+                    bott = c
+            self.bott[m] = bott
+            a, b = sp[m], sp[m + 1]
+            if b > a:
+                ups = [u for u in si[a:b] if sv[u] == _RUN and u in self.links]
+                if ups:
+                    self.ups[m] = ups
+                    for u in ups:
+                        d = self.downs.get(u)
+                        if d is None:
+                            self.downs[u] = {m}
+                        else:
+                            d.add(m)
+            seeds.add(m)
+
+    def end(self, m: int, t: float, frontier: list[int], seeds: set[int], *, active: bool = True) -> None:
+        """Message ``m`` sent its last byte at ``t``."""
+        e = self.b_end + m
+        self.tv[e] = t
+        self.pv[e] -= 1
+        frontier.append(e)
+        self.sv[m] = _DONE
+        self.done_msgs += 1
+        if self.streamed[m] and self.fpv[m] != self.fpv[m]:
+            rate = self.rv[m]
+            self.fpv[m] = self.ftv[m] + max(self.remv[m] - self.fpr[m], 0.0) / rate if rate > 0 else t
+            self.open_gates(m, self._launched)
+        self.remv[m] = 0.0
+        if not active:
+            return
+        del self.bott[m]
+        for link in self.links.pop(m):
+            s = self.on_link[link]
+            s.discard(m)
+            seeds.update(s)
+        for u in self.ups.pop(m, ()):
+            d = self.downs.get(u)
+            if d is not None:
+                d.discard(m)
+        for d in self.downs.pop(m, ()):
+            ups = self.ups.get(d)
+            if ups is not None:
+                ups.remove(m)
+                if not ups:
+                    del self.ups[d]
+            seeds.add(d)
+        seeds.discard(m)
+
+    # -------------------------------------------------------------- allocation
+    def components(self, seeds: set[int]) -> list[list[int]] | None:
+        """The connected components (flows sharing links) of ``seeds``; ``None`` when one is too large."""
+        links, on_link = self.links, self.on_link
+        seen: set[int] = set()
+        out = []
+        for m in seeds:
+            if m in seen:
+                continue
+            lm = links.get(m)
+            if lm is None:
+                continue
+            seen.add(m)
+            for link in lm:
+                if len(on_link[link]) > 1:
+                    break
+            else:
+                out.append([m])  # alone on all its links
+                continue
+            comp = [m]
+            stack = [m]
+            while stack:
+                f = stack.pop()
+                for link in links[f]:
+                    for g in on_link[link]:
+                        if g not in seen:
+                            seen.add(g)
+                            comp.append(g)
+                            stack.append(g)
+                if len(comp) > _BIG_COMPONENT:
+                    return None
+            out.append(comp)
+        return out
+
+    def allocate(self, seeds: set[int]) -> None:
+        """Re-rates the flows around ``seeds``; then the forwards of any flow whose rate changed.
+
+        A solved set is either the components of ``seeds`` (Python progressive
+        filling per component, or one numpy call over their union when large)
+        or every active flow (numpy) when the seeds are many. Inside a solved
+        set, forwards are coupled to their sources jointly (they freeze with
+        them); a source outside it caps the forward at its current rate, and a
+        change of that rate re-solves the forward's set in the next round.
+        """
+        rv, remv, ftv, verv, fpv, fpr = self.rv, self.remv, self.ftv, self.verv, self.fpv, self.fpr
+        links, now, bott, ups = self.links, self.now, self.bott, self.ups
+        rounds = 0
+        while seeds:
+            rounds += 1
+            self.stats["rate_updates"] += 1
+            if len(links) > self.stats["max_active"]:
+                self.stats["max_active"] = len(links)
+            comps = None if len(seeds) > _BIG_COMPONENT else self.components(seeds)
+            flows: list[int] = []
+            new: list[float] = []
+            group: dict[int, int] = {}  # flow -> id of the set it was solved in (jointly coupled inside)
+            if comps is None:
+                flows = list(links)
+                new = self._rates_np(flows)
+                group = dict.fromkeys(flows, 0)
+            else:
+                multi: list[list[int]] = []
+                n_multi = 0
+                for gid, comp in enumerate(comps, start=1):
+                    if len(comp) == 1:
+                        f = comp[0]
+                        b = bott[f]
+                        if f in ups:
+                            c = self._cap(f, ())
+                            if c < b:
+                                b = c
+                        flows.append(f)
+                        new.append(b)
+                        group[f] = gid
+                    else:
+                        n_multi += len(comp)
+                        multi.append(comp)
+                if n_multi > _NUMPY_SET:
+                    union = [f for comp in multi for f in comp]
+                    flows.extend(union)
+                    new.extend(self._rates_np(union))
+                    group.update(dict.fromkeys(union, 0))
+                else:
+                    for gid, comp in enumerate(multi, start=len(comps) + 1):
+                        flows.extend(comp)
+                        new.extend(self._rates_py(comp))
+                        group.update(dict.fromkeys(comp, gid))
+            seeds = set()
+            for f, r in zip(flows, new):
+                old = rv[f]
+                if r == old:
+                    continue
+                t0 = ftv[f]
+                if now > t0:
+                    before = remv[f]
+                    after = before - old * (now - t0)
+                    target = fpr[f]
+                    if before > target >= after and fpv[f] != fpv[f] and self.streamed[f]:
+                        fpv[f] = t0 + (before - target) / old  # the first piece went out in this segment
+                    remv[f] = after
+                    ftv[f] = now
+                rv[f] = r
+                ver = verv[f] + 1
+                verv[f] = ver
+                self.push(ftv[f] + remv[f] / r, _E_END, f, ver)
+                if f in self.waiters:
+                    self.watch(f)
+                d = self.downs.get(f)
+                if d:
+                    seeds.update(d)
+            if seeds:
+                # a forward solved jointly with all its sources needs no second look
+                seeds = {
+                    d for d in seeds if d not in group or any(group.get(u, -1) != group[d] for u in ups.get(d, ()))
+                }
+            if rounds > _MAX_ROUNDS:  # couplings through shared links could ping-pong; stop refining
+                break
+
+    def _cap(self, f: int, inside) -> float:
+        """The rate cap of a forwarding flow from its sources outside ``inside``: their current rates."""
+        us = self.ups.get(f)
+        if not us:
+            return _INF
+        rv = self.rv
+        cap = _INF
+        for u in us:
+            if u not in inside:
+                r = rv[u]
+                if 0 < r < cap:
+                    cap = r
+        return cap
+
+    def _rates_py(self, comp: list[int]) -> list[float]:
+        """Progressive filling for a small component (as :func:`jaxccl.sim.fairness.max_min_rates`).
+
+        Forwards whose sources are in the component freeze with them; sources
+        outside cap them (a private link of the cap's capacity).
+        """
+        links, cap = self.links, self.capl
+        inside = set(comp)
+        count: dict[int, int] = {}
+        rem: dict[int, float] = {}
+        cap_of: dict[int, float] = {}
+        coupled = []
+        for f in comp:
+            for link in links[f]:
+                count[link] = count.get(link, 0) + 1
+            us = self.ups.get(f)
+            if us:
+                c = self._cap(f, inside)
+                if c < _INF:
+                    # the cap is a private link of the flow: key -1 - f never collides with link ids
+                    count[-1 - f] = 1
+                    rem[-1 - f] = c
+                    cap_of[-1 - f] = c
+                ins = [u for u in us if u in inside]
+                if ins:
+                    coupled.append((f, ins))
+        for link in count:
+            if link >= 0:
+                rem[link] = cap[link]
+                cap_of[link] = cap[link]
+        rate = dict.fromkeys(comp, 0.0)
+        unfrozen = set(comp)
+        level = 0.0
+        while unfrozen:
+            delta = min(rem[link] / n for link, n in count.items() if n > 0)
+            level += delta
+            sat = set()
+            for link, n in count.items():
+                if n > 0:
+                    r = rem[link] - delta * n
+                    rem[link] = r
+                    if r <= 1e-9 * cap_of[link] + 1e-9 * delta * n:
+                        sat.add(link)
+            newly = {f for f in unfrozen if -1 - f in sat or any(link in sat for link in links[f])}
+            if coupled:
+                grew = True
+                while grew:
+                    grew = False
+                    for f, us in coupled:
+                        if f in unfrozen and f not in newly and any(u in newly or u not in unfrozen for u in us):
+                            newly.add(f)
+                            grew = True
+            for f in newly:
+                rate[f] = level
+                unfrozen.discard(f)
+                for link in links[f]:
+                    count[link] -= 1
+                if -1 - f in count:
+                    count[-1 - f] = 0
+            for link in sat:
+                rem[link] = 0.0
+        return [rate[f] for f in comp]
+
+    def _rates_np(self, flows: list[int]) -> list[float]:
+        """Max-min rates of ``flows`` with numpy; forwards couple jointly to sources among ``flows``."""
+        self.stats["numpy_allocations"] += 1
+        act = np.asarray(flows, dtype=np.int64)
+        pp = self.path_ptr
+        lens = pp[act + 1] - pp[act]
+        link_ids = self.path_links[_ranges(pp[act], lens)]
+        fl = np.repeat(np.arange(act.size), lens)
+        uniq, local = np.unique(link_ids, return_inverse=True)
+        link_cap = self.cap[uniq]
+        pos = {f: i for i, f in enumerate(flows)}
+        down, up, capped, caps = [], [], [], []
+        for f, us in self.ups.items():
+            i = pos.get(f)
+            if i is None:
+                continue
+            c = _INF
+            for u in us:
+                j = pos.get(u)
+                if j is None:
+                    r = self.rv[u]
+                    if 0 < r < c:
+                        c = r
+                else:
+                    down.append(i)
+                    up.append(j)
+            if c < _INF:
+                capped.append(i)
+                caps.append(c)
+        if capped:
+            fl = np.concatenate([fl, np.asarray(capped, dtype=np.int64)])
+            local = np.concatenate([local, uniq.size + np.arange(len(capped))])
+            link_cap = np.concatenate([link_cap, np.asarray(caps)])
+        coupled = (np.asarray(down, dtype=np.int64), np.asarray(up, dtype=np.int64)) if down else None
+        return max_min_rates(fl, local, link_cap, act.size, coupled=coupled).tolist()
+
+    # -------------------------------------------------------------------- loop
+    def run(self) -> None:
+        p = self.p
+        for j in range(p.num_jobs):
+            node = self.b_start + j
+            self.tv[node] = float(p.job_start[j])
+            self.push(float(p.job_start[j]), _E_NODE, node)
+        heap = self.heap
+        sv, verv = self.sv, self.verv
+        b_start, b_launch = self.b_start, self.b_launch
+        next_report = 0.0
+        batches = 0
+        while heap:
+            t0 = heap[0][0]
+            self.now = t0
+            self.limit = limit = t0 + REL_TOL * max(abs(t0), 1e-12)
+            frontier: list[int] = []
+            seeds: set[int] = set()
+            launched: list[int] = []
+            self._launched = launched
+            while heap and heap[0][0] <= limit:
+                t, _, kind, x, ver = heapq.heappop(heap)
+                if kind == _E_NODE:
+                    if x >= b_start:
+                        self.pv[x] -= 1
+                    frontier.append(x)
+                elif kind == _E_END:
+                    if ver == verv[x] and sv[x] == _RUN:
+                        self.end(x, t, frontier, seeds)
+                elif kind == _E_WATCH:
+                    if ver == verv[x] and x in self.waiters:
+                        if self.fpv[x] != self.fpv[x]:
+                            self.fpv[x] = t - self.lat[x]
+                        self.open_gates(x, launched)
+                else:  # gated launch now due
+                    self.tv[b_launch + x] = t
+                    launched.append(x)
+            batches += 1
+            while frontier or launched:
+                if frontier:
+                    self.propagate(frontier, launched)
+                    frontier = []
+                if launched:
+                    todo, launched = launched, []
+                    self._launched = launched
+                    self.start_flows(todo, seeds, frontier)
+            self.allocate(seeds)
+            if batches & 1023 == 0:
+                if self.progress is not None and self.n_msgs and self.done_msgs / self.n_msgs >= next_report:
+                    self.progress(self.done_msgs / self.n_msgs)
+                    next_report = self.done_msgs / self.n_msgs + 0.01
+                if self.max_wall_s is not None and _time.perf_counter() - self.t_wall > self.max_wall_s:
+                    raise RuntimeError(
+                        f"simulation exceeded its wall-time limit of {self.max_wall_s:.0f} s at t={t0:.6g} s"
+                    )
+        self.stats["batches"] = batches
+        if self.progress is not None:
+            self.progress(1.0)
+
+
+def simulate(
+    prog: Program,
+    *,
+    progress: Callable[[float], None] | None = None,
+    max_wall_s: float | None = None,
+) -> tuple[np.ndarray, EngineStats]:
+    """Runs the DAG; returns the time of every node and statistics.
+
+    Args:
+        prog: from :func:`jaxccl.sim.model.compile_jobs`.
+        progress: called now and then with the fraction of messages finished.
+        max_wall_s: abort (``RuntimeError``) when the simulation takes longer.
+
+    Raises:
+        ScheduleError: the schedule deadlocks (some op can never run); the
+            message names the first stuck op.
+    """
+    sim = _Sim(prog, progress, max_wall_s)
+    sim.run()
+    n_ops = prog.num_ops
+    stuck = np.flatnonzero(sim.pending[n_ops : 2 * n_ops] > 0)
+    if stuck.size:
+        ready_done = sim.pending[stuck] == 0
+        op = int(stuck[ready_done][0]) if ready_done.any() else int(stuck[0])
+        raise ScheduleError(f"deadlock: {stuck.size} ops never complete; the first blocked is {prog.describe_op(op)}")
+    sim.stats["wall_s"] = _time.perf_counter() - sim.t_wall
+    return sim.tnode, sim.stats

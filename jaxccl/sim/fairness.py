@@ -1,0 +1,111 @@
+"""Max-min fair rates by progressive filling, vectorized over a sparse flow x link incidence.
+
+Every flow crosses a set of links; a link of capacity ``c`` can carry flows whose
+rates sum to at most ``c``. The max-min fair allocation raises the rates of all
+flows together ("water filling"); when a link saturates, the flows crossing it
+freeze at the current level and the others keep rising. The result is the
+unique allocation in which no flow can get more without taking from a flow that
+has no more than it.
+
+A flow may also be *coupled* to another (``rate[down] <= rate[up]``): a forwarded
+message cannot leave faster than its data arrives (pipelining, see
+:mod:`jaxccl.sim.model`). Coupling fits progressive filling naturally: when an
+upstream flow freezes, its downstream flows freeze at the same level.
+
+Each filling round costs a few numpy passes over the incidence entries of the
+flows still rising, so the cost is ``O(levels x nnz)``.
+
+Example (3 flows on 2 links; flow 1 crosses both):
+    >>> import numpy as np
+    >>> rates = max_min_rates(np.array([0, 1, 1, 2]), np.array([0, 0, 1, 1]), np.array([1.0, 2.0]), 3)
+    >>> rates.tolist()
+    [0.5, 0.5, 1.5]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["max_min_rates"]
+
+_REL_TOL = 1e-9
+
+
+def max_min_rates(
+    flow_of: np.ndarray,
+    link_of: np.ndarray,
+    capacity: np.ndarray,
+    num_flows: int,
+    *,
+    coupled: tuple[np.ndarray, np.ndarray] | None = None,
+) -> np.ndarray:
+    """Max-min fair rates of ``num_flows`` flows.
+
+    Args:
+        flow_of: for each incidence entry, the flow (``0..num_flows-1``).
+        link_of: for each incidence entry, the link (``0..len(capacity)-1``).
+            A flow crossing a link twice counts twice on it.
+        capacity: capacity of each link (> 0).
+        num_flows: number of flows.
+        coupled: optional ``(down, up)`` arrays of flow indices meaning
+            ``rate[down] <= rate[up]`` (no cycles).
+
+    Returns:
+        ``float64`` array of rates; a flow crossing no link gets ``inf``
+        (or its upstream's rate when coupled).
+    """
+    flow_of = np.asarray(flow_of, dtype=np.int64)
+    link_of = np.asarray(link_of, dtype=np.int64)
+    capacity = np.asarray(capacity, dtype=np.float64)
+    n_links = capacity.shape[0]
+    rate = np.full(num_flows, np.inf)
+    # ``frozen`` only ever marks flows that cross links (linkless flows never constrain others).
+    frozen = np.zeros(num_flows, dtype=bool)
+    has_link = np.zeros(num_flows, dtype=bool)
+    has_link[flow_of] = True
+    if coupled is not None:
+        down, up = (np.asarray(a, dtype=np.int64) for a in coupled)
+        keep = down != up
+        down, up = down[keep], up[keep]
+        if down.size == 0:
+            coupled = None
+    rem = capacity.copy()
+    tol = _REL_TOL * capacity
+    ef, el = flow_of, link_of
+    n = np.bincount(el, minlength=n_links).astype(np.float64)
+    level = 0.0
+    while ef.size:
+        used = n > 0
+        share = np.full(n_links, np.inf)
+        share[used] = rem[used] / n[used]
+        delta = max(float(share.min()), 0.0)
+        level += delta
+        rem -= delta * n
+        sat = used & (rem <= tol + _REL_TOL * delta * n)
+        newly = np.zeros(num_flows, dtype=bool)
+        newly[ef[sat[el]]] = True
+        if coupled is not None:
+            # A flow whose upstream has frozen cannot rise further either.
+            while True:
+                stuck = ~frozen[down] & ~newly[down] & (frozen[up] | newly[up])
+                if not stuck.any():
+                    break
+                newly[down[stuck]] = True
+        rate[newly] = level
+        frozen |= newly
+        gone = newly[ef]
+        if gone.any():
+            n -= np.bincount(el[gone], minlength=n_links)
+            ef, el = ef[~gone], el[~gone]
+        rem[sat] = 0.0
+    if coupled is not None:
+        # Flows without links but coupled: cap at the upstream's rate.
+        free = ~has_link
+        if free.any():
+            for _ in range(down.size + 1):
+                cap = np.minimum(rate[down], rate[up])
+                changed = free[down] & (cap < rate[down])
+                if not changed.any():
+                    break
+                rate[down[changed]] = cap[changed]
+    return rate

@@ -1,0 +1,82 @@
+"""Communicator groups of a training job on a cluster: placements and sub-topologies.
+
+A collective of a parallelism group (TP, DP, EP...) runs on a subset of the
+cluster's GPUs. The simulator runs it *in place* (schedule rank ``i`` on
+cluster GPU ``group[i]``, routes of the whole cluster); a synthesizer needs the
+group as a topology of its own, :func:`subtopology`: the group's GPUs renumbered
+``0..k-1`` (keeping their host/rail/segment attributes) with every switch that
+still joins two of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import networkx as nx
+
+from jaxccl.errors import TopologyError
+from jaxccl.topology import Topology
+
+__all__ = ["group_of", "subtopology"]
+
+
+def subtopology(topo: Topology, gpus: Sequence[int], *, name: str | None = None) -> Topology:
+    """The topology seen by a communicator over ``gpus`` (their order gives the new ranks).
+
+    Other GPUs are removed with their links; switches left with a single
+    neighbor (dead ends, e.g. the NVSwitch of a host holding one group member)
+    are pruned. Link capacities and latencies are unchanged, so a degraded
+    link of the cluster stays degraded in the group.
+
+    >>> from jaxccl.topology import rail
+    >>> t = subtopology(rail(hosts=4), [0, 8, 16, 24])   # rail 0 of 4 hosts
+    >>> t.num_gpus, sorted(t.switches)
+    (4, ['tor:s0r0'])
+    """
+    gpus = [int(g) for g in gpus]
+    if len(set(gpus)) != len(gpus):
+        raise TopologyError("subtopology: a GPU appears twice in the group")
+    for g in gpus:
+        topo._check_gpu(g)  # noqa: SLF001 - shared validation helper
+    g0 = topo.graph
+    keep = set(gpus) | set(topo.switches)
+    h = nx.DiGraph(g0.subgraph(keep))
+    while True:
+        dead = [
+            n for n in h.nodes if not isinstance(n, int) and len(set(h.predecessors(n)) | set(h.successors(n))) <= 1
+        ]
+        if not dead:
+            break
+        h.remove_nodes_from(dead)
+    relabel = {g: i for i, g in enumerate(gpus)}
+    h = nx.relabel_nodes(h, relabel, copy=True)
+    for old, new in relabel.items():
+        h.nodes[new]["cluster_gpu"] = old
+    meta = {**topo.meta, "subgroup_of": topo.name, "group_size": len(gpus)}
+    return Topology(h, name=name or f"{topo.name} group[{len(gpus)}]", meta=meta)
+
+
+def group_of(kind: str, gpu: int, num_gpus: int, size: int) -> list[int]:
+    """The GPUs of the ``kind`` group of ``size`` that contains ``gpu`` (Megatron-style rank layout).
+
+    - ``"inner"`` (TP, EP): consecutive ranks, ``[g0, g0 + size)``.
+    - ``"outer"`` (DP over TP/EP groups): ranks congruent to ``gpu`` modulo
+      ``num_gpus // size``, i.e. one per inner group.
+    - ``"all"``: every GPU.
+
+    >>> group_of("inner", 0, 64, 16)[:3], group_of("outer", 0, 64, 4)
+    ([0, 1, 2], [0, 16, 32, 48])
+    """
+    if size < 1 or num_gpus % size:
+        raise TopologyError(f"group size {size} does not divide {num_gpus} GPUs")
+    if kind == "all":
+        if size != num_gpus:
+            raise TopologyError(f"an 'all' group has {num_gpus} GPUs, not {size}")
+        return list(range(num_gpus))
+    if kind == "inner":
+        start = gpu - gpu % size
+        return list(range(start, start + size))
+    if kind == "outer":
+        stride = num_gpus // size
+        return list(range(gpu % stride, num_gpus, stride))
+    raise TopologyError(f"unknown group kind {kind!r}; expected 'inner', 'outer' or 'all'")

@@ -1,0 +1,501 @@
+"""How a :class:`~jaxccl.schedule.Schedule` becomes flows: the simulator's execution model.
+
+The model is MSCCL's (``docs/schedule-ir.md``) seen at flow level:
+
+* **Messages.** The k-th sending op of rank ``a``'s threadblock towards ``b`` on
+  channel ``c`` is matched with the k-th receiving op of ``b``'s threadblock from
+  ``a`` on ``c``; the pair is one *message* of ``count x chunk bytes`` bytes, and
+  one flow over the route ``a -> b`` of the topology (its primary route; see
+  :class:`jaxccl.sim.routes.Router` for ECMP). Chunk bytes are
+  ``bytes_per_rank / input chunks`` (fluid: no rounding to elements).
+* **Threadblocks** run their ops in order: an op is *ready* when the previous op
+  of its threadblock has completed and its ``deps`` have completed. A sending op
+  completes when its flow has pushed the last byte (sends are eager: the sender
+  does not wait for the receiving op); a receiving op completes when it is ready
+  and the whole message has arrived (last byte sent + the route's latency); a
+  fused op (``rcs``, ``rrs``, ``rrcs``) completes when both halves have. Local
+  ops (``cpy``, ``re``, ``nop``) take no time; reductions are free (no compute
+  model), as in SimAI's network-only runs.
+* **Slots.** A connection holds at most ``num_slots`` unconsumed messages: the
+  k-th send waits until the receiver has consumed message ``k - num_slots``
+  (``None``: unbounded).
+* **Data dependencies and pipelining.** A rank forwards only data it has: a
+  sending op whose data comes from a receive (its own fused receive, or a
+  ``dep`` on a receiving op of another threadblock) starts only once that
+  receiving op is ready and the first *pipeline piece* (``pipeline_bytes``) of
+  the incoming message has arrived; while the incoming flow is still running,
+  the outgoing flow is rate-coupled to it (it cannot send faster than data
+  arrives), and the forwarding op completes only after the receiving op. This is
+  cut-through forwarding at piece granularity, the fluid limit of MSCCL/NCCL
+  slicing a chunk into protocol-sized steps. ``pipeline_bytes=None`` is
+  store-and-forward (the whole message must have arrived). A message no larger
+  than one piece is always store-and-forward. Other dependencies (a local op on
+  a receive, a receive on a send...) wait for full completion.
+* **Tiling (MSCCL's loop).** With ``Job.iterations = P`` the schedule runs
+  ``P`` times on ``1/P`` of the buffer, each threadblock going through its ops
+  once per iteration, so a threadblock stalled on one op of iteration ``p``
+  does not hold back the data of iteration ``p - 1``;
+  :func:`auto_iterations` picks MSCCL's count, one protocol step per chunk and
+  iteration. The default is one iteration: the op-by-op execution of jaxccl's
+  own executors.
+* **Rates.** Concurrent flows share every link max-min fairly; a forward's rate
+  is also capped by its sources' (see :mod:`jaxccl.sim.engine`).
+
+:func:`compile_jobs` turns jobs into a static event DAG (:class:`Program`);
+:mod:`jaxccl.sim.engine` runs it. Node kinds per op: READY, COMPLETE; per
+message: LAUNCH (the flow may start), END (last byte sent), ARR (END + the
+route latency), GOT (the receiving op has the whole message); per job: START.
+A node's time is the max of its predecessors' times (ARR adds the latency; END
+comes from the flow simulation). The first-piece condition of a forward is not
+a DAG edge but a *gate* on its LAUNCH (``msg_src_*``): the engine opens it at
+``first piece sent + latency`` of the source, computed from the source flow's
+progress, so that no event is spent on first pieces nobody waits for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from array import array
+from collections.abc import Sequence
+
+import numpy as np
+
+from jaxccl.errors import ScheduleError, TopologyError
+from jaxccl.schedule.ir import Schedule
+from jaxccl.sim.routes import Router
+
+__all__ = [
+    "DEFAULT_FLOW_BUDGET",
+    "DEFAULT_PIPELINE_BYTES",
+    "DEFAULT_SLOTS",
+    "Job",
+    "Program",
+    "auto_iterations",
+    "compile_jobs",
+]
+
+DEFAULT_PIPELINE_BYTES = 512 * 1024  # NCCL's Simple protocol: 4 MiB buffer / 8 steps per channel
+DEFAULT_SLOTS = 8  # MSCCL's slots per connection
+DEFAULT_FLOW_BUDGET = 400_000  # messages x iterations that iterations="auto" allows
+MAX_AUTO_ITERATIONS = 16
+
+# Message node kinds, in block order after the 2 * num_ops op nodes.
+LAUNCH, END, ARR, GOT = range(4)
+MSG_KINDS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One collective to simulate.
+
+    Attributes:
+        schedule: what to run.
+        bytes_per_rank: bytes of one rank's *input* buffer (AllGather: the
+            shard; AllToAll/ReduceScatter: all ``N`` blocks; AllReduce: the
+            whole vector).
+        ranks: the topology GPU of each schedule rank (default ``0..N-1``).
+        start: start time in seconds.
+        name: a label for results.
+        iterations: run the schedule this many times on ``1/iterations`` of the
+            data each, every threadblock going through its ops once per
+            iteration, as MSCCL's runtime loops over a large buffer in tiles:
+            threadblocks then overlap consecutive ops (op ``i`` of iteration
+            ``p + 1`` may run while a later op of iteration ``p`` waits).
+    """
+
+    schedule: Schedule
+    bytes_per_rank: float
+    ranks: Sequence[int] | None = None
+    start: float = 0.0
+    name: str = ""
+    iterations: int = 1
+
+
+@dataclasses.dataclass
+class Program:
+    """The static event DAG of a set of jobs (see the module docstring)."""
+
+    num_ops: int
+    num_msgs: int
+    num_jobs: int
+    succ_ptr: np.ndarray  # int64 [num_nodes + 1]
+    succ_idx: np.ndarray  # int32/int64 [num_edges]
+    pending: np.ndarray  # int32 [num_nodes]: number of predecessors
+    msg_bytes: np.ndarray  # float64 [num_msgs]
+    msg_fp_bytes: np.ndarray  # float64 [num_msgs]: bytes of the first pipeline piece
+    msg_latency: np.ndarray  # float64 [num_msgs]
+    msg_path_ptr: np.ndarray  # int64 [num_msgs + 1]
+    msg_path_links: np.ndarray  # int64: link ids
+    msg_src_ptr: np.ndarray  # int64 [num_msgs + 1]: stream sources (launch gates and rate coupling)
+    msg_src_idx: np.ndarray  # int64
+    msg_streamed: np.ndarray  # bool: some forwarding op streams from this message (its FP matters)
+    msg_sender: np.ndarray  # int64 op index per message
+    msg_receiver: np.ndarray  # int64 op index per message
+    op_job: np.ndarray  # int32 per op
+    op_rank: np.ndarray  # int32 schedule rank per op
+    op_tb: np.ndarray  # int32 threadblock index within the rank
+    op_pos: np.ndarray  # int32 position within the threadblock
+    job_start: np.ndarray  # float64 per job
+    job_out_bytes: np.ndarray  # float64 per job: one rank's output bytes
+    link_capacity: np.ndarray  # float64 per link
+
+    @property
+    def num_nodes(self) -> int:
+        return self.pending.shape[0]
+
+    def op_node(self, kind: int, op: np.ndarray | int) -> np.ndarray | int:
+        """READY (``kind=0``) or COMPLETE (``kind=1``) node of ``op``."""
+        return kind * self.num_ops + op
+
+    def msg_node(self, kind: int, msg: np.ndarray | int) -> np.ndarray | int:
+        return 2 * self.num_ops + kind * self.num_msgs + msg
+
+    def start_node(self, job: int) -> int:
+        return 2 * self.num_ops + MSG_KINDS * self.num_msgs + job
+
+    def describe_op(self, op: int) -> str:
+        return (
+            f"job {int(self.op_job[op])}: op {int(self.op_pos[op])} of threadblock {int(self.op_tb[op])} "
+            f"on rank {int(self.op_rank[op])}"
+        )
+
+
+def auto_iterations(
+    schedule: Schedule,
+    bytes_per_rank: float,
+    *,
+    pipeline_bytes: float | None = DEFAULT_PIPELINE_BYTES,
+    flow_budget: int = DEFAULT_FLOW_BUDGET,
+    max_iterations: int = MAX_AUTO_ITERATIONS,
+) -> int:
+    """Iterations of MSCCL's loop for ``schedule``: tiles of one pipeline piece per chunk.
+
+    MSCCL runs a schedule over a large buffer in loop iterations that move at
+    most one protocol step (``pipeline_bytes``) per chunk:
+    ``ceil(chunk bytes / pipeline_bytes)``, here at most ``max_iterations``
+    and at most ``flow_budget`` messages in all (at least 1).
+
+    >>> from jaxccl.synth.baselines import ring_allgather
+    >>> auto_iterations(ring_allgather(4), 4 << 20)
+    8
+    """
+    if pipeline_bytes is None:
+        return 1
+    sends = sum(1 for tbs in schedule.ranks for tb in tbs for op in tb.ops if op.kind.sends)
+    if not sends:
+        return 1
+    chunk = float(bytes_per_rank) / schedule.in_chunks
+    want = int(np.ceil(chunk / float(pipeline_bytes)))
+    return int(max(1, min(want, max_iterations, flow_budget // sends)))
+
+
+def _placement(job: Job, num_gpus: int) -> np.ndarray:
+    n = job.schedule.num_ranks
+    if job.ranks is None:
+        if n > num_gpus:
+            raise TopologyError(f"schedule for {n} ranks does not fit a topology of {num_gpus} GPUs")
+        return np.arange(n, dtype=np.int64)
+    ranks = np.asarray([int(r) for r in job.ranks], dtype=np.int64)
+    if ranks.shape != (n,):
+        raise TopologyError(f"placement has {ranks.size} GPUs for a schedule of {n} ranks")
+    if ranks.size and (ranks.min() < 0 or ranks.max() >= num_gpus):
+        raise TopologyError(f"placement names GPUs outside 0..{num_gpus - 1}")
+    if np.unique(ranks).size != n:
+        raise TopologyError("placement maps two ranks to the same GPU")
+    return ranks
+
+
+def compile_jobs(
+    jobs: Sequence[Job],
+    router: Router,
+    *,
+    pipeline_bytes: float | None = DEFAULT_PIPELINE_BYTES,
+    num_slots: int | None = DEFAULT_SLOTS,
+    program_order: bool = True,
+) -> Program:
+    """Builds the event DAG of ``jobs`` on ``router``'s topology.
+
+    With ``program_order=False`` ops wait only for their ``deps``, their data
+    and their slots, not for the previous op of their threadblock: a dataflow
+    execution in which every transfer is a flow that starts as soon as its
+    data allows (an idealized executor, for comparison).
+
+    Raises:
+        ScheduleError: an op names a missing dependency, a send has no receive
+            (or counts differ), a threadblock sends without a peer...
+        TopologyError: a placement does not fit the topology.
+    """
+    if pipeline_bytes is not None and not pipeline_bytes > 0:
+        raise ValueError(f"pipeline_bytes must be positive or None, got {pipeline_bytes!r}")
+    if num_slots is not None and (not isinstance(num_slots, int) or num_slots < 1):
+        raise ValueError(f"num_slots must be a positive integer or None, got {num_slots!r}")
+    num_gpus = router.topo.num_gpus
+
+    # ---- pass 1: flatten ops (one Python step per op; everything else is numpy)
+    # compact typed arrays: a 2048-GPU ring has 4M ops
+    op_job, op_rank, op_tb, op_pos = array("i"), array("i"), array("i"), array("i")
+    op_flags = array("b")  # bit 0: sends, bit 1: receives
+    op_count = array("i")
+    dep_op, dep_of = array("q"), array("q")
+    send_conn, send_op, recv_conn, recv_op = array("q"), array("q"), array("q"), array("q")
+    conns: dict[tuple[int, int, int, int], int] = {}
+    job_chunk_bytes: list[float] = []
+    job_out_bytes: list[float] = []
+    placements: list[np.ndarray] = []
+    job_base: list[int] = []
+    for j, job in enumerate(jobs):
+        s = job.schedule
+        if not isinstance(s, Schedule):
+            raise ScheduleError(f"job {j}: expected a Schedule, got {type(s).__name__}")
+        if not job.bytes_per_rank >= 0:
+            raise ValueError(f"job {j}: bytes_per_rank must be >= 0, got {job.bytes_per_rank!r}")
+        placements.append(_placement(job, num_gpus))
+        reps = job.iterations
+        if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+            raise ValueError(f"job {j}: iterations must be a positive integer, got {reps!r}")
+        chunk = float(job.bytes_per_rank) / s.in_chunks
+        job_chunk_bytes.append(chunk / reps)
+        job_out_bytes.append(chunk * s.out_chunks)
+        job_base.append(len(op_job))
+        for r, tbs in enumerate(s.ranks):
+            tb_first = np.cumsum([0] + [reps * len(tb.ops) for tb in tbs]).tolist()
+            tb_first = [len(op_job) + x for x in tb_first]
+            send_keys: set[tuple[int, int]] = set()
+            recv_keys: set[tuple[int, int]] = set()
+            for t, tb in enumerate(tbs):
+                sc = rc = -1
+                if tb.send_peer >= 0:
+                    if (tb.send_peer, tb.channel) in send_keys:
+                        raise ScheduleError(
+                            f"job {j}: rank {r} has two threadblocks sending to {tb.send_peer} on channel {tb.channel}"
+                        )
+                    send_keys.add((tb.send_peer, tb.channel))
+                    sc = conns.setdefault((j, r, tb.send_peer, tb.channel), len(conns))
+                if tb.recv_peer >= 0:
+                    if (tb.recv_peer, tb.channel) in recv_keys:
+                        raise ScheduleError(
+                            f"job {j}: rank {r} has two threadblocks receiving from {tb.recv_peer} "
+                            f"on channel {tb.channel}"
+                        )
+                    recv_keys.add((tb.recv_peer, tb.channel))
+                    rc = conns.setdefault((j, tb.recv_peer, r, tb.channel), len(conns))
+                n_tb_ops = len(tb.ops)
+                for rep in range(reps):
+                    for i, op in enumerate(tb.ops):
+                        kind = op.kind
+                        o = len(op_job)
+                        flags = (1 if kind.sends else 0) | (2 if kind.receives else 0)
+                        if flags & 1:
+                            if sc < 0:
+                                raise ScheduleError(
+                                    f"job {j}: rank {r} threadblock {t} op {i} sends without a send peer"
+                                )
+                            send_conn.append(sc)
+                            send_op.append(o)
+                        if flags & 2:
+                            if rc < 0:
+                                raise ScheduleError(
+                                    f"job {j}: rank {r} threadblock {t} op {i} receives without a receive peer"
+                                )
+                            recv_conn.append(rc)
+                            recv_op.append(o)
+                        op_job.append(j)
+                        op_rank.append(r)
+                        op_tb.append(t)
+                        op_pos.append(rep * n_tb_ops + i)
+                        op_flags.append(flags)
+                        op_count.append(op.count)
+                        for dt, di in op.deps:
+                            if not (0 <= dt < len(tbs) and 0 <= di < len(tbs[dt].ops)):
+                                raise ScheduleError(
+                                    f"job {j}: rank {r} threadblock {t} op {i} depends on missing op ({dt}, {di})"
+                                )
+                            dep_of.append(o)
+                            dep_op.append(tb_first[dt] + rep * len(tbs[dt].ops) + di)
+    n_ops = len(op_job)
+    flags = np.frombuffer(op_flags, dtype=np.int8) if n_ops else np.zeros(0, dtype=np.int8)
+    sends = (flags & 1).astype(bool)
+    recvs = (flags & 2).astype(bool)
+    op_job_a = np.frombuffer(op_job, dtype=np.int32).copy() if n_ops else np.zeros(0, dtype=np.int32)
+    op_rank_a = np.frombuffer(op_rank, dtype=np.int32).copy() if n_ops else np.zeros(0, dtype=np.int32)
+    op_tb_a = np.frombuffer(op_tb, dtype=np.int32).copy() if n_ops else np.zeros(0, dtype=np.int32)
+    op_pos_a = np.frombuffer(op_pos, dtype=np.int32).copy() if n_ops else np.zeros(0, dtype=np.int32)
+    op_count_a = np.frombuffer(op_count, dtype=np.int32).astype(np.float64) if n_ops else np.zeros(0)
+    deps = _i64(dep_op)
+    dep_of_a = _i64(dep_of)
+
+    # ---- messages: k-th send of a connection <-> k-th receive of it
+    sc_a, so_a, rc_a, ro_a = _i64(send_conn), _i64(send_op), _i64(recv_conn), _i64(recv_op)
+    n_conn = len(conns)
+    ns = np.bincount(sc_a, minlength=n_conn)
+    nr = np.bincount(rc_a, minlength=n_conn)
+    if (ns != nr).any():
+        bad = int(np.flatnonzero(ns != nr)[0])
+        key = next(k for k, v in conns.items() if v == bad)
+        raise ScheduleError(
+            f"job {key[0]}: connection rank {key[1]} -> {key[2]} channel {key[3]} has {ns[bad]} sends "
+            f"but {nr[bad]} receives"
+        )
+    s_order = np.argsort(sc_a, kind="stable")  # ops were appended in program order
+    r_order = np.argsort(rc_a, kind="stable")
+    msg_sender = so_a[s_order]
+    msg_receiver = ro_a[r_order]
+    msg_conn = sc_a[s_order]
+    n_msgs = msg_sender.size
+    if n_msgs and (op_count_a[msg_sender] != op_count_a[msg_receiver]).any():
+        m = int(np.flatnonzero(op_count_a[msg_sender] != op_count_a[msg_receiver])[0])
+        raise ScheduleError(
+            f"send/receive count mismatch: {_describe(op_job_a, op_rank_a, op_tb_a, op_pos_a, int(msg_sender[m]))} "
+            f"sends {int(op_count_a[msg_sender[m]])} chunks, "
+            f"{_describe(op_job_a, op_rank_a, op_tb_a, op_pos_a, int(msg_receiver[m]))} "
+            f"receives {int(op_count_a[msg_receiver[m]])}"
+        )
+    conn_first = np.concatenate([[0], np.cumsum(ns)])
+    msg_seq = np.arange(n_msgs) - conn_first[msg_conn]
+    chunk_a = np.asarray(job_chunk_bytes, dtype=np.float64)
+    msg_bytes = op_count_a[msg_sender] * chunk_a[op_job_a[msg_sender]] if n_msgs else np.zeros(0)
+    msg_fp = msg_bytes.copy() if pipeline_bytes is None else np.minimum(msg_bytes, float(pipeline_bytes))
+    received_by = np.full(n_ops, -1, dtype=np.int64)
+    received_by[msg_receiver] = np.arange(n_msgs)
+    sent_by = np.full(n_ops, -1, dtype=np.int64)
+    sent_by[msg_sender] = np.arange(n_msgs)
+
+    # ---- routes
+    gpu_of_op = np.empty(n_ops, dtype=np.int64)
+    for j in range(len(jobs)):
+        lo = job_base[j]
+        hi = job_base[j + 1] if j + 1 < len(jobs) else n_ops
+        gpu_of_op[lo:hi] = placements[j][op_rank_a[lo:hi]]
+    src_gpu = gpu_of_op[msg_sender]
+    dst_gpu = gpu_of_op[msg_receiver]
+    pair_key = src_gpu * num_gpus + dst_gpu
+    if router.method == "ecmp":
+        pair_key = pair_key * (n_conn + 1) + msg_conn
+    uniq, inv = np.unique(pair_key, return_inverse=True)
+    src_of_pair = (uniq // (n_conn + 1) if router.method == "ecmp" else uniq) // num_gpus
+    s_ids, s_counts = np.unique(src_of_pair, return_counts=True)
+    router.prepare(dict(zip(s_ids.tolist(), s_counts.tolist())))
+    routes = []
+    for key in uniq.tolist():
+        if router.method == "ecmp":
+            pk, salt = divmod(key, n_conn + 1)
+        else:
+            pk, salt = key, 0
+        u, v = divmod(pk, num_gpus)
+        routes.append(router.route(int(u), int(v), int(salt)))
+    rlen = np.asarray([len(p) for p in routes], dtype=np.int64)
+    rptr = np.concatenate([[0], np.cumsum(rlen)])
+    rlinks = np.asarray([e for p in routes for e in p], dtype=np.int64)
+    rlat = np.asarray([router.route_latency(p) for p in routes], dtype=np.float64)
+    mlen = rlen[inv] if n_msgs else np.zeros(0, dtype=np.int64)
+    msg_path_ptr = np.concatenate([[0], np.cumsum(mlen)])
+    msg_path_links = rlinks[_ranges(rptr[inv], mlen)] if n_msgs else np.zeros(0, dtype=np.int64)
+    msg_latency = rlat[inv] if n_msgs else np.zeros(0)
+
+    # ---- edges
+    n_jobs = len(jobs)
+    base = 2 * n_ops
+
+    def mnode(kind: int, m: np.ndarray) -> np.ndarray:
+        return base + kind * n_msgs + m
+
+    ready = np.arange(n_ops, dtype=np.int64)
+    complete = ready + n_ops
+    preds: list[np.ndarray] = []
+    succs: list[np.ndarray] = []
+
+    n_nodes = base + MSG_KINDS * n_msgs + n_jobs
+    idx_dtype = np.int32 if n_nodes < 2**31 else np.int64
+
+    def edge(p: np.ndarray, s: np.ndarray) -> None:
+        preds.append(np.asarray(p, dtype=idx_dtype))
+        succs.append(np.asarray(s, dtype=idx_dtype))
+
+    first = op_pos_a == 0 if program_order else np.ones(n_ops, dtype=bool)
+    edge(complete[:-1][~first[1:]], ready[1:][~first[1:]])  # program order
+    edge(base + MSG_KINDS * n_msgs + op_job_a[first].astype(np.int64), ready[first])  # job start
+    stream = sends[dep_of_a] & recvs[deps] if deps.size else np.zeros(0, dtype=bool)
+    edge(complete[deps[~stream]], ready[dep_of_a[~stream]])  # control deps
+    sd_op, sd_dep = dep_of_a[stream], deps[stream]
+    sd_msg, sd_src = sent_by[sd_op], received_by[sd_dep]
+    edge(ready[sd_dep], mnode(LAUNCH, sd_msg))  # stream deps: the receiving op is under way...
+    # ...and its first piece is here: a *gate* on the source message, kept by the engine (msg_src_*)
+    edge(complete[sd_dep], complete[sd_op])  # the forward completes after the receive
+    m_all = np.arange(n_msgs, dtype=np.int64)
+    edge(ready[msg_receiver], mnode(GOT, m_all))
+    edge(mnode(ARR, m_all), mnode(GOT, m_all))
+    edge(mnode(GOT, m_all), complete[msg_receiver])
+    edge(ready[msg_sender], mnode(LAUNCH, m_all))
+    edge(mnode(END, m_all), complete[msg_sender])
+    edge(mnode(END, m_all), mnode(ARR, m_all))
+    fused = recvs[msg_sender]
+    f_msg = m_all[fused]
+    f_src = received_by[msg_sender[fused]]
+    # rcs/rrs/rrcs forward what arrives: a gate on the op's own incoming message (msg_src_*)
+    msg_streamed = np.zeros(n_msgs, dtype=bool)  # some forward streams from it
+    msg_streamed[sd_src] = True
+    msg_streamed[f_src] = True
+    local = ~sends & ~recvs
+    edge(ready[local], complete[local])
+    if num_slots is not None:
+        late = msg_seq >= num_slots
+        edge(mnode(GOT, m_all[late] - num_slots), mnode(LAUNCH, m_all[late]))
+    pred = np.concatenate(preds)
+    succ = np.concatenate(succs)
+    preds.clear()
+    succs.clear()
+    succ_ptr = np.concatenate([[0], np.cumsum(np.bincount(pred, minlength=n_nodes))]).astype(np.int64)
+    pending = np.bincount(succ, minlength=n_nodes).astype(np.int32)
+    succ_idx = succ[np.argsort(pred, kind="stable")]
+    del pred, succ
+    pending[mnode(END, m_all)] += 1
+    pending[base + MSG_KINDS * n_msgs :] += 1  # job starts come from the event queue
+
+    src_msg = np.concatenate([sd_msg, f_msg])
+    src_src = np.concatenate([sd_src, f_src])
+    o2 = np.argsort(src_msg, kind="stable")
+    msg_src_idx = src_src[o2]
+    msg_src_ptr = np.concatenate([[0], np.cumsum(np.bincount(src_msg, minlength=n_msgs))]).astype(np.int64)
+
+    return Program(
+        num_ops=n_ops,
+        num_msgs=n_msgs,
+        num_jobs=n_jobs,
+        succ_ptr=succ_ptr,
+        succ_idx=succ_idx,
+        pending=pending,
+        msg_bytes=msg_bytes,
+        msg_fp_bytes=msg_fp,
+        msg_latency=msg_latency,
+        msg_path_ptr=msg_path_ptr,
+        msg_path_links=msg_path_links,
+        msg_src_ptr=msg_src_ptr,
+        msg_src_idx=msg_src_idx,
+        msg_streamed=msg_streamed,
+        msg_sender=msg_sender,
+        msg_receiver=msg_receiver,
+        op_job=op_job_a,
+        op_rank=op_rank_a,
+        op_tb=op_tb_a,
+        op_pos=op_pos_a,
+        job_start=np.asarray([float(j.start) for j in jobs], dtype=np.float64),
+        job_out_bytes=np.asarray(job_out_bytes, dtype=np.float64),
+        link_capacity=router.capacity,
+    )
+
+
+def _i64(a: array) -> np.ndarray:
+    return np.frombuffer(a, dtype=np.int64).copy() if len(a) else np.zeros(0, dtype=np.int64)
+
+
+def _describe(job: np.ndarray, rank: np.ndarray, tb: np.ndarray, pos: np.ndarray, op: int) -> str:
+    return f"job {int(job[op])} rank {int(rank[op])} threadblock {int(tb[op])} op {int(pos[op])}"
+
+
+def _ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + l)`` for each ``(s, l)``."""
+    total = int(lens.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    offsets = np.cumsum(lens) - lens
+    return np.arange(total, dtype=np.int64) + np.repeat(starts - offsets, lens)

@@ -1,0 +1,289 @@
+"""Phase 2 of ForestColl: switch removal by throughput-preserving edge splitting.
+
+Each switch ``w`` is replaced by logical links between its neighbours:
+``y_ut`` units of ``(u, w), (w, t)`` become ``u -> t``. A splitting is
+admissible when it keeps the throughput condition of phase 1 -- every GPU
+still receives ``N * k`` from the super source, ``k`` trees per root -- and
+for a switch with equal ingress and egress capacity a complete admissible
+splitting always exists (Bang-Jensen, Frank and Jackson; ForestColl relies
+on it).
+
+Two ways are implemented:
+
+* :func:`remove_switches` (``method="forestcoll"``): every switch is split
+  *proportionally*, ``y_ut ~ a_u * b_t`` with ``y_uu = 0`` (a
+  Sinkhorn-balanced transportation plan rounded to integers by max-flow),
+  and the whole result is verified with one max-flow per GPU. Deviation
+  from ForestColl, which fills the pairs greedily in sorted order: the
+  greedy order yields ring-like logical topologies (MCCL App. C) whose deep
+  trees cost time both here and in phase 3; the proportional split is
+  computed in bulk and spreads every switch's capacity, so it usually
+  passes verification at once. If it does not, the switches are redone one
+  at a time, each verified, falling back to :func:`greedy_split` --
+  ForestColl's greedy with the maximum admissible amount per pair computed
+  by max-flow -- for a switch whose proportional split breaks the condition.
+* :mod:`jaxccl.synth.allgather.latency` (``method="latency"``): MCCL App. C's
+  LP per switch with a star-inducing penalty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from scipy.sparse.csgraph import maximum_flow
+
+from jaxccl.errors import SynthesisError
+from jaxccl.synth.allgather.flow import INF, FlowNetwork, RootedCheck
+from jaxccl.synth.allgather.logical import Logical
+from jaxccl.synth.allgather.network import Net
+
+
+@dataclasses.dataclass
+class SplitStats:
+    """What switch removal did: max-flows, switches that needed the exact greedy, units dropped."""
+
+    flows: int = 0
+    greedy_switches: list = dataclasses.field(default_factory=list)
+    dropped: int = 0
+    lp_solves: int = 0
+    cuts: int = 0
+    choice: str = "proportional"  # which split the trees use (the latency method compares two)
+    certificate: str = "max-flow"  # what proves the rate optimal: the max-flow bound, or trees meeting a cut
+
+
+def remove_switches(
+    net: Net, caps: np.ndarray, k: int, *, stats: SplitStats | None = None, verify: bool = True
+) -> Logical:
+    """Removes every switch (forestcoll method); returns the logical GPU-to-GPU topology.
+
+    Args:
+        net: the topology.
+        caps: per physical link, how many trees it carries (phase 1).
+        k: trees per root.
+        stats: filled with counters if given.
+        verify: check the result with one max-flow per GPU (and repair it);
+            without, the caller must prove it otherwise (a complete packing does).
+
+    Raises:
+        SynthesisError: if no admissible complete splitting is found (a switch
+            with unequal ingress and egress capacity can cause this).
+    """
+    stats = stats if stats is not None else SplitStats()
+    base = Logical(net, caps)
+    order = list(range(net.num_gpus, net.num_nodes))
+    logical = base.copy()
+    for w in order:
+        stats.dropped += _split_proportional(logical, w)
+    if not verify or _violation(logical, net, k, stats, nodes=net.num_gpus) is None:
+        return logical
+    # Redo one switch at a time, verifying each.
+    logical = base.copy()
+    stats.dropped = 0
+    for w in order:
+        trial = logical.copy()
+        dropped = _split_proportional(trial, w)
+        if _violation(trial, net, k, stats, nodes=None) is None:
+            logical = trial
+            stats.dropped += dropped
+            continue
+        stats.greedy_switches.append(net.names[w])
+        greedy_split(logical, w, k, stats)
+    bad = _violation(logical, net, k, stats, nodes=net.num_gpus)
+    if bad is not None:  # pragma: no cover - guarded by the per-switch checks
+        raise SynthesisError(f"switch removal lost throughput at GPU {bad[0]}")
+    return logical
+
+
+def _violation(logical: Logical, net: Net, k: int, stats: SplitStats, *, nodes: int | None):
+    """The throughput condition on the current graph: first failing GPU or None."""
+    src, dst, cap = logical.arrays(nodes)
+    n = nodes if nodes is not None else net.num_nodes
+    check = RootedCheck(n, net.num_gpus, src, dst)
+    res = check.violation(cap, k, net.num_gpus * k)
+    stats.flows += check.count
+    return res
+
+
+# ---------------------------------------------------------------- proportional
+def _split_proportional(logical: Logical, w: int) -> int:
+    """Splits switch ``w`` completely and proportionally; returns the units that had to be dropped."""
+    preds, succs = logical.neighbors(w)
+    if not preds or not succs:
+        return logical.remove(w)
+    pu = np.array([u for u, _ in preds])
+    a = np.array([c for _, c in preds], dtype=np.int64)
+    st = np.array([t for t, _ in succs])
+    b = np.array([c for _, c in succs], dtype=np.int64)
+    y = transport_plan(a, b, pu[:, None] != st[None, :])
+    for i, j in zip(*np.nonzero(y)):
+        logical.split(int(pu[i]), w, int(st[j]), int(y[i, j]))
+    return logical.remove(w)
+
+
+def transport_plan(a: np.ndarray, b: np.ndarray, allowed: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
+    """An integer matrix ``y >= 0`` on ``allowed`` entries with row sums ``<= a`` and column sums ``<= b``.
+
+    Shipping as much as possible (``min(sum a, sum b)`` when the allowed
+    pattern permits), proportionally to ``a_i * b_j`` (times ``weight``):
+    Sinkhorn scaling gives the fractional plan, max-flow rounds it keeping
+    the totals.
+
+    >>> import numpy as np
+    >>> transport_plan(np.array([3, 3, 3]), np.array([3, 3, 3]), ~np.eye(3, dtype=bool)).tolist()
+    [[0, 2, 1], [1, 0, 2], [2, 1, 0]]
+    """
+    a = np.asarray(a, dtype=np.int64)
+    b = np.asarray(b, dtype=np.int64)
+    kern = allowed.astype(np.float64) * (1.0 if weight is None else weight)
+    total = min(int(a.sum()), int(b.sum()))
+    af = a * (total / a.sum()) if a.sum() else a.astype(float)
+    bf = b * (total / b.sum()) if b.sum() else b.astype(float)
+    # what each row / column can ship at all through allowed entries
+    for _ in range(2):
+        af = np.minimum(af, kern.astype(bool) @ bf)
+        bf = np.minimum(bf, kern.astype(bool).T @ af)
+    alpha = np.ones(len(a))
+    beta = np.ones(len(b))
+    with np.errstate(all="ignore"):
+        for _ in range(500):
+            kb = kern @ beta
+            alpha = np.where(kb > 0, af / np.where(kb > 0, kb, 1), 0.0)
+            ka = kern.T @ alpha
+            beta = np.where(ka > 0, bf / np.where(ka > 0, ka, 1), 0.0)
+            if not (np.isfinite(alpha).all() and np.isfinite(beta).all()):
+                alpha, beta = np.ones(len(a)), np.ones(len(b))
+                break
+            rows = alpha * (kern @ beta)
+            if np.abs(rows - af).max() <= 1e-9 * max(total, 1):
+                break
+    frac = alpha[:, None] * kern * beta[None, :]
+    y = np.floor(frac + 1e-9).astype(np.int64)
+    # never exceed the marginals (Sinkhorn may not have converged)
+    y = _clip_to_marginals(y, a, b)
+    need_r = a - y.sum(axis=1)
+    need_c = b - y.sum(axis=0)
+    # round up fractional entries first, then anything allowed
+    for stage in (0, 1):
+        if need_r.sum() == 0 or need_c.sum() == 0:
+            break
+        if stage == 0:
+            cand = allowed & (frac - y > 1e-9)
+            ucap = np.where(cand, 1, 0)
+        else:
+            cand = allowed.copy()
+            ucap = np.where(cand, INF, 0)
+        add = _bipartite_flow(need_r, need_c, ucap)
+        y += add
+        need_r = a - y.sum(axis=1)
+        need_c = b - y.sum(axis=0)
+    return y
+
+
+def _clip_to_marginals(y: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    y = y.copy()
+    for _ in range(2):
+        over = y.sum(axis=1) - a
+        for i in np.flatnonzero(over > 0):
+            _shave(y[i, :], int(over[i]))
+        over = y.sum(axis=0) - b
+        for j in np.flatnonzero(over > 0):
+            _shave(y[:, j], int(over[j]))
+    return y
+
+
+def _shave(vec: np.ndarray, amount: int) -> None:
+    for idx in np.argsort(-vec):
+        if amount <= 0:
+            break
+        take = min(int(vec[idx]), amount)
+        vec[idx] -= take
+        amount -= take
+
+
+def _bipartite_flow(rows: np.ndarray, cols: np.ndarray, ucap: np.ndarray) -> np.ndarray:
+    """Max-flow from row supplies to column demands through entries of capacity ``ucap``."""
+    m, n = ucap.shape
+    ii, jj = np.nonzero(ucap > 0)
+    s, t = m + n, m + n + 1
+    src = np.concatenate([np.full(m, s), ii, m + np.arange(n)])
+    dst = np.concatenate([np.arange(m), m + jj, np.full(n, t)])
+    cap = np.concatenate([rows, np.minimum(ucap[ii, jj], INF), cols])
+    net = FlowNetwork(m + n + 2, src, dst)
+    _, flow = net.flows(cap, s, t)
+    out = np.zeros((m, n), dtype=np.int64)
+    out[ii, jj] = flow[m : m + len(ii)]
+    return out
+
+
+# --------------------------------------------------------------- exact greedy
+def greedy_split(logical: Logical, w: int, k: int, stats: SplitStats) -> None:
+    """ForestColl's switch removal at ``w``: pairs in sorted order, each split by its maximum admissible amount.
+
+    The admissible amount of ``(u, w), (w, t)`` is limited by the sets the
+    split weakens -- those separating ``w`` from both ``u`` and ``t`` -- so it is
+    the smaller slack of (F2) sets holding ``w`` but not ``u, t`` (one max-flow)
+    and (F1) sets holding ``u, t`` but not ``w`` nor some GPU (one max-flow
+    with ``w`` as the only forced sink; if its min cut holds every GPU, one
+    max-flow per GPU).
+    """
+    net = logical.net
+    n_gpus = net.num_gpus
+    need = n_gpus * k
+    preds, _ = logical.neighbors(w)
+    for u, _ in preds:
+        _, succs = logical.neighbors(w)
+        for t, _ in succs:
+            left = logical.cap.get((u, w), 0)
+            if left <= 0:
+                break
+            bt = logical.cap.get((w, t), 0)
+            if bt <= 0:
+                continue
+            amount = min(left, bt)
+            amount = min(amount, _slack(logical, k, [w], [u, t], stats) - need)
+            if amount > 0:
+                amount = min(amount, _f1_slack(logical, k, u, t, w, stats) - need)
+            if amount > 0:
+                logical.split(u, w, t, int(amount))
+    left = logical.remove(w)
+    stats.dropped += left
+    if left:
+        raise SynthesisError(
+            f"switch {net.names[w]!r} cannot be split completely ({left} tree units left): "
+            "its ingress and egress capacities probably differ"
+        )
+
+
+def _aux(logical: Logical, k: int, sources: list[int], sinks: list[int]):
+    net = logical.net
+    n = net.num_nodes
+    s_node, t_node = n, n + 1
+    sources, sinks = sorted(set(sources)), sorted(set(sinks))
+    src, dst, cap = logical.arrays()
+    n_gpus = net.num_gpus
+    src = np.concatenate([src, np.full(n_gpus, s_node), np.full(len(sources), s_node), np.asarray(sinks)])
+    dst = np.concatenate([dst, np.arange(n_gpus), np.asarray(sources), np.full(len(sinks), t_node)])
+    cap = np.concatenate([cap, np.full(n_gpus, k), np.full(len(sources) + len(sinks), INF)])
+    return FlowNetwork(n + 2, src, dst), cap, s_node, t_node
+
+
+def _slack(logical: Logical, k: int, sources: list[int], sinks: list[int], stats: SplitStats) -> int:
+    fnet, cap, s, t = _aux(logical, k, sources, sinks)
+    stats.flows += 1
+    return int(maximum_flow(fnet.matrix(cap), s, t).flow_value)
+
+
+def _f1_slack(logical: Logical, k: int, u: int, t: int, w: int, stats: SplitStats) -> int:
+    n_gpus = logical.net.num_gpus
+    fnet, cap, s, tt = _aux(logical, k, [u, t], [w])
+    stats.flows += 1
+    value, side = fnet.min_cut(cap, s, tt)
+    if not side[:n_gpus].all():
+        return value  # the min cut already misses a GPU: it is the F1 minimum
+    best = INF
+    for v in range(n_gpus):
+        if v in (u, t):
+            continue
+        best = min(best, _slack(logical, k, [u, t], [w, v], stats))
+    return best

@@ -1,0 +1,474 @@
+"""``alltoall()``: column generation, rounding and compilation into one Schedule.
+
+Rates. The LP's ``z`` is the rate every commodity ``(s, d)`` gets (bytes/s of
+the ``D`` bytes rank ``s`` sends to rank ``d``). A rank's AllToAll output
+buffer holds ``N * D`` bytes and the collective takes ``D / z`` seconds in the
+large-message limit, so ``algbw = N * z`` (the nccl-tests convention of
+DESIGN.md: one rank's output bytes over the time, its own block included).
+``Schedule.bound`` is ``N * z_LP`` and ``Schedule.algbw`` is ``N * K / chi``
+of the rounded solution (``chi = max_a n_a / c_a``, ``n_a`` chunks of size
+``D / K`` on link ``a``).
+
+Warm start. ``previous`` (a schedule this module made) carries its chunk
+routes in ``info["paths"]``. Chunk ``j`` of every commodity of source ``s``
+defines a tree of ``s`` (one route per destination), so the previous integer
+solution is ``K`` columns per source; those whose links still exist seed the
+master problem. Before any LP is solved the previous solution itself is
+checked: if its rate on the new capacities meets a Lagrangian upper bound
+(priced from its own link utilizations, see :mod:`.cg`), it is still optimal
+and its program is kept as is (only ``bound``/``algbw``/``info`` change).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from jaxccl.errors import SynthesisError, TopologyError
+from jaxccl.schedule import Collective, Schedule
+from jaxccl.synth.alltoall.cg import (
+    GAP_TOL,
+    CGResult,
+    column_generation,
+    initial_trees,
+    lagrangian_bound,
+    utilization_prices,
+)
+from jaxccl.synth.alltoall.compile import compile_schedule
+from jaxccl.synth.alltoall.network import Network, build_network
+from jaxccl.synth.alltoall.pricing import METHODS as PRICING_METHODS
+from jaxccl.synth.alltoall.pricing import shortest_path_trees
+from jaxccl.synth.alltoall.rounding import path_flows, round_flows
+from jaxccl.synth.alltoall.routes import encode_paths, route_arcs
+from jaxccl.topology import Topology
+
+NAME = "cg_alltoall"
+SATURATION_TOL = 1e-6  # an LP link load within this fraction of capacity is "saturated" (the cut)
+
+
+def alltoall(
+    topo: Topology,
+    previous: Schedule | None = None,
+    max_chunks: int = 10,
+    time_budget: float | None = None,
+    *,
+    max_steps: int | None = None,
+    minimize_steps: bool = False,
+    pricing: str | None = None,
+    name: str = NAME,
+) -> Schedule:
+    """Synthesizes an AllToAll schedule by column generation and deep-dive rounding (MCCL Sec. 4.2).
+
+    Solves the master problem (1)-(4) of MCCL Sec. 4.2 by column generation on
+    HiGHS, pricing source-rooted shortest-path trees on the time-expanded DAG
+    for all sources at once; rounds the LP optimum to at most ``max_chunks``
+    chunks per commodity (the best chunk count ``K <= max_chunks``, App. F/G);
+    compiles the chunk routes into the schedule IR (paths through other GPUs
+    forward through their scratch buffer).
+
+    Args:
+        topo: the cluster.
+        previous: a schedule this function returned earlier (possibly for
+            other link capacities): its routes that still exist seed the master
+            problem (warm start), and its program is kept when its routes are
+            still optimal on ``topo``.
+        max_chunks: the largest number of chunks per commodity (``>= 1``).
+        time_budget: seconds for the LP phase; when they run out the best LP
+            solution so far is rounded and ``bound`` is the Lagrangian upper
+            bound (``info["lp_converged"]`` is False). Rounding and compilation
+            come on top.
+        max_steps: ``m_s``, the step bound of the time-expanded DAG (paths use
+            at most ``m_s - 1`` GPU-to-GPU hops). Default: MCCL's ``|V| - 1``.
+        minimize_steps: binary-search the smallest ``m_s`` that keeps the LP
+            optimum (MCCL App. D) and synthesize with it.
+        pricing: shortest-path method of the pricing, ``"dag"`` (the step
+            sweep over the time-expanded DAG) or ``"dijkstra"`` (compiled,
+            exact when the step bound cannot bind); default: ``"dijkstra"``
+            when ``m_s >= N``, else ``"dag"``.
+        name: the schedule's name.
+
+    Returns:
+        An ``all_to_all`` :class:`~jaxccl.schedule.Schedule` with ``chunks_per_period = K``.
+        ``bound`` is the LP optimum and ``algbw`` the rounded schedule's algbw,
+        both in bytes of one rank's output buffer per second (``N * z``).
+        ``info`` holds ``gap_pct``, ``chunks``, ``iterations``,
+        ``columns_generated``, ``reused_columns``, ``solve_time_s``,
+        ``timings``, ``paths`` (the chunk routes, see
+        :func:`~jaxccl.synth.alltoall.decode_paths`), and for the
+        re-optimization trigger of MCCL Sec. 3.2 the bottleneck ``cut`` (links
+        the LP saturates), their ``base_slacks`` and ``link_chunks``.
+
+    Raises:
+        TopologyError: ``topo`` is not a Topology or has fewer than 2 GPUs.
+        SynthesisError: bad ``max_chunks``/``time_budget``/``max_steps``, a
+            ``previous`` schedule of another collective or size, or a solver failure.
+
+    Example:
+        >>> from jaxccl.topology import rail, scenario
+        >>> base = alltoall(rail(hosts=2, gpus_per_host=4))
+        >>> base.validate().chunks_per_period, round(base.bound / 1e9, 3), base.info["gap_pct"] < 1e-9
+        (1, 100.0, True)
+        >>> warm = alltoall(scenario(rail(hosts=2, gpus_per_host=4), "fail2"), previous=base)
+        >>> warm.info["reused_columns"] > 0, round(warm.bound / 1e9, 3), warm.info["gap_pct"] < 2
+        (True, 78.125, True)
+    """
+    t_start = time.perf_counter()
+    max_chunks = _check_args(topo, max_chunks, time_budget)
+    if pricing not in (None, *PRICING_METHODS):
+        raise SynthesisError(f"pricing must be one of {PRICING_METHODS} or None, got {pricing!r}")
+    n = topo.num_gpus
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    net = build_network(topo)
+    m_s = net.default_steps if max_steps is None else int(max_steps)
+    if m_s < 2:
+        raise SynthesisError(f"max_steps must be >= 2 (a path needs at least one hop), got {max_steps!r}")
+    warm = _Warm.of(previous, net) if previous is not None else None
+    timings["network"] = time.perf_counter() - t0
+
+    if warm is not None and not minimize_steps and warm.chunks <= max_chunks:
+        t0 = time.perf_counter()
+        kept = warm.still_optimal(m_s, pricing)
+        timings["check_previous"] = time.perf_counter() - t0
+        if kept is not None:
+            return _keep_previous(previous, warm, kept, name, m_s, timings, t_start)
+
+    deadline = None if time_budget is None else t_start + float(time_budget)
+    t0 = time.perf_counter()
+    step_search = None
+    if minimize_steps:
+        m_s, step_search, res = _minimize_steps(net, m_s, warm, deadline, pricing)
+    else:
+        res = _solve_lp(net, m_s, warm, deadline, pricing)
+    timings["lp"] = time.perf_counter() - t0
+    timings.update({f"lp_{k}": v for k, v in res.timings.items()})
+    z_bound = res.z if res.converged else res.upper
+
+    t0 = time.perf_counter()
+    flows = path_flows(res.pool, res.x)
+    rounded = round_flows(net, res.pool, flows, max_chunks=max_chunks, target=z_bound)
+    timings["rounding"] = time.perf_counter() - t0
+
+    if rounded.rate > z_bound * (1 + 1e-9):  # pragma: no cover - an integer solution is an LP solution
+        raise SynthesisError(f"rounded rate {rounded.rate} exceeds the LP bound {z_bound}")
+    rate = min(rounded.rate, z_bound)  # float noise only
+    t0 = time.perf_counter()
+    lp_loads = res.pool.loads(np.flatnonzero(res.x > 0), res.x[res.x > 0])
+    info: dict[str, Any] = {
+        "algorithm": "column_generation",
+        "paper": "MCCL Sec. 4.2, App. D/F/G",
+        "chunks": rounded.chunks,
+        "lp_bound": n * z_bound * net.unit,
+        "gap_pct": _gap_pct(rate, z_bound),
+        "lp_converged": bool(res.converged),
+        "lp_gap_pct": _gap_pct(res.z, res.upper),
+        "lp_value": n * res.z * net.unit,
+        "iterations": res.iterations,
+        "columns_generated": res.columns_generated,
+        "columns_total": res.pool.num_columns,
+        "reused_columns": int((res.pool.col_origin == 1).sum()),
+        "reused_schedule": False,
+        "max_steps": m_s,
+        "steps_used": _max_hops(net, res.pool.paths[rounded.pid]),
+        "step_search": step_search,
+        "per_chunk_algbw": {str(k): n * v * net.unit for k, v in rounded.per_k.items()},
+        "simplex_iterations": res.master.simplex_iterations,
+        "topology": topo.fingerprint,
+        "rate_convention": "algbw = N * per-pair rate (bytes of one rank's output buffer / time)",
+        "paths": encode_paths(net, res.pool, rounded.comm, rounded.pid, rounded.count),
+    }
+    info.update(_cut_info(net, lp_loads, rounded.link_chunks))
+    timings["info"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    sched = compile_schedule(
+        net,
+        res.pool,
+        rounded.comm,
+        rounded.pid,
+        rounded.count,
+        rounded.chunks,
+        name=name,
+        algbw=n * rate * net.unit,
+        bound=n * z_bound * net.unit,
+        info=info,
+    )
+    timings["compile"] = time.perf_counter() - t0
+    timings["total"] = time.perf_counter() - t_start
+    # The schedule holds this very dict: the timings of its own compilation go in last.
+    info["timings"] = timings
+    info["solve_time_s"] = timings["total"]
+    return sched
+
+
+def _max_hops(net: Network, arcs: np.ndarray) -> int:
+    """The most GPU-to-GPU hops (advancing arcs) of any path (rows of -1 padded arcs)."""
+    if arcs.size == 0:
+        return 0
+    return int(np.where(arcs >= 0, net.advances[np.maximum(arcs, 0)], False).sum(axis=1).max())
+
+
+def _gap_pct(value: float, bound: float) -> float:
+    return max(0.0, 100.0 * (1.0 - value / bound)) if bound > 0 else 0.0
+
+
+def _check_args(topo: Any, max_chunks: Any, time_budget: Any) -> int:
+    if not isinstance(topo, Topology):
+        raise TopologyError(f"alltoall() needs a jaxccl.topology.Topology, got {type(topo).__name__}")
+    if topo.num_gpus < 2:
+        raise TopologyError(f"alltoall() needs at least 2 GPUs; {topo.name or 'the topology'} has {topo.num_gpus}")
+    if isinstance(max_chunks, bool) or not isinstance(max_chunks, (int, np.integer)) or max_chunks < 1:
+        raise SynthesisError(f"max_chunks must be an integer >= 1, got {max_chunks!r}")
+    if time_budget is not None and (isinstance(time_budget, bool) or not isinstance(time_budget, (int, float))):
+        raise SynthesisError(f"time_budget must be a positive number of seconds or None, got {time_budget!r}")
+    if time_budget is not None and not time_budget > 0:
+        raise SynthesisError(f"time_budget must be a positive number of seconds or None, got {time_budget!r}")
+    return int(max_chunks)
+
+
+def _solve_lp(net: Network, m_s: int, warm: _Warm | None, deadline: float | None, pricing: str | None) -> CGResult:
+    init = initial_trees(net, m_s, pricing=pricing)
+    reused = warm.trees(m_s, init) if warm is not None else []
+    # A warm start seeds the RMP with the repaired previous trees alone: adding the cold initial
+    # trees next to them made the RMP's optimum a degenerate mix that took more iterations.
+    covered = np.zeros(net.num_gpus, dtype=bool)
+    for src, _ in reused:
+        covered[src] = True
+    missing = np.flatnonzero(~covered)
+    seeds = [(init[0][missing], init[1][missing])] if missing.size else []
+    return column_generation(
+        net, max_steps=m_s, seed_trees=seeds, reused_trees=reused, deadline=deadline, pricing=pricing
+    )
+
+
+def _minimize_steps(net: Network, m_s: int, warm: _Warm | None, deadline: float | None, pricing: str | None):
+    """MCCL App. D: binary search for the smallest step bound that still reaches the optimum at ``m_s``.
+
+    Each trial re-runs column generation on the truncated DAG, seeded with
+    the trees of earlier trials that fit in its steps (MCCL's warm start).
+    Trials list ``[m_test, algbw]`` (0 when some pair has no route); the
+    returned run is the one at the smallest optimal bound.
+    """
+    best = _solve_lp(net, m_s, warm, deadline, pricing)
+    target = best.z
+    lo, hi, best_m = 2, m_s - 1, m_s
+    trials: list[list[float]] = [[m_s, best.z * net.num_gpus * net.unit]]
+    carried = best
+    iterations, columns = best.iterations, best.columns_generated
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        try:
+            method = pricing if mid >= net.num_gpus else "dag"
+            seeds = _step_feasible(carried, mid) or [initial_trees(net, mid, pricing=method)]
+            res = column_generation(net, max_steps=mid, seed_trees=seeds, deadline=deadline, pricing=method)
+        except SynthesisError:  # some pair has no route within mid steps: infeasible
+            trials.append([mid, 0.0])
+            lo = mid + 1
+            continue
+        trials.append([mid, res.z * net.num_gpus * net.unit])
+        iterations += res.iterations
+        columns += res.columns_generated
+        if res.converged and res.z >= target * (1 - 1e-9):
+            best, best_m, hi, carried = res, mid, mid - 1, res
+        else:
+            lo = mid + 1
+    search = {
+        "trials": trials,
+        "target_algbw": target * net.num_gpus * net.unit,
+        "iterations_total": iterations,
+        "columns_generated_total": columns,
+    }
+    return best_m, search, best
+
+
+def _step_feasible(res: CGResult, m_s: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The trees of an earlier run whose paths all fit in ``m_s`` steps (one per source at least)."""
+    pool, net = res.pool, res.pool.net
+    arcs = pool.paths
+    adv = np.where(arcs >= 0, net.advances[np.maximum(arcs, 0)], False).sum(axis=1)
+    col_adv = np.where(pool.col_paths >= 0, adv[np.maximum(pool.col_paths, 0)], 0).max(axis=1)
+    keep = np.flatnonzero(col_adv <= m_s - 1)
+    if keep.size == 0 or np.unique(pool.col_src[keep]).size < net.num_gpus:
+        return []
+    pid = pool.col_paths[keep]
+    paths = np.where(pid[..., None] >= 0, arcs[np.maximum(pid, 0)], -1)
+    return [(pool.col_src[keep], paths.astype(np.int32))]
+
+
+def _cut_info(net: Network, lp_loads: np.ndarray, link_chunks: np.ndarray) -> dict[str, Any]:
+    """Bottleneck cut (LP-saturated links), base slacks and chunks per link (MCCL Sec. 3.2, Alg. 1).
+
+    ``base_slack_a = (c_a - n_a * x_min) / c_a`` with the per-chunk rate
+    ``x_min = min_a c_a / n_a``: the bandwidth the rounded schedule leaves
+    unused on a cut link.
+    """
+    cap = net.capacity
+    used = link_chunks > 0
+    x_min = float(np.min(cap[used] / link_chunks[used])) if used.any() else 0.0
+    cut = np.flatnonzero(lp_loads >= cap * (1 - SATURATION_TOL))
+    slacks = np.maximum((cap[cut] - link_chunks[cut] * x_min) / cap[cut], 0.0)
+    nz = np.flatnonzero(used)
+    return {
+        "cut": [list(e) for e in net.arc_names(cut)],
+        "base_slacks": slacks.tolist(),
+        "link_chunks": [[u, v, int(c)] for (u, v), c in zip(net.arc_names(nz), link_chunks[nz].tolist())],
+    }
+
+
+def _keep_previous(
+    previous: Schedule, warm: _Warm, upper: float, name: str, m_s: int, timings: dict, t_start: float
+) -> Schedule:
+    """The previous program with this topology's bound, rate and trigger data."""
+    net, n = warm.net, warm.net.num_gpus
+    rate = warm.rate
+    info = dict(previous.info)
+    info.update(
+        {
+            "lp_bound": n * upper * net.unit,
+            "gap_pct": _gap_pct(rate, upper),
+            "lp_converged": True,
+            "lp_gap_pct": _gap_pct(rate, upper),
+            "lp_value": n * rate * net.unit,
+            "iterations": 0,
+            "columns_generated": 0,
+            "columns_total": warm.num_trees,
+            "reused_columns": warm.num_trees,
+            "reused_schedule": True,
+            "max_steps": m_s,
+            "step_search": None,
+            "per_chunk_algbw": {str(warm.chunks): n * rate * net.unit},
+            "simplex_iterations": 0,
+            "topology": net.topo.fingerprint,
+        }
+    )
+    info.update(_cut_info(net, warm.link_chunks * rate / warm.chunks, warm.link_chunks))
+    timings["total"] = time.perf_counter() - t_start
+    info["timings"] = timings
+    info["solve_time_s"] = timings["total"]
+    return previous.replace(name=name, algbw=n * rate * net.unit, bound=n * upper * net.unit, info=info)
+
+
+class _Warm:
+    """What a previous schedule offers on a new topology: its chunk routes and their rate.
+
+    Attributes:
+        chunks: the previous ``K``.
+        src, dst, count, arcs: its routes whose links all still exist (arcs -1 padded).
+        complete: every commodity keeps all ``K`` chunks on existing links.
+        overloaded: ``(A,)`` links the previous routes overload on the new capacities.
+        rate: the previous integer solution's per-commodity rate on the new
+            capacities (capacity units), when complete.
+        link_chunks: its chunks per link, when complete.
+    """
+
+    def __init__(self, net: Network) -> None:
+        self.net = net
+        self.chunks = 0
+        self.src = self.dst = self.count = np.zeros(0, dtype=np.int64)
+        self.arcs = np.zeros((0, 1), dtype=np.int32)
+        self.complete = False
+        self.rate = 0.0
+        self.link_chunks = np.zeros(net.num_arcs)
+        self.overloaded = np.zeros(net.num_arcs, dtype=bool)
+        self.num_trees = 0
+
+    @classmethod
+    def of(cls, previous: Schedule, net: Network) -> _Warm:
+        if not isinstance(previous, Schedule):
+            raise SynthesisError(f"previous must be a jaxccl Schedule, got {type(previous).__name__}")
+        if previous.collective is not Collective.ALL_TO_ALL:
+            raise SynthesisError(f"previous is a {previous.collective.value} schedule, not all_to_all")
+        if previous.num_ranks != net.num_gpus:
+            raise SynthesisError(
+                f"previous schedule has {previous.num_ranks} ranks but the topology has {net.num_gpus} GPUs"
+            )
+        w = cls(net)
+        table = previous.info.get("paths")
+        if not table:
+            return w  # e.g. a baseline schedule: nothing to reuse
+        n = net.num_gpus
+        w.chunks = int(previous.info.get("chunks", previous.chunks_per_period))
+        src, dst, count, arcs, ok = route_arcs(net, table)
+        w.src, w.dst, w.count, w.arcs = src[ok], dst[ok], count[ok], arcs[ok]
+        per_comm = np.bincount(w.src * n + w.dst, weights=w.count, minlength=n * n)
+        off_diag = ~np.eye(n, dtype=bool).ravel()
+        w.complete = bool(ok.all() and w.chunks >= 1 and np.all(per_comm[off_diag] == w.chunks))
+        valid = w.arcs >= 0
+        weights = np.broadcast_to(w.count[:, None], w.arcs.shape)[valid]
+        w.link_chunks = np.bincount(w.arcs[valid], weights=weights, minlength=net.num_arcs)
+        if w.complete:
+            w.rate = w.chunks / float(np.max(w.link_chunks / net.capacity))
+            w.num_trees = n * w.chunks
+        # Links the old routes now overload: more chunks per capacity than the old bottleneck had.
+        old_rate = (previous.algbw or 0.0) / n / net.unit  # per-commodity rate, capacity units
+        if old_rate > 0 and w.chunks >= 1:
+            w.overloaded = w.link_chunks / net.capacity > (w.chunks / old_rate) * (1 + 1e-9)
+        return w
+
+    def still_optimal(self, m_s: int, pricing: str | None = None) -> float | None:
+        """A Lagrangian bound proving the previous routes optimal on the new capacities, else None."""
+        if not self.complete:
+            return None
+        net = self.net
+        hops = np.where(self.arcs >= 0, net.advances[np.maximum(self.arcs, 0)], False).sum(axis=1)
+        if hops.max() > m_s - 1:
+            return None
+        upper = np.inf
+        for prices in utilization_prices(net, self.link_chunks):
+            cost = shortest_path_trees(net, prices, max_steps=m_s, extract=False, method=pricing).cost
+            upper = min(upper, lagrangian_bound(net, prices, cost))
+            if np.isfinite(upper) and upper - self.rate <= GAP_TOL * upper:
+                return max(upper, self.rate)
+        return None
+
+    def trees(self, m_s: int, fallback: tuple[np.ndarray, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The previous chunk routes as trees: tree ``j`` of source ``s`` takes chunk ``j``'s route to every GPU.
+
+        Routes longer than ``m_s - 1`` hops, and routes over links they now
+        overload (the previous routes put more chunks per capacity on them
+        than on the previous bottleneck), are dropped; a destination left
+        without a route in some chunk takes another chunk's route, else its
+        path in the ``fallback`` trees (one per source). So the trees keep
+        the previous structure wherever it still fits.
+        """
+        net, n, k = self.net, self.net.num_gpus, self.chunks
+        if self.src.size == 0 or k < 1:
+            return []
+        safe = np.maximum(self.arcs, 0)
+        hops = np.where(self.arcs >= 0, net.advances[safe], False).sum(axis=1)
+        keep = (hops <= m_s - 1) & ~np.any((self.arcs >= 0) & self.overloaded[safe], axis=1)
+        src, dst, cnt, arcs = self.src[keep], self.dst[keep], self.count[keep], self.arcs[keep]
+        order = np.lexsort((dst, src))
+        src, dst, cnt, arcs = src[order], dst[order], cnt[order], arcs[order]
+        comm = src * n + dst
+        c0 = np.cumsum(cnt) - cnt
+        first = np.flatnonzero(np.r_[True, comm[1:] != comm[:-1]]) if comm.size else np.zeros(0, dtype=np.int64)
+        c0 -= np.repeat(c0[first], np.diff(np.r_[first, comm.size]))
+        f_src, f_paths = fallback
+        width = max(arcs.shape[1], f_paths.shape[2])
+        paths = np.full((n, k, n, width), -1, dtype=np.int32)
+        filled = np.zeros((n, k, n), dtype=bool)
+        rep = np.repeat(np.arange(src.size), cnt)
+        cls = c0[rep] + (np.arange(rep.size) - np.repeat(np.cumsum(cnt) - cnt, cnt))
+        inside = cls < k
+        rep, cls = rep[inside], cls[inside]
+        paths[src[rep], cls, dst[rep], : arcs.shape[1]] = arcs[rep]
+        filled[src[rep], cls, dst[rep]] = True
+        # A chunk without a route takes another chunk's route of its commodity, else the fallback's.
+        any_filled = filled.any(axis=1)
+        first_cls = filled.argmax(axis=1)
+        s_i, j_i, d_i = np.nonzero(~filled)
+        own = any_filled[s_i, d_i]
+        paths[s_i[own], j_i[own], d_i[own]] = paths[s_i[own], first_cls[s_i[own], d_i[own]], d_i[own]]
+        filled[s_i[own], j_i[own], d_i[own]] = True
+        diag = np.arange(n)
+        filled[diag, :, diag] = True
+        s_i, j_i, d_i = np.nonzero(~filled)
+        row = np.searchsorted(f_src, s_i)
+        paths[s_i, j_i, d_i, : f_paths.shape[2]] = f_paths[row, d_i]
+        has_route = np.zeros((n, k), dtype=bool)
+        has_route[src[rep], cls] = True
+        s_sel, j_sel = np.nonzero(has_route)
+        return [(s_sel, paths[s_sel, j_sel])]
