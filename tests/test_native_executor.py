@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from handmade import ring_all_gather
 from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -32,21 +33,6 @@ SIZES = [1, 2, 3, 4, 8]
 
 
 # ----------------------------------------------------------------------------- schedules
-
-
-def ring_all_gather(n: int, c: int = 1):
-    b = ScheduleBuilder("all_gather", num_ranks=n, chunks_per_period=c)
-    last = [None] * n
-    for r in range(n):
-        b.copy(r, (I, 0), (O, r * c), c)
-    for k in range(1, n):
-        new = [None] * n
-        for r in range(n):
-            origin = (r - k + 1) % n
-            src = (I, 0) if k == 1 else (O, origin * c)
-            new[(r + 1) % n] = b.transfer(r, (r + 1) % n, src, (O, origin * c), c, after=[last[r]] if last[r] else [])
-        last = new
-    return b.build(name="ring")
 
 
 def relay_all_gather(n: int, c: int = 1):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from handmade import ring_all_gather
 
 from jaxccl.errors import ScheduleError
 from jaxccl.schedule import Buffer, Op, OpKind, ScheduleBuilder, Threadblock, make_schedule
@@ -11,22 +12,6 @@ from jaxccl.schedule import table as tbl
 from jaxccl.schedule.table import compile_table, decode, header
 
 I, O, S = Buffer.INPUT, Buffer.OUTPUT, Buffer.SCRATCH
-
-
-def ring_all_gather(n: int, c: int = 1):
-    b = ScheduleBuilder("all_gather", num_ranks=n, chunks_per_period=c)
-    last = [None] * n
-    for r in range(n):
-        b.copy(r, (I, 0), (O, r * c), c)
-    for k in range(1, n):
-        new = [None] * n
-        for r in range(n):
-            origin = (r - k + 1) % n
-            src = (I, 0) if k == 1 else (O, origin * c)
-            after = [last[r]] if last[r] is not None else []
-            new[(r + 1) % n] = b.transfer(r, (r + 1) % n, src, (O, origin * c), c, after=after)
-        last = new
-    return b.build(name="ring")
 
 
 def test_header_and_sizes():
