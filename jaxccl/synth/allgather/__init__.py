@@ -163,7 +163,9 @@ def _cold_solve(net: Net, hints: dict, method: str, max_chunks, times: dict) -> 
     logical = _split(net, units, method, stats)
     times["switch_removal"] = time.perf_counter() - t
     t = time.perf_counter()
-    warm = {"prefer": hints.get("prefer")}  # previous trees as preferences only
+    # The previous trees did not extend (warm start failed): pack from scratch. Offering the old
+    # parents first only added matchings in measurements, so they are not used here.
+    warm: dict = {}
     packing = pack(net.num_gpus, units.k, logical.gpu_links(), **warm)
     times["packing"] = time.perf_counter() - t
     if method == "latency":
