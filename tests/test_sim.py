@@ -332,3 +332,17 @@ def test_sim_run_cli(tmp_path):
     assert main([*args, "--json", str(out), "--png", str(png)]) == 0
     data = json.loads(out.read_text())
     assert data["time_s"] > 0 and math.isfinite(data["algbw"]) and png.exists()
+
+
+def test_program_order_versus_dataflow():
+    # rank 0's threadblock towards 1 forwards X (from rank 2) and then sends its own data
+    size = 4e6
+    b = ScheduleBuilder("all_gather", 3, 1)
+    h = b.transfer(2, 0, (I, 0), (O, 2))
+    b.transfer(0, 1, (O, 2), (O, 2), after=[h])
+    b.transfer(0, 1, (I, 0), (O, 0))
+    s = b.build()
+    ordered = sim.run(star(3), s, size, pipeline_bytes=None).time_s
+    dataflow = sim.run(star(3), s, size, pipeline_bytes=None, program_order=False, num_slots=None).time_s
+    assert close(ordered, 3 * size / GB + 4 * LAT)  # the own send waits behind the forward
+    assert close(dataflow, 2 * size / GB + 4 * LAT)  # it goes first, while X is on its way

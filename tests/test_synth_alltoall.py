@@ -166,8 +166,21 @@ def test_warm_start_gives_the_same_optimum(fail):
     assert warm.info["gap_pct"] <= 2.13
     if fail == "fail1":  # the NVLink loss is outside the bottleneck: the old routes stay optimal
         assert warm.info["reused_schedule"] and warm.digest == base.digest
-    else:
+        assert warm.info["warm_mode"] == "kept"
+    else:  # only the pairs through the degraded links are re-optimized, and that is certified optimal
         assert not warm.info["reused_schedule"]
+        assert warm.info["warm_mode"] == "repair"
+        assert 0 < warm.info["affected_pairs"] < 16 * 15
+
+
+def test_warm_start_falls_back_to_column_generation_when_the_repair_is_not_optimal():
+    # On a ring the pairs that avoid the slow link must move too: the local repair cannot prove optimality.
+    base = alltoall(ring(6))
+    topo = ring(6).degrade(0, 1, gbps=50)
+    warm = alltoall(topo, previous=base).validate()
+    assert warm.info["warm_mode"] == "column_generation"
+    assert warm.info["reused_columns"] > 0
+    assert warm.bound == pytest.approx(cflp_bound(topo), rel=1e-6)
 
 
 def test_warm_start_survives_json_and_missing_links():
@@ -178,6 +191,7 @@ def test_warm_start_survives_json_and_missing_links():
     warm = alltoall(topo, previous=restored).validate()
     assert warm.bound == pytest.approx(cflp_bound(topo), rel=1e-6)
     assert warm.info["reused_columns"] > 0
+    assert warm.info["warm_mode"] in ("repair", "column_generation")
     for _, _, _, nodes in decode_paths(warm.info["paths"]):
         assert (1, "tor:s0r1") not in zip(nodes[:-1], nodes[1:])
 
@@ -278,6 +292,27 @@ def test_direct_compiler_equals_the_builder(name):
     b = compile_schedule(net, res.pool, r.comm, r.pid, r.count, r.chunks, method="builder")
     assert a.digest == b.digest and a.ranks == b.ranks
     a.validate()
+
+
+@pytest.mark.parametrize("fail", ["fail2", "fail3"])
+def test_incremental_compile_reuses_threadblocks_exactly(fail):
+    from jaxccl.synth.alltoall.compile import emit, previous_plan
+
+    base_topo = rail(hosts=2, gpus_per_host=8)
+    base = alltoall(base_topo)
+    warm = alltoall(scenario(base_topo, fail), previous=base).validate()
+    assert warm.info["warm_mode"] == "repair"
+    assert 0 < warm.info["threadblocks_reused"] < warm.num_threadblocks
+    reused = {id(tb) for tbs in base.ranks for tb in tbs}
+    assert sum(id(tb) in reused for tbs in warm.ranks for tb in tbs) == warm.info["threadblocks_reused"]
+    # The reused threadblocks are exactly what a fresh emission of the same plan builds.
+    p = previous_plan(warm.info["paths"], 16, warm.chunks_per_period)
+    fresh = emit(16, warm.chunks_per_period, p)
+    assert fresh.digest == warm.digest
+    # Chains of warm starts stay consistent too.
+    again = alltoall(scenario(base_topo, "fail3" if fail == "fail2" else "fail2"), previous=warm).validate()
+    p2 = previous_plan(again.info["paths"], 16, again.chunks_per_period)
+    assert emit(16, again.chunks_per_period, p2).digest == again.digest
 
 
 def test_forwarding_goes_through_scratch_with_the_chunk_class():
@@ -420,3 +455,14 @@ def test_executes_bitwise_on_16_cpu_devices():
     _native_or_skip()
     out = _run_devices(16, ["2:8:base", "2:8:fail2", "2:8:fail3"])
     assert out.count("OK 2:8:") == 3
+
+
+# ------------------------------------------------------------------------------- examples
+@pytest.mark.parametrize("module", ["cflp", "columns", "driver", "network", "pricing", "routes"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    mod = importlib.import_module(f"jaxccl.synth.alltoall.{module}")
+    result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

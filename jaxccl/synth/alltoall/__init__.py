@@ -8,7 +8,8 @@ arc-based CF-LP of App. G.3, an independent check of the LP optimum;
 Modules: :mod:`.network` (the topology as arrays), :mod:`.pricing`
 (shortest-path trees on the time-expanded DAG, all sources per sweep),
 :mod:`.columns` (the column pool), :mod:`.master` (the RMP on HiGHS),
-:mod:`.cg` (the column-generation loop), :mod:`.rounding` (deep-dive
+:mod:`.cg` (the column-generation loop), :mod:`.repair` (warm start by
+certified local repair), :mod:`.rounding` (deep-dive
 rounding), :mod:`.compile` (the schedule IR), :mod:`.routes` (the stored
 routes), :mod:`.cflp` (the check). The benchmark is :mod:`jaxccl.cli.synth_alltoall`.
 """

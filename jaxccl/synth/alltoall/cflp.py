@@ -47,8 +47,8 @@ def cflp_bound(topo: Topology, *, max_steps: int | None = None, per: str = "sour
         SynthesisError: if HiGHS does not report an optimum (e.g. ``m_s`` too small).
 
     >>> from jaxccl.topology import ring
-    >>> round(cflp_bound(ring(4, link_gbps=8)) / 1e9, 6)  # 1 GB/s links
-    2.666667
+    >>> round(cflp_bound(ring(4, link_gbps=8)) / 1e9, 6)  # 1 GB/s links: 16 pair-hops on 8 links
+    2.0
     """
     if not isinstance(topo, Topology):
         raise TopologyError(f"expected a jaxccl.topology.Topology, got {type(topo).__name__}")

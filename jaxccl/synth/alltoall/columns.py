@@ -3,9 +3,9 @@
 A column is a tree ``T_c`` of tensor ``c`` (= source GPU ``s``): one path from
 ``s`` to every other GPU. Its coefficient ``beta_a`` on link ``a`` counts the
 paths of the tree that cross ``a`` (MCCL Sec. 4.2). Paths are stored once
-(deduplicated by a 64-bit hash of their arc sequence, checked for equality on
-a hit); a column is the vector of path ids of its ``N`` destinations (-1 at
-the source).
+(deduplicated by a 64-bit hash of their arc sequence, kept sorted for
+vectorized lookups and checked for equality on a hit); a column is the vector
+of path ids of its ``N`` destinations (-1 at the source).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class ColumnPool:
         self._paths = np.full((0, 1), -1, dtype=np.int32)
         self._src = np.zeros(0, dtype=np.int64)
         self._dst = np.zeros(0, dtype=np.int64)
-        self._path_ids: dict[int, int] = {}
+        self._keys = np.zeros(0, dtype=np.uint64)  # sorted path hashes
+        self._key_ids = np.zeros(0, dtype=np.int64)  # path id of each
         self._tree_ids: dict[tuple[int, int], int] = {}
         self.col_src = np.zeros(0, dtype=np.int64)
         self.col_paths = np.zeros((0, n), dtype=np.int64)
@@ -98,25 +99,36 @@ class ColumnPool:
             padded = np.full((rows.shape[0], self._width), -1, dtype=np.int32)
             padded[:, :width] = rows
             rows = padded
-        keys = self._hash_rows(rows).tolist()
-        table = self._path_ids
-        ids = np.fromiter((table.get(k, -1) for k in keys), dtype=np.int64, count=len(keys))
+        keys = self._hash_rows(rows)
+        ids = np.full(keys.size, -1, dtype=np.int64)
+        if self._keys.size:
+            pos = np.minimum(np.searchsorted(self._keys, keys), self._keys.size - 1)
+            hit = self._keys[pos] == keys
+            ids[hit] = self._key_ids[pos[hit]]
         hit = ids >= 0
         if hit.any() and not np.array_equal(self._paths[ids[hit]], rows[hit]):
             raise SynthesisError("path hash collision in the column pool")  # pragma: no cover
         miss = np.flatnonzero(~hit)
         if miss.size:
-            miss_keys = np.asarray(keys, dtype=np.uint64)[miss]
-            uniq, first, inverse = np.unique(miss_keys, return_index=True, return_inverse=True)
-            base = self.num_paths
-            new_ids = base + np.arange(uniq.size)
+            uniq, first, inverse = np.unique(keys[miss], return_index=True, return_inverse=True)
+            new_ids = self.num_paths + np.arange(uniq.size)
             ids[miss] = new_ids[inverse.ravel()]
             sel = miss[first]
             self._paths = np.concatenate([self._paths, rows[sel]])
             self._src = np.concatenate([self._src, src[sel]])
             self._dst = np.concatenate([self._dst, dst[sel]])
-            table.update(zip(uniq.tolist(), new_ids.tolist()))
+            at = np.searchsorted(self._keys, uniq)
+            self._keys = np.insert(self._keys, at, uniq)
+            self._key_ids = np.insert(self._key_ids, at, new_ids)
         return ids
+
+    def add_paths(self, src: np.ndarray, dst: np.ndarray, arcs: np.ndarray) -> np.ndarray:
+        """Path ids of standalone paths (``(M, L)`` -1 padded arcs from ``src`` to ``dst``), adding new ones."""
+        if arcs.shape[0] == 0:
+            return np.zeros(0, dtype=np.int64)
+        return self._intern_paths(
+            np.asarray(arcs, dtype=np.int32), np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        )
 
     def add(self, sources: np.ndarray, paths: np.ndarray, *, origin: int = 0) -> np.ndarray:
         """Adds trees; returns the indices of the columns that were new.

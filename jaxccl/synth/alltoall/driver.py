@@ -10,13 +10,21 @@ of the rounded solution (``chi = max_a n_a / c_a``, ``n_a`` chunks of size
 ``D / K`` on link ``a``).
 
 Warm start. ``previous`` (a schedule this module made) carries its chunk
-routes in ``info["paths"]``. Chunk ``j`` of every commodity of source ``s``
+routes in ``info["paths"]``; chunk ``j`` of every commodity of source ``s``
 defines a tree of ``s`` (one route per destination), so the previous integer
-solution is ``K`` columns per source; those whose links still exist seed the
-master problem. Before any LP is solved the previous solution itself is
-checked: if its rate on the new capacities meets a Lagrangian upper bound
-(priced from its own link utilizations, see :mod:`.cg`), it is still optimal
-and its program is kept as is (only ``bound``/``algbw``/``info`` change).
+solution is ``K`` columns per source. Three outcomes, reported as
+``info["warm_mode"]``:
+
+* ``"kept"``: the previous routes, priced on the new capacities, meet a
+  Lagrangian upper bound (from their own link utilizations, see :mod:`.cg`):
+  they are still optimal and the previous program is returned as is (only
+  ``bound``/``algbw``/``info`` change).
+* ``"repair"``: only the pairs whose routes cross a link the old routes now
+  overload (or a link that is gone) are re-optimized, the others keep their
+  routes; accepted when a Lagrangian bound over all pairs proves the result
+  LP-optimal (:mod:`.repair`, MCCL Sec. 4.1's locality of re-optimization).
+* ``"column_generation"``: otherwise, the full column generation seeded with
+  the previous trees whose routes still fit (MCCL Sec. 4.2's warm start).
 """
 
 from __future__ import annotations
@@ -36,10 +44,11 @@ from jaxccl.synth.alltoall.cg import (
     lagrangian_bound,
     utilization_prices,
 )
-from jaxccl.synth.alltoall.compile import compile_schedule
+from jaxccl.synth.alltoall.compile import LAYOUT, emit, plan, plan_columns, plan_incremental, previous_plan
 from jaxccl.synth.alltoall.network import Network, build_network
 from jaxccl.synth.alltoall.pricing import METHODS as PRICING_METHODS
 from jaxccl.synth.alltoall.pricing import shortest_path_trees
+from jaxccl.synth.alltoall.repair import repair
 from jaxccl.synth.alltoall.rounding import path_flows, round_flows
 from jaxccl.synth.alltoall.routes import encode_paths, route_arcs
 from jaxccl.topology import Topology
@@ -71,9 +80,11 @@ def alltoall(
     Args:
         topo: the cluster.
         previous: a schedule this function returned earlier (possibly for
-            other link capacities): its routes that still exist seed the master
-            problem (warm start), and its program is kept when its routes are
-            still optimal on ``topo``.
+            other link capacities or a link less): its program is kept when
+            its routes are still optimal on ``topo``; else only the pairs a
+            change touched are re-optimized when that is provably optimal;
+            else its routes seed the column generation (see the module
+            docstring; ``info["warm_mode"]`` says which).
         max_chunks: the largest number of chunks per commodity (``>= 1``).
         time_budget: seconds for the LP phase; when they run out the best LP
             solution so far is rounded and ``bound`` is the Lagrangian upper
@@ -94,7 +105,9 @@ def alltoall(
         ``bound`` is the LP optimum and ``algbw`` the rounded schedule's algbw,
         both in bytes of one rank's output buffer per second (``N * z``).
         ``info`` holds ``gap_pct``, ``chunks``, ``iterations``,
-        ``columns_generated``, ``reused_columns``, ``solve_time_s``,
+        ``columns_generated``, ``reused_columns`` (previous trees in the
+        master problem, or previous routes kept by a repair), ``warm_mode``,
+        ``solve_time_s``,
         ``timings``, ``paths`` (the chunk routes, see
         :func:`~jaxccl.synth.alltoall.decode_paths`), and for the
         re-optimization trigger of MCCL Sec. 3.2 the bottleneck ``cut`` (links
@@ -136,60 +149,109 @@ def alltoall(
             return _keep_previous(previous, warm, kept, name, m_s, timings, t_start)
 
     deadline = None if time_budget is None else t_start + float(time_budget)
-    t0 = time.perf_counter()
+    repaired = None
+    if warm is not None and warm.src.size and warm.chunks >= 1 and not minimize_steps:
+        t0 = time.perf_counter()
+        repaired = repair(
+            net,
+            warm.src,
+            warm.dst,
+            warm.count,
+            warm.arcs,
+            warm.chunks,
+            warm.overloaded,
+            max_steps=m_s,
+            pricing=pricing,
+            deadline=deadline,
+        )
+        timings["repair"] = time.perf_counter() - t0
     step_search = None
-    if minimize_steps:
-        m_s, step_search, res = _minimize_steps(net, m_s, warm, deadline, pricing)
+    if repaired is not None:
+        timings.update({f"repair_{k}": v for k, v in repaired.timings.items()})
+        pool, flows, z_bound = repaired.pool, repaired.flows, repaired.z
+        lp_loads = repaired.loads
+        info: dict[str, Any] = {
+            "warm_mode": "repair",
+            "lp_converged": True,
+            "lp_gap_pct": _gap_pct(repaired.z, repaired.upper),
+            "lp_value": n * repaired.z * net.unit,
+            "iterations": repaired.iterations,
+            "columns_generated": repaired.columns_generated,
+            "columns_total": pool.num_paths,
+            "reused_columns": repaired.kept_routes,
+            "affected_pairs": repaired.affected,
+            "simplex_iterations": repaired.simplex_iterations,
+        }
     else:
-        res = _solve_lp(net, m_s, warm, deadline, pricing)
-    timings["lp"] = time.perf_counter() - t0
-    timings.update({f"lp_{k}": v for k, v in res.timings.items()})
-    z_bound = res.z if res.converged else res.upper
+        t0 = time.perf_counter()
+        if minimize_steps:
+            m_s, step_search, res = _minimize_steps(net, m_s, warm, deadline, pricing)
+        else:
+            res = _solve_lp(net, m_s, warm, deadline, pricing)
+        timings["lp"] = time.perf_counter() - t0
+        timings.update({f"lp_{k}": v for k, v in res.timings.items()})
+        pool, z_bound = res.pool, (res.z if res.converged else res.upper)
+        flows = path_flows(pool, res.x)
+        lp_loads = pool.loads(np.flatnonzero(res.x > 0), res.x[res.x > 0])
+        info = {
+            "warm_mode": "cold" if warm is None else "column_generation",
+            "lp_converged": bool(res.converged),
+            "lp_gap_pct": _gap_pct(res.z, res.upper),
+            "lp_value": n * res.z * net.unit,
+            "iterations": res.iterations,
+            "columns_generated": res.columns_generated,
+            "columns_total": pool.num_columns,
+            "reused_columns": int((pool.col_origin == 1).sum()),
+            "simplex_iterations": res.master.simplex_iterations,
+        }
 
     t0 = time.perf_counter()
-    flows = path_flows(res.pool, res.x)
-    rounded = round_flows(net, res.pool, flows, max_chunks=max_chunks, target=z_bound)
+    rounded = round_flows(net, pool, flows, max_chunks=max_chunks, target=z_bound)
     timings["rounding"] = time.perf_counter() - t0
-
     if rounded.rate > z_bound * (1 + 1e-9):  # pragma: no cover - an integer solution is an LP solution
         raise SynthesisError(f"rounded rate {rounded.rate} exceeds the LP bound {z_bound}")
     rate = min(rounded.rate, z_bound)  # float noise only
     t0 = time.perf_counter()
-    lp_loads = res.pool.loads(np.flatnonzero(res.x > 0), res.x[res.x > 0])
-    info: dict[str, Any] = {
+    prev_plan = None
+    if previous is not None and previous.info.get("layout") == LAYOUT and previous.chunks_per_period == rounded.chunks:
+        prev_plan = previous_plan(previous.info.get("paths") or {}, n, rounded.chunks)
+    if prev_plan is not None:
+        msgs = plan_incremental(net, pool, rounded.comm, rounded.pid, rounded.count, rounded.chunks, prev_plan)
+    else:
+        msgs = plan(net, pool, rounded.comm, rounded.pid, rounded.count, rounded.chunks)
+    timings["plan"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    paths = encode_paths(net, pool, msgs.src * n + msgs.dst, msgs.pid, msgs.count)
+    paths.update(plan_columns(msgs))
+    info = {
         "algorithm": "column_generation",
         "paper": "MCCL Sec. 4.2, App. D/F/G",
         "chunks": rounded.chunks,
         "lp_bound": n * z_bound * net.unit,
         "gap_pct": _gap_pct(rate, z_bound),
-        "lp_converged": bool(res.converged),
-        "lp_gap_pct": _gap_pct(res.z, res.upper),
-        "lp_value": n * res.z * net.unit,
-        "iterations": res.iterations,
-        "columns_generated": res.columns_generated,
-        "columns_total": res.pool.num_columns,
-        "reused_columns": int((res.pool.col_origin == 1).sum()),
+        **info,
         "reused_schedule": False,
         "max_steps": m_s,
-        "steps_used": _max_hops(net, res.pool.paths[rounded.pid]),
+        "steps_used": _max_hops(net, pool.paths[rounded.pid]),
         "step_search": step_search,
         "per_chunk_algbw": {str(k): n * v * net.unit for k, v in rounded.per_k.items()},
-        "simplex_iterations": res.master.simplex_iterations,
         "topology": topo.fingerprint,
         "rate_convention": "algbw = N * per-pair rate (bytes of one rank's output buffer / time)",
-        "paths": encode_paths(net, res.pool, rounded.comm, rounded.pid, rounded.count),
+        "layout": LAYOUT,
+        "paths": paths,
     }
     info.update(_cut_info(net, lp_loads, rounded.link_chunks))
     timings["info"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    sched = compile_schedule(
-        net,
-        res.pool,
-        rounded.comm,
-        rounded.pid,
-        rounded.count,
+    stats: dict[str, int] = {}
+    sched = emit(
+        n,
         rounded.chunks,
+        msgs,
+        previous=previous if prev_plan is not None else None,
+        previous_plan=prev_plan,
+        stats=stats,
         name=name,
         algbw=n * rate * net.unit,
         bound=n * z_bound * net.unit,
@@ -197,7 +259,8 @@ def alltoall(
     )
     timings["compile"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - t_start
-    # The schedule holds this very dict: the timings of its own compilation go in last.
+    # The schedule holds this very dict: what its own compilation took goes in last.
+    info["threadblocks_reused"] = stats.get("reused", 0)
     info["timings"] = timings
     info["solve_time_s"] = timings["total"]
     return sched
@@ -336,6 +399,7 @@ def _keep_previous(
             "columns_total": warm.num_trees,
             "reused_columns": warm.num_trees,
             "reused_schedule": True,
+            "warm_mode": "kept",
             "max_steps": m_s,
             "step_search": None,
             "per_chunk_algbw": {str(warm.chunks): n * rate * net.unit},

@@ -46,7 +46,7 @@ from jaxccl.synth.alltoall.master import check_status, new_highs
 from jaxccl.synth.alltoall.network import Network
 
 _EPS = 1e-7
-_ONE_AT_A_TIME = 64  # below this many undecided commodities the dive fixes one per LP
+_ONE_AT_A_TIME = 16  # below this many undecided commodities the dive fixes one per LP
 POLISHED_CHUNK_COUNTS = 3  # how many of the best chunk counts after the dive get the polish
 
 
