@@ -36,7 +36,9 @@ instead of being rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 from collections.abc import Mapping
 from typing import Any
 
@@ -164,21 +166,32 @@ def _allocate(
             scratch[msg, pos] = q * c + start[msg]
             np.maximum.at(next_period, (g, start[msg]), q + 1)
         else:
-            for i, j, gg in zip(msg.tolist(), pos.tolist(), g.tolist()):
-                lo, hi = int(start[i]), int(start[i] + count[i])
-                q = int(next_period[gg, lo:hi].max())
-                next_period[gg, lo:hi] = q + 1
-                scratch[i, j] = q * c + lo
+            # The greedy is sequential per rank but independent across ranks: one round per message index.
+            turn = _cumcount(g)
+            classes = np.arange(c)[None, :]
+            for t in range(int(turn.max()) + 1):
+                sel = np.flatnonzero(turn == t)
+                gg, m_ = g[sel], msg[sel]
+                lo = start[m_][:, None]
+                mask = (classes >= lo) & (classes < lo + count[m_][:, None])
+                q = np.where(mask, next_period[gg], -1).max(axis=1)
+                next_period[gg] = np.where(mask, (q + 1)[:, None], next_period[gg])
+                scratch[m_, pos[sel]] = q * c + start[m_]
     return int(next_period.max()) if next_period.size else 0
+
+
+def _messages(net: Network, pool: ColumnPool, comm: np.ndarray, pid: np.ndarray, count: np.ndarray):
+    """``(gpus, hops, start, count)`` of rounded rows sorted by commodity."""
+    gpus = gpu_sequences(net, pool.paths[pid])
+    hops = (gpus >= 0).sum(axis=1) - 1
+    count = np.asarray(count, dtype=np.int64)
+    return gpus, hops, _starts(comm, count), count
 
 
 def plan(net: Network, pool: ColumnPool, comm: np.ndarray, pid: np.ndarray, count: np.ndarray, chunks: int) -> Plan:
     """Messages, class ranges and scratch offsets of rounded rows ``(commodity, path, chunks)`` sorted by commodity."""
     n, c = net.num_gpus, int(chunks)
-    gpus = gpu_sequences(net, pool.paths[pid])
-    hops = (gpus >= 0).sum(axis=1) - 1
-    count = np.asarray(count, dtype=np.int64)
-    start = _starts(comm, count)
+    gpus, hops, start, count = _messages(net, pool, comm, pid, count)
     scratch = np.full((gpus.shape[0], max(gpus.shape[1] - 2, 1)), -1, dtype=np.int64)
     periods = _allocate(gpus, hops, start, count, scratch, np.arange(gpus.shape[0]), n, c)
     return Plan(
@@ -263,7 +276,19 @@ def plan_incremental(
     ranges in row order and scratch above everything the kept ones occupy.
     """
     n, c = net.num_gpus, int(chunks)
-    fresh = plan(net, pool, comm, pid, count, chunks)
+    gpus, hops, start, count = _messages(net, pool, comm, pid, count)
+    fresh = Plan(
+        gpus=gpus,
+        hops=hops,
+        start=start,
+        count=count,
+        src=comm // n,
+        dst=comm % n,
+        scratch=np.zeros((gpus.shape[0], 0), dtype=np.int64),
+        scratch_chunks=0,
+        pid=np.asarray(pid, dtype=np.int64),
+        kept=np.zeros(gpus.shape[0], dtype=bool),
+    )
     width = max(fresh.gpus.shape[1], prev.gpus.shape[1])
 
     def keys(p: Plan) -> np.ndarray:
@@ -294,7 +319,7 @@ def plan_incremental(
         return fresh
     start = fresh.start.copy()
     start[keep] = prev.start[match]
-    wide = max(fresh.scratch.shape[1], prev.scratch.shape[1])
+    wide = max(fresh.gpus.shape[1] - 2, prev.scratch.shape[1], 1)
     scratch = np.full((fresh.gpus.shape[0], wide), -1, dtype=np.int64)
     scratch[np.flatnonzero(keep), : prev.scratch.shape[1]] = prev.scratch[match]
     gpus = np.pad(
@@ -606,7 +631,29 @@ def _reusable(new: _Layout, old: _Layout, previous: Schedule) -> dict[int, Threa
     return out
 
 
+@contextlib.contextmanager
+def _no_gc():
+    """Pauses the cyclic garbage collector while a million acyclic ops are created.
+
+    With a previous schedule alive, every generation-0 collection walked the
+    young objects and full collections walked them all: over half of the
+    emission time went to the collector, and ops never form cycles.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _emit(n: int, c: int, lay: _Layout, reuse: dict[int, Threadblock] | None) -> tuple:
+    with _no_gc():
+        return _emit_ops(n, c, lay, reuse)
+
+
+def _emit_ops(n: int, c: int, lay: _Layout, reuse: dict[int, Threadblock] | None) -> tuple:
     make = _make_op
     bufs = (Buffer.INPUT, Buffer.OUTPUT, Buffer.SCRATCH)
     kinds = (OpKind.SEND, OpKind.RECV)

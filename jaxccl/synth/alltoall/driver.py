@@ -206,7 +206,8 @@ def alltoall(
         }
 
     t0 = time.perf_counter()
-    rounded = round_flows(net, pool, flows, max_chunks=max_chunks, target=z_bound)
+    prefer = warm.chunks if warm is not None and warm.chunks >= 1 else None
+    rounded = round_flows(net, pool, flows, max_chunks=max_chunks, target=z_bound, prefer=prefer)
     timings["rounding"] = time.perf_counter() - t0
     if rounded.rate > z_bound * (1 + 1e-9):  # pragma: no cover - an integer solution is an LP solution
         raise SynthesisError(f"rounded rate {rounded.rate} exceeds the LP bound {z_bound}")

@@ -23,8 +23,10 @@ For each ``K = 1 .. max_chunks``:
    the bottleneck links to other pool paths of their commodity while that
    lowers ``chi`` (or the number of links at ``chi``).
 
-The best ``K`` (highest rate; ties go to the fewer chunks) wins; the search
-stops early at a ``K`` that reaches the LP rate.
+The smallest ``K`` within 0.1 % of the best rate wins (fewer chunks are
+fewer, larger messages; with a warm start the previous ``K`` is preferred
+within the same tolerance, so that the previous threadblocks can be
+reused); the search stops early at a ``K`` that reaches the LP rate.
 
 Deviation: the paper fixes one column per dive step and re-runs column
 generation between fixes; here the dive fixes batches and stays on the
@@ -48,6 +50,7 @@ from jaxccl.synth.alltoall.network import Network
 _EPS = 1e-7
 _ONE_AT_A_TIME = 16  # below this many undecided commodities the dive fixes one per LP
 POLISHED_CHUNK_COUNTS = 3  # how many of the best chunk counts after the dive get the polish
+CHUNK_TOLERANCE = 1e-3  # fewer chunks are worth up to 0.1 % of rate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +128,8 @@ def round_flows(
     *,
     max_chunks: int,
     target: float | None = None,
+    prefer: int | None = None,
+    tolerance: float = CHUNK_TOLERANCE,
 ) -> Rounded:
     """Rounds ``flows`` for every ``K <= max_chunks`` and returns the best.
 
@@ -134,6 +139,10 @@ def round_flows(
         flows: the LP solution (:func:`path_flows`).
         max_chunks: the largest chunk count per commodity to try.
         target: the LP rate; the search stops early at a ``K`` that reaches it.
+        prefer: a chunk count to pick when it is within ``tolerance`` of the
+            best (a warm start's previous ``K``: its threadblocks can be reused).
+        tolerance: relative rate given up for fewer chunks (or for ``prefer``):
+            the result is the smallest ``K`` within it of the best rate found.
     """
     cap = net.capacity
     comm_ids, first = np.unique(flows.comm, return_index=True)
@@ -160,17 +169,20 @@ def round_flows(
     moves = _moves(cand)
     budget = 20 * cand.num_groups + 100
     per_k = {k: rate for rate, k, _, _ in dived}
-    best: tuple[float, int, tuple] | None = None
-    top = max(r for r, *_ in dived)
-    ranked = sorted(dived, key=lambda t: (-round(t[0] / top, 10) if top > 0 else 0.0, t[1]))  # ties: fewer chunks
-    for rate, k, fixed_count, loads in ranked[:POLISHED_CHUNK_COUNTS]:
+    best_dived = max(r for r, *_ in dived)
+    ranked = sorted(dived, key=lambda t: (-round(t[0] / best_dived, 10) if best_dived > 0 else 0.0, t[1]))
+    chosen = ranked[:POLISHED_CHUNK_COUNTS] + [t for t in ranked[POLISHED_CHUNK_COUNTS:] if t[1] == prefer]
+    polished: dict[int, tuple] = {}
+    for rate, k, fixed_count, loads in chosen:
         if target is None or rate < target * (1 - 1e-9):
             fixed_count, loads = _polish(net, moves, fixed_count, loads, budget)
             rate = _rate(k, loads, cap)
             per_k[k] = rate
-        if best is None or rate > best[0] * (1 + 1e-12) or (rate >= best[0] * (1 - 1e-12) and k < best[1]):
-            best = (rate, k, (cand.pid, fixed_count, loads))
-    rate, k, (fixed_pid, fixed_count, loads) = best
+        polished[k] = (rate, (cand.pid, fixed_count, loads))
+    best_rate = max(r for r, _ in polished.values())
+    near = sorted(k for k, (r, _) in polished.items() if r >= best_rate * (1 - tolerance))
+    k = prefer if prefer in near else near[0]
+    rate, (fixed_pid, fixed_count, loads) = polished[k]
     comm = np.concatenate([comm_ids[single], cand.comm_of[fixed_count > 0]])
     pid = np.concatenate([flows.pid[single_rows], fixed_pid[fixed_count > 0]])
     count = np.concatenate([np.full(single_rows.size, k), fixed_count[fixed_count > 0]])
