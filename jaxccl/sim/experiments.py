@@ -164,23 +164,25 @@ def _single_tree(synth: Synthesizers, topo: Topology, previous: Schedule | None)
 FLOW_BUDGET = 150_000  # messages x iterations per simulation in the experiments
 
 
-def _iterations(sched: Schedule, nbytes: float) -> int:
+def _iterations(sched: Schedule, nbytes: float, flow_budget: int = FLOW_BUDGET) -> int:
     """MSCCL-style tiling for synthesized schedules; NCCL rings and direct exchanges gain nothing from it."""
     if sched.info.get("baseline") == "nccl":
         return 1
-    return auto_iterations(sched, nbytes, flow_budget=FLOW_BUDGET)
+    return auto_iterations(sched, nbytes, flow_budget=flow_budget)
 
 
 EXEC_MODELS = ("threadblock", "dataflow")
 
 
-def _sim(topo: Topology, sched: Schedule, nbytes: float, exec_model: str = "threadblock"):
+def _sim(
+    topo: Topology, sched: Schedule, nbytes: float, exec_model: str = "threadblock", flow_budget: int = FLOW_BUDGET
+):
     """Simulates ``sched``: jaxccl's executor model, or the idealized dataflow one (see :mod:`jaxccl.sim.model`)."""
     if exec_model == "dataflow":
         return sim_run(topo, sched, nbytes, program_order=False, num_slots=None)
     if exec_model != "threadblock":
         raise ValueError(f"unknown execution model {exec_model!r}; expected one of {EXEC_MODELS}")
-    return sim_run(topo, sched, nbytes, iterations=_iterations(sched, nbytes))
+    return sim_run(topo, sched, nbytes, iterations=_iterations(sched, nbytes, flow_budget))
 
 
 def _row(sched: Schedule, topo: Topology, nbytes: float, exec_model: str = "threadblock", **extra: Any) -> dict:
@@ -374,6 +376,7 @@ def _cluster(num_gpus: int) -> Topology:
 
 
 RS_SYNTH_LIMIT = 64  # mccl_rs leaves larger ReduceScatters static, as MCCL leaves its 1024-GPU AllGather
+FIG11_FLOW_BUDGET = 40_000  # tiling budget per collective call (Fig. 11 runs ~100 of them)
 
 
 def _shape_key(topo: Topology) -> str:
@@ -416,7 +419,7 @@ def _call_time(
             s = synth.synth(call.collective, group, previous=base)
         if s is None:  # the synthesizer failed: fall back to the static NCCL schedule
             return _call_time(call, group, healthy_group, "nccl", synth, cache)
-        out = (_sim(group, s, nbytes).time_s, "sim:" + s.name)
+        out = (_sim(group, s, nbytes, flow_budget=FIG11_FLOW_BUDGET).time_s, "sim:" + s.name)
     elif n > SIM_GROUP_LIMIT and call.collective in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER):
         orders = rail_channel_orders(group)
         k = len(orders)
