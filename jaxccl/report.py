@@ -8,7 +8,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TextIO, TypeVar
 
 T = TypeVar("T")
@@ -38,6 +38,22 @@ def progress(
         out.flush()
     if tty:
         out.write("\n")
+
+
+def timed_runs(fn: Callable[[], T], runs: int, solve_time: Callable[[T], float]) -> tuple[T, list[float], list[float]]:
+    """Calls ``fn`` ``runs`` times; returns the last result, the solve times ``solve_time(result)``
+    reports and the wall times of the whole calls (seconds)."""
+    solves: list[float] = []
+    totals: list[float] = []
+    out: T | None = None
+    for _ in range(runs):
+        t = time.perf_counter()
+        out = fn()
+        totals.append(time.perf_counter() - t)
+        solves.append(float(solve_time(out)))
+    if out is None:
+        raise ValueError("timed_runs needs runs >= 1")
+    return out, solves, totals
 
 
 def median(values: Sequence[float]) -> float:

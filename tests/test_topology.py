@@ -26,6 +26,13 @@ def test_rail_structure_matches_mccl_section_6_1():
     assert len(t.path(0, 9)) == 4
 
 
+def test_rail_segment_limit_can_be_lifted_for_single_segments():
+    big = rail(hosts=40, max_hosts_per_segment=None)
+    assert big.num_gpus == 320 and big.path(0, 39 * 8) == ((0, "tor:s0r0"), ("tor:s0r0", 312))
+    with pytest.raises(jaxccl.TopologyError, match="max_hosts_per_segment"):
+        rail(hosts=40)
+
+
 def test_rail_segments_join_through_aggregation():
     t = rail(hosts=4, gpus_per_host=8, segments=2)
     assert t.num_gpus == 64

@@ -23,9 +23,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
+
+from jaxccl import report
 
 HOSTS = (2, 4, 8, 16, 32, 64)
 STATES = ("base", "fail1", "fail2", "fail3")
@@ -51,41 +52,17 @@ COLUMNS = (
 
 def flat_rail(hosts: int, gpus_per_host: int = 8, segments: int = 1):
     """A rail-optimized topology ``segments x hosts/segments x gpus_per_host``, also beyond 32 hosts per segment."""
-    import networkx as nx
+    from jaxccl.topology import rail
+    from jaxccl.topology.presets import MAX_HOSTS_PER_SEGMENT
 
-    from jaxccl.topology import Topology, gbps, rail
-    from jaxccl.topology.presets import NVSWITCH_LATENCY, SWITCH_HOP_LATENCY, nvswitch, tor
-
-    if segments > 1 or hosts <= 32:
-        if hosts % segments:
-            raise ValueError(f"{hosts} hosts do not split into {segments} segments")
-        return rail(hosts=hosts // segments, gpus_per_host=gpus_per_host, segments=segments)
-    g = nx.DiGraph()
-    links = []
-    for h in range(hosts):
-        g.add_node(nvswitch(h), kind="switch", role="nvswitch", host=h)
-        for i in range(gpus_per_host):
-            r = h * gpus_per_host + i
-            g.add_node(r, kind="gpu", host=h, rail=i, segment=0)
-            g.add_node(tor(0, i), kind="switch", role="tor", segment=0, rail=i)
-            links.append((r, nvswitch(h), gbps(2880), NVSWITCH_LATENCY, "nvlink"))
-            links.append((r, tor(0, i), gbps(400), SWITCH_HOP_LATENCY, "nic"))
-    for a, b, cap, lat, kind in links:
-        g.add_edge(a, b, capacity=cap, latency=lat, kind=kind)
-        g.add_edge(b, a, capacity=cap, latency=lat, kind=kind)
-    meta = {"preset": "rail", "segments": 1, "hosts": hosts, "gpus_per_host": gpus_per_host}
-    meta.update(nvlink_gbps=2880, nic_gbps=400)
-    return Topology(g, name=f"rail 1x{hosts}x{gpus_per_host}", meta=meta)
+    if hosts % segments:
+        raise ValueError(f"{hosts} hosts do not split into {segments} segments")
+    limit = None if segments == 1 else MAX_HOSTS_PER_SEGMENT  # only single segments go beyond 32 hosts
+    return rail(hosts=hosts // segments, gpus_per_host=gpus_per_host, segments=segments, max_hosts_per_segment=limit)
 
 
 def _timed(fn, runs: int) -> tuple[Any, list[float], list[float]]:
-    solves, totals, out = [], [], None
-    for _ in range(runs):
-        t = time.perf_counter()
-        out = fn()
-        totals.append(time.perf_counter() - t)
-        solves.append(float(out.info["solve_time_s"]))
-    return out, solves, totals
+    return report.timed_runs(fn, runs, lambda s: s.info["solve_time_s"])
 
 
 def run_benchmark(
@@ -99,7 +76,6 @@ def run_benchmark(
     stream=None,
 ) -> list[dict[str, Any]]:
     """Runs the benchmark; returns one row per (hosts, state, method)."""
-    from jaxccl import report
     from jaxccl.synth.allgather import allgather
     from jaxccl.topology import scenario
 
@@ -175,7 +151,6 @@ def acceptance(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from jaxccl import report
 
     if args.topology:
         return _single(args)
@@ -200,7 +175,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _single(args: argparse.Namespace) -> int:
-    from jaxccl import report
     from jaxccl.synth.allgather import allgather, reduce_scatter
     from jaxccl.topology import Topology
 

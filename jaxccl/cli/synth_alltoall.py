@@ -26,9 +26,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
+
+from jaxccl import report
 
 HOSTS = (2, 4, 8, 16, 32, 64)
 STATES = ("base", "fail1", "fail2", "fail3")
@@ -57,13 +58,9 @@ GAP_GOAL_PCT = 1.0
 
 def rail_1xhx8(hosts: int, gpus_per_host: int = 8):
     """The single-segment rail ``1 x hosts x gpus_per_host``, also beyond the preset's 32 hosts."""
-    from unittest import mock
+    from jaxccl.topology import rail
 
-    from jaxccl.topology import presets, rail
-
-    limit = max(presets.MAX_HOSTS_PER_SEGMENT, hosts)
-    with mock.patch.object(presets, "MAX_HOSTS_PER_SEGMENT", limit):
-        return rail(hosts=hosts, gpus_per_host=gpus_per_host)
+    return rail(hosts=hosts, gpus_per_host=gpus_per_host, max_hosts_per_segment=None)
 
 
 def _solve_time(s) -> float:
@@ -72,13 +69,7 @@ def _solve_time(s) -> float:
 
 
 def _timed(fn, runs: int) -> tuple[Any, list[float], list[float]]:
-    solves, totals, out = [], [], None
-    for _ in range(runs):
-        t = time.perf_counter()
-        out = fn()
-        totals.append(time.perf_counter() - t)
-        solves.append(_solve_time(out))
-    return out, solves, totals
+    return report.timed_runs(fn, runs, _solve_time)
 
 
 def run_benchmark(
@@ -91,7 +82,6 @@ def run_benchmark(
     stream=None,
 ) -> list[dict[str, Any]]:
     """Runs the benchmark; returns one row per (hosts, state)."""
-    from jaxccl import report
     from jaxccl.synth.alltoall import alltoall
     from jaxccl.topology import scenario
 
@@ -178,7 +168,6 @@ def acceptance(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from jaxccl import report
 
     if args.topology or args.hosts:
         return _single(args)
@@ -199,7 +188,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _single(args: argparse.Namespace) -> int:
-    from jaxccl import report
     from jaxccl.schedule import Schedule
     from jaxccl.synth.alltoall import alltoall
     from jaxccl.topology import Topology, scenario

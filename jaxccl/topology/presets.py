@@ -36,6 +36,7 @@ def rail(
     nvlink_gbps: float = 2880,
     nic_gbps: float = 400,
     uplink_gbps: float | None = None,
+    max_hosts_per_segment: int | None = MAX_HOSTS_PER_SEGMENT,
 ) -> Topology:
     """MCCL's rail-optimized HPN topology, ``segments x hosts x gpus_per_host``.
 
@@ -49,6 +50,10 @@ def rail(
     uplink with ``hosts * nic_gbps`` (non-blocking, i.e. as many 400 Gbps links
     as the ToR has hosts) unless ``uplink_gbps`` is given.
 
+    ``max_hosts_per_segment`` enforces the 32-host segments of Sec. 6.1; pass
+    ``None`` for larger single segments such as the 1x64x8 rail of MCCL's
+    Table 5 and solving-time experiments.
+
     GPU ``r`` sits on host ``r // gpus_per_host`` and rail ``r % gpus_per_host``;
     hosts ``[k*hosts, (k+1)*hosts)`` form segment ``k``.
 
@@ -59,8 +64,11 @@ def rail(
     for label, value in (("hosts", hosts), ("gpus_per_host", gpus_per_host), ("segments", segments)):
         if not isinstance(value, int) or value < 1:
             raise TopologyError(f"rail(): {label} must be a positive integer, got {value!r}")
-    if hosts > MAX_HOSTS_PER_SEGMENT:
-        raise TopologyError(f"rail(): a segment holds at most {MAX_HOSTS_PER_SEGMENT} hosts, got {hosts}")
+    if max_hosts_per_segment is not None and hosts > max_hosts_per_segment:
+        raise TopologyError(
+            f"rail(): a segment holds at most {max_hosts_per_segment} hosts, got {hosts} "
+            "(pass max_hosts_per_segment=None to lift the limit)"
+        )
     for label, value in (("nvlink_gbps", nvlink_gbps), ("nic_gbps", nic_gbps)):
         if not value > 0:
             raise TopologyError(f"rail(): {label} must be positive, got {value!r}")
