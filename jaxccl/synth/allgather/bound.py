@@ -78,20 +78,9 @@ def optimal_rate(net: Net, *, hint: np.ndarray | None = None) -> Bound:
     (Fraction(41, 15), 437.3333333333333)
     """
     n_gpus = net.num_gpus
-    in_units = net.in_units()[:n_gpus]
-    order = np.argsort(in_units, kind="stable")
-    v0 = int(order[0])
-    cut = np.ones(net.num_nodes, dtype=bool)
-    cut[v0] = False
-    rate = Fraction(int(in_units[v0]), n_gpus - 1)
-    if hint is not None:
-        hint = np.asarray(hint, dtype=bool)
-        if hint.shape == cut.shape and 0 < int(hint[:n_gpus].sum()) < n_gpus:
-            r = cut_ratio(net, hint)
-            if r < rate:
-                rate, cut = r, hint.copy()
-    if rate <= 0:
-        raise SynthesisError(f"GPU {v0} receives nothing: the topology has no usable link into it")
+    order = np.argsort(net.in_units()[:n_gpus], kind="stable")
+    start_bound = candidate_rate(net, hint)  # the smallest GPU in-cut (order[0]) or the hint
+    rate, cut = start_bound.rate, start_bound.cut
     check = RootedCheck(net.num_nodes, n_gpus, net.src, net.dst)
     start = 0
     while True:
