@@ -349,6 +349,17 @@ bool CpuLaunch::Send(int32_t g, int32_t i, const TableOp& op, BufferId buf, int3
   return WaitSlot(g, i, op) && Post(g, i, op, buf, off);
 }
 
+AlignedBuffer* CpuLaunch::Staging(int32_t g, int32_t i, const TableOp& op, size_t bytes) {
+  ConnState& c = *ctx_->conns[table_->tbs[g].send_conn];
+  AlignedBuffer* stage = c.staging[op.send_msg % table_->num_slots].get();
+  if (!stage->Reserve(bytes)) {
+    Fail(StrCat("jaxccl: cannot allocate ", bytes, " bytes of staging memory at ", Where(g, i, op)),
+         ffi::ErrorCode::kResourceExhausted);
+    return nullptr;
+  }
+  return stage;
+}
+
 bool CpuLaunch::Post(int32_t g, int32_t i, const TableOp& op, BufferId buf, int32_t off) {
   const size_t bytes = Bytes(off, op.count);
   const char* src = Ptr(table_->tbs[g].rank, buf, off);
@@ -356,15 +367,10 @@ bool CpuLaunch::Post(int32_t g, int32_t i, const TableOp& op, BufferId buf, int3
     PostMessage(g, op, Message{src, bytes, true});
     return true;
   }
-  ConnState& c = *ctx_->conns[table_->tbs[g].send_conn];
-  AlignedBuffer& stage = *c.staging[op.send_msg % table_->num_slots];
-  if (!stage.Reserve(bytes)) {
-    Fail(StrCat("jaxccl: cannot allocate ", bytes, " bytes of staging memory at ", Where(g, i, op)),
-         ffi::ErrorCode::kResourceExhausted);
-    return false;
-  }
-  if (bytes > 0) std::memcpy(stage.data(), src, bytes);
-  PostMessage(g, op, Message{stage.data(), bytes, false});
+  AlignedBuffer* stage = Staging(g, i, op, bytes);
+  if (stage == nullptr) return false;
+  if (bytes > 0) std::memcpy(stage->data(), src, bytes);
+  PostMessage(g, op, Message{stage->data(), bytes, false});
   return true;
 }
 
@@ -425,16 +431,11 @@ bool CpuLaunch::Execute(int32_t g, int32_t i, const TableOp& op) {
              ffi::ErrorCode::kInternal);
         return false;
       }
-      ConnState& c = *ctx_->conns[table_->tbs[g].send_conn];
-      AlignedBuffer& stage = *c.staging[op.send_msg % table_->num_slots];
-      if (!stage.Reserve(bytes)) {
-        Fail(StrCat("jaxccl: cannot allocate ", bytes, " bytes of staging memory at ", Where(g, i, op)),
-         ffi::ErrorCode::kResourceExhausted);
-        return false;
-      }
-      Deliver(g, i, stage.data(), Ptr(rank, op.src_buf, op.src_off), msg);
+      AlignedBuffer* stage = Staging(g, i, op, bytes);
+      if (stage == nullptr) return false;
+      Deliver(g, i, stage->data(), Ptr(rank, op.src_buf, op.src_off), msg);
       ConsumeMessage(g, msg);
-      PostMessage(g, op, Message{stage.data(), bytes, false});
+      PostMessage(g, op, Message{stage->data(), bytes, false});
       return true;
     }
   }

@@ -143,6 +143,8 @@ class CpuLaunch {
   // Send waits for a free slot, then Post stages (unless direct) and posts the message.
   bool Send(int32_t g, int32_t i, const TableOp& op, BufferId buf, int32_t off);
   bool Post(int32_t g, int32_t i, const TableOp& op, BufferId buf, int32_t off);
+  // The outgoing staging slot of op's message, grown to `bytes`; nullptr (after Fail) if allocation fails.
+  AlignedBuffer* Staging(int32_t g, int32_t i, const TableOp& op, size_t bytes);
   // Every message that reaches a rank passes through Deliver: the receiving threadblock copies it
   // (local == nullptr) or sums it with `local` into dst. (rank, peer, bytes, start, end) are known here,
   // which is where per-threadblock measurement accumulators and link pacing attach (next issue).
