@@ -91,7 +91,8 @@ def test_hot_swap_without_recompiling_even_with_another_chunk_count():
         assert f._cache_size() == 1
         for s in (baselines.ring_allgather(8, channels=4), baselines.recursive_doubling_allgather(8)):
             comm.install("all_gather", s)
-            version = native.current_version(slot)
+            version = comm.swap_state("all_gather")["staged_version"]
+            assert version > native.current_version(slot)  # staged, not active yet
             assert np.asarray(f(x)).tobytes() == want.tobytes()
             assert f._cache_size() == 1 and len(traces) == 1
             assert native.last_launch_version(slot) == version == native.current_version(slot)

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <thread>
 
 #include "dtype.h"
 #include "reduce.h"
@@ -108,7 +109,9 @@ size_t NumContextPools() {
 ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t axis_size,
                                                           const std::vector<CpuArrival>& arrivals) {
   using R = std::shared_ptr<CpuLaunch>;
-  auto snap = Registry::Get().Acquire(slot);
+  int64_t seq = 0;  // the launch's sequence number: the largest any rank issued (MCCL Sec. 6.2.2)
+  for (const CpuArrival& a : arrivals) seq = std::max(seq, a.seq);
+  auto snap = Registry::Get().Acquire(slot, seq);
   if (!snap.has_value()) return ErrorResult<R>(std::move(snap.error()));
   const Table& t = *snap->table;
   if (t.num_ranks != axis_size) {
@@ -165,6 +168,18 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   launch->period_elems_ = *period;
   launch->sum_ = sum;
   launch->timeout_s_ = Registry::Get().timeout_s();
+  launch->slot_ = slot;
+  launch->net_ = NetworkOfSlot(slot);
+  if (launch->net_) {
+    if (launch->net_->num_ranks() != t.num_ranks) {
+      return ErrorResult<R>(ffi::Error::InvalidArgument(
+          StrCat("jaxccl: slot ", slot, " runs on an emulated network of ", launch->net_->num_ranks(),
+                 " GPUs but its schedule has ", t.num_ranks, " ranks")));
+    }
+    launch->pace_ = launch->net_->pacing();
+    launch->measure_ = launch->net_->measuring() && !t.has_reduction;  // MCCL Sec. 3: no reductions
+    if (launch->measure_) launch->caches_.resize(t.tbs.size());
+  }
   const size_t scratch_bytes = static_cast<size_t>(ChunkStart(t.scratch_chunks, t.chunks_per_period, *period)) * esize;
   if (!launch->ctx_->Reset(t, scratch_bytes)) {
     return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kResourceExhausted,
@@ -246,6 +261,7 @@ void CpuLaunch::RunThreadblock(int32_t g) {
     st.done = i + 1;
     if (st.waiters > 0) st.cv.notify_all();
   }
+  if (measure_) net_->Flush(slot_, tb.rank, g - table_->rank_first_tb[tb.rank], caches_[g]);
   FinishThreadblock(g);
 }
 
@@ -299,12 +315,29 @@ bool CpuLaunch::WaitMessage(int32_t g, int32_t i, const TableOp& op, Message* ms
   return true;
 }
 
-void CpuLaunch::ConsumeMessage(int32_t g, const Message& msg) {
+bool CpuLaunch::WaitDelivered(int32_t g, int32_t i, const TableOp& op, const Message& msg) {
+  if (!pace_) return true;
+  // Sleep in bounded steps so an abort elsewhere is seen promptly.
+  constexpr int64_t kStepNs = 5'000'000;
+  for (int64_t now = NowNs(); now < msg.ready_ns; now = NowNs()) {
+    if (aborted_.load(std::memory_order_relaxed)) return false;
+    if (Clock::now() >= deadline_) {
+      Fail(StrCat("jaxccl: deadline exceeded: ", Where(g, i, op), " waited ", Seconds(timeout_s_),
+                  " for the emulated links to carry ", msg.bytes, " bytes (a link capacity far too low?)"));
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::nanoseconds(std::min(kStepNs, msg.ready_ns - now)));
+  }
+  return true;
+}
+
+void CpuLaunch::ConsumeMessage(int32_t g, const Message& msg, int64_t delivered_ns) {
   const TableTb& tb = table_->tbs[g];
   ConnState& c = *ctx_->conns[tb.recv_conn];
   {
     std::lock_guard<std::mutex> lock(c.mu);
     ++c.consumed;
+    if (measure_) net_->OnDelivered(tb.recv_peer, tb.rank, msg.bytes, delivered_ns, c.posted == c.consumed, &caches_[g]);
     if (c.send_waiting) c.cv_send.notify_one();
   }
   if (msg.direct) {
@@ -331,15 +364,18 @@ bool CpuLaunch::WaitSlot(int32_t g, int32_t i, const TableOp& op) {
   return true;
 }
 
-void CpuLaunch::PostMessage(int32_t g, const TableOp& op, const Message& msg) {
+void CpuLaunch::PostMessage(int32_t g, const TableOp& op, Message msg) {
   const TableTb& tb = table_->tbs[g];
   if (msg.direct) {
     RankState& me = *ctx_->ranks[tb.rank];
     std::lock_guard<std::mutex> lock(me.mu);
     ++me.pending_direct;
   }
+  const int64_t post_ns = net_ ? NowNs() : 0;
+  if (pace_) msg.ready_ns = net_->Reserve(tb.rank, tb.send_peer, msg.bytes, post_ns);
   ConnState& c = *ctx_->conns[tb.send_conn];
   std::lock_guard<std::mutex> lock(c.mu);
+  if (measure_) net_->OnPost(tb.rank, tb.send_peer, post_ns, c.posted == c.consumed);
   c.ring[op.send_msg % table_->num_slots] = msg;
   c.posted = op.send_msg + 1;
   if (c.recv_waiting) c.cv_recv.notify_one();
@@ -374,13 +410,18 @@ bool CpuLaunch::Post(int32_t g, int32_t i, const TableOp& op, BufferId buf, int3
   return true;
 }
 
-void CpuLaunch::Deliver(int32_t g, int32_t /*i*/, void* dst, const void* local, const Message& msg) {
-  if (msg.bytes == 0) return;
-  if (local == nullptr) {
-    std::memcpy(dst, msg.data, msg.bytes);
-  } else {
-    sum_(dst, local, msg.data, msg.bytes / esize_);
+bool CpuLaunch::Deliver(int32_t g, int32_t i, const TableOp& op, void* dst, const void* local, const Message& msg) {
+  if (!WaitDelivered(g, i, op, msg)) return false;
+  const int64_t delivered_ns = measure_ ? NowNs() : 0;
+  if (msg.bytes > 0) {
+    if (local == nullptr) {
+      std::memcpy(dst, msg.data, msg.bytes);
+    } else {
+      sum_(dst, local, msg.data, msg.bytes / esize_);
+    }
   }
+  ConsumeMessage(g, msg, delivered_ns);
+  return true;
 }
 
 bool CpuLaunch::Execute(int32_t g, int32_t i, const TableOp& op) {
@@ -418,8 +459,10 @@ bool CpuLaunch::Execute(int32_t g, int32_t i, const TableOp& op) {
         return false;
       }
       const bool reduce = op.kind == OpCode::kRecvReduceCopy || op.kind == OpCode::kRecvReduceCopySend;
-      Deliver(g, i, Ptr(rank, op.dst_buf, op.dst_off), reduce ? Ptr(rank, op.src_buf, op.src_off) : nullptr, msg);
-      ConsumeMessage(g, msg);
+      if (!Deliver(g, i, op, Ptr(rank, op.dst_buf, op.dst_off), reduce ? Ptr(rank, op.src_buf, op.src_off) : nullptr,
+                   msg)) {
+        return false;
+      }
       return forwards ? Post(g, i, op, op.dst_buf, op.dst_off) : true;
     }
     case OpCode::kRecvReduceSend: {
@@ -433,8 +476,7 @@ bool CpuLaunch::Execute(int32_t g, int32_t i, const TableOp& op) {
       }
       AlignedBuffer* stage = Staging(g, i, op, bytes);
       if (stage == nullptr) return false;
-      Deliver(g, i, stage->data(), Ptr(rank, op.src_buf, op.src_off), msg);
-      ConsumeMessage(g, msg);
+      if (!Deliver(g, i, op, stage->data(), Ptr(rank, op.src_buf, op.src_off), msg)) return false;
       PostMessage(g, op, Message{stage->data(), bytes, false});
       return true;
     }

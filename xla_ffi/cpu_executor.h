@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common.h"
+#include "network.h"
 #include "registry.h"
 #include "table.h"
 
@@ -35,6 +36,7 @@ struct CpuArrival {
   int64_t out_elems = 0;
   ffi::DataType in_dtype = ffi::DataType::INVALID;
   ffi::DataType out_dtype = ffi::DataType::INVALID;
+  int64_t seq = 0;  // this rank's sequence number of the call on its slot (hot-swap transition point)
 };
 
 // 64-byte aligned, grow-only byte buffer (scratch and staging memory is reused across launches).
@@ -56,6 +58,7 @@ struct Message {
   const char* data = nullptr;
   size_t bytes = 0;
   bool direct = false;
+  int64_t ready_ns = 0;  // with link pacing: when the emulated links have carried it (steady clock)
 };
 
 struct alignas(64) ConnState {
@@ -107,17 +110,6 @@ class ExecContextPool {
   std::vector<std::unique_ptr<ExecContext>> free_;
 };
 
-// Where a byte movement happens; the hook below receives it with its timing.
-struct TransferRecord {
-  int32_t rank;  // the receiving rank (whose threadblock does the copy)
-  int32_t peer;  // the sending rank
-  int32_t tb;    // threadblock index within the rank
-  int32_t op;    // op index within the threadblock
-  size_t bytes;
-  int64_t t_start_ns;
-  int64_t t_end_ns;
-};
-
 class CpuLaunch {
  public:
   // Starts the launch: checks the arrivals against the table and runs its threadblocks.
@@ -137,18 +129,21 @@ class CpuLaunch {
   bool Execute(int32_t g, int32_t i, const TableOp& op);
   bool WaitDependency(int32_t g, int32_t i, const TableOp& op);
   bool WaitMessage(int32_t g, int32_t i, const TableOp& op, Message* msg);
-  void ConsumeMessage(int32_t g, const Message& msg);
+  // Sleeps until the emulated links delivered msg (no-op without pacing); false (after Fail) on abort/deadline.
+  bool WaitDelivered(int32_t g, int32_t i, const TableOp& op, const Message& msg);
+  // Frees msg's slot; `delivered_ns` (when its bytes became visible) feeds the measurement accumulators.
+  void ConsumeMessage(int32_t g, const Message& msg, int64_t delivered_ns);
   bool WaitSlot(int32_t g, int32_t i, const TableOp& op);
-  void PostMessage(int32_t g, const TableOp& op, const Message& msg);
+  void PostMessage(int32_t g, const TableOp& op, Message msg);
   // Send waits for a free slot, then Post stages (unless direct) and posts the message.
   bool Send(int32_t g, int32_t i, const TableOp& op, BufferId buf, int32_t off);
   bool Post(int32_t g, int32_t i, const TableOp& op, BufferId buf, int32_t off);
   // The outgoing staging slot of op's message, grown to `bytes`; nullptr (after Fail) if allocation fails.
   AlignedBuffer* Staging(int32_t g, int32_t i, const TableOp& op, size_t bytes);
-  // Every message that reaches a rank passes through Deliver: the receiving threadblock copies it
-  // (local == nullptr) or sums it with `local` into dst. (rank, peer, bytes, start, end) are known here,
-  // which is where per-threadblock measurement accumulators and link pacing attach (next issue).
-  void Deliver(int32_t g, int32_t i, void* dst, const void* local, const Message& msg);
+  // Every message that reaches a rank passes through Deliver: it waits for the emulated links
+  // (WaitDelivered), then the receiving threadblock copies it (local == nullptr) or sums it with `local`
+  // into dst and frees its slot. False (after Fail) if the wait failed.
+  bool Deliver(int32_t g, int32_t i, const TableOp& op, void* dst, const void* local, const Message& msg);
   void Fail(const std::string& message, ffi::ErrorCode code = ffi::ErrorCode::kDeadlineExceeded);
   void FinishThreadblock(int32_t g);
 
@@ -167,6 +162,11 @@ class CpuLaunch {
   SumFnPtr sum_ = nullptr;
   Clock::time_point deadline_;
   double timeout_s_ = 0;
+  int64_t slot_ = 0;
+  std::shared_ptr<Network> net_;             // link emulation / measurement of the slot (may be null)
+  bool pace_ = false;
+  bool measure_ = false;                     // measuring this launch (never for reductions)
+  std::vector<MeasurementCache> caches_;     // per threadblock, when measuring
 
   std::atomic<bool> aborted_{false};
   std::mutex error_mu_;

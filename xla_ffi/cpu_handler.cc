@@ -39,6 +39,9 @@ ffi::Error CpuCollective(ffi::RunId run_id, ffi::AnyBuffer x, Coords coords,
   me.out_elems = static_cast<int64_t>(out->element_count());
   me.in_dtype = x.element_type();
   me.out_dtype = out->element_type();
+  auto seq = Registry::Get().NoteIssued(slot, rank);
+  if (!seq.has_value()) return std::move(seq.error());
+  me.seq = *seq;
   const int32_t n = static_cast<int32_t>(axis_size);
   auto launch = TheRendezvous().Arrive(
       run_id.run_id, site, group, rank, n, me, Registry::Get().timeout_s(),

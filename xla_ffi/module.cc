@@ -8,6 +8,7 @@
 #include "core_api.h"
 #include "cpu_executor.h"
 #include "cpu_handler.h"
+#include "network.h"
 #include "registry.h"
 #include "rendezvous.h"
 #include "table.h"
@@ -19,6 +20,8 @@ namespace jaxccl {
 namespace {
 
 using TableArray = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using IntArray = nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using DoubleArray = nb::ndarray<const double, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 
 [[noreturn]] void Raise(const ffi::Error& e) { throw nb::value_error(e.message().c_str()); }
 
@@ -39,6 +42,31 @@ bool CoreAcquire(int64_t slot, TableSnapshot* out, std::string* error) {
 }
 
 double CoreTimeout() { return Registry::Get().timeout_s(); }
+
+template <typename T, typename A>
+std::vector<T> ToVector(const A& a) {
+  return std::vector<T>(a.data(), a.data() + a.shape(0));
+}
+
+NetworkConfig MakeNetworkConfig(int32_t num_ranks, IntArray host_of_rank, DoubleArray capacity, DoubleArray latency_ns,
+                                IntArray route_offsets, IntArray route_links, bool pace, bool measure,
+                                int32_t intra_threshold, int32_t inter_threshold, int32_t slots_per_tb) {
+  NetworkConfig c;
+  c.num_ranks = num_ranks;
+  c.host_of_rank = ToVector<int32_t>(host_of_rank);
+  c.capacity = ToVector<double>(capacity);
+  c.latency_ns = ToVector<double>(latency_ns);
+  c.route_offsets = ToVector<int32_t>(route_offsets);
+  c.route_links = ToVector<int32_t>(route_links);
+  c.pace = pace;
+  c.measure = measure;
+  c.intra_threshold = intra_threshold;
+  c.inter_threshold = inter_threshold;
+  c.slots_per_tb = slots_per_tb;
+  return c;
+}
+
+std::shared_ptr<Network> NetworkOrRaise(int64_t id) { return Unwrap(FindNetwork(id)); }
 
 // A rendezvous of its own (arrival = rank, result = number of ranks) that tests drive from Python threads.
 Rendezvous<int32_t, int32_t>& ProbeRendezvous() {
@@ -74,12 +102,107 @@ NB_MODULE(_native, m) {
       nb::arg("slot"), nb::arg("table"),
       "Validates a compiled int32 table and makes it the slot's current version; returns the version.");
   m.def(
+      "stage",
+      [](int64_t slot, TableArray table) {
+        return Unwrap(Registry::Get().Stage(slot, table.data(), table.shape(0)));
+      },
+      nb::arg("slot"), nb::arg("table"),
+      "Validates a compiled table and stages it: active from the first launch after the transition point "
+      "(the largest sequence number issued so far); returns its version.");
+  m.def(
+      "swap_state",
+      [](int64_t slot) {
+        const auto st = Unwrap(Registry::Get().Swap(slot));
+        nb::dict d;
+        d["current_version"] = st.current_version;
+        d["staged_version"] = st.staged_version;
+        d["transition_seq"] = st.transition_seq;
+        d["issued"] = st.issued;
+        d["last_swap_seq"] = st.last_swap_seq;
+        return d;
+      },
+      nb::arg("slot"), "Hot-swap bookkeeping of a slot: versions, transition point, sequence numbers.");
+  m.def(
       "validate",
       [](TableArray table) {
         auto t = ParseTable(table.data(), table.shape(0));
         if (!t.has_value()) Raise(t.error());
       },
       nb::arg("table"), "Checks a compiled table word by word; raises ValueError naming the first bad word.");
+  const auto net_args = std::make_tuple(nb::arg("num_ranks"), nb::arg("host_of_rank"), nb::arg("capacity"),
+                                        nb::arg("latency_ns"), nb::arg("route_offsets"), nb::arg("route_links"),
+                                        nb::arg("pace"), nb::arg("measure"), nb::arg("intra_threshold"),
+                                        nb::arg("inter_threshold"), nb::arg("slots_per_tb"));
+  m.def(
+      "network_create",
+      [](int32_t n, IntArray hosts, DoubleArray cap, DoubleArray lat, IntArray offs, IntArray links, bool pace,
+         bool measure, int32_t intra, int32_t inter, int32_t slots) {
+        return Unwrap(CreateNetwork(MakeNetworkConfig(n, hosts, cap, lat, offs, links, pace, measure, intra, inter,
+                                                      slots)));
+      },
+      std::get<0>(net_args), std::get<1>(net_args), std::get<2>(net_args), std::get<3>(net_args),
+      std::get<4>(net_args), std::get<5>(net_args), std::get<6>(net_args), std::get<7>(net_args),
+      std::get<8>(net_args), std::get<9>(net_args), std::get<10>(net_args),
+      "Creates an emulated network (capacities in bytes per real ns, CSR routes per ordered GPU pair); returns its id.");
+  m.def(
+      "network_update",
+      [](int64_t id, int32_t n, IntArray hosts, DoubleArray cap, DoubleArray lat, IntArray offs, IntArray links,
+         bool pace, bool measure, int32_t intra, int32_t inter, int32_t slots) {
+        if (ffi::Error e = UpdateNetwork(id, MakeNetworkConfig(n, hosts, cap, lat, offs, links, pace, measure, intra,
+                                                               inter, slots));
+            e.failure()) {
+          Raise(e);
+        }
+      },
+      nb::arg("network"), std::get<0>(net_args), std::get<1>(net_args), std::get<2>(net_args),
+      std::get<3>(net_args), std::get<4>(net_args), std::get<5>(net_args), std::get<6>(net_args),
+      std::get<7>(net_args), std::get<8>(net_args), std::get<9>(net_args), std::get<10>(net_args),
+      "Replaces a network's links, routes and flags live (running collectives see it at their next message).");
+  m.def(
+      "network_remove",
+      [](int64_t id) {
+        if (ffi::Error e = RemoveNetwork(id); e.failure()) Raise(e);
+      },
+      nb::arg("network"));
+  m.def(
+      "network_attach",
+      [](int64_t slot, int64_t id) {
+        if (ffi::Error e = AttachNetwork(slot, id); e.failure()) Raise(e);
+      },
+      nb::arg("slot"), nb::arg("network"), "Runs schedule slot `slot` on network `network` (0 detaches).");
+  m.def(
+      "measure_drain",
+      [](int64_t id) {
+        auto net = NetworkOrRaise(id);
+        std::vector<MeasurementRecord> recs;
+        {
+          nb::gil_scoped_release release;
+          recs = net->Drain();
+        }
+        return nb::bytes(reinterpret_cast<const char*>(recs.data()), recs.size() * sizeof(MeasurementRecord));
+      },
+      nb::arg("network"), "Valid Measurements Buffer records (32 bytes each, measurement_format.h), slots freed.");
+  m.def(
+      "measure_stats",
+      [](int64_t id) {
+        const MeasurementStats st = NetworkOrRaise(id)->Stats();
+        nb::dict d;
+        d["windows"] = st.windows;
+        d["records"] = st.records;
+        d["dropped"] = st.dropped;
+        d["regions"] = st.regions;
+        d["slots"] = st.slots;
+        d["used"] = st.used;
+        d["accumulator_bytes"] = st.accumulator_bytes;
+        d["cache_entry_bytes"] = static_cast<int64_t>(sizeof(MeasurementCacheEntry));
+        d["cache_entries_per_tb"] = static_cast<int64_t>(MeasurementCache::kMaxEntries);
+        d["buffer_bytes"] = st.buffer_bytes;
+        return d;
+      },
+      nb::arg("network"), "Measurement counters and memory footprint of a network.");
+  m.def(
+      "measure_reset", [](int64_t id) { NetworkOrRaise(id)->ResetMeasurements(); }, nb::arg("network"));
+  m.attr("MEASUREMENT_VERSION") = kMeasurementVersion;
   m.def("current_version", [](int64_t slot) { return Unwrap(Registry::Get().CurrentVersion(slot)); }, nb::arg("slot"));
   m.def(
       "remove",

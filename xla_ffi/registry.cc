@@ -1,6 +1,7 @@
 #include "registry.h"
 
 #include <cmath>
+#include <algorithm>
 #include <cstdlib>
 
 namespace jaxccl {
@@ -46,6 +47,46 @@ ffi::ErrorOr<int64_t> Registry::Install(int64_t slot, const int32_t* words, size
   return st->current.version;
 }
 
+ffi::ErrorOr<int64_t> Registry::Stage(int64_t slot, const int32_t* words, size_t num_words) {
+  auto parsed = ParseTable(words, num_words);
+  if (!parsed.has_value()) return ErrorResult<int64_t>(std::move(parsed.error()));
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = Find(slot);
+  if (!s.has_value()) return ErrorResult<int64_t>(std::move(s.error()));
+  Slot* st = *s;
+  const int64_t version = st->next_version++;
+  if (!st->current.table) {
+    st->current = TableSnapshot{std::move(*parsed), version};
+    return version;
+  }
+  int64_t max_issued = 0;
+  for (const auto& [rank, seq] : st->issued) max_issued = std::max(max_issued, seq);
+  st->staged = TableSnapshot{std::move(*parsed), version};  // a newer staged table replaces an older one
+  st->transition_seq = max_issued;
+  return version;
+}
+
+ffi::ErrorOr<int64_t> Registry::NoteIssued(int64_t slot, int32_t rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = Find(slot);
+  if (!s.has_value()) return ErrorResult<int64_t>(std::move(s.error()));
+  return ++(*s)->issued[rank];
+}
+
+ffi::ErrorOr<Registry::SwapState> Registry::Swap(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = Find(slot);
+  if (!s.has_value()) return ErrorResult<SwapState>(std::move(s.error()));
+  const Slot* st = *s;
+  SwapState out;
+  out.current_version = st->current.version;
+  out.staged_version = st->staged.table ? st->staged.version : 0;
+  out.transition_seq = st->transition_seq;
+  for (const auto& [rank, seq] : st->issued) out.issued = std::max(out.issued, seq);
+  out.last_swap_seq = st->last_swap_seq;
+  return out;
+}
+
 ffi::ErrorOr<int64_t> Registry::CurrentVersion(int64_t slot) {
   std::lock_guard<std::mutex> lock(mu_);
   auto s = Find(slot);
@@ -61,11 +102,16 @@ ffi::Error Registry::Remove(int64_t slot) {
   return ffi::Error::Success();
 }
 
-ffi::ErrorOr<TableSnapshot> Registry::Acquire(int64_t slot) {
+ffi::ErrorOr<TableSnapshot> Registry::Acquire(int64_t slot, int64_t seq) {
   std::lock_guard<std::mutex> lock(mu_);
   auto s = Find(slot);
   if (!s.has_value()) return ErrorResult<TableSnapshot>(std::move(s.error()));
   Slot* st = *s;
+  if (st->staged.table && seq > st->transition_seq) {
+    st->current = std::move(st->staged);
+    st->staged = TableSnapshot{};
+    st->last_swap_seq = seq == INT64_MAX ? st->launches + 1 : seq;
+  }
   if (!st->current.table) {
     return ErrorResult<TableSnapshot>(
         ffi::Error::InvalidArgument(StrCat("jaxccl: no schedule installed in slot ", slot, " (call install first)")));

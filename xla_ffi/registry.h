@@ -4,6 +4,16 @@
 // compiled JAX program only names the slot (an FFI attribute), and the last
 // rank to arrive at a launch picks the slot's current table once for the whole
 // launch. Installing a new table therefore never recompiles the program.
+//
+// Hot-swap (MCCL Sec. 6.2.2): Stage() makes a table the slot's *staged*
+// version and records the transition point, the maximum sequence number any
+// rank has issued on the slot so far. Every collective call is numbered per
+// rank (NoteIssued); a launch with sequence number <= the transition point
+// runs the old table, the first later one activates the staged table. In one
+// process every rank sees the same staged version, so the minimum staged
+// version across ranks is simply the newest one. Launches of one slot never
+// overlap (each needs every rank, and a rank issues its next call only after
+// its previous one returned), so old and new never run concurrently.
 #ifndef JAXCCL_XLA_FFI_REGISTRY_H_
 #define JAXCCL_XLA_FFI_REGISTRY_H_
 
@@ -31,11 +41,20 @@ class Registry {
   int64_t NewSlot();
   // Parses/validates the table, makes it the slot's current version; returns that version (1, 2, ...).
   ffi::ErrorOr<int64_t> Install(int64_t slot, const int32_t* words, size_t num_words);
+  // Parses/validates the table and stages it (see above); the slot's first table becomes current at once.
+  ffi::ErrorOr<int64_t> Stage(int64_t slot, const int32_t* words, size_t num_words);
+  // Numbers one rank's collective call on the slot: returns its sequence number (1, 2, ...).
+  ffi::ErrorOr<int64_t> NoteIssued(int64_t slot, int32_t rank);
   // Current version (0 if nothing was installed yet).
   ffi::ErrorOr<int64_t> CurrentVersion(int64_t slot);
   ffi::Error Remove(int64_t slot);
-  // The slot's current table for one launch; counts the launch.
-  ffi::ErrorOr<TableSnapshot> Acquire(int64_t slot);
+  // The slot's current table for one launch; counts the launch. A staged table becomes current first
+  // when `seq` (the launch's sequence number) is past its transition point; the default activates it.
+  ffi::ErrorOr<TableSnapshot> Acquire(int64_t slot, int64_t seq = INT64_MAX);
+  struct SwapState {
+    int64_t current_version = 0, staged_version = 0, transition_seq = 0, issued = 0, last_swap_seq = 0;
+  };
+  ffi::ErrorOr<SwapState> Swap(int64_t slot);
   ffi::ErrorOr<int64_t> LaunchCount(int64_t slot);
   // Version that the most recent launch of the slot ran (0 if none).
   ffi::ErrorOr<int64_t> LastLaunchVersion(int64_t slot);
@@ -51,6 +70,10 @@ class Registry {
     int64_t next_version = 1;
     int64_t launches = 0;
     int64_t last_launch_version = 0;
+    TableSnapshot staged;            // staged.table == nullptr: nothing staged
+    int64_t transition_seq = 0;      // launches with seq <= this run `current`
+    std::map<int32_t, int64_t> issued;  // rank -> last issued sequence number
+    int64_t last_swap_seq = 0;       // sequence number of the launch that last activated a staged table
   };
   ffi::ErrorOr<Slot*> Find(int64_t slot);  // requires mu_
 

@@ -132,6 +132,13 @@ class Communicator:
             lowered to ``jax.lax.ppermute`` rounds; works everywhere, also
             multi-process) or ``"auto"`` (``cuda`` if the native module has CUDA
             support, else ``cpu``).
+        link_emulation: on the ``cpu`` backend, a
+            :class:`jaxccl.runtime.emulated.LinkEmulation`: the executor paces
+            every transfer over the links of ``topology`` (capacities scaled by
+            its ``time_scale``) and measures them passively (MCCL Sec. 5);
+            :meth:`inject` changes the links live, :meth:`telemetry` reads the
+            measurements. Needs ``topology``.
+        telemetry_alpha: EWMA smoothing factor of :meth:`telemetry` (MCCL's alpha).
 
     Example:
         >>> import jax, numpy as np, jaxccl
@@ -146,13 +153,40 @@ class Communicator:
         'ring_allgather'
     """
 
-    def __init__(self, mesh: Any, axis_name: Hashable, *, topology: Any = None, backend: str = "auto"):
+    def __init__(
+        self,
+        mesh: Any,
+        axis_name: Hashable,
+        *,
+        topology: Any = None,
+        backend: str = "auto",
+        link_emulation: Any = None,
+        telemetry_alpha: float = 0.5,
+    ):
         axis_names = tuple(getattr(mesh, "axis_names", ()))
         if axis_name not in axis_names:
             raise ValueError(f"Communicator: mesh has no axis {axis_name!r}; its axes are {axis_names}")
-        self._init(axis_name, int(mesh.shape[axis_name]), mesh=mesh, topology=topology, backend=backend)
+        self._init(
+            axis_name,
+            int(mesh.shape[axis_name]),
+            mesh=mesh,
+            topology=topology,
+            backend=backend,
+            link_emulation=link_emulation,
+            telemetry_alpha=telemetry_alpha,
+        )
 
-    def _init(self, axis_name: Hashable, axis_size: int, *, mesh: Any, topology: Any, backend: str) -> None:
+    def _init(
+        self,
+        axis_name: Hashable,
+        axis_size: int,
+        *,
+        mesh: Any,
+        topology: Any,
+        backend: str,
+        link_emulation: Any = None,
+        telemetry_alpha: float = 0.5,
+    ) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"Communicator: unknown backend {backend!r}; expected one of {BACKENDS}")
         if topology is not None and getattr(topology, "num_gpus", None) != axis_size:
@@ -171,6 +205,10 @@ class Communicator:
         if backend == "auto" and not self._is_default:
             backend = "cuda" if native_available() and _native().has_cuda_support() else "cpu"
         self.backend = backend
+        self.network = None
+        self._collector = None
+        if link_emulation is not None:
+            self._start_emulation(link_emulation, telemetry_alpha)
         self._schedules: dict[Collective, Schedule | None] = {
             c: _default_schedule(c, axis_size, with_all_reduce=topology is None) for c in Collective
         }
@@ -183,6 +221,47 @@ class Communicator:
                     self._install_native(c, s)
         _LIVE[self.uid] = self
 
+    # ------------------------------------------------------------------ link emulation
+    def _start_emulation(self, config: Any, alpha: float) -> None:
+        from jaxccl.runtime.emulated import EmulatedNetwork, LinkEmulation
+        from jaxccl.telemetry import TelemetryCollector
+
+        if not isinstance(config, LinkEmulation):
+            raise ValueError(f"Communicator: link_emulation must be a LinkEmulation, got {type(config).__name__}")
+        if self.backend != "cpu":
+            raise ExecutorError(f"Communicator: link emulation needs backend='cpu', not {self.backend!r}")
+        if self.topology is None:
+            raise ValueError("Communicator: link emulation needs a topology (the links to emulate)")
+        self.network = EmulatedNetwork(self.topology, config)
+        self._collector = TelemetryCollector(self.axis_size, alpha=alpha, scale=1.0 / config.time_scale)
+
+    def inject(self, topology: Any) -> None:
+        """Makes ``topology`` the emulated fabric, live (e.g. ``jaxccl.topology.scenario(topo, "fail2")``).
+
+        Collectives already running see the new capacities from their next
+        message on; nothing recompiles. The communicator's own ``topology``
+        (what synthesis assumes) is unchanged: the controller has to notice.
+
+        Raises:
+            ExecutorError: the communicator has no link emulation.
+            TopologyError: ``topology`` has other GPUs or hosts.
+        """
+        if self.network is None:
+            raise ExecutorError(f"{self!r}: inject() needs link emulation (Communicator(..., link_emulation=...))")
+        self.network.inject(topology)
+
+    def telemetry(self) -> Any:
+        """Drains the executor's measurements and returns the EWMA matrix (:class:`jaxccl.telemetry.Telemetry`).
+
+        Raises:
+            ExecutorError: the communicator has no link emulation.
+        """
+        if self.network is None or self._collector is None:
+            raise ExecutorError(f"{self!r}: telemetry() needs link emulation (Communicator(..., link_emulation=...))")
+        raw = self.network.drain()
+        self._collector.fold(raw, dropped=self.network.stats()["dropped"])
+        return self._collector.snapshot()
+
     # ------------------------------------------------------------------ schedules
     def schedule(self, collective: str | Collective) -> Schedule | None:
         """The active schedule of ``collective`` (``None``: ``all_reduce`` runs as ReduceScatter + AllGather)."""
@@ -192,9 +271,11 @@ class Communicator:
         """Makes ``schedule`` the active schedule of ``collective``, from the next call on.
 
         Checks it with the reference interpreter (``schedule.validate()``) first.
-        Native backends compile it to a table and swap it into the
-        collective's registry slot: already-compiled programs pick it up
-        without recompiling. On the ``ppermute`` backend the next call of a
+        Native backends compile it to a table and *stage* it in the
+        collective's registry slot (MCCL Sec. 6.2.2): collectives any rank has
+        already issued finish on the old schedule, the first later one on
+        every rank runs the new one (see :meth:`swap_state`); already-compiled
+        programs pick it up without recompiling. On the ``ppermute`` backend the next call of a
         jitted function retraces. Float reductions are bitwise equal to
         ``jax.lax`` only with schedules that sum in ascending rank order
         (``info["ordered_reduction"]``).
@@ -232,7 +313,15 @@ class Communicator:
         if slot is None:
             slot = int(native.new_slot())
             self._slots[coll] = slot
-        native.install(slot, compile_table(schedule, num_slots=8))
+            if self.network is not None:
+                self.network.attach(slot)
+        native.stage(slot, compile_table(schedule, num_slots=8))
+
+    def swap_state(self, collective: str | Collective) -> dict[str, int]:
+        """Hot-swap bookkeeping of ``collective``'s slot (native backends): versions and sequence numbers."""
+        from jaxccl.runtime import native
+
+        return native.swap_state(self.slot(collective))
 
     def slot(self, collective: str | Collective) -> int:
         """The native registry slot of ``collective`` (allocated and filled on first use)."""

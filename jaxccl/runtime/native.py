@@ -81,6 +81,11 @@ def _wrap(fn: Any, *args: Any) -> Any:
         raise ExecutorError(str(e)) from None
 
 
+def module() -> Any:
+    """The ``jaxccl._native`` extension module itself (link emulation and measurement live there)."""
+    return _native
+
+
 def new_slot() -> int:
     """Creates an empty schedule slot and returns its id."""
     return int(_native.new_slot())
@@ -111,6 +116,26 @@ def install(slot: int, table_or_schedule: Any, *, num_slots: int = 8) -> int:
             or the slot does not exist.
     """
     return int(_wrap(_native.install, int(slot), as_table(table_or_schedule, num_slots=num_slots)))
+
+
+def stage(slot: int, table_or_schedule: Any, *, num_slots: int = 8) -> int:
+    """Stages a table (MCCL Sec. 6.2.2 hot-swap): it becomes current at the first launch after the
+    transition point, the largest collective sequence number any rank has issued on the slot so far.
+
+    Collectives already issued by some rank finish on the old table, so all
+    ranks switch at the same call. The slot's first table is current at once.
+    Returns the staged version.
+
+    Raises:
+        ExecutorError: the table is malformed or the slot does not exist.
+    """
+    return int(_wrap(_native.stage, int(slot), as_table(table_or_schedule, num_slots=num_slots)))
+
+
+def swap_state(slot: int) -> dict[str, int]:
+    """``current_version``, ``staged_version`` (0: none), ``transition_seq``, ``issued`` (largest sequence
+    number issued by any rank) and ``last_swap_seq`` of a slot."""
+    return {k: int(v) for k, v in _wrap(_native.swap_state, int(slot)).items()}
 
 
 def validate_table(table: np.ndarray) -> None:

@@ -1,0 +1,170 @@
+"""The measured link matrix of MCCL App. B (Fig. 13), EWMA-smoothed (MCCL Sec. 3).
+
+``matrix[i, i]`` is GPU ``i``'s intra-node injection throughput, ``matrix[i, j]``
+(``i != j``) the point-to-point throughput from GPU ``i`` to GPU ``j`` of
+another host, in emulated bytes/s; NaN where nothing was measured yet. Every
+drain gives one EWMA sample per entry (the mean over the windows of the
+records drained): ``M <- alpha * sample + (1 - alpha) * M`` (the first sample
+sets M). Draining once per training step makes the EWMA window a number of
+steps (about ``1 / alpha``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from jaxccl.telemetry.records import INTRA, decode
+
+__all__ = ["Telemetry", "TelemetryCollector"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Telemetry:
+    """A snapshot of the measured matrix.
+
+    Attributes:
+        matrix: ``(N, N)`` EWMA-smoothed throughput, emulated bytes/s, NaN = not measured.
+        samples: ``(N, N)`` how many EWMA samples (drains that measured it) went into each entry.
+        last: ``(N, N)`` the most recent raw sample of each entry (NaN if none).
+        alpha: the EWMA smoothing factor.
+        dropped: records the executor dropped because a buffer region was full.
+        time_s: ``time.time()`` of the snapshot.
+    """
+
+    matrix: np.ndarray
+    samples: np.ndarray
+    last: np.ndarray
+    alpha: float
+    dropped: int
+    time_s: float
+
+    @property
+    def num_gpus(self) -> int:
+        return int(self.matrix.shape[0])
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (NaN becomes null)."""
+
+        def rows(a: np.ndarray) -> list[list[float | None]]:
+            return [[None if np.isnan(x) else float(x) for x in row] for row in a]
+
+        return {
+            "num_gpus": self.num_gpus,
+            "alpha": self.alpha,
+            "dropped": self.dropped,
+            "time_s": self.time_s,
+            "units": "bytes/s (emulated)",
+            "matrix": rows(self.matrix),
+            "last": rows(self.last),
+            "samples": self.samples.astype(int).tolist(),
+        }
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def heatmap(self, path: str, *, title: str = "jaxccl measured throughput") -> None:
+        """Writes the matrix as a PNG heatmap in Gbit/s (MCCL Fig. 13 style)."""
+        from jaxccl.telemetry.export import write_heatmap
+
+        write_heatmap(self.matrix, path, title=title)
+
+    def link_capacities(self, topology: Any, *, pairs: set[tuple[int, int]] | None = None) -> dict[tuple, float]:
+        """Per-link estimates ``M_a`` (emulated bytes/s) for the links the measurements cover.
+
+        A GPU's intra-node injection throughput bounds its first link towards
+        its host's switch. An inter-node pair's throughput is a fair share of
+        every link on its route: with ``pairs`` (the inter-node GPU pairs the
+        measured schedule runs concurrently), a link crossed by ``k`` of them is
+        estimated at ``k`` times the largest pair rate through it; without, at
+        the largest pair rate. Estimates never exceed the link's nominal
+        capacity; links nobody measured are left out (the caller keeps their
+        nominal capacity). This attribution is our reading: MCCL does not say
+        how its GPU-pair matrix maps to links.
+        """
+        n = self.num_gpus
+        est: dict[tuple, float] = {}
+        sharers: dict[tuple, int] = {}
+        if pairs is not None:
+            for s, d in pairs:
+                if topology.host_of(s) != topology.host_of(d):
+                    for e in topology.path(s, d):
+                        sharers[e] = sharers.get(e, 0) + 1
+        for i in range(n):
+            if not np.isnan(self.matrix[i, i]):
+                peers = [j for j in range(n) if j != i and topology.host_of(j) == topology.host_of(i)]
+                if peers:
+                    first = topology.path(i, peers[0])[0]
+                    est[first] = min(float(self.matrix[i, i]), topology.capacity(*first))
+            for j in range(n):
+                if i == j or np.isnan(self.matrix[i, j]):
+                    continue
+                for e in topology.path(i, j):
+                    value = min(float(self.matrix[i, j]) * sharers.get(e, 1), topology.capacity(*e))
+                    est[e] = max(est.get(e, 0.0), value)
+        return est
+
+
+class TelemetryCollector:
+    """Folds drained measurement records into the EWMA matrix, one sample per entry and drain (thread-safe).
+
+    Args:
+        num_gpus: ranks of the communicator.
+        alpha: EWMA smoothing factor in (0, 1].
+        scale: emulated bytes/s per real byte/s (``1 / time_scale`` under link emulation).
+    """
+
+    def __init__(self, num_gpus: int, *, alpha: float = 0.5, scale: float = 1.0):
+        if not (0 < alpha <= 1):
+            raise ValueError(f"TelemetryCollector: alpha must be in (0, 1], got {alpha}")
+        self.num_gpus = int(num_gpus)
+        self.alpha = float(alpha)
+        self.scale = float(scale)
+        self._lock = threading.Lock()
+        self._m = np.full((num_gpus, num_gpus), np.nan)
+        self._last = np.full((num_gpus, num_gpus), np.nan)
+        self._n = np.zeros((num_gpus, num_gpus), dtype=np.int64)
+        self.dropped = 0
+
+    def fold(self, raw: bytes, *, dropped: int = 0) -> int:
+        """Decodes ``raw`` records and folds them in; returns how many records were folded."""
+        recs = decode(raw, num_gpus=self.num_gpus)
+        with self._lock:
+            self.dropped = max(self.dropped, int(dropped))
+            sums: dict[tuple[int, int], list[float]] = {}
+            for r in recs:
+                i = int(r["src"])
+                j = i if int(r["kind"]) == INTRA else int(r["dst"])
+                acc = sums.setdefault((i, j), [0.0, 0.0])
+                acc[0] += float(r["sum_bw"])
+                acc[1] += int(r["count"])
+            for (i, j), (total, count) in sums.items():
+                sample = total / count * self.scale
+                old = self._m[i, j]
+                self._m[i, j] = sample if np.isnan(old) else self.alpha * sample + (1 - self.alpha) * old
+                self._last[i, j] = sample
+                self._n[i, j] += 1
+        return int(recs.size)
+
+    def snapshot(self) -> Telemetry:
+        with self._lock:
+            return Telemetry(
+                matrix=self._m.copy(),
+                samples=self._n.copy(),
+                last=self._last.copy(),
+                alpha=self.alpha,
+                dropped=self.dropped,
+                time_s=time.time(),
+            )
+
+    def reset(self) -> None:
+        with self._lock:
+            self._m[:] = np.nan
+            self._last[:] = np.nan
+            self._n[:] = 0
+            self.dropped = 0
