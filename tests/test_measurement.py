@@ -52,10 +52,11 @@ def _median_rate(comm, i, j, runs, f, x):
     return float(np.median(samples))
 
 
+@pytest.mark.parametrize("timestamps", ["observed", "link"])
 @pytest.mark.parametrize("channels", [1, 3, 5])
-def test_inter_node_measurement_is_within_1_2_percent(channels):
+def test_inter_node_measurement_is_within_1_2_percent(channels, timestamps):
     topo = rail(hosts=2, gpus_per_host=1)  # 400 Gbps NIC between the two GPUs
-    emu = LinkEmulation(time_scale=4e-4)
+    emu = LinkEmulation(time_scale=4e-4, timestamps=timestamps)
     comm, f, ref = _all_gather_comm(topo, emu, channels)
     x = _data(2, 1 << 19)  # 2 MiB per rank: ~100 ms per collective at 20 MB/s real
     with comm:
@@ -65,10 +66,11 @@ def test_inter_node_measurement_is_within_1_2_percent(channels):
     assert abs(rate - nic) / nic < ACCURACY, (rate, nic)
 
 
+@pytest.mark.parametrize("timestamps", ["observed", "link"])
 @pytest.mark.parametrize("channels", [1, 4])
-def test_intra_node_injection_is_within_1_2_percent(channels):
+def test_intra_node_injection_is_within_1_2_percent(channels, timestamps):
     topo = single_node(2)
-    comm, f, _ = _all_gather_comm(topo, LinkEmulation(time_scale=5e-5), channels)
+    comm, f, _ = _all_gather_comm(topo, LinkEmulation(time_scale=5e-5, timestamps=timestamps), channels)
     x = _data(2, 1 << 19)
     rate = _median_rate(comm, 0, 0, 4, f, x)
     port = topo.capacity(*topo.path(0, 1)[0])
@@ -119,7 +121,8 @@ def test_degraded_link_is_really_slower():
 def test_reductions_are_not_measured():
     topo = rail(hosts=2, gpus_per_host=2)
     mesh = _mesh(4)
-    comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu", link_emulation=LinkEmulation(time_scale=1e-2))
+    emu = LinkEmulation(time_scale=1e-2, min_window_bytes=0)
+    comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu", link_emulation=emu)
     f = _runner(mesh, lambda x: jaxccl.psum_scatter(x, "d", tiled=True))
     ref = _runner(mesh, lambda x: jax.lax.psum_scatter(x, "d", tiled=True))
     x = _data(4, 1 << 12)
@@ -138,7 +141,7 @@ def test_reductions_are_not_measured():
 
 def test_full_buffer_drops_without_blocking_and_counts():
     topo = rail(hosts=2, gpus_per_host=1)
-    emu = LinkEmulation(time_scale=1e-2, slots_per_tb=1)
+    emu = LinkEmulation(time_scale=1e-2, slots_per_tb=1, min_window_bytes=0)
     comm, f, ref = _all_gather_comm(topo, emu, 1)
     x = _data(2, 1 << 12)
     with comm:
@@ -241,7 +244,9 @@ def test_bad_input_errors():
             route_links=np.array([0, 0], np.int32),
             pace=True,
             measure=True,
+            link_timestamps=True,
             intra_threshold=1,
             inter_threshold=1,
+            min_window_bytes=0,
             slots_per_tb=4,
         )

@@ -412,7 +412,7 @@ bool CpuLaunch::Post(int32_t g, int32_t i, const TableOp& op, BufferId buf, int3
 
 bool CpuLaunch::Deliver(int32_t g, int32_t i, const TableOp& op, void* dst, const void* local, const Message& msg) {
   if (!WaitDelivered(g, i, op, msg)) return false;
-  const int64_t delivered_ns = measure_ ? NowNs() : 0;
+  const int64_t delivered_ns = !measure_ ? 0 : (pace_ && net_->link_timestamps()) ? msg.ready_ns : NowNs();
   if (msg.bytes > 0) {
     if (local == nullptr) {
       std::memcpy(dst, msg.data, msg.bytes);

@@ -52,6 +52,9 @@ ffi::Error NetworkConfig::Validate() const {
     return ffi::Error::InvalidArgument(StrCat("jaxccl network: channel thresholds must be >= 1, got intra ",
                                               intra_threshold, ", inter ", inter_threshold));
   }
+  if (min_window_bytes < 0) {
+    return ffi::Error::InvalidArgument(StrCat("jaxccl network: min_window_bytes must be >= 0, got ", min_window_bytes));
+  }
   if (slots_per_tb < 1) {
     return ffi::Error::InvalidArgument(StrCat("jaxccl network: slots_per_tb must be >= 1, got ", slots_per_tb));
   }
@@ -119,8 +122,10 @@ ffi::Error Network::Update(NetworkConfig config) {
   }
   intra_threshold_.store(config.intra_threshold);
   inter_threshold_.store(config.inter_threshold);
+  min_window_bytes_.store(config.min_window_bytes);
   pace_.store(config.pace);
   measure_.store(config.measure);
+  link_timestamps_.store(config.link_timestamps);
   return ffi::Error::Success();
 }
 
@@ -177,7 +182,7 @@ void Network::OnDelivered(int32_t src, int32_t dst, size_t bytes, int64_t now_ns
       a.state = static_cast<int32_t>(WindowState::kFinalizing);
       const int64_t dbytes = a.bytes_sent - a.start_size;
       const int64_t dt = now_ns - a.start_ns;
-      if (dbytes > 0 && dt > 0) bw = static_cast<double>(dbytes) / (static_cast<double>(dt) * 1e-9);
+      if (dbytes > 0 && dbytes >= min_window_bytes_.load(std::memory_order_relaxed) && dt > 0) bw = static_cast<double>(dbytes) / (static_cast<double>(dt) * 1e-9);
       a.state = static_cast<int32_t>(WindowState::kIdle);
     }
   }

@@ -43,8 +43,12 @@ struct NetworkConfig {
   std::vector<int32_t> route_links;     // link ids
   bool pace = true;
   bool measure = true;
+  // Completion timestamps: true = when the emulated links delivered the message (a NIC/DMA completion
+  // timestamp); false = when the receiving worker thread observed it (adds the host's wake-up latency).
+  bool link_timestamps = true;
   int32_t intra_threshold = 1;          // channels that must be active for a window to open
   int32_t inter_threshold = 1;
+  int64_t min_window_bytes = 32 << 10;  // windows that carried fewer bytes are discarded (not saturating)
   int32_t slots_per_tb = 8;             // Measurements Buffer slots owned by each threadblock (MCCL: SRV)
   // Checks sizes and values; the error names the first bad field.
   ffi::Error Validate() const;
@@ -85,6 +89,7 @@ class Network {
   int32_t num_ranks() const { return num_ranks_; }
   bool pacing() const { return pace_.load(std::memory_order_relaxed); }
   bool measuring() const { return measure_.load(std::memory_order_relaxed); }
+  bool link_timestamps() const { return link_timestamps_.load(std::memory_order_relaxed); }
 
   // Reserves `bytes` from `src` to `dst` at `now_ns` on every link of the route; returns the real time
   // (ns, steady clock) at which the message is visible to the receiver.
@@ -131,8 +136,10 @@ class Network {
   std::vector<int32_t> host_of_rank_;
   std::atomic<bool> pace_{true};
   std::atomic<bool> measure_{true};
+  std::atomic<bool> link_timestamps_{true};
   std::atomic<int32_t> intra_threshold_{1};
   std::atomic<int32_t> inter_threshold_{1};
+  std::atomic<int64_t> min_window_bytes_{32 << 10};
 
   std::mutex links_mu_;  // guards everything below it up to the accumulators
   std::vector<double> capacity_;

@@ -84,6 +84,7 @@ ffi::ErrorOr<Registry::SwapState> Registry::Swap(int64_t slot) {
   out.transition_seq = st->transition_seq;
   for (const auto& [rank, seq] : st->issued) out.issued = std::max(out.issued, seq);
   out.last_swap_seq = st->last_swap_seq;
+  out.last_swap_ns = st->last_swap_ns;
   return out;
 }
 
@@ -111,6 +112,7 @@ ffi::ErrorOr<TableSnapshot> Registry::Acquire(int64_t slot, int64_t seq) {
     st->current = std::move(st->staged);
     st->staged = TableSnapshot{};
     st->last_swap_seq = seq == INT64_MAX ? st->launches + 1 : seq;
+    st->last_swap_ns = NowNs();
   }
   if (!st->current.table) {
     return ErrorResult<TableSnapshot>(

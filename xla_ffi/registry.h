@@ -53,6 +53,7 @@ class Registry {
   ffi::ErrorOr<TableSnapshot> Acquire(int64_t slot, int64_t seq = INT64_MAX);
   struct SwapState {
     int64_t current_version = 0, staged_version = 0, transition_seq = 0, issued = 0, last_swap_seq = 0;
+    int64_t last_swap_ns = 0;  // steady clock (CLOCK_MONOTONIC) time of the last activation
   };
   ffi::ErrorOr<SwapState> Swap(int64_t slot);
   ffi::ErrorOr<int64_t> LaunchCount(int64_t slot);
@@ -74,6 +75,7 @@ class Registry {
     int64_t transition_seq = 0;      // launches with seq <= this run `current`
     std::map<int32_t, int64_t> issued;  // rank -> last issued sequence number
     int64_t last_swap_seq = 0;       // sequence number of the launch that last activated a staged table
+    int64_t last_swap_ns = 0;
   };
   ffi::ErrorOr<Slot*> Find(int64_t slot);  // requires mu_
 

@@ -298,14 +298,25 @@ class Communicator:
                 f"N={schedule.num_ranks} ranks but axis {self.axis_name!r} has {self.axis_size} devices"
             )
         schedule.validate()
+        self.stage_validated(coll, schedule)
+
+    def stage_validated(self, collective: str | Collective, schedule: Schedule, *, table: Any = None) -> int:
+        """:meth:`install` without the checks, for callers that validated ``schedule`` already (the controller).
+
+        ``table`` is its compiled table (:func:`jaxccl.schedule.table.compile_table`) if the caller has it.
+        Returns the staged version (native backends; 0 on ``ppermute``).
+        """
+        coll = _canonical(collective)
+        version = 0
         with self._lock:
             if self.backend in ("cpu", "cuda"):
-                self._install_native(coll, schedule)
+                version = self._install_native(coll, schedule, table)
             self._schedules[coll] = schedule
         if self.backend in ("ppermute", "auto"):
             _bump_generation()
+        return version
 
-    def _install_native(self, coll: Collective, schedule: Schedule) -> None:
+    def _install_native(self, coll: Collective, schedule: Schedule, table: Any = None) -> int:
         from jaxccl.schedule.table import compile_table
 
         native = _native()
@@ -315,7 +326,7 @@ class Communicator:
             self._slots[coll] = slot
             if self.network is not None:
                 self.network.attach(slot)
-        native.stage(slot, compile_table(schedule, num_slots=8))
+        return int(native.stage(slot, compile_table(schedule, num_slots=8) if table is None else table))
 
     def swap_state(self, collective: str | Collective) -> dict[str, int]:
         """Hot-swap bookkeeping of ``collective``'s slot (native backends): versions and sequence numbers."""

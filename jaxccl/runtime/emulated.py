@@ -50,10 +50,20 @@ class LinkEmulation:
             measurement overhead).
         measure: run the passive measurement (MCCL Sec. 5) in every collective
             without a reduction.
+        timestamps: when a transfer counts as done for the measurement:
+            ``"link"`` (default) when the emulated links delivered it, as a
+            NIC's completion timestamp would say; ``"observed"`` when the
+            receiving worker thread woke up, which adds this host's scheduling
+            latency (accurate on an idle machine, biased low on a loaded one:
+            2 cores running 8 ranks' threadblocks and the training step).
         intra_threshold: channels that must be active to a GPU's intra-node
             peers before a measurement window opens (MCCL Fig. 4's threshold N).
         inter_threshold: the same for one inter-node GPU pair (MCCL Sec. 5.2:
             one channel saturates a NIC).
+        min_window_bytes: measurement windows that carried fewer bytes are
+            discarded: a few small messages do not saturate anything (e.g. the
+            AllGather half of a scalar ``psum``), and queueing behind other
+            traffic would dominate their time.
         slots_per_tb: Measurements Buffer slots per threadblock; a record that
             finds its threadblock's slots full is dropped and counted.
     """
@@ -61,11 +71,15 @@ class LinkEmulation:
     time_scale: float = 1e-3
     pace: bool = True
     measure: bool = True
+    timestamps: str = "link"
     intra_threshold: int = 1
     inter_threshold: int = 1
+    min_window_bytes: int = 32 << 10
     slots_per_tb: int = 8
 
     def __post_init__(self) -> None:
+        if self.timestamps not in ("link", "observed"):
+            raise ValueError(f"LinkEmulation: timestamps must be 'link' or 'observed', got {self.timestamps!r}")
         if not (0 < self.time_scale <= 1):
             raise ValueError(f"LinkEmulation: time_scale must be in (0, 1], got {self.time_scale}")
         for name in ("intra_threshold", "inter_threshold", "slots_per_tb"):
@@ -104,8 +118,10 @@ def _network_arrays(topology: Any, cfg: LinkEmulation) -> dict[str, Any]:
         "route_links": np.array(links, dtype=np.int32),
         "pace": bool(cfg.pace),
         "measure": bool(cfg.measure),
+        "link_timestamps": cfg.timestamps == "link",
         "intra_threshold": int(cfg.intra_threshold),
         "inter_threshold": int(cfg.inter_threshold),
+        "min_window_bytes": int(cfg.min_window_bytes),
         "slots_per_tb": int(cfg.slots_per_tb),
     }
 

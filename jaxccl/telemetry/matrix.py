@@ -74,17 +74,23 @@ class Telemetry:
 
         write_heatmap(self.matrix, path, title=title)
 
-    def link_capacities(self, topology: Any, *, pairs: set[tuple[int, int]] | None = None) -> dict[tuple, float]:
+    def link_capacities(
+        self, topology: Any, *, pairs: set[tuple[int, int]] | None = None, intra_min_drop: float = 0.0
+    ) -> dict[tuple, float]:
         """Per-link estimates ``M_a`` (emulated bytes/s) for the links the measurements cover.
 
         A GPU's intra-node injection throughput bounds its first link towards
         its host's switch. An inter-node pair's throughput is a fair share of
-        every link on its route: with ``pairs`` (the inter-node GPU pairs the
-        measured schedule runs concurrently), a link crossed by ``k`` of them is
-        estimated at ``k`` times the largest pair rate through it; without, at
-        the largest pair rate. Estimates never exceed the link's nominal
-        capacity; links nobody measured are left out (the caller keeps their
-        nominal capacity). This attribution is our reading: MCCL does not say
+        its route's bottleneck: with ``pairs`` (the inter-node GPU pairs the
+        measured schedule runs concurrently), a link crossed by ``k`` of them
+        offers ``capacity / k`` per pair, the links with the smallest such share
+        are the pair's bottleneck, and each is estimated at ``k`` times the
+        largest pair rate that it bottlenecks (without ``pairs``, ``k = 1``).
+        Estimates never exceed the link's nominal capacity; links nobody
+        measured are left out (the caller keeps their nominal capacity). A
+        GPU's injection throughput is also limited by its receivers (incast),
+        so it counts against its uplink only when it is more than
+        ``intra_min_drop`` below the uplink's capacity. This attribution is our reading: MCCL does not say
         how its GPU-pair matrix maps to links.
         """
         n = self.num_gpus
@@ -100,13 +106,18 @@ class Telemetry:
                 peers = [j for j in range(n) if j != i and topology.host_of(j) == topology.host_of(i)]
                 if peers:
                     first = topology.path(i, peers[0])[0]
-                    est[first] = min(float(self.matrix[i, i]), topology.capacity(*first))
+                    if self.matrix[i, i] < topology.capacity(*first) * (1 - intra_min_drop):
+                        est[first] = float(self.matrix[i, i])
             for j in range(n):
                 if i == j or np.isnan(self.matrix[i, j]):
                     continue
-                for e in topology.path(i, j):
-                    value = min(float(self.matrix[i, j]) * sharers.get(e, 1), topology.capacity(*e))
-                    est[e] = max(est.get(e, 0.0), value)
+                route = topology.path(i, j)
+                per_flow = {e: topology.capacity(*e) / sharers.get(e, 1) for e in route}
+                tight = min(per_flow.values())
+                for e in route:  # only the route's bottleneck link(s) explain the pair's rate
+                    if per_flow[e] <= tight * (1 + 1e-9):
+                        value = min(float(self.matrix[i, j]) * sharers.get(e, 1), topology.capacity(*e))
+                        est[e] = max(est.get(e, 0.0), value)
         return est
 
 

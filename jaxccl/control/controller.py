@@ -1,0 +1,309 @@
+"""The controller: MCCL's slow path (Sec. 3) as a background thread beside training.
+
+Every ``interval_s`` it drains the communicator's telemetry (EWMA link matrix
+``M``), runs Algorithm 1 (:mod:`jaxccl.control.algorithm1`) for every active
+schedule it manages, and for a flagged one re-synthesizes warm-started from
+the running schedule (AllGather: tree packing, AllToAll: column generation) on
+the topology as measured, validates the result with the reference
+interpreter, drains once more and aborts if the degradation cleared
+meanwhile, and otherwise stages it (the executor switches at the agreed
+sequence number, MCCL Sec. 6.2.2). Each stage is an :class:`Event`.
+
+An exception inside the controller never reaches the training step: the
+active schedule keeps running, the error is logged (logger
+``jaxccl.control``) and recorded as an ``"error"`` event.
+
+Example:
+    >>> ctl = Controller(comm, gamma=0.15)                # doctest: +SKIP
+    >>> with ctl:                                          # doctest: +SKIP
+    ...     train()                                        # the thread runs meanwhile
+    >>> [e.kind for e in ctl.events]                       # doctest: +SKIP
+    ['detected', 'synthesized', 'staged', 'activated']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from jaxccl.control.algorithm1 import CheckResult, ScheduleProfile, check, nominal_capacities, profile
+
+__all__ = ["Controller", "Event", "measured_topology"]
+
+log = logging.getLogger("jaxccl.control")
+
+Synthesizer = Callable[[Any, Any], Any]  # (measured topology, running schedule) -> new schedule
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One step of the loop. ``time_ns`` is ``time.monotonic_ns()`` (the executor's clock)."""
+
+    kind: str  # detected | synthesized | aborted | rejected | staged | activated | error
+    time_ns: int
+    collective: str | None
+    detail: Mapping[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "time_ns": self.time_ns, "collective": self.collective, "detail": dict(self.detail)}
+
+
+def _default_synthesizers() -> dict[str, Synthesizer]:
+    from jaxccl import synth
+
+    return {
+        "all_gather": lambda topo, prev: synth.allgather(topo, previous=prev),
+        "all_to_all": lambda topo, prev: synth.alltoall(topo, previous=prev),
+    }
+
+
+def measured_topology(base: Any, estimates: Mapping[tuple, float], *, tolerance: float = 0.05) -> Any:
+    """``base`` with the links measured more than ``tolerance`` below nominal set to their estimates.
+
+    Estimates are rounded to 1 % of nominal (so measurement noise does not make
+    every topology new), and a degraded link's reverse direction gets the same
+    factor when it has one: the tree-packing synthesizer needs every switch's
+    ingress to equal its egress, and the gray failures of interest (a NIC, a
+    cable) are symmetric. Both choices are ours; MCCL does not say how
+    measurements become the optimizer's graph.
+    """
+    factors: dict[tuple, float] = {}
+    for (u, v), m in estimates.items():
+        nominal = base.capacity(u, v)
+        if m < nominal * (1 - tolerance):
+            f = max(round(m / nominal, 2), 0.01)
+            for e in ((u, v), (v, u)):
+                if base.has_edge(*e):
+                    factors[e] = min(factors.get(e, 1.0), f)
+    if not factors:
+        return base
+    return base.with_edges({e: {"capacity": f * base.capacity(*e)} for e, f in factors.items()})
+
+
+@dataclasses.dataclass
+class _Managed:
+    collective: str
+    belief: Any  # the topology the active schedule was synthesized for
+    digest: str = ""
+    profile: ScheduleProfile | None = None
+    staged_version: int = 0
+    staged_ns: int = 0
+    flagged_in_a_row: int = 0
+    last: CheckResult | None = None
+
+
+class Controller:
+    """Watches a :class:`~jaxccl.Communicator` with link emulation and re-optimizes its schedules.
+
+    Args:
+        comm: the communicator (needs ``topology`` and telemetry, i.e. ``link_emulation=``).
+        collectives: which collectives to manage (``"all_gather"``, ``"all_to_all"``).
+        gamma: Algorithm 1's threshold Γ on the slack deviation.
+        interval_s: period of the background loop.
+        tolerance: estimates within this fraction of nominal count as healthy when
+            building the measured topology.
+        confirm: consecutive iterations a schedule must be flagged before it is
+            re-synthesized (1 = MCCL as written; 2 filters a single noisy sample,
+            e.g. the first measurement after a swap; our addition against thrashing,
+            which MCCL leaves to future work).
+        intra_min_drop: a GPU's intra-node injection throughput counts against its
+            NVSwitch uplink only when it is this far below nominal (injection is
+            also limited by the receivers; our choice, MCCL does not say).
+        synthesizers: per collective, ``fn(measured_topology, running_schedule) -> Schedule``
+            (default: the warm-started jaxccl synthesizers).
+    """
+
+    def __init__(
+        self,
+        comm: Any,
+        *,
+        collectives: Sequence[str] = ("all_gather",),
+        gamma: float = 0.15,
+        interval_s: float = 0.02,
+        tolerance: float = 0.05,
+        confirm: int = 2,
+        intra_min_drop: float = 0.3,
+        synthesizers: Mapping[str, Synthesizer] | None = None,
+    ):
+        if comm.topology is None:
+            raise ValueError("Controller: the communicator has no topology")
+        if gamma < 0 or interval_s <= 0:
+            raise ValueError(f"Controller: need gamma >= 0 and interval_s > 0, got {gamma}, {interval_s}")
+        self.comm = comm
+        self.gamma = float(gamma)
+        self.interval_s = float(interval_s)
+        self.tolerance = float(tolerance)
+        self.intra_min_drop = float(intra_min_drop)
+        self.confirm = max(1, int(confirm))
+        self.synthesizers = {**_default_synthesizers(), **(synthesizers or {})}
+        unknown = [c for c in collectives if c not in self.synthesizers]
+        if unknown:
+            raise ValueError(f"Controller: no synthesizer for {unknown}; known: {sorted(self.synthesizers)}")
+        self._managed = {c: _Managed(c, comm.topology) for c in collectives}
+        self._events: list[Event] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.resyntheses = 0
+
+    # ------------------------------------------------------------------ events
+    @property
+    def events(self) -> list[Event]:
+        with self._lock:
+            return list(self._events)
+
+    @property
+    def errors(self) -> list[Event]:
+        return [e for e in self.events if e.kind == "error"]
+
+    def _emit(self, kind: str, collective: str | None, **detail: Any) -> Event:
+        ev = Event(kind, time.monotonic_ns(), collective, detail)
+        with self._lock:
+            self._events.append(ev)
+        log.info("%s %s %s", kind, collective or "", detail)
+        return ev
+
+    def to_json(self) -> str:
+        return json.dumps([e.to_dict() for e in self.events], default=str)
+
+    # ------------------------------------------------------------------ loop
+    def start(self) -> Controller:
+        """Starts the background thread (idempotent)."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="jaxccl-controller", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops the thread; waits at most ``timeout`` seconds (a synthesis in progress finishes first)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("jaxccl controller did not stop within %.1f s", timeout)
+            self._thread = None
+
+    def __enter__(self) -> Controller:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.step()
+            self._stop.wait(self.interval_s)
+
+    def step(self) -> list[Event]:
+        """One iteration of the slow path; returns the events it produced. Never raises."""
+        before = len(self.events)
+        try:
+            self._step()
+        except Exception as e:  # noqa: BLE001 - the controller must never break training
+            log.exception("jaxccl controller step failed")
+            self._emit("error", None, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+        return self.events[before:]
+
+    # ------------------------------------------------------------------ one iteration
+    def _estimates(self, tel: Any, m: _Managed) -> dict[tuple, float]:
+        base = self.comm.topology
+        caps = nominal_capacities(m.belief)
+        pairs = set(m.profile.inter_pairs)
+        for e, v in tel.link_capacities(base, pairs=pairs, intra_min_drop=self.intra_min_drop).items():
+            caps[e] = v
+        return caps
+
+    def _check(self, m: _Managed) -> tuple[CheckResult, dict[tuple, float]] | None:
+        schedule = self.comm.schedule(m.collective)
+        if schedule is None:
+            return None
+        if schedule.digest != m.digest:
+            m.profile = profile(schedule, m.belief)
+            m.digest = schedule.digest
+        caps = self._estimates(self.comm.telemetry(), m)
+        result = check(m.profile, caps, gamma=self.gamma)
+        m.last = result
+        return result, caps
+
+    def _step(self) -> None:
+        for m in self._managed.values():
+            self._note_activation(m)
+            if m.staged_version:
+                continue  # wait until the staged schedule runs before judging again
+            checked = self._check(m)
+            if checked is None or not checked[0].flagged:
+                m.flagged_in_a_row = 0
+                continue
+            m.flagged_in_a_row += 1
+            if m.flagged_in_a_row >= self.confirm:
+                m.flagged_in_a_row = 0
+                self._resynthesize(m, *checked)
+
+    def _note_activation(self, m: _Managed) -> None:
+        if not m.staged_version or self.comm.backend not in ("cpu", "cuda"):
+            m.staged_version = 0
+            return
+        st = self.comm.swap_state(m.collective)
+        if st["current_version"] >= m.staged_version:
+            self._emit(
+                "activated",
+                m.collective,
+                version=st["current_version"],
+                at_seq=st["last_swap_seq"],
+                activated_ns=st["last_swap_ns"],
+                wait_ms=(st["last_swap_ns"] - m.staged_ns) / 1e6,
+            )
+            m.staged_version = 0
+
+    def _resynthesize(self, m: _Managed, result: CheckResult, caps: dict[tuple, float]) -> None:
+        from jaxccl.schedule.table import compile_table
+
+        coll = m.collective
+        running = self.comm.schedule(coll)
+        self._emit("detected", coll, max_delta=result.max_delta, worst_link=str(result.worst), x_min=result.x_min)
+        target = measured_topology(self.comm.topology, caps, tolerance=self.tolerance)
+        t0 = time.perf_counter()
+        new = self.synthesizers[coll](target, running)
+        synth_s = time.perf_counter() - t0
+        self.resyntheses += 1
+        self._emit("synthesized", coll, synth_ms=synth_s * 1e3, predicted_algbw=new.algbw, name=new.name)
+        again = self._check(m)
+        if again is None or not again[0].flagged:
+            self._emit("aborted", coll, reason="the degradation cleared during re-synthesis")
+            return
+        stale = (
+            running.num_ranks
+            * running.chunks_per_period
+            * check(profile(running, target), nominal_capacities(target), gamma=self.gamma).x_min
+        )
+        if new.algbw is not None and new.algbw <= stale * (1 + 1e-6):
+            self._emit("rejected", coll, reason="no better than the running schedule", stale_algbw=stale)
+            m.belief = target
+            m.digest = ""
+            return
+        t1 = time.perf_counter()
+        new.validate()
+        table = compile_table(new, num_slots=8)
+        t2 = time.perf_counter()
+        version = self.comm.stage_validated(coll, new, table=table)
+        t3 = time.perf_counter()
+        m.belief = target
+        m.digest = ""
+        m.staged_ns = time.monotonic_ns()
+        m.staged_version = version
+        self._emit(
+            "staged",
+            coll,
+            version=m.staged_version,
+            dispatch_ms=(t2 - t1) * 1e3,
+            swap_ms=(t3 - t2) * 1e3,
+            predicted_algbw=new.algbw,
+            stale_algbw=stale,
+        )

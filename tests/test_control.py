@@ -1,0 +1,207 @@
+"""The closed loop: Algorithm 1, the controller, and hot-swap at the agreed sequence number."""
+
+import threading
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import jaxccl
+from jaxccl.control import Controller, check, measured_topology, nominal_capacities, profile
+from jaxccl.runtime.emulated import LinkEmulation
+from jaxccl.synth import baselines
+from jaxccl.topology import rail
+
+TOPO = rail(hosts=2, gpus_per_host=4)
+NIC = (0, "tor:s0r0")
+
+
+@pytest.fixture(scope="module")
+def ag():
+    return jaxccl.synth.allgather(TOPO)
+
+
+# ------------------------------------------------------------------ Algorithm 1 (pure)
+@pytest.mark.parametrize("kind", ["allgather", "alltoall", "ring"])
+def test_algorithm1_flags_a_degraded_cut_link_only(kind, ag):
+    s = {"allgather": ag, "alltoall": jaxccl.synth.alltoall(TOPO), "ring": baselines.ring_allgather(TOPO)}[kind]
+    p = profile(s, TOPO)
+    cut_link = next(a for a in p.cut if 0 in a or 4 in a)  # a NIC link of GPU 0's rail
+    healthy = nominal_capacities(TOPO)
+    assert not check(p, healthy, gamma=0.1).flagged
+    assert check(p, nominal_capacities(TOPO.degrade(*cut_link, gbps=200)), gamma=0.1).flagged
+    uniform = {a: c * (0.5 if a in p.cut else 1.0) for a, c in healthy.items()}
+    assert not check(p, uniform, gamma=0.1).flagged  # the whole cut scaled: nothing to re-balance
+    off_cut = nominal_capacities(TOPO.degrade(0, "nvs:h0", gbps=2850))  # slower, but still not binding
+    assert (0, "nvs:h0") not in p.cut
+    assert not check(p, off_cut, gamma=0.1).flagged
+
+
+def test_measured_topology_rounds_and_symmetrizes():
+    est = {NIC: TOPO.capacity(*NIC) * 0.503, (1, "tor:s0r1"): TOPO.capacity(1, "tor:s0r1") * 0.99}
+    t = measured_topology(TOPO, est, tolerance=0.05)
+    assert t.capacity(*NIC) == pytest.approx(0.5 * TOPO.capacity(*NIC))
+    assert t.capacity("tor:s0r0", 0) == pytest.approx(0.5 * TOPO.capacity("tor:s0r0", 0))
+    assert t.capacity(1, "tor:s0r1") == TOPO.capacity(1, "tor:s0r1")  # within tolerance: healthy
+    assert measured_topology(TOPO, {}, tolerance=0.05) is TOPO
+
+
+# ------------------------------------------------------------------ controller on the emulated fabric
+def _setup(alpha=0.5, emulation=None):
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    comm = jaxccl.Communicator(
+        mesh,
+        "d",
+        topology=TOPO,
+        backend="cpu",
+        link_emulation=emulation or LinkEmulation(time_scale=1e-3),
+        telemetry_alpha=alpha,
+    )
+    f = jax.jit(
+        jax.shard_map(lambda x: jaxccl.all_gather(x, "d", tiled=True), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    )
+    ref = jax.jit(
+        jax.shard_map(lambda x: jax.lax.all_gather(x, "d", tiled=True), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
+    )
+    return comm, f, ref
+
+
+def _x(seed, elems=1 << 15):
+    return np.random.default_rng(seed).standard_normal(8 * elems).astype(np.float32) + 0.25
+
+
+def _drive(comm, ctl, f, ref, steps, *, on_step=None, seed=0):
+    """Training-like loop: one collective then one controller iteration per step; bitwise checks throughout."""
+    with comm:
+        for k in range(steps):
+            if on_step:
+                on_step(k)
+            x = _x(seed + k)
+            np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(ref(x)))
+            ctl.step()
+
+
+def test_persistent_degradation_on_the_cut_is_resynthesized_and_swapped(ag):
+    comm, f, ref = _setup()
+    comm.install("all_gather", ag)
+    ctl = Controller(comm, gamma=0.15)
+    failed = TOPO.degrade(*NIC, gbps=200)
+    _drive(comm, ctl, f, ref, 4)
+    assert not [e for e in ctl.events if e.kind == "detected"]
+    _drive(comm, ctl, f, ref, 10, on_step=lambda k: k == 0 and comm.inject(failed), seed=100)
+    kinds = [e.kind for e in ctl.events]
+    assert "detected" in kinds and "staged" in kinds and "activated" in kinds, kinds
+    staged = next(e for e in ctl.events if e.kind == "staged")
+    assert staged.detail["predicted_algbw"] > staged.detail["stale_algbw"]
+    assert comm.schedule("all_gather") is not ag
+    comm.schedule("all_gather").validate()
+
+
+def test_no_resynthesis_for_a_burst_shorter_than_the_ewma_window(ag):
+    comm, f, ref = _setup(alpha=0.2)
+    comm.install("all_gather", ag)
+    ctl = Controller(comm, gamma=0.15)
+    failed = TOPO.degrade(*NIC, gbps=200)
+
+    def burst(k):
+        if k == 3:
+            comm.inject(failed)
+        if k == 4:  # one collective later the link is back
+            comm.inject(TOPO)
+
+    _drive(comm, ctl, f, ref, 12, on_step=burst)
+    assert not [e for e in ctl.events if e.kind in ("synthesized", "staged")], [e.kind for e in ctl.events]
+    assert comm.schedule("all_gather") is ag
+
+
+def test_no_resynthesis_when_the_degraded_link_is_off_the_cut(ag):
+    comm, f, ref = _setup()
+    comm.install("all_gather", ag)
+    ctl = Controller(comm, gamma=0.15)
+    _drive(comm, ctl, f, ref, 8, on_step=lambda k: k == 1 and comm.inject(TOPO.degrade(0, "nvs:h0", gbps=2850)))
+    assert not [e for e in ctl.events if e.kind in ("synthesized", "staged")]
+
+
+def test_a_controller_exception_never_breaks_the_training_step(ag):
+    comm, f, ref = _setup()
+    comm.install("all_gather", ag)
+
+    def broken(topo, previous):
+        raise RuntimeError("synthesizer exploded")
+
+    ctl = Controller(comm, gamma=0.15, synthesizers={"all_gather": broken}, interval_s=0.005)
+    with ctl, comm:  # the background thread keeps failing while training runs
+        comm.inject(TOPO.degrade(*NIC, gbps=200))
+        for k in range(10):
+            x = _x(k)
+            np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(ref(x)))
+    errors = ctl.errors
+    assert errors and "synthesizer exploded" in errors[0].detail["error"]
+    assert comm.schedule("all_gather") is ag  # the active schedule kept running
+
+
+def test_controller_bad_input():
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    with pytest.raises(ValueError, match="topology"):
+        Controller(jaxccl.Communicator(mesh, "d", backend="cpu"))
+    comm, _, _ = _setup()
+    with pytest.raises(ValueError, match="synthesizer"):
+        Controller(comm, collectives=("reduce_scatter",))
+    with pytest.raises(ValueError, match="gamma"):
+        Controller(comm, gamma=-1)
+
+
+# ------------------------------------------------------------------ hot-swap property
+def test_results_stay_bitwise_equal_across_hot_swaps_at_random_points(ag):
+    comm, f, ref = _setup(emulation=LinkEmulation(time_scale=1e-2))
+    schedules = [
+        ag,
+        baselines.ring_allgather(TOPO, channels=2),
+        baselines.recursive_doubling_allgather(8),
+        jaxccl.synth.allgather(TOPO.degrade(*NIC, gbps=200)),
+    ]
+    rng = np.random.default_rng(7)
+    stop = threading.Event()
+    installed = []
+
+    def swapper():
+        while not stop.is_set():
+            s = schedules[int(rng.integers(len(schedules)))]
+            comm.install("all_gather", s)
+            installed.append(s.name)
+            stop.wait(float(rng.uniform(0.0, 0.03)))
+
+    th = threading.Thread(target=swapper)
+    th.start()
+    versions = []
+    try:
+        with comm:
+            for k in range(40):
+                x = _x(k, elems=int(rng.integers(1, 2048)))
+                np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(ref(x)))
+                versions.append(jaxccl.runtime.native.last_launch_version(comm.slot("all_gather")))
+    finally:
+        stop.set()
+        th.join(10)
+    assert len(set(versions)) > 3, versions  # it really swapped many times mid-run
+    assert versions == sorted(versions)  # launches never go back to an older version
+    st = comm.swap_state("all_gather")
+    assert st["last_swap_seq"] <= st["issued"]
+
+
+def test_staged_schedule_activates_at_the_next_sequence_number(ag):
+    comm, f, ref = _setup(emulation=LinkEmulation(time_scale=1e-2))
+    x = _x(1, 64)
+    with comm:
+        f(x).block_until_ready()
+        before = comm.swap_state("all_gather")
+        v = comm.stage_validated("all_gather", ag)
+        st = comm.swap_state("all_gather")
+        assert st["staged_version"] == v and st["current_version"] == before["current_version"]
+        assert st["transition_seq"] == before["issued"]
+        np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(ref(x)))
+        st = comm.swap_state("all_gather")
+    assert st["current_version"] == v and st["staged_version"] == 0
+    assert st["last_swap_seq"] == before["issued"] + 1
