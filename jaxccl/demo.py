@@ -34,7 +34,7 @@ SIZES = (128, 512, 512, 128, 16)  # the MLP's layer widths
 class DemoConfig:
     steps: int = 60
     fail_step: int = 15
-    time_scale: float = 1e-3
+    time_scale: float = 3e-4
     lr: float = 0.2
     batch: int = 256
     alpha: float = 0.5

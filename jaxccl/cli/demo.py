@@ -17,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     p.add_argument("--fail-step", type=int, default=15, help="step at which the failure is injected (default 15)")
-    p.add_argument("--time-scale", type=float, default=1e-3, help="emulated link capacities x this (default 1e-3)")
+    p.add_argument("--time-scale", type=float, default=3e-4, help="emulated link capacities x this (default 3e-4)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--png", default=None, metavar="PATH", help="write the algbw timeline as PNG")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
