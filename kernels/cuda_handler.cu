@@ -6,6 +6,11 @@
 // workspace for the table, publish its address, wait for every rank's address,
 // launch the interpreter on the stream and wait for it to report (the kernel's
 // own waits are bounded by the deadline, so this returns).
+//
+// Measurement (MCCL Sec. 5.1-5.2, protocol in interpreter.cuh): configured process-wide
+// (MeasureConfigure); each (slot, device) workspace owns its rank's accumulators and per-threadblock
+// cursors/counters in device memory and a Measurements Buffer in pinned host-mapped memory, which
+// MeasureDrain reads while collectives run. Collectives with a reduction are never measured.
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -47,6 +52,13 @@ struct CudaArrival {
   int device = -1;
 };
 
+// The measurement settings one launch runs with (taken by the last rank to arrive, for everybody).
+struct MeasureSnapshot {
+  bool on = false;  // enabled and the table has no reduction
+  std::vector<int32_t> host_of_rank;  // [num_ranks]
+  int32_t intra_threshold = 1, inter_threshold = 1, slots_per_tb = 64;
+};
+
 // What the last rank decided for everybody, plus the second exchange (workspace addresses).
 struct CudaLaunch {
   TableSnapshot snap;
@@ -57,12 +69,36 @@ struct CudaLaunch {
   size_t stage_bytes = 0;
   std::vector<CudaArrival> arrivals;
   Clock::time_point deadline;
+  MeasureSnapshot measure;
 
   std::mutex mu;
   std::condition_variable cv;
   std::vector<char*> regions;  // per rank, this epoch's region
   int32_t published = 0;
   std::string failure;
+};
+
+// One rank's measurement memory on its device (see MeasureArgs). Device block: accumulators
+// [num_ranks + 1], cursors [num_tbs], counters [num_tbs]; host-mapped block: records
+// [num_tbs][slots_per_tb], counters [num_tbs].
+struct MeasureBuffers {
+  char* dev = nullptr;
+  char* host = nullptr;         // host address of the mapped block
+  char* host_on_dev = nullptr;  // its device address
+  int32_t num_ranks = 0, num_tbs = 0, slots_per_tb = 0;
+
+  static size_t Round(size_t b) { return (b + 255) / 256 * 256; }
+  size_t acc_bytes() const { return sizeof(MeasurementAccumulator) * static_cast<size_t>(num_ranks + 1); }
+  size_t cursor_offset() const { return Round(acc_bytes()); }
+  size_t dev_counters_offset() const { return cursor_offset() + Round(sizeof(unsigned int) * num_tbs); }
+  size_t dev_bytes() const { return dev_counters_offset() + sizeof(MeasureCounters) * num_tbs; }
+  size_t num_slots() const { return static_cast<size_t>(num_tbs) * slots_per_tb; }
+  size_t host_counters_offset() const { return Round(sizeof(MeasurementRecord) * num_slots()); }
+  size_t host_bytes() const { return host_counters_offset() + sizeof(MeasureCounters) * num_tbs; }
+  MeasurementRecord* records() const { return reinterpret_cast<MeasurementRecord*>(host); }
+  const MeasureCounters* counters() const {
+    return reinterpret_cast<const MeasureCounters*>(host + host_counters_offset());
+  }
 };
 
 struct Workspace {
@@ -78,6 +114,7 @@ struct Workspace {
   int32_t* error_host = nullptr;  // pinned
   char* scratch = nullptr;
   size_t scratch_bytes = 0;
+  MeasureBuffers measure;
 };
 
 // Restores the calling thread's current device (XLA's) when it goes out of scope.
@@ -97,6 +134,114 @@ std::mutex g_mu;
 std::map<std::pair<int64_t, int>, std::unique_ptr<Workspace>> g_workspaces;  // (slot, device)
 std::map<std::pair<int64_t, int64_t>, unsigned long long> g_epochs;       // (slot, group)
 
+// Process-wide measurement settings (g_measure_mu) and the host side of the Measurements Buffers (g_mu).
+std::mutex g_measure_mu;
+MeasureSettings g_settings;
+
+struct MeasureTotals {
+  std::vector<MeasurementRecord> pending;  // valid records of buffers that were reallocated, not drained yet
+  MeasureCounters retired{};               // counters of freed buffers
+  MeasureCounters at_reset{};              // totals when MeasureReset ran
+  unsigned long long dropped_at_drain = 0; // dropped total at the last drain (or reset)
+  unsigned long long drained = 0;          // records returned by drains since the reset
+};
+MeasureTotals g_totals;
+
+void AddCounters(MeasureCounters* into, const MeasureCounters& c) {
+  into->records += c.records;
+  into->dropped += c.dropped;
+  into->windows += c.windows;
+}
+
+// Cumulative counters of every buffer ever allocated (g_mu held). The device writes them; 8-byte loads.
+MeasureCounters TotalsLocked() {
+  MeasureCounters total = g_totals.retired;
+  for (auto& [key, ws] : g_workspaces) {
+    const MeasureBuffers& b = ws->measure;
+    if (b.host == nullptr) continue;
+    for (int32_t tb = 0; tb < b.num_tbs; ++tb) {
+      const MeasureCounters* c = b.counters() + tb;
+      MeasureCounters v{};
+      v.records = __atomic_load_n(&c->records, __ATOMIC_RELAXED);
+      v.dropped = __atomic_load_n(&c->dropped, __ATOMIC_RELAXED);
+      v.windows = __atomic_load_n(&c->windows, __ATOMIC_RELAXED);
+      AddCounters(&total, v);
+    }
+  }
+  return total;
+}
+
+// Moves every valid record of `b` into `out` and frees its slots (g_mu held). The device fills a slot only
+// while its flag is 0 and sets the flag last (after __threadfence_system), so a flag read as 1 with acquire
+// order covers the fields.
+void HarvestLocked(const MeasureBuffers& b, std::vector<MeasurementRecord>* out) {
+  if (b.host == nullptr) return;
+  MeasurementRecord* recs = b.records();
+  for (size_t k = 0; k < b.num_slots(); ++k) {
+    if (__atomic_load_n(&recs[k].flag, __ATOMIC_ACQUIRE) != 1) continue;
+    MeasurementRecord r = recs[k];
+    r.flag = 1;
+    out->push_back(r);
+    __atomic_store_n(&recs[k].flag, 0, __ATOMIC_RELEASE);
+  }
+}
+
+// Frees `b` (its kernels have finished: every call synchronizes its stream before returning), keeping its
+// undrained records and its counters. g_mu held, b's device current.
+cudaError_t RetireLocked(MeasureBuffers* b) {
+  HarvestLocked(*b, &g_totals.pending);
+  if (b->host != nullptr) {
+    for (int32_t tb = 0; tb < b->num_tbs; ++tb) AddCounters(&g_totals.retired, b->counters()[tb]);
+  }
+  cudaError_t e = cudaSuccess;
+  if (b->dev != nullptr) e = cudaFree(b->dev);
+  if (b->host != nullptr) {
+    const cudaError_t h = cudaFreeHost(b->host);
+    if (e == cudaSuccess) e = h;
+  }
+  *b = MeasureBuffers{};
+  return e;
+}
+
+// Sizes the workspace's measurement memory for a launch (g_mu held, the device current).
+cudaError_t EnsureMeasureBuffers(Workspace* ws, int32_t num_ranks, int32_t num_tbs, int32_t slots_per_tb,
+                                 cudaStream_t stream, const char** what) {
+  MeasureBuffers& b = ws->measure;
+  if (b.dev != nullptr && num_ranks <= b.num_ranks && num_tbs <= b.num_tbs && slots_per_tb == b.slots_per_tb) {
+    return cudaSuccess;
+  }
+  MeasureBuffers grown;
+  grown.num_ranks = std::max(num_ranks, b.num_ranks);
+  grown.num_tbs = std::max({num_tbs, b.num_tbs, 1});  // never a zero-byte host allocation
+  grown.slots_per_tb = slots_per_tb;
+  *what = "freeing the old measurement buffers";
+  cudaError_t e = RetireLocked(&b);
+  if (e != cudaSuccess) return e;
+  *what = "cudaMalloc(measurement accumulators)";
+  if ((e = cudaMalloc(&grown.dev, grown.dev_bytes())) != cudaSuccess) return e;
+  *what = "cudaMemsetAsync(measurement accumulators)";
+  if ((e = cudaMemsetAsync(grown.dev, 0, grown.dev_bytes(), stream)) != cudaSuccess ||
+      (e = cudaStreamSynchronize(stream)) != cudaSuccess) {
+    (void)cudaFree(grown.dev);
+    return e;
+  }
+  *what = "cudaHostAlloc(Measurements Buffer)";
+  if ((e = cudaHostAlloc(&grown.host, grown.host_bytes(), cudaHostAllocMapped | cudaHostAllocPortable)) !=
+      cudaSuccess) {
+    (void)cudaFree(grown.dev);
+    return e;
+  }
+  std::memset(grown.host, 0, grown.host_bytes());
+  *what = "cudaHostGetDevicePointer(Measurements Buffer)";
+  if ((e = cudaHostGetDevicePointer(reinterpret_cast<void**>(&grown.host_on_dev), grown.host, 0)) != cudaSuccess) {
+    (void)cudaFree(grown.dev);
+    (void)cudaFreeHost(grown.host);
+    return e;
+  }
+  b = grown;
+  return cudaSuccess;
+}
+
 using CudaRendezvous = Rendezvous<CudaArrival, CudaLaunch>;
 CudaRendezvous& TheRendezvous() {
   static auto* r = new CudaRendezvous();
@@ -106,24 +251,35 @@ CudaRendezvous& TheRendezvous() {
 std::vector<int32_t> BuildProgram(const Table& t, int32_t rank) {
   const int32_t first_tb = t.rank_first_tb[rank], ntb = t.rank_num_tbs[rank];
   const int32_t first_op = ntb > 0 ? t.tbs[first_tb].first_op : 0;
-  int32_t nops = 0, max_tbs = 0, staged = 0;
+  int32_t nops = 0, max_tbs = 0, staged = 0, total_sends = 0;
   for (int32_t r = 0; r < t.num_ranks; ++r) max_tbs = std::max(max_tbs, t.rank_num_tbs[r]);
-  for (int32_t j = 0; j < ntb; ++j) nops += t.tbs[first_tb + j].num_ops;
-  std::vector<int32_t> p(kProgHeader + ntb * kProgTb + nops * kProgOp + t.num_conns(), 0);
+  for (int32_t j = 0; j < ntb; ++j) {
+    const TableTb& tb = t.tbs[first_tb + j];
+    nops += tb.num_ops;
+    for (int32_t i = 0; i < tb.num_ops; ++i) total_sends += OpSends(t.ops[tb.first_op + i].kind) ? 1 : 0;
+  }
+  std::vector<int32_t> p(kProgHeader + ntb * kProgTb + nops * kProgOp + t.num_conns() + total_sends, 0);
   int32_t* staged_index = p.data() + kProgHeader + ntb * kProgTb + nops * kProgOp;
+  int32_t* send_ops = staged_index + t.num_conns();
   for (int32_t k = 0; k < t.num_conns(); ++k) staged_index[k] = t.conns[k].num_staged > 0 ? staged++ : -1;
   p[0] = ntb;
   p[1] = nops;
   p[2] = t.num_conns();
   p[3] = max_tbs;
   p[4] = staged;
+  p[5] = total_sends;
+  int32_t first_send = 0;
   for (int32_t j = 0; j < ntb; ++j) {
     const TableTb& tb = t.tbs[first_tb + j];
     int32_t* row = p.data() + kProgHeader + j * kProgTb;
     int32_t sends = 0;
-    for (int32_t i = 0; i < tb.num_ops; ++i) sends += OpSends(t.ops[tb.first_op + i].kind) ? 1 : 0;
-    const int32_t vals[kProgTb] = {tb.first_op - first_op, tb.num_ops, tb.send_conn, tb.recv_conn,
-                                   tb.send_peer,           tb.recv_peer, sends,      0};
+    for (int32_t i = 0; i < tb.num_ops; ++i) {
+      // A threadblock is its connection's only sender, so its k-th sending op posts message k (send_msg == k).
+      if (OpSends(t.ops[tb.first_op + i].kind)) send_ops[first_send + sends++] = i;
+    }
+    const int32_t vals[kProgTb] = {tb.first_op - first_op, tb.num_ops,   tb.send_conn, tb.recv_conn,
+                                   tb.send_peer,           tb.recv_peer, sends,        first_send};
+    first_send += sends;
     std::memcpy(row, vals, sizeof(vals));
     for (int32_t i = 0; i < tb.num_ops; ++i) {
       const TableOp& op = t.ops[tb.first_op + i];
@@ -240,6 +396,24 @@ ffi::ErrorOr<std::shared_ptr<CudaLaunch>> StartLaunch(int64_t slot, int64_t grou
             StrCat("jaxccl: reductions support F32, BF16, F16 and S32; got ", DTypeName(a0.in_dtype))));
     }
   }
+  {
+    std::lock_guard<std::mutex> lock(g_measure_mu);
+    MeasureSnapshot& m = launch->measure;
+    m.on = g_settings.enabled && !t.has_reduction;  // MCCL Sec. 5: collectives without reduction only
+    if (m.on) {
+      if (!g_settings.host_of_rank.empty() && static_cast<int32_t>(g_settings.host_of_rank.size()) != axis_size) {
+        return ErrorResult<R>(ffi::Error::InvalidArgument(
+            StrCat("jaxccl (cuda): measurement is configured with host ids for ", g_settings.host_of_rank.size(),
+                   " ranks but this collective has ", axis_size, "; call measure_configure with ", axis_size,
+                   " host ids (or none: all ranks on one host)")));
+      }
+      m.host_of_rank = g_settings.host_of_rank;
+      m.host_of_rank.resize(axis_size, 0);
+      m.intra_threshold = g_settings.intra_threshold;
+      m.inter_threshold = g_settings.inter_threshold;
+      m.slots_per_tb = g_settings.slots_per_tb;
+    }
+  }
   launch->stage_bytes = (MaxStagedBytes(t, *period, launch->esize) + 255) / 256 * 256;
   launch->arrivals = arrivals;
   launch->regions.assign(axis_size, nullptr);
@@ -253,7 +427,7 @@ ffi::ErrorOr<std::shared_ptr<CudaLaunch>> StartLaunch(int64_t slot, int64_t grou
 
 // Grows the device's workspace for this launch and uploads the rank's program; returns this epoch's region.
 ffi::ErrorOr<char*> PrepareWorkspace(int64_t slot, int32_t rank, const CudaLaunch& l, cudaStream_t stream,
-                                     Workspace** out) {
+                                     Workspace** out, MeasureArgs* measure) {
   const CudaArrival& me = l.arrivals[rank];
   const Table& t = *l.snap.table;
   const RegionLayout layout = LayoutOf(t);
@@ -277,7 +451,9 @@ ffi::ErrorOr<char*> PrepareWorkspace(int64_t slot, int32_t rank, const CudaLaunc
     ws->base = nullptr;
     ws->bytes = 0;
     if ((e = cudaMalloc(&ws->base, need)) != cudaSuccess) return fail(e, "cudaMalloc(workspace)");
-    if ((e = cudaMemset(ws->base, 0, need)) != cudaSuccess) return fail(e, "cudaMemset(workspace)");
+    // Zeroed before any peer is told the address: peers' kernels write into it from other devices' streams.
+    if ((e = cudaMemsetAsync(ws->base, 0, need, stream)) != cudaSuccess) return fail(e, "cudaMemsetAsync(workspace)");
+    if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) return fail(e, "cudaStreamSynchronize(workspace)");
     ws->bytes = need;
   }
   const size_t scratch_bytes =
@@ -305,6 +481,31 @@ ffi::ErrorOr<char*> PrepareWorkspace(int64_t slot, int32_t rank, const CudaLaunc
     ws->program_of = &t;
     ws->program_rank = rank;
     ws->keep = l.snap.table;
+  }
+  *measure = MeasureArgs{};
+  if (l.measure.on) {
+    const MeasureSnapshot& m = l.measure;
+    const char* what = "";
+    if ((e = EnsureMeasureBuffers(ws.get(), t.num_ranks, t.rank_num_tbs[rank], m.slots_per_tb, stream, &what)) !=
+        cudaSuccess) {
+      return fail(e, what);
+    }
+    const MeasureBuffers& b = ws->measure;
+    // Windows never span launches: each launch starts from idle accumulators (only this rank touches them).
+    if ((e = cudaMemsetAsync(b.dev, 0, b.acc_bytes(), stream)) != cudaSuccess) {
+      return fail(e, "cudaMemsetAsync(measurement accumulators)");
+    }
+    measure->acc = reinterpret_cast<MeasurementAccumulator*>(b.dev);
+    measure->cursor = reinterpret_cast<unsigned int*>(b.dev + b.cursor_offset());
+    measure->counters_dev = reinterpret_cast<MeasureCounters*>(b.dev + b.dev_counters_offset());
+    measure->records = reinterpret_cast<MeasurementRecord*>(b.host_on_dev);
+    measure->counters_host = reinterpret_cast<MeasureCounters*>(b.host_on_dev + b.host_counters_offset());
+    measure->slots_per_tb = b.slots_per_tb;
+    measure->intra_threshold = m.intra_threshold;
+    measure->inter_threshold = m.inter_threshold;
+    for (int32_t p = 0; p < t.num_ranks; ++p) {
+      if (m.host_of_rank[p] == m.host_of_rank[rank]) measure->intra_peers |= 1ull << p;
+    }
   }
   *out = ws.get();
   return ws->base + (l.epoch & 1) * layout.bytes();
@@ -368,7 +569,8 @@ ffi::Error CudaCollective(cudaStream_t stream, ffi::RunId run_id, ffi::AnyBuffer
 
   // Phase 2: every rank publishes its workspace region; peers need all of them before any kernel runs.
   Workspace* ws = nullptr;
-  auto region = PrepareWorkspace(slot, rank, l, stream, &ws);
+  MeasureArgs measure{};
+  auto region = PrepareWorkspace(slot, rank, l, stream, &ws, &measure);
   for (int32_t r = 0; r < n && region.has_value(); ++r) {
     if (ffi::Error e = EnablePeerAccess(me.device, l.arrivals[r].device); e.failure()) {
       region = ErrorResult<char*>(std::move(e));
@@ -415,6 +617,7 @@ ffi::Error CudaCollective(cudaStream_t stream, ffi::RunId run_id, ffi::AnyBuffer
   args.stage_bytes = l.stage_bytes;
   for (int32_t r = 0; r < n; ++r) args.regions[r] = l.regions[r];
   args.scratch = ws->scratch;
+  args.measure = measure;
   char* error_dev = *region + args.layout.error();
   JAXCCL_CUDA_CHECK(cudaMemsetAsync(error_dev, 0, 16, stream));
   JAXCCL_CUDA_CHECK(LaunchInterpreter(args, t.rank_num_tbs[rank], stream));
@@ -457,6 +660,87 @@ bool AttachCore(const CoreApi* api, std::string* error) {
 }
 
 bool CoreAttached() { return g_core.load() != nullptr; }
+
+std::string MeasureConfigure(const MeasureSettings& settings) {
+  if (settings.host_of_rank.size() > static_cast<size_t>(kMaxRanks)) {
+    return StrCat("measure_configure: host_of_rank has ", settings.host_of_rank.size(), " entries; at most ",
+                  kMaxRanks, " ranks");
+  }
+  for (size_t r = 0; r < settings.host_of_rank.size(); ++r) {
+    if (settings.host_of_rank[r] < 0) {
+      return StrCat("measure_configure: host_of_rank[", r, "] = ", settings.host_of_rank[r], "; host ids are >= 0");
+    }
+  }
+  if (settings.intra_threshold < 1 || settings.inter_threshold < 1) {
+    return StrCat("measure_configure: channel thresholds must be >= 1, got intra ", settings.intra_threshold,
+                  ", inter ", settings.inter_threshold);
+  }
+  if (settings.slots_per_tb < 1 || settings.slots_per_tb > kMaxSlotsPerTb) {
+    return StrCat("measure_configure: slots_per_tb must be in 1..", kMaxSlotsPerTb, ", got ", settings.slots_per_tb);
+  }
+  std::lock_guard<std::mutex> lock(g_measure_mu);
+  g_settings = settings;
+  return "";
+}
+
+MeasureSettings MeasureSettingsNow() {
+  std::lock_guard<std::mutex> lock(g_measure_mu);
+  return g_settings;
+}
+
+void MeasureDrain(std::vector<MeasurementRecord>* records, int64_t* dropped) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  *records = std::move(g_totals.pending);
+  g_totals.pending.clear();
+  for (auto& [key, ws] : g_workspaces) HarvestLocked(ws->measure, records);
+  g_totals.drained += records->size();
+  const unsigned long long total = TotalsLocked().dropped;
+  *dropped = static_cast<int64_t>(total - g_totals.dropped_at_drain);
+  g_totals.dropped_at_drain = total;
+}
+
+MeasureStatsResult MeasureStats() {
+  MeasureStatsResult r;
+  {
+    std::lock_guard<std::mutex> lock(g_measure_mu);
+    r.enabled = g_settings.enabled;
+    r.slots_per_tb = g_settings.slots_per_tb;
+    r.intra_threshold = g_settings.intra_threshold;
+    r.inter_threshold = g_settings.inter_threshold;
+  }
+  std::lock_guard<std::mutex> lock(g_mu);
+  const MeasureCounters total = TotalsLocked();
+  r.windows = static_cast<int64_t>(total.windows - g_totals.at_reset.windows);
+  r.records = static_cast<int64_t>(total.records - g_totals.at_reset.records);
+  r.dropped = static_cast<int64_t>(total.dropped - g_totals.at_reset.dropped);
+  r.drained = static_cast<int64_t>(g_totals.drained);
+  r.pending = static_cast<int64_t>(g_totals.pending.size());
+  for (auto& [key, ws] : g_workspaces) {
+    const MeasureBuffers& b = ws->measure;
+    if (b.host == nullptr) continue;
+    ++r.buffers;
+    r.regions += b.num_tbs;
+    r.slots += static_cast<int64_t>(b.num_slots());
+    for (size_t k = 0; k < b.num_slots(); ++k) r.used += __atomic_load_n(&b.records()[k].flag, __ATOMIC_ACQUIRE);
+    r.accumulator_bytes += static_cast<int64_t>(b.acc_bytes());
+    r.buffer_bytes += static_cast<int64_t>(sizeof(MeasurementRecord) * b.num_slots());
+    r.counter_bytes += static_cast<int64_t>(2 * sizeof(MeasureCounters) * b.num_tbs + sizeof(unsigned int) * b.num_tbs);
+  }
+  r.cache_entry_bytes = static_cast<int64_t>(sizeof(MeasurementCacheEntry));
+  r.cache_entries_per_tb = kMeasureCacheEntries;
+  r.cache_bytes = r.regions * r.cache_entries_per_tb * r.cache_entry_bytes;
+  return r;
+}
+
+void MeasureReset() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_totals.pending.clear();
+  std::vector<MeasurementRecord> discarded;
+  for (auto& [key, ws] : g_workspaces) HarvestLocked(ws->measure, &discarded);
+  g_totals.at_reset = TotalsLocked();
+  g_totals.dropped_at_drain = g_totals.at_reset.dropped;
+  g_totals.drained = 0;
+}
 
 int DeviceCount() {
   int n = 0;

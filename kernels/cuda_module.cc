@@ -1,10 +1,14 @@
 // jaxccl._native_cuda: the CUDA FFI capsule; attaches to the registry of jaxccl._native.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <string>
+#include <vector>
 
 #include "core_api.h"
 #include "cuda_handler.h"
+#include "measurement_format.h"
 
 namespace nb = nanobind;
 
@@ -28,4 +32,76 @@ NB_MODULE(_native_cuda, m) {
       nb::arg("core"), "Connects the CUDA executor to jaxccl._native's schedule registry.");
   m.def("attached", &cuda::CoreAttached);
   m.def("device_count", &cuda::DeviceCount, "Visible CUDA devices (0 without a driver or GPU).");
+
+  m.def(
+      "measure_configure",
+      [](bool enabled, std::vector<int32_t> host_of_rank, int32_t intra_threshold, int32_t inter_threshold,
+         int32_t slots_per_tb) {
+        cuda::MeasureSettings s;
+        s.enabled = enabled;
+        s.host_of_rank = std::move(host_of_rank);
+        s.intra_threshold = intra_threshold;
+        s.inter_threshold = inter_threshold;
+        s.slots_per_tb = slots_per_tb;
+        const std::string error = cuda::MeasureConfigure(s);
+        if (!error.empty()) throw nb::value_error(error.c_str());
+      },
+      nb::arg("enabled"), nb::arg("host_of_rank") = std::vector<int32_t>{}, nb::arg("intra_threshold") = 1,
+      nb::arg("inter_threshold") = 1, nb::arg("slots_per_tb") = 64,
+      "Turns passive measurement on or off for the launches that start from now on. host_of_rank: host id of "
+      "each rank of the axis (empty: one host); a window opens when at least `*_threshold` connections of an "
+      "accumulator are active; each threadblock owns `slots_per_tb` Measurements Buffer slots.");
+  m.def("measure_settings", [] {
+    const cuda::MeasureSettings s = cuda::MeasureSettingsNow();
+    nb::dict d;
+    d["enabled"] = s.enabled;
+    d["host_of_rank"] = s.host_of_rank;
+    d["intra_threshold"] = s.intra_threshold;
+    d["inter_threshold"] = s.inter_threshold;
+    d["slots_per_tb"] = s.slots_per_tb;
+    return d;
+  }, "The settings measure_configure installed.");
+  m.def(
+      "measure_drain",
+      [] {
+        std::vector<MeasurementRecord> recs;
+        int64_t dropped = 0;
+        {
+          nb::gil_scoped_release release;
+          cuda::MeasureDrain(&recs, &dropped);
+        }
+        nb::bytes raw(reinterpret_cast<const char*>(recs.data()), recs.size() * sizeof(MeasurementRecord));
+        return nb::make_tuple(raw, dropped);
+      },
+      "(records, dropped): every valid Measurements Buffer record, 32 bytes each (measurement_format.h), their "
+      "slots freed; and the records dropped since the previous drain.");
+  m.def("measure_stats", [] {
+    const cuda::MeasureStatsResult st = cuda::MeasureStats();
+    nb::dict d;
+    d["enabled"] = st.enabled;
+    d["slots_per_tb"] = st.slots_per_tb;
+    d["intra_threshold"] = st.intra_threshold;
+    d["inter_threshold"] = st.inter_threshold;
+    d["windows"] = st.windows;
+    d["records"] = st.records;
+    d["dropped"] = st.dropped;
+    d["drained"] = st.drained;
+    d["pending"] = st.pending;
+    d["buffers"] = st.buffers;
+    d["regions"] = st.regions;
+    d["slots"] = st.slots;
+    d["used"] = st.used;
+    d["accumulator_bytes"] = st.accumulator_bytes;
+    d["cache_entry_bytes"] = st.cache_entry_bytes;
+    d["cache_entries_per_tb"] = st.cache_entries_per_tb;
+    d["cache_bytes"] = st.cache_bytes;
+    d["buffer_bytes"] = st.buffer_bytes;
+    d["counter_bytes"] = st.counter_bytes;
+    return d;
+  }, "Measurement counters since the last reset and the memory footprint (MCCL Table 2) in bytes.");
+  m.def("measure_reset", [] {
+    nb::gil_scoped_release release;
+    cuda::MeasureReset();
+  }, "Discards undrained records and restarts the counters (call it between collectives).");
+  m.attr("MEASUREMENT_VERSION") = kMeasurementVersion;
 }
