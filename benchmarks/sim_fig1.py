@@ -4,7 +4,7 @@ GPU 0's NIC at 400/200/100/50 Gbps; 128 MiB and 1 GiB per source; algbw ratio vs
 original (static) and the re-optimized schedules.
 
 Prints progress and a table; writes JSON and a PNG (defaults under
-``benchmarks/results/``). The same code runs as ``jaxccl sim fig1``; see
+``benchmarks/results/sim/``). The same code runs as ``jaxccl sim fig1``; see
 :mod:`jaxccl.sim.experiments` and ``docs/results.md``.
 
 Usage:
@@ -20,7 +20,7 @@ from jaxccl.cli import main
 if __name__ == "__main__":
     args = sys.argv[1:]
     if "--json" not in args:
-        args += ["--json", "benchmarks/results/sim_fig1.json"]
+        args += ["--json", "benchmarks/results/sim/sim_fig1.json"]
     if "--png" not in args:
-        args += ["--png", "benchmarks/results/sim_fig1.png"]
+        args += ["--png", "benchmarks/results/sim/sim_fig1.png"]
     sys.exit(main(["sim", "fig1", *args]))

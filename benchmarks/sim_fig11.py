@@ -4,7 +4,7 @@ One pipeline stage of Llama 405B and DeepSeek 671B (MCCL Table 4) on 128-2048 GP
 Fail1-3.
 
 Prints progress and a table; writes JSON and a PNG (defaults under
-``benchmarks/results/``). The same code runs as ``jaxccl sim fig11``; see
+``benchmarks/results/sim/``). The same code runs as ``jaxccl sim fig11``; see
 :mod:`jaxccl.sim.experiments` and ``docs/results.md``.
 
 Usage:
@@ -21,7 +21,7 @@ from jaxccl.cli import main
 if __name__ == "__main__":
     args = sys.argv[1:]
     if "--json" not in args:
-        args += ["--json", "benchmarks/results/sim_fig11.json"]
+        args += ["--json", "benchmarks/results/sim/sim_fig11.json"]
     if "--png" not in args:
-        args += ["--png", "benchmarks/results/sim_fig11.png"]
+        args += ["--png", "benchmarks/results/sim/sim_fig11.png"]
     sys.exit(main(["sim", "fig11", *args]))

@@ -3,7 +3,7 @@
 128 MiB per source; AllGather and AllToAll; algbw ratio vs NCCL, static (no reopt) vs re-optimized.
 
 Prints progress and a table; writes JSON and a PNG (defaults under
-``benchmarks/results/``). The same code runs as ``jaxccl sim fig8``; see
+``benchmarks/results/sim/``). The same code runs as ``jaxccl sim fig8``; see
 :mod:`jaxccl.sim.experiments` and ``docs/results.md``.
 
 Usage:
@@ -19,7 +19,7 @@ from jaxccl.cli import main
 if __name__ == "__main__":
     args = sys.argv[1:]
     if "--json" not in args:
-        args += ["--json", "benchmarks/results/sim_fig8.json"]
+        args += ["--json", "benchmarks/results/sim/sim_fig8.json"]
     if "--png" not in args:
-        args += ["--png", "benchmarks/results/sim_fig8.png"]
+        args += ["--png", "benchmarks/results/sim/sim_fig8.png"]
     sys.exit(main(["sim", "fig8", *args]))

@@ -82,8 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="128 and 256 GPUs only")
     ap.add_argument("--gpus", type=int, nargs="+", help="cluster sizes (multiples of 128)")
     ap.add_argument("--bytes", type=int, default=128 << 20, help="bytes per source")
-    ap.add_argument("--json", default="benchmarks/results/sim_scale.json")
-    ap.add_argument("--png", default="benchmarks/results/sim_scale.png")
+    ap.add_argument("--json", default="benchmarks/results/sim/sim_scale.json")
+    ap.add_argument("--png", default="benchmarks/results/sim/sim_scale.png")
     args = ap.parse_args(argv)
     sizes = args.gpus or ([128, 256] if args.quick else [256, 512, 1024, 2048])
     rows = []

@@ -46,8 +46,11 @@ def close(a: float, b: float, rel: float = 0.01) -> bool:
 
 
 # ----------------------------------------------------------------------------- fairness
-def _reference_max_min(flows: list[list[int]], cap: list[float]) -> list[float]:
-    """Textbook progressive filling, one flow at a time (the test's independent reference)."""
+def _reference_max_min(flows: list[list[int]], cap: list[float], coupled: list[tuple[int, int]] = ()) -> list[float]:
+    """Textbook progressive filling, one flow at a time (the test's independent reference).
+
+    ``coupled`` holds ``(down, up)``: ``down`` stops rising when ``up`` does.
+    """
     rate = [0.0] * len(flows)
     frozen = [False] * len(flows)
     rem = list(cap)
@@ -63,6 +66,12 @@ def _reference_max_min(flows: list[list[int]], cap: list[float]) -> list[float]:
             if u and rem[link] <= 1e-9 * cap[link]:
                 for f in u:
                     frozen[f] = True
+        changed = True
+        while changed:
+            changed = False
+            for d, up in coupled:
+                if frozen[up] and not frozen[d]:
+                    frozen[d] = changed = True
     return rate
 
 
@@ -99,6 +108,23 @@ def test_max_min_matches_reference_and_is_max_min():
                 and all(rates[g] <= rates[f] + 1e-9 for g, gl in enumerate(flows) if link in gl)
                 for link in ls
             )
+
+
+def test_max_min_coupled_chains_match_reference():
+    rng = random.Random(11)
+    for _ in range(30):
+        n_links, n_flows = rng.randint(1, 6), rng.randint(2, 9)
+        cap = [rng.choice([1.0, 2.0, 3.5, 10.0]) for _ in range(n_links)]
+        flows = [sorted(rng.sample(range(n_links), rng.randint(1, n_links))) for _ in range(n_flows)]
+        # forwards only stream from lower-numbered flows: chains (f -> g -> h) but no cycles
+        coupled = [(d, rng.randrange(d)) for d in range(1, n_flows) if rng.random() < 0.5]
+        fo = np.array([f for f, ls in enumerate(flows) for _ in ls])
+        lo = np.array([link for ls in flows for link in ls])
+        pairs = (np.array([d for d, _ in coupled], dtype=np.int64), np.array([u for _, u in coupled], dtype=np.int64))
+        rates = max_min_rates(fo, lo, np.array(cap), n_flows, coupled=pairs)
+        assert rates.tolist() == pytest.approx(_reference_max_min(flows, cap, coupled), rel=1e-9)
+        for d, up in coupled:
+            assert rates[d] <= rates[up] * (1 + 1e-12)
 
 
 # ----------------------------------------------------------------------------- closed forms
@@ -214,6 +240,19 @@ def test_python_and_numpy_paths_agree(monkeypatch):
         monkeypatch.undo()
         assert vec.stats["numpy_allocations"] > 0
         assert close(vec.time_s, ref.time_s, 1e-6)
+
+
+def test_giant_component_backoff_agrees(monkeypatch):
+    # with a tiny _BIG_COMPONENT every multi-flow component is "giant": searches back off and all active flows
+    # are solved at once; the result must equal the per-component solution
+    topo = scenario(rail(hosts=2, gpus_per_host=4), "fail1")
+    for s in (nccl_allgather(topo), nccl_alltoall(topo)):
+        ref = sim.run(topo, s, 8 << 20)
+        monkeypatch.setattr(engine, "_BIG_COMPONENT", 2)
+        giant = sim.run(topo, s, 8 << 20)
+        monkeypatch.undo()
+        assert giant.stats["numpy_allocations"] > ref.stats["numpy_allocations"]
+        assert close(giant.time_s, ref.time_s, 1e-6)
 
 
 def test_iterations_tile_the_buffer():

@@ -31,6 +31,7 @@ the DAG arrays, large ones (a whole AllToAll starting) switch to numpy
 from __future__ import annotations
 
 import heapq
+import itertools
 import time as _time
 from collections.abc import Callable
 
@@ -46,8 +47,10 @@ REL_TOL = 1e-9  # events closer than this (relative to the clock) form one batch
 _BIG_FRONTIER = 128  # DAG frontiers above this propagate with numpy
 _BIG_COMPONENT = 256  # components above this are allocated with numpy
 _MAX_ROUNDS = 64  # cap-propagation rounds per batch
+_GIANT_BACKOFF = 64  # after a component search hits _BIG_COMPONENT, skip up to this many searches (solve all)
 _NUMPY_SET = 48  # flows in multi-flow components above which one numpy call solves them all
 _INF = float("inf")
+_heappush, _heappop = heapq.heappush, heapq.heappop
 _E_NODE, _E_END, _E_WATCH, _E_LAUNCH = 0, 1, 2, 3
 _IDLE, _RUN, _DONE = 0, 1, 2
 
@@ -106,17 +109,21 @@ class _Sim:
         self.gate_left: dict[int, int] = {}  # gated launch -> gates still closed
         self.launch_t: dict[int, float] = {}  # gated launch -> earliest start so far
         self.heap: list[tuple[float, int, int, int, int]] = []
-        self.seq = 0
+        self._tick = itertools.count().__next__  # FIFO tie-break of equal times
         self.now = 0.0
         self.limit = 0.0
         self.done_msgs = 0
         self.stats = EngineStats(batches=0, rate_updates=0, numpy_allocations=0, max_active=0)
         self.t_wall = _time.perf_counter()
+        # Solving every active flow is always exact (disjoint components are independent), so after a
+        # component search finds a giant component the next few searches are skipped (exponential backoff).
+        self._skip_search = 0
+        self._backoff = 1
+        self._pos = np.full(n_msgs, -1, dtype=np.int64)  # scratch: message -> index in a numpy solve
 
     # ------------------------------------------------------------------ queue
     def push(self, t: float, kind: int, x: int, ver: int = 0) -> None:
-        heapq.heappush(self.heap, (t, self.seq, kind, x, ver))
-        self.seq += 1
+        _heappush(self.heap, (t, self._tick(), kind, x, ver))
 
     # ------------------------------------------------------------------ gates
     def first_piece(self, u: int) -> float | None:
@@ -221,7 +228,7 @@ class _Sim:
                     if d > 0:
                         t = tv[s] + d
                         tv[s] = t
-                        self.push(t, _E_NODE, s)
+                        _heappush(self.heap, (t, self._tick(), _E_NODE, s, 0))
                     else:
                         stack.append(s)
                 else:
@@ -337,6 +344,19 @@ class _Sim:
         seeds.discard(m)
 
     # -------------------------------------------------------------- allocation
+    def _search(self, seeds: set[int]) -> list[list[int]] | None:
+        """:meth:`components`, skipped (``None``: solve every active flow) for a while after it found a giant one."""
+        if self._skip_search:
+            self._skip_search -= 1
+            return None
+        comps = self.components(seeds)
+        if comps is None:
+            self._skip_search = self._backoff
+            self._backoff = min(2 * self._backoff, _GIANT_BACKOFF)
+        else:
+            self._backoff = 1
+        return comps
+
     def components(self, seeds: set[int]) -> list[list[int]] | None:
         """The connected components (flows sharing links) of ``seeds``; ``None`` when one is too large."""
         links, on_link = self.links, self.on_link
@@ -382,20 +402,24 @@ class _Sim:
         """
         rv, remv, ftv, verv, fpv, fpr = self.rv, self.remv, self.ftv, self.verv, self.fpv, self.fpr
         links, now, bott, ups = self.links, self.now, self.bott, self.ups
+        heap, tick = self.heap, self._tick
         rounds = 0
         while seeds:
             rounds += 1
             self.stats["rate_updates"] += 1
             if len(links) > self.stats["max_active"]:
                 self.stats["max_active"] = len(links)
-            comps = None if len(seeds) > _BIG_COMPONENT else self.components(seeds)
+            comps = None if len(seeds) > _BIG_COMPONENT else self._search(seeds)
             flows: list[int] = []
             new: list[float] = []
             group: dict[int, int] = {}  # flow -> id of the set it was solved in (jointly coupled inside)
-            if comps is None:
-                flows = list(links)
-                new = self._rates_np(flows)
-                group = dict.fromkeys(flows, 0)
+            solved_all = comps is None
+            if solved_all:
+                act = np.fromiter(links, dtype=np.int64, count=len(links))
+                rates = self._rates_np(act)
+                changed = rates != self.rate[act]
+                flows = act[changed].tolist()
+                new = rates[changed].tolist()
             else:
                 multi: list[list[int]] = []
                 n_multi = 0
@@ -416,7 +440,7 @@ class _Sim:
                 if n_multi > _NUMPY_SET:
                     union = [f for comp in multi for f in comp]
                     flows.extend(union)
-                    new.extend(self._rates_np(union))
+                    new.extend(self._rates_np(np.asarray(union, dtype=np.int64)).tolist())
                     group.update(dict.fromkeys(union, 0))
                 else:
                     for gid, comp in enumerate(multi, start=len(comps) + 1):
@@ -440,13 +464,15 @@ class _Sim:
                 rv[f] = r
                 ver = verv[f] + 1
                 verv[f] = ver
-                self.push(ftv[f] + remv[f] / r, _E_END, f, ver)
+                _heappush(heap, (ftv[f] + remv[f] / r, tick(), _E_END, f, ver))
                 if f in self.waiters:
                     self.watch(f)
                 d = self.downs.get(f)
                 if d:
                     seeds.update(d)
-            if seeds:
+            if solved_all:
+                seeds = set()  # every active forward was solved jointly with its active sources
+            elif seeds:
                 # a forward solved jointly with all its sources needs no second look
                 seeds = {
                     d for d in seeds if d not in group or any(group.get(u, -1) != group[d] for u in ups.get(d, ()))
@@ -531,41 +557,38 @@ class _Sim:
                 rem[link] = 0.0
         return [rate[f] for f in comp]
 
-    def _rates_np(self, flows: list[int]) -> list[float]:
-        """Max-min rates of ``flows`` with numpy; forwards couple jointly to sources among ``flows``."""
+    def _rates_np(self, act: np.ndarray) -> np.ndarray:
+        """Max-min rates of the flows ``act`` with numpy; forwards couple jointly to sources among ``act``."""
         self.stats["numpy_allocations"] += 1
-        act = np.asarray(flows, dtype=np.int64)
         pp = self.path_ptr
         lens = pp[act + 1] - pp[act]
         link_ids = self.path_links[_ranges(pp[act], lens)]
         fl = np.repeat(np.arange(act.size), lens)
-        uniq, local = np.unique(link_ids, return_inverse=True)
-        link_cap = self.cap[uniq]
-        pos = {f: i for i, f in enumerate(flows)}
-        down, up, capped, caps = [], [], [], []
-        for f, us in self.ups.items():
-            i = pos.get(f)
-            if i is None:
-                continue
-            c = _INF
-            for u in us:
-                j = pos.get(u)
-                if j is None:
-                    r = self.rv[u]
-                    if 0 < r < c:
-                        c = r
-                else:
-                    down.append(i)
-                    up.append(j)
-            if c < _INF:
-                capped.append(i)
-                caps.append(c)
-        if capped:
-            fl = np.concatenate([fl, np.asarray(capped, dtype=np.int64)])
-            local = np.concatenate([local, uniq.size + np.arange(len(capped))])
-            link_cap = np.concatenate([link_cap, np.asarray(caps)])
-        coupled = (np.asarray(down, dtype=np.int64), np.asarray(up, dtype=np.int64)) if down else None
-        return max_min_rates(fl, local, link_cap, act.size, coupled=coupled).tolist()
+        link_cap = self.cap
+        pos = self._pos
+        pos[act] = np.arange(act.size)
+        pairs = [(f, u) for f, us in self.ups.items() for u in us]
+        coupled = None
+        if pairs:
+            pa = np.asarray(pairs, dtype=np.int64)
+            pd, pu = pos[pa[:, 0]], pos[pa[:, 1]]
+            mine = pd >= 0
+            pd, pu, src = pd[mine], pu[mine], pa[mine, 1]
+            inside = pu >= 0
+            if inside.any():
+                coupled = (pd[inside], pu[inside])
+            out_d, out_r = pd[~inside], self.rate[src[~inside]]
+            ok = out_r > 0
+            if ok.any():
+                # sources outside ``act`` cap their forwards at their current rates: a private link per forward
+                caps = np.full(act.size, _INF)
+                np.minimum.at(caps, out_d[ok], out_r[ok])
+                capped = np.flatnonzero(caps < _INF)
+                fl = np.concatenate([fl, capped])
+                link_ids = np.concatenate([link_ids, link_cap.size + np.arange(capped.size)])
+                link_cap = np.concatenate([link_cap, caps[capped]])
+        pos[act] = -1
+        return max_min_rates(fl, link_ids, link_cap, act.size, coupled=coupled)
 
     # -------------------------------------------------------------------- loop
     def run(self) -> None:
@@ -588,7 +611,7 @@ class _Sim:
             launched: list[int] = []
             self._launched = launched
             while heap and heap[0][0] <= limit:
-                t, _, kind, x, ver = heapq.heappop(heap)
+                t, _, kind, x, ver = _heappop(heap)
                 if kind == _E_NODE:
                     if x >= b_start:
                         self.pv[x] -= 1

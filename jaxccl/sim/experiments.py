@@ -219,6 +219,17 @@ def _finish(name: str, config: dict, rows: list, synth: Synthesizers, t0: float)
     }
 
 
+def _compared(
+    synth: Synthesizers, col: Collective, topo: Topology, base: Schedule | None, *, degraded: bool
+) -> list[tuple[str, Schedule | None]]:
+    """``nccl`` on ``topo``, and with a healthy-topology schedule ``base``: ``orig`` and ``reopt`` (warm-started)."""
+    out: list[tuple[str, Schedule | None]] = [("nccl", nccl_schedule(col, topo))]
+    if base is not None:
+        out.append(("orig", base))
+        out.append(("reopt", synth.synth(col, topo, previous=base) if degraded else base))
+    return out
+
+
 # --------------------------------------------------------------------------- Fig. 1
 def fig1(
     *,
@@ -253,11 +264,9 @@ def fig1(
     for c, bw in items:
         topo = healthy if bw >= 400 else healthy.degrade(0, tor(0, 0), gbps=bw)
         col = Collective(c)
-        variants: list[tuple[str, Schedule | None]] = [("nccl", nccl_schedule(col, topo))]
         base = orig.get(c)
+        variants = _compared(synth, col, topo, base, degraded=bw < 400)
         if base is not None:
-            variants.append(("orig", base))
-            variants.append(("reopt", base if bw >= 400 else synth.synth(col, topo, previous=base)))
             variants.append(("reopt_cold", base if bw >= 400 else synth.synth(col, topo)))
         if c == "all_gather" and orig.get("all_gather_1chunk") is not None:
             b1 = orig["all_gather_1chunk"]
@@ -310,48 +319,10 @@ def fig8(
         if (h, c) not in orig:
             orig[(h, c)] = synth.synth(col, healthy)
         base = orig[(h, c)]
-        label_topo = f"1x{h}x8"
-        rows.append(
-            _row(
-                nccl_schedule(col, topo),
-                topo,
-                size,
-                exec_model,
-                topology=label_topo,
-                hosts=h,
-                collective=c,
-                scenario=sc,
-                schedule="nccl",
-            )
-        )
-        if base is not None:
-            rows.append(
-                _row(
-                    base,
-                    topo,
-                    size,
-                    exec_model,
-                    topology=label_topo,
-                    hosts=h,
-                    collective=c,
-                    scenario=sc,
-                    schedule="orig",
-                )
-            )
-            re = base if sc == "none" else synth.synth(col, topo, previous=base)
-            rows.append(
-                _row(
-                    re,
-                    topo,
-                    size,
-                    exec_model,
-                    topology=label_topo,
-                    hosts=h,
-                    collective=c,
-                    scenario=sc,
-                    schedule="reopt",
-                )
-            )
+        for label, s in _compared(synth, col, topo, base, degraded=sc != "none"):
+            if s is not None:
+                meta = {"topology": f"1x{h}x8", "hosts": h, "collective": c, "scenario": sc, "schedule": label}
+                rows.append(_row(s, topo, size, exec_model, **meta))
     _with_ratios(rows, ("hosts", "collective", "scenario"))
     config = {
         "hosts": hosts,

@@ -57,55 +57,63 @@ def max_min_rates(
     flow_of = np.asarray(flow_of, dtype=np.int64)
     link_of = np.asarray(link_of, dtype=np.int64)
     capacity = np.asarray(capacity, dtype=np.float64)
-    n_links = capacity.shape[0]
     rate = np.full(num_flows, np.inf)
-    # ``frozen`` only ever marks flows that cross links (linkless flows never constrain others).
     frozen = np.zeros(num_flows, dtype=bool)
-    has_link = np.zeros(num_flows, dtype=bool)
-    has_link[flow_of] = True
+    down = up = None
     if coupled is not None:
         down, up = (np.asarray(a, dtype=np.int64) for a in coupled)
         keep = down != up
         down, up = down[keep], up[keep]
         if down.size == 0:
-            coupled = None
-    rem = capacity.copy()
-    tol = _REL_TOL * capacity
-    ef, el = flow_of, link_of
-    n = np.bincount(el, minlength=n_links).astype(np.float64)
+            down = up = None
+    # Only the links some flow crosses take part; a link whose flows are all frozen gets rem = inf, so that
+    # rem / n is inf for it (and for unused links) without masking every round.
+    links, el = np.unique(link_of, return_inverse=True)
+    cap = capacity[links]
+    rem = cap.copy()
+    tol = _REL_TOL * cap
+    n = np.bincount(el, minlength=cap.size).astype(np.float64)
+    ef = flow_of
     level = 0.0
-    while ef.size:
-        used = n > 0
-        share = np.full(n_links, np.inf)
-        share[used] = rem[used] / n[used]
-        delta = max(float(share.min()), 0.0)
-        level += delta
-        rem -= delta * n
-        sat = used & (rem <= tol + _REL_TOL * delta * n)
-        newly = np.zeros(num_flows, dtype=bool)
-        newly[ef[sat[el]]] = True
-        if coupled is not None:
-            # A flow whose upstream has frozen cannot rise further either.
-            while True:
-                stuck = ~frozen[down] & ~newly[down] & (frozen[up] | newly[up])
-                if not stuck.any():
-                    break
-                newly[down[stuck]] = True
-        rate[newly] = level
-        frozen |= newly
-        gone = newly[ef]
-        if gone.any():
-            n -= np.bincount(el[gone], minlength=n_links)
-            ef, el = ef[~gone], el[~gone]
-        rem[sat] = 0.0
-    if coupled is not None:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        while ef.size:
+            share = rem / n
+            delta = max(float(share.min()), 0.0)
+            level += delta
+            dn = delta * n
+            rem -= dn
+            sat = rem <= tol + _REL_TOL * dn
+            newly = np.zeros(num_flows, dtype=bool)
+            newly[ef[sat[el]]] = True
+            if down is not None:
+                # A flow whose upstream freezes cannot rise further either (chains freeze in one round).
+                while True:
+                    stuck = newly[up] & ~newly[down]
+                    if not stuck.any():
+                        break
+                    newly[down[stuck]] = True
+                newly &= ~frozen
+                live = ~newly[down]  # pairs whose downstream froze never matter again
+                if not live.all():
+                    down, up = down[live], up[live]
+                    if down.size == 0:
+                        down = up = None
+            rate[newly] = level
+            frozen |= newly
+            gone = newly[ef]
+            n -= np.bincount(el[gone], minlength=cap.size)
+            keep = ~gone
+            ef, el = ef[keep], el[keep]
+            rem[sat] = np.inf
+    if coupled is not None and down is not None:
         # Flows without links but coupled: cap at the upstream's rate.
-        free = ~has_link
+        free = np.ones(num_flows, dtype=bool)
+        free[flow_of] = False
         if free.any():
             for _ in range(down.size + 1):
-                cap = np.minimum(rate[down], rate[up])
-                changed = free[down] & (cap < rate[down])
+                c = np.minimum(rate[down], rate[up])
+                changed = free[down] & (c < rate[down])
                 if not changed.any():
                     break
-                rate[down[changed]] = cap[changed]
+                rate[down[changed]] = c[changed]
     return rate

@@ -61,7 +61,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from jaxccl.errors import ScheduleError, TopologyError
-from jaxccl.schedule.ir import Schedule
+from jaxccl.schedule.ir import Schedule, Threadblock
 from jaxccl.sim.routes import Router
 
 __all__ = [
@@ -279,6 +279,8 @@ def compile_jobs(
                         )
                     recv_keys.add((tb.recv_peer, tb.channel))
                     rc = conns.setdefault((j, tb.recv_peer, r, tb.channel), len(conns))
+                if sc < 0 or rc < 0:
+                    _check_peers(tb, sc >= 0, rc >= 0, f"job {j}: rank {r} threadblock {t}")
                 n_tb_ops = len(tb.ops)
                 for rep in range(reps):
                     for i, op in enumerate(tb.ops):
@@ -286,17 +288,9 @@ def compile_jobs(
                         o = len(op_job)
                         flags = (1 if kind.sends else 0) | (2 if kind.receives else 0)
                         if flags & 1:
-                            if sc < 0:
-                                raise ScheduleError(
-                                    f"job {j}: rank {r} threadblock {t} op {i} sends without a send peer"
-                                )
                             send_conn.append(sc)
                             send_op.append(o)
                         if flags & 2:
-                            if rc < 0:
-                                raise ScheduleError(
-                                    f"job {j}: rank {r} threadblock {t} op {i} receives without a receive peer"
-                                )
                             recv_conn.append(rc)
                             recv_op.append(o)
                         op_job.append(j)
@@ -482,6 +476,15 @@ def compile_jobs(
         job_out_bytes=np.asarray(job_out_bytes, dtype=np.float64),
         link_capacity=router.capacity,
     )
+
+
+def _check_peers(tb: Threadblock, has_send_peer: bool, has_recv_peer: bool, where: str) -> None:
+    """Raises :class:`ScheduleError` naming the first op of ``tb`` that sends (receives) without a peer."""
+    for i, op in enumerate(tb.ops):
+        if op.kind.sends and not has_send_peer:
+            raise ScheduleError(f"{where} op {i} sends without a send peer")
+        if op.kind.receives and not has_recv_peer:
+            raise ScheduleError(f"{where} op {i} receives without a receive peer")
 
 
 def _i64(a: array) -> np.ndarray:

@@ -34,6 +34,29 @@ def _size_label(n: float) -> str:
     return f"{n / (1 << 30):g} GiB" if n >= 1 << 30 else f"{n / (1 << 20):g} MiB"
 
 
+def _ratio_bars(
+    ax: Any,
+    rows: list[Mapping[str, Any]],
+    kinds: tuple[str, ...],
+    key: str,
+    groups: list[Any],
+    *,
+    annotate: bool = False,
+    labels: Mapping[str, str] | None = None,
+) -> None:
+    """One bar per (group, schedule kind) of ``rows``' ``ratio``, groups along x (by ``row[key]``); a 1.0x line."""
+    kinds = tuple(k for k in kinds if any(r["schedule"] == k for r in rows))
+    width = 0.8 / max(len(kinds), 1)
+    for i, kind in enumerate(kinds):
+        ys = [next((r["ratio"] for r in rows if r["schedule"] == kind and r[key] == g), 0) for g in groups]
+        xs = [j + (i - (len(kinds) - 1) / 2) * width for j in range(len(groups))]
+        bars = ax.bar(xs, ys, width, label=(labels or {}).get(kind, kind), color=_COLORS.get(kind))
+        if annotate:
+            for b, y in zip(bars, ys):
+                ax.annotate(f"{y:.1f}x", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+
+
 def plot_fig1(result: Mapping[str, Any], path: str | os.PathLike[str]) -> str:
     """Grouped bars of algbw ratio vs NCCL per NIC bandwidth, one panel per (collective, size) (MCCL Fig. 1)."""
     plt = _plt()
@@ -43,15 +66,7 @@ def plot_fig1(result: Mapping[str, Any], path: str | os.PathLike[str]) -> str:
     for ax, (coll, size) in zip(axes[0], panels):
         sel = [r for r in rows if r["collective"] == coll and r["size_bytes"] == size and r["schedule"] != "nccl"]
         bws = sorted({r["nic_gbps"] for r in sel}, reverse=True)
-        kinds = [k for k in ("orig", "reopt", "reopt_cold", "reopt_1chunk") if any(r["schedule"] == k for r in sel)]
-        width = 0.8 / max(len(kinds), 1)
-        for i, kind in enumerate(kinds):
-            ys = [next((r["ratio"] for r in sel if r["schedule"] == kind and r["nic_gbps"] == bw), 0) for bw in bws]
-            xs = [j + (i - (len(kinds) - 1) / 2) * width for j in range(len(bws))]
-            bars = ax.bar(xs, ys, width, label=kind, color=_COLORS.get(kind))
-            for b, y in zip(bars, ys):
-                ax.annotate(f"{y:.1f}x", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=7)
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        _ratio_bars(ax, sel, ("orig", "reopt", "reopt_cold", "reopt_1chunk"), "nic_gbps", bws, annotate=True)
         ax.set_xticks(range(len(bws)), [f"{bw:g}" for bw in bws])
         ax.set_xlabel("GPU 0 NIC bandwidth (Gbps)")
         ax.set_ylabel("algbw / NCCL")
@@ -69,21 +84,9 @@ def plot_fig8(result: Mapping[str, Any], path: str | os.PathLike[str]) -> str:
     fig, axes = plt.subplots(len(colls), 1, figsize=(11, 3.2 * max(len(colls), 1)), squeeze=False)
     for ax, coll in zip(axes[:, 0], colls):
         sel = [r for r in rows if r["collective"] == coll]
-        groups = []
-        for r in sel:
-            key = (r["hosts"], r["scenario"])
-            if key not in groups:
-                groups.append(key)
-        kinds = [k for k in ("nccl", "orig", "reopt") if any(r["schedule"] == k for r in sel)]
-        width = 0.8 / max(len(kinds), 1)
-        for i, kind in enumerate(kinds):
-            ys = [
-                next((r["ratio"] for r in sel if r["schedule"] == kind and (r["hosts"], r["scenario"]) == g), 0)
-                for g in groups
-            ]
-            xs = [j + (i - (len(kinds) - 1) / 2) * width for j in range(len(groups))]
-            ax.bar(xs, ys, width, label={"orig": "no reopt"}.get(kind, kind), color=_COLORS.get(kind))
-        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+        groups = list(dict.fromkeys((r["hosts"], r["scenario"]) for r in sel))
+        keyed = [{**r, "group": (r["hosts"], r["scenario"])} for r in sel]
+        _ratio_bars(ax, keyed, ("nccl", "orig", "reopt"), "group", groups, labels={"orig": "no reopt"})
         ax.set_xticks(range(len(groups)), [f"{s}\n1x{h}x8" if s == "none" else s for h, s in groups], fontsize=7)
         ax.set_ylabel("algbw / NCCL")
         ax.set_title(f"{coll}, {_size_label(result['config']['size_bytes'])} per source")
