@@ -105,8 +105,12 @@ def accuracy(flows, runs, chunk_bytes):
     from jaxccl.topology import rail, single_node
 
     cases = [
-        ("intra", single_node(2), LinkEmulation(time_scale=5e-5), (0, 0)),
-        ("inter", rail(hosts=2, gpus_per_host=1), LinkEmulation(time_scale=4e-4), (0, 1)),
+        (f"{kind}/{stamps}", topo, LinkEmulation(time_scale=scale, timestamps=stamps), entry)
+        for stamps in ("link", "observed")
+        for kind, topo, scale, entry in (
+            ("intra", single_node(2), 5e-5, (0, 0)),
+            ("inter", rail(hosts=2, gpus_per_host=1), 4e-4, (0, 1)),
+        )
     ]
     rows = []
     for kind, topo, emu, (i, j) in cases:

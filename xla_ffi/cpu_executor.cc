@@ -372,10 +372,15 @@ void CpuLaunch::PostMessage(int32_t g, const TableOp& op, Message msg) {
     ++me.pending_direct;
   }
   const int64_t post_ns = net_ ? NowNs() : 0;
-  if (pace_) msg.ready_ns = net_->Reserve(tb.rank, tb.send_peer, msg.bytes, post_ns);
+  Transfer t;
+  if (pace_) {
+    t = net_->Reserve(tb.rank, tb.send_peer, msg.bytes, post_ns);
+    msg.ready_ns = t.ready_ns;
+    msg.tx_end_ns = t.tx_end_ns;
+  }
   ConnState& c = *ctx_->conns[tb.send_conn];
   std::lock_guard<std::mutex> lock(c.mu);
-  if (measure_) net_->OnPost(tb.rank, tb.send_peer, post_ns, c.posted == c.consumed);
+  if (measure_) net_->OnPost(tb.rank, tb.send_peer, post_ns, c.posted == c.consumed, pace_ ? &t : nullptr);
   c.ring[op.send_msg % table_->num_slots] = msg;
   c.posted = op.send_msg + 1;
   if (c.recv_waiting) c.cv_recv.notify_one();
@@ -412,7 +417,12 @@ bool CpuLaunch::Post(int32_t g, int32_t i, const TableOp& op, BufferId buf, int3
 
 bool CpuLaunch::Deliver(int32_t g, int32_t i, const TableOp& op, void* dst, const void* local, const Message& msg) {
   if (!WaitDelivered(g, i, op, msg)) return false;
-  const int64_t delivered_ns = !measure_ ? 0 : (pace_ && net_->link_timestamps()) ? msg.ready_ns : NowNs();
+  // Done = when the last byte left the bottleneck link (propagation is not throughput): the link's own
+  // time, or the time this thread observed the message less the route's latency.
+  int64_t delivered_ns = 0;
+  if (measure_) {
+    delivered_ns = !pace_ ? NowNs() : net_->link_timestamps() ? msg.tx_end_ns : NowNs() - (msg.ready_ns - msg.tx_end_ns);
+  }
   if (msg.bytes > 0) {
     if (local == nullptr) {
       std::memcpy(dst, msg.data, msg.bytes);

@@ -59,6 +59,7 @@ struct Message {
   size_t bytes = 0;
   bool direct = false;
   int64_t ready_ns = 0;  // with link pacing: when the emulated links have carried it (steady clock)
+  int64_t tx_end_ns = 0;  // with link pacing: when its last byte left the bottleneck link
 };
 
 struct alignas(64) ConnState {

@@ -129,45 +129,54 @@ ffi::Error Network::Update(NetworkConfig config) {
   return ffi::Error::Success();
 }
 
-int64_t Network::Reserve(int32_t src, int32_t dst, size_t bytes, int64_t now_ns) {
+Transfer Network::Reserve(int32_t src, int32_t dst, size_t bytes, int64_t now_ns) {
   std::lock_guard<std::mutex> lock(links_mu_);
   const int64_t p = static_cast<int64_t>(src) * num_ranks_ + dst;
   const double now = static_cast<double>(now_ns);
   double done = now;
+  double start_of_bottleneck = now;
   for (int32_t k = route_offsets_[p]; k < route_offsets_[p + 1]; ++k) {
     const int32_t l = route_links_[k];
     const double start = std::max(now, free_at_ns_[l]);
     free_at_ns_[l] = start + static_cast<double>(bytes) / capacity_[l];
-    done = std::max(done, free_at_ns_[l]);
+    if (free_at_ns_[l] >= done) {
+      done = free_at_ns_[l];
+      start_of_bottleneck = start;
+    }
   }
-  return static_cast<int64_t>(std::ceil(done)) + route_latency_ns_[p];
-}
-
-int64_t Network::RouteLatencyNs(int32_t src, int32_t dst) {
-  std::lock_guard<std::mutex> lock(links_mu_);
-  return route_latency_ns_[static_cast<size_t>(src) * num_ranks_ + dst];
+  Transfer t;
+  t.tx_start_ns = static_cast<int64_t>(start_of_bottleneck);
+  t.tx_end_ns = static_cast<int64_t>(std::ceil(done));
+  t.ready_ns = t.tx_end_ns + route_latency_ns_[p];
+  return t;
 }
 
 Network::Accumulator& Network::AccumulatorFor(int32_t src, int32_t dst) {
   return Intra(src, dst) ? *intra_acc_[src] : *inter_acc_[static_cast<int64_t>(src) * num_ranks_ + dst];
 }
 
-void Network::OnPost(int32_t src, int32_t dst, int64_t post_ns, bool became_busy) {
-  if (!became_busy) return;
+void Network::OnPost(int32_t src, int32_t dst, int64_t post_ns, bool became_busy, const Transfer* t) {
   const int32_t threshold = (Intra(src, dst) ? intra_threshold_ : inter_threshold_).load(std::memory_order_relaxed);
-  const int64_t first_byte_ns = post_ns + (pacing() ? RouteLatencyNs(src, dst) : 0);
+  const int64_t tx_start = t ? t->tx_start_ns : post_ns;
   Accumulator& acc = AccumulatorFor(src, dst);
   std::lock_guard<std::mutex> lock(acc.mu);
   MeasurementAccumulator& a = acc.a;
-  ++a.active;
-  if (a.state == static_cast<int32_t>(WindowState::kIdle) && a.active >= threshold) {
+  if (became_busy) ++a.active;
+  if (a.state == static_cast<int32_t>(WindowState::kMeasuring)) {
+    if (t != nullptr) {
+      if (tx_start > acc.busy_until_ns) acc.idle_ns += tx_start - acc.busy_until_ns;
+      acc.busy_until_ns = std::max(acc.busy_until_ns, t->tx_end_ns);
+    }
+  } else if (a.state == static_cast<int32_t>(WindowState::kIdle) && a.active >= threshold) {
     a.state = static_cast<int32_t>(WindowState::kMeasuring);
-    a.start_ns = first_byte_ns;
+    a.start_ns = tx_start;
     a.start_size = a.bytes_sent;
+    acc.busy_until_ns = t ? t->tx_end_ns : post_ns;
+    acc.idle_ns = 0;
   }
 }
 
-void Network::OnDelivered(int32_t src, int32_t dst, size_t bytes, int64_t now_ns, bool now_idle,
+void Network::OnDelivered(int32_t src, int32_t dst, size_t bytes, int64_t done_ns, bool now_idle,
                           MeasurementCache* cache) {
   const bool intra = Intra(src, dst);
   Accumulator& acc = AccumulatorFor(src, dst);
@@ -181,7 +190,7 @@ void Network::OnDelivered(int32_t src, int32_t dst, size_t bytes, int64_t now_ns
     if (a.state == static_cast<int32_t>(WindowState::kMeasuring) && a.active < threshold) {
       a.state = static_cast<int32_t>(WindowState::kFinalizing);
       const int64_t dbytes = a.bytes_sent - a.start_size;
-      const int64_t dt = now_ns - a.start_ns;
+      const int64_t dt = done_ns - a.start_ns - acc.idle_ns;
       if (dbytes > 0 && dbytes >= min_window_bytes_.load(std::memory_order_relaxed) && dt > 0) bw = static_cast<double>(dbytes) / (static_cast<double>(dt) * 1e-9);
       a.state = static_cast<int32_t>(WindowState::kIdle);
     }

@@ -54,6 +54,14 @@ struct NetworkConfig {
   ffi::Error Validate() const;
 };
 
+// One message's passage through the emulated links (steady-clock ns): it occupies its bottleneck link
+// from tx_start to tx_end and is visible to the receiver at ready (tx_end + the route's latency).
+struct Transfer {
+  int64_t tx_start_ns = 0;
+  int64_t tx_end_ns = 0;
+  int64_t ready_ns = 0;
+};
+
 // Per-threadblock Measurements Cache (lives for one threadblock run; flushed at its end).
 class MeasurementCache {
  public:
@@ -91,21 +99,20 @@ class Network {
   bool measuring() const { return measure_.load(std::memory_order_relaxed); }
   bool link_timestamps() const { return link_timestamps_.load(std::memory_order_relaxed); }
 
-  // Reserves `bytes` from `src` to `dst` at `now_ns` on every link of the route; returns the real time
-  // (ns, steady clock) at which the message is visible to the receiver.
-  int64_t Reserve(int32_t src, int32_t dst, size_t bytes, int64_t now_ns);
-
-  // The route's total latency (ns): the earliest a first byte can arrive after a post.
-  int64_t RouteLatencyNs(int32_t src, int32_t dst);
+  // Reserves `bytes` from `src` to `dst` at `now_ns` on every link of the route (see Transfer).
+  Transfer Reserve(int32_t src, int32_t dst, size_t bytes, int64_t now_ns);
 
   // Measurement hooks of one connection src -> dst (MCCL Fig. 4). OnPost: a message was posted at
-  // `post_ns`; `became_busy` if it is the connection's only one in flight (the channel turns active).
-  // A window opens when the active channels reach the threshold; it starts when the message's first
-  // byte can arrive (post + route latency), so a window measures transmission, not propagation.
-  // OnDelivered: a message of `bytes` became visible at `now_ns`; `now_idle` says whether the
-  // connection has nothing in flight any more. A window the delivery closes goes into `cache`.
-  void OnPost(int32_t src, int32_t dst, int64_t post_ns, bool became_busy);
-  void OnDelivered(int32_t src, int32_t dst, size_t bytes, int64_t now_ns, bool now_idle, MeasurementCache* cache);
+  // `post_ns` (`t`: its passage through the links; null without pacing); `became_busy` if it is the
+  // connection's only one in flight (the channel turns active). A window opens when the active
+  // channels reach the threshold and starts when that message starts transmitting. While it is open,
+  // time in which none of its messages occupied the link (a later message posted after the earlier
+  // ones left the wire, e.g. during their propagation) is idle and not counted, so a window measures
+  // transmission only. OnDelivered: a message of `bytes` was done at `done_ns`; `now_idle` says
+  // whether the connection has nothing in flight any more. A window the delivery closes goes into
+  // `cache`.
+  void OnPost(int32_t src, int32_t dst, int64_t post_ns, bool became_busy, const Transfer* t);
+  void OnDelivered(int32_t src, int32_t dst, size_t bytes, int64_t done_ns, bool now_idle, MeasurementCache* cache);
   // Moves a threadblock's cache into its buffer region (key: slot, rank, threadblock); never blocks.
   void Flush(int64_t slot, int32_t rank, int32_t tb, const MeasurementCache& cache);
 
@@ -120,6 +127,8 @@ class Network {
   struct Accumulator {
     std::mutex mu;
     MeasurementAccumulator a{};
+    int64_t busy_until_ns = 0;  // latest transmission end of the open window's messages
+    int64_t idle_ns = 0;        // gaps inside the open window with nothing on the wire
   };
   struct Region {
     std::mutex writer;  // two launches of one slot never share a (rank, threadblock), but be safe
