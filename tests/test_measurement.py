@@ -248,8 +248,31 @@ def test_bad_input_errors():
             pace=True,
             measure=True,
             link_timestamps=True,
+            trace=False,
             intra_threshold=1,
             inter_threshold=1,
             min_window_bytes=0,
             slots_per_tb=4,
         )
+
+
+def test_trace_records_every_message_with_consistent_times():
+    topo = rail(hosts=2, gpus_per_host=2)
+    mesh = _mesh(4)
+    s = baselines.ring_allgather(4, channels=2)
+    comm = jaxccl.Communicator(
+        mesh, "d", topology=topo, backend="cpu", link_emulation=LinkEmulation(time_scale=1e-2, trace=True)
+    )
+    comm.install("all_gather", s)
+    f = _runner(mesh, lambda x: jaxccl.all_gather(x, "d", tiled=True))
+    with comm:
+        f(_data(4, 1 << 10)).block_until_ready()
+    tr = comm.network.take_trace()
+    sends = sum(1 for tbs in s.ranks for tb in tbs for op in tb.ops if op.kind.sends)
+    assert len(tr) == sends
+    assert np.all(tr["src"] != tr["dst"]) and np.all(tr["bytes"] > 0)
+    assert np.all(tr["post_ns"] <= tr["tx_end_ns"]) and np.all(tr["tx_end_ns"] <= tr["observed_ns"])
+    for r in tr:  # the sender's op really sends to the receiver
+        tb = s.ranks[r["src"]][r["src_tb"]]
+        assert tb.send_peer == r["dst"] and tb.ops[r["src_op"]].kind.sends
+    assert len(comm.network.take_trace()) == 0

@@ -364,7 +364,7 @@ bool CpuLaunch::WaitSlot(int32_t g, int32_t i, const TableOp& op) {
   return true;
 }
 
-void CpuLaunch::PostMessage(int32_t g, const TableOp& op, Message msg) {
+void CpuLaunch::PostMessage(int32_t g, int32_t i, const TableOp& op, Message msg) {
   const TableTb& tb = table_->tbs[g];
   if (msg.direct) {
     RankState& me = *ctx_->ranks[tb.rank];
@@ -373,6 +373,9 @@ void CpuLaunch::PostMessage(int32_t g, const TableOp& op, Message msg) {
   }
   const int64_t post_ns = net_ ? NowNs() : 0;
   Transfer t;
+  msg.post_ns = post_ns;
+  msg.src_tb = g - table_->rank_first_tb[tb.rank];
+  msg.src_op = i;
   if (pace_) {
     t = net_->Reserve(tb.rank, tb.send_peer, msg.bytes, post_ns);
     msg.ready_ns = t.ready_ns;
@@ -405,13 +408,13 @@ bool CpuLaunch::Post(int32_t g, int32_t i, const TableOp& op, BufferId buf, int3
   const size_t bytes = Bytes(off, op.count);
   const char* src = Ptr(table_->tbs[g].rank, buf, off);
   if (op.direct()) {
-    PostMessage(g, op, Message{src, bytes, true});
+    PostMessage(g, i, op, Message{src, bytes, true});
     return true;
   }
   AlignedBuffer* stage = Staging(g, i, op, bytes);
   if (stage == nullptr) return false;
   if (bytes > 0) std::memcpy(stage->data(), src, bytes);
-  PostMessage(g, op, Message{stage->data(), bytes, false});
+  PostMessage(g, i, op, Message{stage->data(), bytes, false});
   return true;
 }
 
@@ -422,6 +425,11 @@ bool CpuLaunch::Deliver(int32_t g, int32_t i, const TableOp& op, void* dst, cons
   int64_t delivered_ns = 0;
   if (measure_) {
     delivered_ns = !pace_ ? NowNs() : net_->link_timestamps() ? msg.tx_end_ns : NowNs() - (msg.ready_ns - msg.tx_end_ns);
+  }
+  if (net_ && net_->tracing()) {
+    const TableTb& tb = table_->tbs[g];
+    net_->Trace(TraceRecord{tb.recv_peer, tb.rank, msg.src_tb, msg.src_op, g - table_->rank_first_tb[tb.rank], i,
+                            static_cast<int64_t>(msg.bytes), msg.post_ns, pace_ ? msg.tx_end_ns : 0, NowNs()});
   }
   if (msg.bytes > 0) {
     if (local == nullptr) {
@@ -487,7 +495,7 @@ bool CpuLaunch::Execute(int32_t g, int32_t i, const TableOp& op) {
       AlignedBuffer* stage = Staging(g, i, op, bytes);
       if (stage == nullptr) return false;
       if (!Deliver(g, i, op, stage->data(), Ptr(rank, op.src_buf, op.src_off), msg)) return false;
-      PostMessage(g, op, Message{stage->data(), bytes, false});
+      PostMessage(g, i, op, Message{stage->data(), bytes, false});
       return true;
     }
   }

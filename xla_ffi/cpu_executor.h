@@ -60,6 +60,9 @@ struct Message {
   bool direct = false;
   int64_t ready_ns = 0;  // with link pacing: when the emulated links have carried it (steady clock)
   int64_t tx_end_ns = 0;  // with link pacing: when its last byte left the bottleneck link
+  int64_t post_ns = 0;    // with a network: when the sender posted it
+  int32_t src_tb = 0;     // the sending threadblock (within its rank) and op, for traces
+  int32_t src_op = 0;
 };
 
 struct alignas(64) ConnState {
@@ -135,7 +138,7 @@ class CpuLaunch {
   // Frees msg's slot; `delivered_ns` (when its bytes became visible) feeds the measurement accumulators.
   void ConsumeMessage(int32_t g, const Message& msg, int64_t delivered_ns);
   bool WaitSlot(int32_t g, int32_t i, const TableOp& op);
-  void PostMessage(int32_t g, const TableOp& op, Message msg);
+  void PostMessage(int32_t g, int32_t i, const TableOp& op, Message msg);
   // Send waits for a free slot, then Post stages (unless direct) and posts the message.
   bool Send(int32_t g, int32_t i, const TableOp& op, BufferId buf, int32_t off);
   bool Post(int32_t g, int32_t i, const TableOp& op, BufferId buf, int32_t off);

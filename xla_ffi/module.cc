@@ -50,7 +50,7 @@ std::vector<T> ToVector(const A& a) {
 
 NetworkConfig MakeNetworkConfig(int32_t num_ranks, IntArray host_of_rank, DoubleArray capacity, DoubleArray latency_ns,
                                 IntArray route_offsets, IntArray route_links, bool pace, bool measure,
-                                bool link_timestamps, int32_t intra_threshold, int32_t inter_threshold,
+                                bool link_timestamps, bool trace, int32_t intra_threshold, int32_t inter_threshold,
                                 int64_t min_window_bytes, int32_t slots_per_tb) {
   NetworkConfig c;
   c.num_ranks = num_ranks;
@@ -62,6 +62,7 @@ NetworkConfig MakeNetworkConfig(int32_t num_ranks, IntArray host_of_rank, Double
   c.pace = pace;
   c.measure = measure;
   c.link_timestamps = link_timestamps;
+  c.trace = trace;
   c.intra_threshold = intra_threshold;
   c.inter_threshold = inter_threshold;
   c.min_window_bytes = min_window_bytes;
@@ -136,26 +137,27 @@ NB_MODULE(_native, m) {
   const auto net_args = std::make_tuple(nb::arg("num_ranks"), nb::arg("host_of_rank"), nb::arg("capacity"),
                                         nb::arg("latency_ns"), nb::arg("route_offsets"), nb::arg("route_links"),
                                         nb::arg("pace"), nb::arg("measure"), nb::arg("link_timestamps"),
-                                        nb::arg("intra_threshold"), nb::arg("inter_threshold"),
+                                        nb::arg("trace"), nb::arg("intra_threshold"), nb::arg("inter_threshold"),
                                         nb::arg("min_window_bytes"), nb::arg("slots_per_tb"));
   m.def(
       "network_create",
       [](int32_t n, IntArray hosts, DoubleArray cap, DoubleArray lat, IntArray offs, IntArray links, bool pace,
-         bool measure, bool stamps, int32_t intra, int32_t inter, int64_t min_bytes, int32_t slots) {
-        return Unwrap(CreateNetwork(MakeNetworkConfig(n, hosts, cap, lat, offs, links, pace, measure, stamps, intra,
-                                                      inter, min_bytes, slots)));
+         bool measure, bool stamps, bool trace, int32_t intra, int32_t inter, int64_t min_bytes, int32_t slots) {
+        return Unwrap(CreateNetwork(MakeNetworkConfig(n, hosts, cap, lat, offs, links, pace, measure, stamps, trace,
+                                                      intra, inter, min_bytes, slots)));
       },
       std::get<0>(net_args), std::get<1>(net_args), std::get<2>(net_args), std::get<3>(net_args),
       std::get<4>(net_args), std::get<5>(net_args), std::get<6>(net_args), std::get<7>(net_args),
       std::get<8>(net_args), std::get<9>(net_args), std::get<10>(net_args), std::get<11>(net_args),
-      std::get<12>(net_args),
+      std::get<12>(net_args), std::get<13>(net_args),
       "Creates an emulated network (capacities in bytes per real ns, CSR routes per ordered GPU pair); returns its id.");
   m.def(
       "network_update",
       [](int64_t id, int32_t n, IntArray hosts, DoubleArray cap, DoubleArray lat, IntArray offs, IntArray links,
-         bool pace, bool measure, bool stamps, int32_t intra, int32_t inter, int64_t min_bytes, int32_t slots) {
+         bool pace, bool measure, bool stamps, bool trace, int32_t intra, int32_t inter, int64_t min_bytes,
+         int32_t slots) {
         if (ffi::Error e = UpdateNetwork(id, MakeNetworkConfig(n, hosts, cap, lat, offs, links, pace, measure, stamps,
-                                                               intra, inter, min_bytes, slots));
+                                                               trace, intra, inter, min_bytes, slots));
             e.failure()) {
           Raise(e);
         }
@@ -163,7 +165,7 @@ NB_MODULE(_native, m) {
       nb::arg("network"), std::get<0>(net_args), std::get<1>(net_args), std::get<2>(net_args),
       std::get<3>(net_args), std::get<4>(net_args), std::get<5>(net_args), std::get<6>(net_args),
       std::get<7>(net_args), std::get<8>(net_args), std::get<9>(net_args), std::get<10>(net_args),
-      std::get<11>(net_args), std::get<12>(net_args),
+      std::get<11>(net_args), std::get<12>(net_args), std::get<13>(net_args),
       "Replaces a network's links, routes and flags live (running collectives see it at their next message).");
   m.def(
       "network_remove",
@@ -207,6 +209,16 @@ NB_MODULE(_native, m) {
         return d;
       },
       nb::arg("network"), "Measurement counters and memory footprint of a network.");
+  m.def(
+      "trace_take",
+      [](int64_t id) {
+        auto net = NetworkOrRaise(id);
+        int64_t dropped = 0;
+        std::vector<TraceRecord> recs = net->TakeTrace(&dropped);
+        return nb::make_tuple(
+            nb::bytes(reinterpret_cast<const char*>(recs.data()), recs.size() * sizeof(TraceRecord)), dropped);
+      },
+      nb::arg("network"), "(records, dropped): every message delivered since the last call (56-byte TraceRecord).");
   m.def(
       "measure_reset", [](int64_t id) { NetworkOrRaise(id)->ResetMeasurements(); }, nb::arg("network"));
   m.attr("MEASUREMENT_VERSION") = kMeasurementVersion;

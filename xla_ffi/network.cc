@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 namespace jaxccl {
 
@@ -126,6 +127,7 @@ ffi::Error Network::Update(NetworkConfig config) {
   pace_.store(config.pace);
   measure_.store(config.measure);
   link_timestamps_.store(config.link_timestamps);
+  trace_.store(config.trace);
   return ffi::Error::Success();
 }
 
@@ -281,6 +283,22 @@ void Network::ResetMeasurements() {
   windows_.store(0);
   records_.store(0);
   dropped_.store(0);
+}
+
+void Network::Trace(const TraceRecord& r) {
+  std::lock_guard<std::mutex> lock(trace_mu_);
+  if (trace_records_.size() < kMaxTrace) {
+    trace_records_.push_back(r);
+  } else {
+    ++trace_dropped_;
+  }
+}
+
+std::vector<TraceRecord> Network::TakeTrace(int64_t* dropped) {
+  std::lock_guard<std::mutex> lock(trace_mu_);
+  *dropped = trace_dropped_;
+  trace_dropped_ = 0;
+  return std::exchange(trace_records_, {});
 }
 
 // ------------------------------------------------------------------ registry of networks

@@ -46,6 +46,7 @@ struct NetworkConfig {
   // Completion timestamps: true = when the emulated links delivered the message (a NIC/DMA completion
   // timestamp); false = when the receiving worker thread observed it (adds the host's wake-up latency).
   bool link_timestamps = true;
+  bool trace = false;  // record every delivered message (TraceRecord)
   int32_t intra_threshold = 1;          // channels that must be active for a window to open
   int32_t inter_threshold = 1;
   int64_t min_window_bytes = 32 << 10;  // windows that carried fewer bytes are discarded (not saturating)
@@ -61,6 +62,17 @@ struct Transfer {
   int64_t tx_end_ns = 0;
   int64_t ready_ns = 0;
 };
+
+// One delivered message, for offline analysis (REACT's per-flow completion times): who sent it from
+// which threadblock/op, who received it in which threadblock/op, and its times (steady clock ns).
+struct TraceRecord {
+  int32_t src, dst, src_tb, src_op, dst_tb, dst_op;
+  int64_t bytes;
+  int64_t post_ns;       // the sender posted it
+  int64_t tx_end_ns;     // its last byte left the bottleneck link (0 without pacing)
+  int64_t observed_ns;   // the receiving thread had it
+};
+static_assert(sizeof(TraceRecord) == 56, "trace record layout (jaxccl/runtime/emulated.py)");
 
 // Per-threadblock Measurements Cache (lives for one threadblock run; flushed at its end).
 class MeasurementCache {
@@ -98,6 +110,11 @@ class Network {
   bool pacing() const { return pace_.load(std::memory_order_relaxed); }
   bool measuring() const { return measure_.load(std::memory_order_relaxed); }
   bool link_timestamps() const { return link_timestamps_.load(std::memory_order_relaxed); }
+  bool tracing() const { return trace_.load(std::memory_order_relaxed); }
+  // Appends a trace record (at most kMaxTrace are kept; the rest are counted as dropped).
+  void Trace(const TraceRecord& r);
+  std::vector<TraceRecord> TakeTrace(int64_t* dropped);
+  static constexpr size_t kMaxTrace = 1 << 20;
 
   // Reserves `bytes` from `src` to `dst` at `now_ns` on every link of the route (see Transfer).
   Transfer Reserve(int32_t src, int32_t dst, size_t bytes, int64_t now_ns);
@@ -146,6 +163,10 @@ class Network {
   std::atomic<bool> pace_{true};
   std::atomic<bool> measure_{true};
   std::atomic<bool> link_timestamps_{true};
+  std::atomic<bool> trace_{false};
+  std::mutex trace_mu_;
+  std::vector<TraceRecord> trace_records_;
+  int64_t trace_dropped_ = 0;
   std::atomic<int32_t> intra_threshold_{1};
   std::atomic<int32_t> inter_threshold_{1};
   std::atomic<int64_t> min_window_bytes_{32 << 10};

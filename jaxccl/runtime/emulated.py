@@ -34,7 +34,23 @@ import numpy as np
 
 from jaxccl.errors import ExecutorError, TopologyError
 
-__all__ = ["EmulatedNetwork", "LinkEmulation"]
+__all__ = ["TRACE_DTYPE", "EmulatedNetwork", "LinkEmulation"]
+
+# xla_ffi/network.h TraceRecord (steady-clock ns, the clock of time.monotonic_ns()).
+TRACE_DTYPE = np.dtype(
+    [
+        ("src", "<i4"),
+        ("dst", "<i4"),
+        ("src_tb", "<i4"),
+        ("src_op", "<i4"),
+        ("dst_tb", "<i4"),
+        ("dst_op", "<i4"),
+        ("bytes", "<i8"),
+        ("post_ns", "<i8"),
+        ("tx_end_ns", "<i8"),
+        ("observed_ns", "<i8"),
+    ]
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +72,9 @@ class LinkEmulation:
             receiving worker thread woke up, which adds this host's scheduling
             latency (accurate on an idle machine, biased low on a loaded one:
             2 cores running 8 ranks' threadblocks and the training step).
+        trace: record every delivered message (sender/receiver threadblock and
+            op, bytes, post / transmission-end / observed times) for offline
+            analysis (:meth:`EmulatedNetwork.take_trace`); off by default.
         intra_threshold: channels that must be active to a GPU's intra-node
             peers before a measurement window opens (MCCL Fig. 4's threshold N).
         inter_threshold: the same for one inter-node GPU pair (MCCL Sec. 5.2:
@@ -72,6 +91,7 @@ class LinkEmulation:
     pace: bool = True
     measure: bool = True
     timestamps: str = "link"
+    trace: bool = False
     intra_threshold: int = 1
     inter_threshold: int = 1
     min_window_bytes: int = 32 << 10
@@ -119,6 +139,7 @@ def _network_arrays(topology: Any, cfg: LinkEmulation) -> dict[str, Any]:
         "pace": bool(cfg.pace),
         "measure": bool(cfg.measure),
         "link_timestamps": cfg.timestamps == "link",
+        "trace": bool(cfg.trace),
         "intra_threshold": int(cfg.intra_threshold),
         "inter_threshold": int(cfg.inter_threshold),
         "min_window_bytes": int(cfg.min_window_bytes),
@@ -171,6 +192,17 @@ class EmulatedNetwork:
     def drain(self) -> bytes:
         """Raw Measurements Buffer records (32 bytes each) written since the last drain."""
         return bytes(self._native.measure_drain(self.id))
+
+    def take_trace(self) -> np.ndarray:
+        """Every message delivered since the last call (``TRACE_DTYPE`` records); needs ``trace=True``.
+
+        Raises:
+            ExecutorError: records were dropped (more than 2**20 between calls).
+        """
+        raw, dropped = self._native.trace_take(self.id)
+        if dropped:
+            raise ExecutorError(f"take_trace: {dropped} trace records were dropped; take the trace more often")
+        return np.frombuffer(bytes(raw), dtype=TRACE_DTYPE).copy()
 
     def stats(self) -> dict[str, int]:
         """Measurement counters (windows, records, dropped, slots, used) and memory footprint (bytes)."""
