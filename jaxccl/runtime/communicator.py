@@ -209,6 +209,8 @@ class Communicator:
         self._collector = None
         if link_emulation is not None:
             self._start_emulation(link_emulation, telemetry_alpha)
+        elif backend == "cuda" and topology is not None:
+            self._start_cuda_measurement(telemetry_alpha)
         self._schedules: dict[Collective, Schedule | None] = {
             c: _default_schedule(c, axis_size, with_all_reduce=topology is None) for c in Collective
         }
@@ -235,6 +237,20 @@ class Communicator:
         self.network = EmulatedNetwork(self.topology, config)
         self._collector = TelemetryCollector(self.axis_size, alpha=alpha, scale=1.0 / config.time_scale)
 
+    def _start_cuda_measurement(self, alpha: float) -> None:
+        """CUDA backend: turn on the kernel's passive measurement (process-wide settings of jaxccl._native_cuda).
+
+        Not exercised in CI (no GPU); tests/gpu/check_measurement.py covers the raw API on a GPU.
+        """
+        import numpy as np
+
+        from jaxccl.runtime import native
+        from jaxccl.telemetry import TelemetryCollector
+
+        hosts = np.array([self.topology.host_of(r) for r in range(self.axis_size)], dtype=np.int32)
+        native._cuda_module().measure_configure(True, hosts.tolist(), 1, 1, 8)
+        self._collector = TelemetryCollector(self.axis_size, alpha=alpha, scale=1.0)
+
     def inject(self, topology: Any) -> None:
         """Makes ``topology`` the emulated fabric, live (e.g. ``jaxccl.topology.scenario(topo, "fail2")``).
 
@@ -251,15 +267,23 @@ class Communicator:
         self.network.inject(topology)
 
     def telemetry(self) -> Any:
-        """Drains the executor's measurements and returns the EWMA matrix (:class:`jaxccl.telemetry.Telemetry`).
+        """Drains the executor's measurements (CPU link emulation or the CUDA kernel) into the EWMA matrix.
 
         Raises:
             ExecutorError: the communicator has no link emulation.
         """
-        if self.network is None or self._collector is None:
-            raise ExecutorError(f"{self!r}: telemetry() needs link emulation (Communicator(..., link_emulation=...))")
-        raw = self.network.drain()
-        self._collector.fold(raw, dropped=self.network.stats()["dropped"])
+        if self._collector is None:
+            raise ExecutorError(
+                f"{self!r}: telemetry() needs link emulation (Communicator(..., link_emulation=...)) or the cuda "
+                "backend with a topology"
+            )
+        if self.network is not None:
+            self._collector.fold(self.network.drain(), dropped=self.network.stats()["dropped"])
+        else:
+            from jaxccl.runtime import native
+
+            raw, dropped = native._cuda_module().measure_drain()
+            self._collector.fold(bytes(raw), dropped=self._collector.dropped + int(dropped))
         return self._collector.snapshot()
 
     # ------------------------------------------------------------------ schedules
