@@ -124,6 +124,17 @@ def test_no_resynthesis_when_the_degraded_link_is_off_the_cut(ag):
     assert not [e for e in ctl.events if e.kind in ("synthesized", "staged")]
 
 
+def test_no_resynthesis_when_the_whole_cut_is_scaled_uniformly(ag):
+    comm, f, ref = _setup()
+    comm.install("all_gather", ag)
+    ctl = Controller(comm, gamma=0.15)
+    cut = profile(ag, TOPO).cut
+    slower = TOPO.with_edges({e: {"capacity": 0.5 * TOPO.capacity(*e)} for e in cut})
+    _drive(comm, ctl, f, ref, 8, on_step=lambda k: k == 1 and comm.inject(slower))
+    assert not [e for e in ctl.events if e.kind in ("synthesized", "staged")]
+    assert comm.telemetry().matrix[0, 4] < 0.6 * TOPO.capacity(*NIC)  # the slowdown was seen, and ignored
+
+
 def test_a_controller_exception_never_breaks_the_training_step(ag):
     comm, f, ref = _setup()
     comm.install("all_gather", ag)
