@@ -118,8 +118,10 @@ def run_view(pools, view: str, args: argparse.Namespace) -> dict[str, Any]:
             "per_context_realized": te.realized.tolist(),
             "per_context_selection": te.selection.tolist(),
         }
-        log(f"[{view}] {family}: {len(hist)} trials, train sel {tr.selection.mean():.3f} %, "
-            f"test real {te.realized.mean():.3f} % ({time.perf_counter() - t:.0f} s)")
+        log(
+            f"[{view}] {family}: {len(hist)} trials, train sel {tr.selection.mean():.3f} %, "
+            f"test real {te.realized.mean():.3f} % ({time.perf_counter() - t:.0f} s)"
+        )
     gate, gate_hist = tune_size_gate(pools, out["champions"]["ucb1"], train, view=view, seeds=args.seeds)
     te = evaluate(pools, out["champions"]["ucb1"], test, view=view, size_gate_bytes=gate)
     out["size_gate"] = {
@@ -144,7 +146,9 @@ def run_view(pools, view: str, args: argparse.Namespace) -> dict[str, Any]:
         "over_10_cut": a["over_10"] / u["over_10"] if u["over_10"] else float("inf"),
         "mean_no_worse": u["mean"] <= a["mean"],
     }
-    out["goal"]["met"] = bool(out["goal"]["p99_cut"] >= 5 and out["goal"]["over_10_cut"] >= 5 and out["goal"]["mean_no_worse"])
+    out["goal"]["met"] = bool(
+        out["goal"]["p99_cut"] >= 5 and out["goal"]["over_10_cut"] >= 5 and out["goal"]["mean_no_worse"]
+    )
     return out
 
 
@@ -207,15 +211,19 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     for view in args.views:
         results[view] = run_view(pools, view, args)
-        print(f"\nHeld-out contexts ({len(test)}: 16/32 hosts x healthy/fail1-3), model view '{view}'. "
-              "Realized TRLT (mean±SEM, p99, contexts > 10 %) and selection-priced TRLT; NCCL-BOT Table 1 beside.")
+        print(
+            f"\nHeld-out contexts ({len(test)}: 16/32 hosts x healthy/fail1-3), model view '{view}'. "
+            "Realized TRLT (mean±SEM, p99, contexts > 10 %) and selection-priced TRLT; NCCL-BOT Table 1 beside."
+        )
         print_table(table(pools, view, results[view]))
         g, d = results[view]["goal"], results[view]["diagnostics"]
-        print(f"goal (UCB1 vs AUTO): p99 cut {g['p99_cut']:.1f}x, >10% cut {g['over_10_cut']:.1f}x, "
-              f"mean no worse: {g['mean_no_worse']} -> {'met' if g['met'] else 'NOT met'}; "
-              f"filter keeps the measured-best arm on {100 * d['filter_keeps_best_test']:.1f} % of test contexts; "
-              f"AUTO exact on {100 * d['auto_exact_test']:.1f} %; UCB1 plays AUTO's arm on "
-              f"{100 * d['ucb1_auto_arm_share']:.1f} % of steps")
+        print(
+            f"goal (UCB1 vs AUTO): p99 cut {g['p99_cut']:.1f}x, >10% cut {g['over_10_cut']:.1f}x, "
+            f"mean no worse: {g['mean_no_worse']} -> {'met' if g['met'] else 'NOT met'}; "
+            f"filter keeps the measured-best arm on {100 * d['filter_keeps_best_test']:.1f} % of test contexts; "
+            f"AUTO exact on {100 * d['auto_exact_test']:.1f} %; UCB1 plays AUTO's arm on "
+            f"{100 * d['ucb1_auto_arm_share']:.1f} % of steps"
+        )
     out = {
         "benchmark": "tuning_replay",
         "pools": path,

@@ -344,9 +344,7 @@ class CostModel:
             out[arm.name] = float(self.predict(arm, topo, ctx.nbytes)[0])
         return out
 
-    def _predict_grid(
-        self, arm: Arm, topo: Topology, sizes: np.ndarray, grid: Sequence[CostParams]
-    ) -> np.ndarray:
+    def _predict_grid(self, arm: Arm, topo: Topology, sizes: np.ndarray, grid: Sequence[CostParams]) -> np.ndarray:
         """Predictions for every parameter set of ``grid``: shape ``(len(grid), len(sizes))``."""
         ls = np.asarray([g.latency_scale for g in grid])[:, None]
         ho = np.asarray([g.hop_overhead_s for g in grid])[:, None]

@@ -48,12 +48,13 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.tune.arms import COLLECTIVES, Arm, Context, TuneError, arm_catalog
+from jaxccl.tune.arms import COLLECTIVES, Arm, Context, TuneError, arm_catalog, arm_names
 from jaxccl.tune.bandits.selector import RHO_MAX, ContextBandit, filter_arms
 from jaxccl.tune.cost_model import CostModel, calibrate, margin
 
 __all__ = [
     "FAMILIES",
+    "HEADLINE_VIEW",
     "PAPER",
     "SCENARIOS",
     "PoolConfig",
@@ -74,6 +75,9 @@ __all__ = [
 ]
 
 SCENARIOS = ("healthy", "fail1", "fail2", "fail3")
+#: The model view of the headline table: the model is told the scenario's topology, its constants stay the
+#: healthy 4/8-host calibration. ``"nominal"`` (the model only knows the healthy fabric) is the stress test.
+HEADLINE_VIEW = "actual"
 STEADY_FROM = 10  # the paper's steady window starts at iteration 11
 POOL_SCHEMA = "jaxccl.tune.pools/1"
 
@@ -291,10 +295,7 @@ def simulate_pools(
     for hosts, coll in items:
         topos = _topologies(cfg, hosts)
         catalog = arm_catalog(coll, topos["healthy"])
-        names = arms_by_coll.setdefault(coll, [])
-        for a in catalog:
-            if a.name not in names:
-                names.append(a.name)
+        arms_by_coll[coll] = arm_names(coll)
         for scen in cfg.scenarios:
             topo = topos[scen]
             for n in cfg.sizes:
@@ -331,6 +332,7 @@ def simulate_pools(
             j = names.index(name)
             sim_s[i, j] = t
             samples[i, j] = _pool(cfg, t, _context_label(meta), name)
+    samples = samples.astype(np.float32).astype(np.float64)  # what a saved pool holds: re-runs from file agree
     return Pools(cfg, [m for m, _ in rows], arms_by_coll, sim_s, samples, sim_wall_s=time.perf_counter() - t0)
 
 
@@ -648,7 +650,12 @@ FAMILIES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         },
     ),
     "ucb1_cg": (
-        {"policy": "ucb1", "alpha": 0.0928, "pseudo_count": 2.89, "estimator": {"estimator": "constant_gain", "eta": 0.1}},
+        {
+            "policy": "ucb1",
+            "alpha": 0.0928,
+            "pseudo_count": 2.89,
+            "estimator": {"estimator": "constant_gain", "eta": 0.1},
+        },
         {
             "policy": ("fixed", "ucb1"),
             "alpha": ("log", 0.005, 1.0),

@@ -50,8 +50,9 @@ def _number(value: Any, name: str, *, lo: float = 0.0, lo_open: bool = False, hi
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise TuneError(f"{name} must be a finite number, got {value!r}")
     if value < lo or value > hi or (lo_open and value == lo):
-        raise TuneError(f"{name} must be {'>' if lo_open else '>='} {lo}{f' and <= {hi}' if hi < math.inf else ''}, "
-                        f"got {value!r}")
+        raise TuneError(
+            f"{name} must be {'>' if lo_open else '>='} {lo}{f' and <= {hi}' if hi < math.inf else ''}, got {value!r}"
+        )
     return float(value)
 
 
@@ -315,11 +316,43 @@ class Softmax(Policy):
         self.selections = int(state.get("selections", 0))
 
 
+_KL_EPS = 1e-12
+
+
 def _kl(p: float, q: float) -> float:
-    eps = 1e-12
-    p = min(max(p, eps), 1 - eps)
-    q = min(max(q, eps), 1 - eps)
+    p = min(max(p, _KL_EPS), 1 - _KL_EPS)
+    q = min(max(q, _KL_EPS), 1 - _KL_EPS)
     return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+
+
+def _kl_upper(mean: float, budget: float) -> float:
+    """``max{q in [p, 1]: KL(p, q) <= budget}`` for ``p = clamp(mean, 0, 1)`` (to ~1e-9).
+
+    ``KL(p, .)`` is convex and increasing on ``[p, 1]``, so Newton steps taken
+    from the right of the root stay right of it; when a step would not halve
+    the bracket ``[lo, hi]`` (Pinsker's bound ``p + sqrt(budget / 2)`` caps
+    ``hi``), a bisection step is taken instead.
+    """
+    p = min(max(mean, 0.0), 1.0)
+    if budget <= 0.0 or p >= 1.0:
+        return p
+    if _kl(p, 1.0 - _KL_EPS) <= budget:
+        return 1.0
+    lo, hi = p, min(1.0 - _KL_EPS, p + math.sqrt(budget / 2.0))
+    pc = max(p, _KL_EPS)
+    for _ in range(60):
+        f = _kl(p, hi) - budget
+        if f <= 1e-12 or hi - lo < 1e-9:
+            break
+        newton = hi - f * hi * (1.0 - hi) / (hi - pc)
+        mid = 0.5 * (lo + hi)
+        if newton > mid:
+            hi = newton
+        elif _kl(p, mid) > budget:
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 class KLUCB(Policy):
@@ -336,22 +369,7 @@ class KLUCB(Policy):
             if self.counts[a] <= 0.0:
                 return a
         log_n = math.log(max(sum(self.counts), 1.0))
-        index = []
-        for m, n in zip(self.means, self.counts):
-            p = min(max(m, 0.0), 1.0)
-            budget = self.c * log_n / n
-            lo, hi = p, 1.0
-            if _kl(p, hi) <= budget:
-                index.append(1.0)
-                continue
-            for _ in range(20):  # 1e-6 resolution on [0, 1]
-                mid = 0.5 * (lo + hi)
-                if _kl(p, mid) <= budget:
-                    lo = mid
-                else:
-                    hi = mid
-            index.append(lo)
-        return _argmax(index)
+        return _argmax([_kl_upper(m, self.c * log_n / n) for m, n in zip(self.means, self.counts)])
 
     def hyper(self) -> dict[str, Any]:
         return {**super().hyper(), "c": self.c}

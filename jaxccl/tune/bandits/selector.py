@@ -204,6 +204,7 @@ class Selector:
         rho_max: the arm filter threshold (Eq. 2).
         size_gate_bytes: contexts with fewer bytes keep the model's choice and are not timed.
         seed: seeds the random policies (per context, see :func:`context_seed`).
+        catalog: optional ``context -> [Arm]`` behind the names (what :meth:`schedules` returns).
     """
 
     def __init__(
@@ -215,11 +216,15 @@ class Selector:
         rho_max: float = RHO_MAX,
         size_gate_bytes: int = 0,
         seed: int = 0,
+        catalog: Callable[[Context], Sequence[Any]] | None = None,
     ):
         self._arms = arms
         self._predict = predict
+        self._catalog = catalog
         self.policy_config: dict[str, Any] = (
-            dict(DEFAULT_POLICY) if policy is None else ({"policy": policy} if isinstance(policy, str) else dict(policy))
+            dict(DEFAULT_POLICY)
+            if policy is None
+            else ({"policy": policy} if isinstance(policy, str) else dict(policy))
         )
         make_policy(self.policy_config, [1.0])  # validate now, not on the first context
         if not (isinstance(rho_max, (int, float)) and rho_max >= 1 and math.isfinite(rho_max)):
@@ -274,6 +279,20 @@ class Selector:
             )
             self._bandits[ctx.key] = b
         return b
+
+    def schedules(self, context: Context | Mapping[str, Any] | Sequence[Any], arm: str) -> tuple[Any, ...]:
+        """The schedules (run back to back) of ``arm`` for ``context``, from the ``catalog``.
+
+        Raises:
+            TuneError: the selector has no catalogue, or ``arm`` is not in it.
+        """
+        if self._catalog is None:
+            raise TuneError("this selector was built without an arm catalogue (see Selector.for_topology)")
+        ctx = Context.coerce(context)
+        for a in self._catalog(ctx):
+            if a.name == arm:
+                return tuple(a.parts)
+        raise TuneError(f"context {ctx.key}: unknown arm {arm!r}")
 
     @property
     def contexts(self) -> list[str]:
@@ -372,6 +391,15 @@ class Selector:
 
         ``model`` is a :class:`~jaxccl.tune.cost_model.CostModel` (default: the
         physical constants). Contexts must have ``topo.num_gpus`` ranks.
+        :meth:`schedules` returns the schedules to install for an arm.
+
+        Example:
+            >>> from jaxccl.topology import rail
+            >>> sel = Selector.for_topology(rail(hosts=2, gpus_per_host=2))
+            >>> ctx = ("all_gather", 4, 1 << 20)
+            >>> arm = sel.choose(ctx)
+            >>> [s.collective.value for s in sel.schedules(ctx, arm)]
+            ['all_gather']
         """
         from jaxccl.tune.arms import arm_catalog
         from jaxccl.tune.cost_model import CostModel
@@ -392,4 +420,12 @@ class Selector:
         def predict(ctx: Context) -> dict[str, float]:
             return cm.predict_context(ctx, catalog(ctx), topo)
 
-        return cls(names, predict, policy=policy, rho_max=rho_max, size_gate_bytes=size_gate_bytes, seed=seed)
+        return cls(
+            names,
+            predict,
+            policy=policy,
+            rho_max=rho_max,
+            size_gate_bytes=size_gate_bytes,
+            seed=seed,
+            catalog=catalog,
+        )
