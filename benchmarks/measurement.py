@@ -4,7 +4,9 @@
     ``chunk`` bytes per channel and direction (MCCL's point-to-point stress test:
     data is always ready), with link pacing off so the executor runs as fast as
     memcpy; median time per collective with measurement on vs off, interleaved
-    in the same run; overhead = on / off - 1.
+    in the same run; overhead = on / off - 1. Beside the wall time, the CPU
+    time the process spent per collective (all threads): on a shared machine it
+    is far less sensitive to other jobs than wall time.
 (b) Accuracy: the same pattern with pacing on; measured throughput (median of
     the per-collective records) vs the configured capacity of the emulated
     link, 1-5 concurrent flows (channels), intra-node (one GPU's NVSwitch port)
@@ -66,6 +68,7 @@ def overhead(channels_list, chunks, runs):
             on, f_on = _setup(topo, LinkEmulation(pace=False, measure=True), ch)
             off, f_off = _setup(topo, LinkEmulation(pace=False, measure=False), ch)
             times = {"on": [], "off": []}
+            cpu = {"on": [], "off": []}
             for comm, f in ((on, f_on), (off, f_off)):
                 with comm:
                     for _ in range(2):
@@ -74,11 +77,13 @@ def overhead(channels_list, chunks, runs):
             for r in range(runs):
                 for key, comm, f in order if r % 2 == 0 else order[::-1]:  # alternate who runs first
                     with comm:
-                        t = time.perf_counter()
+                        c, t = time.process_time(), time.perf_counter()
                         f(x).block_until_ready()
                         times[key].append(time.perf_counter() - t)
+                        cpu[key].append(time.process_time() - c)
                 on.telemetry()  # drain so the buffer never fills
             t_on, t_off = report.median(times["on"]), report.median(times["off"])
+            c_on, c_off = report.median(cpu["on"]), report.median(cpu["off"])
             size = 2 * ch * chunk  # bytes of one rank's output
             rows.append(
                 {
@@ -90,6 +95,9 @@ def overhead(channels_list, chunks, runs):
                     "algbw_on_GBs": size / t_on / 1e9,
                     "ratio_on_off": t_on / t_off,
                     "overhead_pct": (t_on / t_off - 1) * 100,
+                    "cpu_off_ms": c_off * 1e3,
+                    "cpu_on_ms": c_on * 1e3,
+                    "cpu_overhead_pct": (c_on / c_off - 1) * 100,
                     "windows": on.network.stats()["windows"],
                 }
             )

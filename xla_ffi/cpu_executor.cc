@@ -169,6 +169,7 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   launch->sum_ = sum;
   launch->timeout_s_ = Registry::Get().timeout_s();
   launch->slot_ = slot;
+  launch->start_ns_ = NowNs();
   launch->net_ = NetworkOfSlot(slot);
   if (launch->net_) {
     if (launch->net_->num_ranks() != t.num_ranks) {
@@ -266,13 +267,16 @@ void CpuLaunch::RunThreadblock(int32_t g) {
 }
 
 void CpuLaunch::FinishThreadblock(int32_t g) {
+  // The launch time is recorded before the last rank is released, so it is there when the call returns.
+  const bool last = tbs_running_.fetch_sub(1) == 1;
+  if (last && !aborted_.load()) Registry::Get().RecordLaunchTime(slot_, NowNs() - start_ns_);
   RankState& rs = *ctx_->ranks[table_->tbs[g].rank];
   {
     std::lock_guard<std::mutex> lock(rs.mu);
     --rs.tbs_left;
     if (rs.waiting) rs.cv.notify_all();
   }
-  if (tbs_running_.fetch_sub(1) == 1) {
+  if (last) {
     std::lock_guard<std::mutex> lock(done_mu_);
     done_cv_.notify_all();
   }

@@ -167,6 +167,7 @@ class CpuLaunch {
   Clock::time_point deadline_;
   double timeout_s_ = 0;
   int64_t slot_ = 0;
+  int64_t start_ns_ = 0;
   std::shared_ptr<Network> net_;             // link emulation / measurement of the slot (may be null)
   bool pace_ = false;
   bool measure_ = false;                     // measuring this launch (never for reductions)

@@ -232,6 +232,8 @@ NB_MODULE(_native, m) {
       nb::arg("slot"));
   m.def("launch_count", [](int64_t slot) { return Unwrap(Registry::Get().LaunchCount(slot)); }, nb::arg("slot"),
         "Launches that picked a table from this slot.");
+  m.def("last_launch_seconds", [](int64_t slot) { return Unwrap(Registry::Get().LastLaunchNs(slot)) * 1e-9; },
+        nb::arg("slot"), "Executor time of the slot's most recently finished launch, in seconds (0 if none).");
   m.def("last_launch_version", [](int64_t slot) { return Unwrap(Registry::Get().LastLaunchVersion(slot)); },
         nb::arg("slot"), "Table version the slot's most recent launch ran (0 if none).");
   m.def(

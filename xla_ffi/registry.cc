@@ -130,6 +130,19 @@ ffi::ErrorOr<int64_t> Registry::LaunchCount(int64_t slot) {
   return (*s)->launches;
 }
 
+void Registry::RecordLaunchTime(int64_t slot, int64_t ns) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = slots_.find(slot);
+  if (it != slots_.end()) it->second.last_launch_ns = ns;  // a removed slot has nobody to tell
+}
+
+ffi::ErrorOr<int64_t> Registry::LastLaunchNs(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto s = Find(slot);
+  if (!s.has_value()) return ErrorResult<int64_t>(std::move(s.error()));
+  return (*s)->last_launch_ns;
+}
+
 ffi::ErrorOr<int64_t> Registry::LastLaunchVersion(int64_t slot) {
   std::lock_guard<std::mutex> lock(mu_);
   auto s = Find(slot);

@@ -57,6 +57,9 @@ class Registry {
   };
   ffi::ErrorOr<SwapState> Swap(int64_t slot);
   ffi::ErrorOr<int64_t> LaunchCount(int64_t slot);
+  // Executor time of the slot's most recently finished launch (ns, from its start to its last threadblock).
+  void RecordLaunchTime(int64_t slot, int64_t ns);
+  ffi::ErrorOr<int64_t> LastLaunchNs(int64_t slot);
   // Version that the most recent launch of the slot ran (0 if none).
   ffi::ErrorOr<int64_t> LastLaunchVersion(int64_t slot);
   size_t NumSlots();
@@ -76,6 +79,7 @@ class Registry {
     std::map<int32_t, int64_t> issued;  // rank -> last issued sequence number
     int64_t last_swap_seq = 0;       // sequence number of the launch that last activated a staged table
     int64_t last_swap_ns = 0;
+    int64_t last_launch_ns = 0;  // duration of the most recently finished launch
   };
   ffi::ErrorOr<Slot*> Find(int64_t slot);  // requires mu_
 

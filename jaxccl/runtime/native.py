@@ -158,6 +158,11 @@ def launch_count(slot: int) -> int:
     return int(_wrap(_native.launch_count, int(slot)))
 
 
+def last_launch_seconds(slot: int) -> float:
+    """Executor time of the slot's most recently finished launch (start to last threadblock), in seconds."""
+    return float(_wrap(_native.last_launch_seconds, int(slot)))
+
+
 def last_launch_version(slot: int) -> int:
     """The table version the slot's most recent launch ran (0 if none)."""
     return int(_wrap(_native.last_launch_version, int(slot)))

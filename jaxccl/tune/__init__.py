@@ -1,13 +1,15 @@
 """Choosing and reshaping schedules online: NCCL-BOT bandits seeded by a cost model, and REACT.
 
 Thin re-exports; the code lives in the submodules (``arms``, ``cost_model``,
-``bandits``, ``replay``; ``react`` for REACT's pattern transforms).
+``bandits``, ``replay``, ``online`` for a live communicator; ``react`` for
+REACT's pattern transforms).
 """
 
 from jaxccl.tune import react
 from jaxccl.tune.arms import COLLECTIVES, Arm, Context, TuneError, arm_catalog, arm_names, direct_allgather
 from jaxccl.tune.bandits import DEFAULT_POLICY, ContextBandit, Selector, filter_arms, make_policy
 from jaxccl.tune.cost_model import CostModel, CostParams, calibrate, margin
+from jaxccl.tune.online import OnlineTuner
 from jaxccl.tune.react import ReactConfig, run_react
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "ContextBandit",
     "CostModel",
     "CostParams",
+    "OnlineTuner",
     "ReactConfig",
     "Selector",
     "TuneError",
