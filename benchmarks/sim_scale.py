@@ -5,7 +5,9 @@ The schedule is the rail-aligned single-channel ring of
 million at 2048 GPUs) on MCCL's cluster of segments of 16 hosts x 8 GPUs.
 For every size: schedule build time, event-DAG compile time, engine time,
 total simulator wall time (compile + engine; the acceptance figure is the
-2048-GPU one, < 5 minutes), simulated time and algbw, the analytic ring
+2048-GPU one, < 5 minutes) and the CPU time the process spent in it (the
+figure to compare across runs on a shared machine: wall time grows with the
+load average, also recorded), simulated time and algbw, the analytic ring
 time for comparison, and the process's peak memory. Progress on stderr, a
 table, ``--json`` and a ``--png`` of wall time against GPUs.
 
@@ -16,6 +18,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import sys
 import time
@@ -41,7 +44,9 @@ def measure(num_gpus: int, nbytes: int) -> dict:
                 f"  {num_gpus} GPUs: {frac:4.0%} of messages done, {time.perf_counter() - t0:6.1f} s", file=sys.stderr
             )
 
+    cpu0 = time.process_time()
     res = sim.run(topo, schedule, nbytes, progress=progress)
+    cpu = time.process_time() - cpu0
     analytic = ring_time(topo, [rail_ring_order(topo)], nbytes, steps=num_gpus - 1)
     return {
         "gpus": num_gpus,
@@ -50,6 +55,8 @@ def measure(num_gpus: int, nbytes: int) -> dict:
         "compile_s": res.compile_s,
         "engine_s": res.stats["wall_s"],
         "sim_wall_s": res.wall_s,
+        "sim_cpu_s": cpu,
+        "load_avg": os.getloadavg()[0],
         "time_s": res.time_s,
         "analytic_time_s": analytic,
         "algbw_GBps": res.algbw / 1e9,
@@ -67,6 +74,7 @@ def plot(rows: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(5, 3.4))
     xs = [r["gpus"] for r in rows]
     ax.loglog(xs, [r["sim_wall_s"] for r in rows], "o-", label="simulator wall (compile + engine)")
+    ax.loglog(xs, [r["sim_cpu_s"] for r in rows], "^-", label="simulator CPU time")
     ax.loglog(xs, [r["flows"] / 1e5 for r in rows], "s--", label="flows / 1e5")
     ax.axhline(300, color="r", ls=":", label="5 minutes")
     ax.set_xlabel("GPUs")

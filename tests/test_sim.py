@@ -90,14 +90,21 @@ def test_max_min_coupling_freezes_forward_with_source():
     assert rates.tolist() == pytest.approx([1.0, 1.0])
 
 
+def _random_instance(rng: random.Random, min_flows: int, max_flows: int):
+    """Random flows over 1-6 links: ``(n_links, cap, flows, flow_of, link_of)``."""
+    n_links, n_flows = rng.randint(1, 6), rng.randint(min_flows, max_flows)
+    cap = [rng.choice([1.0, 2.0, 3.5, 10.0]) for _ in range(n_links)]
+    flows = [sorted(rng.sample(range(n_links), rng.randint(1, n_links))) for _ in range(n_flows)]
+    fo = np.array([f for f, ls in enumerate(flows) for _ in ls])
+    lo = np.array([link for ls in flows for link in ls])
+    return n_links, cap, flows, fo, lo
+
+
 def test_max_min_matches_reference_and_is_max_min():
     rng = random.Random(7)
     for _ in range(30):
-        n_links, n_flows = rng.randint(1, 6), rng.randint(1, 8)
-        cap = [rng.choice([1.0, 2.0, 3.5, 10.0]) for _ in range(n_links)]
-        flows = [sorted(rng.sample(range(n_links), rng.randint(1, n_links))) for _ in range(n_flows)]
-        fo = np.array([f for f, ls in enumerate(flows) for _ in ls])
-        lo = np.array([link for ls in flows for link in ls])
+        n_links, cap, flows, fo, lo = _random_instance(rng, 1, 8)
+        n_flows = len(flows)
         rates = max_min_rates(fo, lo, np.array(cap), n_flows)
         assert rates.tolist() == pytest.approx(_reference_max_min(flows, cap), rel=1e-9)
         load = np.bincount(lo, weights=rates[fo], minlength=n_links)
@@ -113,13 +120,10 @@ def test_max_min_matches_reference_and_is_max_min():
 def test_max_min_coupled_chains_match_reference():
     rng = random.Random(11)
     for _ in range(30):
-        n_links, n_flows = rng.randint(1, 6), rng.randint(2, 9)
-        cap = [rng.choice([1.0, 2.0, 3.5, 10.0]) for _ in range(n_links)]
-        flows = [sorted(rng.sample(range(n_links), rng.randint(1, n_links))) for _ in range(n_flows)]
+        _, cap, flows, fo, lo = _random_instance(rng, 2, 9)
+        n_flows = len(flows)
         # forwards only stream from lower-numbered flows: chains (f -> g -> h) but no cycles
         coupled = [(d, rng.randrange(d)) for d in range(1, n_flows) if rng.random() < 0.5]
-        fo = np.array([f for f, ls in enumerate(flows) for _ in ls])
-        lo = np.array([link for ls in flows for link in ls])
         pairs = (np.array([d for d, _ in coupled], dtype=np.int64), np.array([u for _, u in coupled], dtype=np.int64))
         rates = max_min_rates(fo, lo, np.array(cap), n_flows, coupled=pairs)
         assert rates.tolist() == pytest.approx(_reference_max_min(flows, cap, coupled), rel=1e-9)

@@ -40,6 +40,8 @@ def _ratio_bars(
     kinds: tuple[str, ...],
     key: str,
     groups: list[Any],
+    ticks: list[str],
+    title: str,
     *,
     annotate: bool = False,
     labels: Mapping[str, str] | None = None,
@@ -55,6 +57,10 @@ def _ratio_bars(
             for b, y in zip(bars, ys):
                 ax.annotate(f"{y:.1f}x", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=7)
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.set_xticks(range(len(groups)), ticks, fontsize=7 if len(groups) > 8 else None)
+    ax.set_ylabel("algbw / NCCL")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
 
 
 def plot_fig1(result: Mapping[str, Any], path: str | os.PathLike[str]) -> str:
@@ -66,12 +72,10 @@ def plot_fig1(result: Mapping[str, Any], path: str | os.PathLike[str]) -> str:
     for ax, (coll, size) in zip(axes[0], panels):
         sel = [r for r in rows if r["collective"] == coll and r["size_bytes"] == size and r["schedule"] != "nccl"]
         bws = sorted({r["nic_gbps"] for r in sel}, reverse=True)
-        _ratio_bars(ax, sel, ("orig", "reopt", "reopt_cold", "reopt_1chunk"), "nic_gbps", bws, annotate=True)
-        ax.set_xticks(range(len(bws)), [f"{bw:g}" for bw in bws])
+        kinds = ("orig", "reopt", "reopt_cold", "reopt_1chunk")
+        ticks = [f"{bw:g}" for bw in bws]
+        _ratio_bars(ax, sel, kinds, "nic_gbps", bws, ticks, f"{coll}, {_size_label(size)}", annotate=True)
         ax.set_xlabel("GPU 0 NIC bandwidth (Gbps)")
-        ax.set_ylabel("algbw / NCCL")
-        ax.set_title(f"{coll}, {_size_label(size)}")
-        ax.legend(fontsize=8)
     fig.suptitle("MCCL Fig. 1 on jaxccl.sim (1x2x8)", fontsize=10)
     return _save(fig, path)
 
@@ -86,11 +90,9 @@ def plot_fig8(result: Mapping[str, Any], path: str | os.PathLike[str]) -> str:
         sel = [r for r in rows if r["collective"] == coll]
         groups = list(dict.fromkeys((r["hosts"], r["scenario"]) for r in sel))
         keyed = [{**r, "group": (r["hosts"], r["scenario"])} for r in sel]
-        _ratio_bars(ax, keyed, ("nccl", "orig", "reopt"), "group", groups, labels={"orig": "no reopt"})
-        ax.set_xticks(range(len(groups)), [f"{s}\n1x{h}x8" if s == "none" else s for h, s in groups], fontsize=7)
-        ax.set_ylabel("algbw / NCCL")
-        ax.set_title(f"{coll}, {_size_label(result['config']['size_bytes'])} per source")
-        ax.legend(fontsize=8)
+        ticks = [f"{s}\n1x{h}x8" if s == "none" else s for h, s in groups]
+        title = f"{coll}, {_size_label(result['config']['size_bytes'])} per source"
+        _ratio_bars(ax, keyed, ("nccl", "orig", "reopt"), "group", groups, ticks, title, labels={"orig": "no reopt"})
     fig.suptitle("MCCL Fig. 8 on jaxccl.sim", fontsize=10)
     return _save(fig, path)
 
