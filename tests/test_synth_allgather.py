@@ -174,6 +174,17 @@ def test_warm_start_reaches_the_cold_throughput(state):
     warm.validate()
 
 
+@pytest.mark.parametrize("state", ["fail1", "fail2", "fail3"])
+def test_warm_start_back_to_the_healthy_topology(state):
+    """The way back after a degradation clears (previous = the degraded schedule) reaches the healthy optimum."""
+    base = rail(hosts=2)
+    warm = allgather(base, previous=allgather(scenario(base, state)))
+    assert warm.algbw == warm.bound == allgather(base).algbw
+    assert warm.info["warm"] is not None
+    check_trees(warm, base)
+    warm.validate()
+
+
 def test_warm_start_on_unchanged_topology_reuses_everything():
     topo = rail(hosts=2, gpus_per_host=4)
     prev = allgather(topo)
@@ -237,6 +248,20 @@ def test_bad_inputs():
         allgather(rail(hosts=2), previous=allgather(rail(hosts=2, gpus_per_host=4)))
     with pytest.raises(TopologyError):
         allgather("rail")
+    import dataclasses
+
+    prev = allgather(rail(hosts=2, gpus_per_host=4))
+    trees = [[[w, [list(e) for e in edges]] for w, edges in per_root] for per_root in prev.info["trees"]]
+    trees[3][0][1][0] = [trees[3][0][1][1][1], trees[3][0][1][0][1]]  # a parent that is its own descendant: a cycle
+    trees[3][0][1][1] = [trees[3][0][1][0][1], trees[3][0][1][1][1]]
+    with pytest.raises(SynthesisError, match="previous tree of root 3"):
+        allgather(
+            rail(hosts=2, gpus_per_host=4), previous=dataclasses.replace(prev, info={**prev.info, "trees": trees})
+        )
+    with pytest.raises(SynthesisError, match="previous trees are given for 7 roots"):
+        allgather(
+            rail(hosts=2, gpus_per_host=4), previous=dataclasses.replace(prev, info={**prev.info, "trees": trees[:7]})
+        )
 
 
 # ------------------------------------------------------------------ execution
@@ -254,14 +279,15 @@ def _run(fn, mesh, x):
     return np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x))
 
 
-@pytest.mark.parametrize("state", [None, "fail2"])
-def test_allgather_runs_bitwise_on_cpu_executor(state):
+@pytest.mark.parametrize(("state", "warm"), [(None, False), ("fail2", False), ("fail1", True), ("fail2", True)])
+def test_allgather_runs_bitwise_on_cpu_executor(state, warm):
     pytest.importorskip("jaxccl.runtime.native", reason="jaxccl native CPU executor is not built")
     import jax
 
-    topo = rail(hosts=2, gpus_per_host=4)
-    topo = scenario(topo, state) if state else topo
-    s = allgather(topo)
+    base = rail(hosts=2, gpus_per_host=4)
+    topo = scenario(base, state) if state else base
+    s = allgather(topo, previous=allgather(base) if warm else None)
+    assert s.info["packing"] == ("warm-repair" if warm else "matching")
     mesh = _mesh(8)
     comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu")
     x = np.random.default_rng(3).standard_normal(8 * 999).astype(np.float32)  # 999: uneven chunks
@@ -326,8 +352,10 @@ _SIXTEEN = textwrap.dedent(
     run = lambda f, x: np.asarray(jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_specs=P("d")))(x))
     x = np.random.default_rng(5).standard_normal(16 * 4096).astype(np.float32)
     want = run(lambda v: jax.lax.all_gather(v, "d", tiled=True), x)
-    for topo in (rail(hosts=2, gpus_per_host=8), scenario(rail(hosts=2, gpus_per_host=8), "fail1")):
-        s = allgather(topo)
+    base = rail(hosts=2, gpus_per_host=8)
+    healthy = allgather(base)
+    for topo, prev in ((base, None), (scenario(base, "fail1"), None), (scenario(base, "fail2"), healthy)):
+        s = allgather(topo, previous=prev)
         comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu")
         with comm:
             comm.install("all_gather", s)
@@ -348,7 +376,7 @@ def test_allgather_runs_bitwise_on_16_emulated_devices():
         [sys.executable, "-c", _SIXTEEN], env=env, capture_output=True, text=True, timeout=300, cwd=root
     )
     assert res.returncode == 0, res.stdout + res.stderr
-    assert res.stdout.count("OK") == 2
+    assert res.stdout.count("OK") == 3
 
 
 def test_rates_are_exact_fractions():
@@ -396,16 +424,110 @@ def test_every_packing_strategy_is_exact(strategy):
     _check_packing(p, links)
 
 
-def test_order_pack_follows_previous_trees():
-    from jaxccl.synth.allgather.packing import order_pack, tree_groups
+def test_repair_keeps_previous_trees_and_regrows_only_what_they_lost():
+    from jaxccl.synth.allgather import switch_groups
+    from jaxccl.synth.allgather.packing import tree_groups
+    from jaxccl.synth.allgather.repair import repair_pack
 
     topo = rail(hosts=2, gpus_per_host=4)
     prev = allgather(topo)
     net, units, logical = _logical(scenario(topo, "fail3"))
     links = logical.gpu_links()
-    p = order_pack(net.num_gpus, units.k, links, tree_groups(net.num_gpus, units.k, prev.info["trees"]))
+    groups = tree_groups(net.num_gpus, units.k, prev.info["trees"])
+    p = repair_pack(net.num_gpus, units.k, links, groups, sets=switch_groups(net))
     _check_packing(p, links)
-    assert p.stats["preferred_units"] > 0
+    assert p.method == "warm-repair"
+    assert p.stats["overloaded_links"] > 0 and p.stats["cut_pieces"] > 0  # fail3 weakens GPU 0's links
+    assert p.stats["kept_units"] > 0.8 * sum(c for c in p.link_load().values())
+    # every previous (root, parent, child) hop that is not on a weakened link of GPU 0 is still there
+    old = {(r, pc, ch) for r, per_root in enumerate(prev.info["trees"]) for _, e in per_root for pc, ch in e}
+    new = {(r, pc, ch) for r, per_root in enumerate(p.trees()) for _, e in per_root for pc, ch in e}
+    assert {h for h in old if 0 not in h[1:]} <= new
+    # on the unchanged topology nothing is cut
+    net0, units0, logical0 = _logical(topo)
+    same = repair_pack(net0.num_gpus, units0.k, logical0.gpu_links(), tree_groups(8, units0.k, prev.info["trees"]))
+    assert same.stats["cut_pieces"] == 0 and same.stats["repaired_groups"] == 0
+
+
+def test_repair_frees_a_set_that_previous_trees_enter_twice():
+    """A kept tree entering a tight set twice wastes capacity a re-grown group needs: the repair cuts the repeat."""
+    from jaxccl.synth.allgather.packing import match_pack, tree_groups
+    from jaxccl.synth.allgather.repair import _Forest, _free_tight_sets, set_slacks
+
+    n = 4
+    links = {(0, 1): 2, (1, 0): 2, (0, 2): 1, (1, 3): 1, (2, 3): 2, (3, 2): 2, (2, 0): 1, (3, 1): 1}
+    trees = [
+        [[1, [[0, 1], [0, 2], [1, 3]]]],  # root 0 enters S = {2, 3} twice
+        [[1, [[1, 0], [0, 2], [2, 3]]]],
+        [[1, [[2, 0], [0, 1], [2, 3]]]],
+        [[1, [[1, 0], [3, 1], [3, 2]]]],
+    ]
+    f = _Forest(tree_groups(n, 1, trees), n)
+    f.held[1, [0, 2, 3]] = False  # root 1's tree lost everything below GPU 1 (e.g. its link 1 -> 0 failed)
+    cap = np.zeros(n * n, dtype=np.int64)
+    for (u, v), c in links.items():
+        cap[u * n + v] = c
+    gi, vi = np.nonzero(f.held[: f.size] & (f.parent[: f.size] >= 0))
+    load = np.bincount(f.parent[gi, vi] * n + vi, weights=f.count[gi], minlength=n * n).astype(np.int64)
+    sets = [np.array([2, 3])]
+    member = np.zeros((1, n), dtype=bool)
+    member[0, [2, 3]] = True
+    assert set_slacks(f, member, cap - load)[0] < 0  # root 1 cannot enter S any more
+    stats = {"cut_pieces": 0, "cut_units": 0, "splits": 0}
+    _free_tight_sets(f, n, cap, load, sets, stats)
+    assert stats["tight_sets"] == 1 and not f.held[0, 3]  # root 0's second entry (1 -> 3) was cut
+    assert set_slacks(f, member, cap - load)[0] >= 0
+    # and the partial trees now complete
+    from jaxccl.synth.allgather.packing import PartialForest
+
+    part = np.flatnonzero(~f.held[: f.size].all(axis=1))
+    left = cap - load
+    residual = {(int(e) // n, int(e) % n): int(left[e]) for e in np.flatnonzero(left > 0)}
+    start = PartialForest(f.root[part], f.first[part], f.count[part], f.held[part], f.depth[part], 2)
+    grown = match_pack(n, 1, residual, check="full", start=start)
+    assert sum(len(p) for p in grown.pieces) == int((~f.held[part]).sum())
+
+
+def test_small_bipartite_matching_is_a_maximum_flow():
+    from jaxccl.synth.allgather.packing import _bipartite, _small_bipartite
+
+    rng = np.random.default_rng(7)
+    for _ in range(300):
+        m, d = rng.integers(1, 10, size=2)
+        allowed = rng.random((m, d)) < rng.random()
+        demand, icap = rng.integers(0, 20, m), rng.integers(0, 20, d)
+        flow = _small_bipartite(demand, allowed, icap)
+        assert (flow >= 0).all() and (flow[~allowed] == 0).all()
+        assert (flow.sum(axis=1) <= demand).all() and (flow.sum(axis=0) <= icap).all()
+        assert flow.sum() == _bipartite(demand, allowed, icap).sum()  # scipy's max-flow value
+
+
+def test_fast_compile_builds_the_reference_program():
+    import sys
+
+    from jaxccl.synth.allgather.compile import allgather_schedule, allgather_schedule_reference
+
+    mod = sys.modules["jaxccl.synth.allgather"]
+    seen = []
+    original = mod.allgather_schedule
+
+    def grab(packing, **kwargs):
+        seen.append(packing)
+        return original(packing, **kwargs)
+
+    mod.allgather_schedule = grab
+    try:
+        base = rail(hosts=4)
+        prev = allgather(base)
+        allgather(scenario(base, "fail2"), previous=prev)  # repaired trees: split groups, forwards of several pieces
+        allgather(scenario(rail(hosts=2, gpus_per_host=4), "fail1"))
+    finally:
+        mod.allgather_schedule = original
+    assert any(p.method == "warm-repair" for p in seen)
+    for p in seen:
+        fast = allgather_schedule(p, name="x")
+        assert fast.digest == allgather_schedule_reference(p, name="x").digest
+        fast.validate()
 
 
 def test_switch_split_preserves_throughput_and_capacity():

@@ -40,6 +40,7 @@ COLUMNS = (
     "warm_solve_s",
     "warm_total_s",
     "warm_speedup",
+    "warm_total_speedup",
     "algbw_GBps",
     "bound_GBps",
     "optimal",
@@ -106,6 +107,7 @@ def run_benchmark(
                 "warm_solve_s": statistics.median(warm_solve) if warm else None,
                 "warm_total_s": statistics.median(warm_total) if warm else None,
                 "warm_speedup": statistics.median(solve) / statistics.median(warm_solve) if warm else None,
+                "warm_total_speedup": statistics.median(total) / statistics.median(warm_total) if warm else None,
                 "algbw_GBps": s.algbw / 1e9,
                 "bound_GBps": s.bound / 1e9,
                 "optimal": s.algbw == s.bound and (warm is None or warm.algbw == s.algbw),
@@ -139,11 +141,14 @@ def acceptance(rows: list[dict[str, Any]]) -> list[str]:
                 f"(target < {limit} s): {'PASS' if ok else 'FAIL'}"
             )
     for r in rows:
-        if r["method"] == "forestcoll" and r["state"] in ("fail1", "fail2") and r["gpus"] >= 128 and r["warm_speedup"]:
+        if r["method"] == "forestcoll" and r["state"] != "base" and r["gpus"] >= 128 and r["warm_speedup"]:
+            target = r["state"] in ("fail1", "fail2")  # the targets; fail3 is reported alongside
             ok = r["warm_speedup"] >= 3
+            verdict = ("PASS" if ok else "FAIL") if target else "(no target)"
             out.append(
-                f"{r['gpus']} GPUs {r['state']}: warm {r['warm_solve_s']:.2f} s vs cold {r['cold_solve_s']:.2f} s "
-                f"= {r['warm_speedup']:.2f}x (target >= 3x): {'PASS' if ok else 'FAIL'}"
+                f"{r['gpus']} GPUs {r['state']}: warm solve {r['warm_solve_s']:.2f} s vs cold "
+                f"{r['cold_solve_s']:.2f} s = {r['warm_speedup']:.2f}x (target >= 3x): {verdict}; "
+                f"total {r['warm_total_s']:.2f} s vs {r['cold_total_s']:.2f} s = {r['warm_total_speedup']:.2f}x"
             )
     bad = [r for r in rows if not r["optimal"]]
     out.append("every schedule reaches the bound" if not bad else f"NOT optimal: {len(bad)} rows")
@@ -154,7 +159,7 @@ def main(args: argparse.Namespace) -> int:
 
     if args.topology:
         return _single(args)
-    hosts = [h for h in HOSTS if h <= args.max_hosts]
+    hosts = [int(h) for h in args.hosts.split(",")] if args.hosts else [h for h in HOSTS if h <= args.max_hosts]
     states = [s for s in args.states.split(",") if s]
     methods = [m for m in args.methods.split(",") if m]
     for s in states:
@@ -199,6 +204,7 @@ def _single(args: argparse.Namespace) -> int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-hosts", type=int, default=64, help="largest H of the 1 x H x 8 rail topologies (default 64)")
+    p.add_argument("--hosts", default=None, help="comma-separated H values instead of 2, 4, ... --max-hosts")
     p.add_argument("--states", default=",".join(STATES), help="comma-separated states (default all)")
     p.add_argument("--methods", default=",".join(METHODS), help="forestcoll, latency or both (default)")
     p.add_argument("--runs", type=int, default=None, help="runs per point (default: 3 up to 8 hosts, 1 above)")

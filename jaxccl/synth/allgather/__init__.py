@@ -14,7 +14,12 @@ extensions:
 
 then :mod:`~jaxccl.synth.allgather.compile` turns the trees into the
 Schedule IR. ``previous=`` warm-starts from an earlier schedule
-(:mod:`~jaxccl.synth.allgather.warm`, ForestColl-warm).
+(ForestColl-warm, MCCL Sec. 4.3): the rate from a few cuts (GPU in-cuts,
+the previous critical cut, the cuts around every switch) instead of the
+max-flow search, and the previous trees kept wherever they still fit with
+only what they lost re-grown (:mod:`~jaxccl.synth.allgather.warm`,
+:mod:`~jaxccl.synth.allgather.repair`); the complete trees certify the
+rate. If that fails, the cold path runs.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ import numpy as np
 
 from jaxccl.errors import SynthesisError
 from jaxccl.schedule import Collective, Schedule
-from jaxccl.synth.allgather.bound import DEFAULT_MAX_CHUNKS, candidate_rate, optimal_rate, tree_units
+from jaxccl.synth.allgather.bound import DEFAULT_MAX_CHUNKS, candidate_rate, optimal_rate, switch_cuts, tree_units
 from jaxccl.synth.allgather.compile import allgather_schedule, reduce_scatter_schedule
 from jaxccl.synth.allgather.network import Net, build_net
-from jaxccl.synth.allgather.packing import Packing, pack
+from jaxccl.synth.allgather.packing import Packing, globally_tight, pack, tree_groups, tree_lists
+from jaxccl.synth.allgather.repair import repair_pack
 from jaxccl.synth.allgather.switch_removal import SplitStats, remove_switches
 from jaxccl.synth.allgather.warm import previous_hints, reuse_fraction
 from jaxccl.topology import Topology
@@ -163,17 +169,16 @@ def _cold_solve(net: Net, hints: dict, method: str, max_chunks, times: dict) -> 
     logical = _split(net, units, method, stats)
     times["switch_removal"] = time.perf_counter() - t
     t = time.perf_counter()
-    # The previous trees did not extend (warm start failed): pack from scratch. Offering the old
-    # parents first only added matchings in measurements, so they are not used here.
-    warm: dict = {}
-    packing = pack(net.num_gpus, units.k, logical.gpu_links(), **warm)
+    # From scratch (also when a warm start failed): offering the old parents first only added matchings in
+    # measurements, so the previous trees are not used here.
+    packing = pack(net.num_gpus, units.k, logical.gpu_links())
     times["packing"] = time.perf_counter() - t
     if method == "latency":
         # Latency-aware: also pack the proportional split and keep the shallower trees (ties: the LP's).
         t = time.perf_counter()
         alt_stats = SplitStats()
         alt = remove_switches(net, units.caps, units.k, stats=alt_stats)
-        alt_packing = pack(net.num_gpus, units.k, alt.gpu_links(), **warm)
+        alt_packing = pack(net.num_gpus, units.k, alt.gpu_links())
         stats.choice = "lp"
         if alt_packing.max_depth() < packing.max_depth():
             logical, packing, stats.choice = alt, alt_packing, "proportional"
@@ -186,20 +191,24 @@ def _cold_solve(net: Net, hints: dict, method: str, max_chunks, times: dict) -> 
 def _warm_solve(net: Net, hints: dict, method: str, max_chunks, times: dict) -> tuple | None:
     """ForestColl-warm: reuse the previous cut and trees; None if that does not reach an optimum.
 
-    The rate is the smallest ratio among the GPUs' in-cuts and the previous
-    critical cut (an upper bound on ``x*``); the previous trees are re-packed
-    at that rate in the new logical topology, and only GPUs whose old in-links
-    no longer fit are matched again. Trees that reach the rate prove it
-    optimal (they achieve what a cut caps), so no max-flow is needed; if they
-    do not (the critical cut moved, or the old orders do not fit), the cold
-    path runs.
+    The rate is the smallest ratio among the GPUs' in-cuts, the previous
+    critical cut and the cuts around every switch (an upper bound on ``x*``,
+    :func:`~jaxccl.synth.allgather.bound.candidate_rate`: the previous
+    optimum's certificate, re-checked on the new capacities, and the cuts a
+    weakened link next to a switch typically makes critical); the previous trees are laid on
+    the new logical topology at that rate, and only what they overload is
+    cut off and re-grown (:func:`~jaxccl.synth.allgather.repair.repair_pack`).
+    Trees that reach the rate prove it optimal (they achieve what a cut
+    caps), so no max-flow is needed; if they do not (the critical cut moved,
+    or the repair runs into a dead end), the cold path runs.
     """
     t = time.perf_counter()
-    bound = candidate_rate(net, hint=hints.get("cut"))
+    bound = candidate_rate(net, hint=hints.get("cut"), cuts=switch_cuts(net))
     if max_chunks is not None and bound.rate.numerator > max_chunks:
         return None
     units = tree_units(net, bound, max_chunks=max_chunks, verify=False)
     times["bound"] = time.perf_counter() - t
+    sets = switch_groups(net)
     for attempt in range(2):
         t = time.perf_counter()
         stats = SplitStats()
@@ -209,17 +218,7 @@ def _warm_solve(net: Net, hints: dict, method: str, max_chunks, times: dict) -> 
             return None
         times["switch_removal"] = times.get("switch_removal", 0.0) + time.perf_counter() - t
         t = time.perf_counter()
-        try:
-            packing = pack(
-                net.num_gpus,
-                units.k,
-                logical.gpu_links(),
-                prefer=hints.get("prefer"),
-                previous_trees=hints.get("trees"),
-                exhaustive=False,
-            )
-        except SynthesisError:
-            packing = None
+        packing = _repair(net.num_gpus, units.k, logical.gpu_links(), hints["trees"], sets)
         times["packing"] = times.get("packing", 0.0) + time.perf_counter() - t
         if packing is not None:
             stats.certificate = "trees"
@@ -229,6 +228,30 @@ def _warm_solve(net: Net, hints: dict, method: str, max_chunks, times: dict) -> 
             return None
         # the smallest k lost capacity to rounding somewhere: the exact k never does
         units = type(units)(p, net.units * bound.rate.denominator, Fraction(1, bound.rate.denominator), True, 0)
+    return None
+
+
+def _repair(n: int, k: int, links: dict, trees, sets: list) -> Packing | None:
+    """Keeps and repairs the previous trees: the cheap repair (checked only where slack is scarce), then checked
+    everywhere after detaching whole touched trees; each with a budget of max-flow checks, so that a repair that
+    does not work out costs less than the cold solve that follows it.
+
+    On a topology where most GPUs need every unit of their in-capacity (a healthy rail: the way back after a
+    degradation clears) re-growing takes as many checks as a cold packing (measured), so there only trees that
+    fit as they are are kept, and anything else goes to the cold path at once.
+    """
+    groups = tree_groups(n, k, trees)
+    tight = globally_tight(n, k, links)
+    for check, widen in (("local", False),) if tight else (("local", False), ("full", True)):
+        try:
+            packing = repair_pack(
+                n, k, links, groups, sets=sets, check=check, widen=widen, max_checks=2 * n, regrow=not tight
+            )
+        except SynthesisError:
+            continue
+        packing.stats["repair_checked"] = int(check == "full")
+        packing.stats["repair_widened"] = int(widen)
+        return packing
     return None
 
 
@@ -254,7 +277,7 @@ def _report(net: Net, bound, units, logical, packing: Packing, stats: SplitStats
         if slack <= 1e-12 or i in critical:
             k_s.append([names[net.src[i]], names[net.dst[i]]])
             slacks.append(max(slack, 0.0))
-    trees = packing.trees()
+    trees = tree_lists(packing)
     info: dict[str, Any] = {
         "method": method,
         "packing": packing.method,
@@ -263,7 +286,7 @@ def _report(net: Net, bound, units, logical, packing: Packing, stats: SplitStats
         "gap": max(0.0, 1 - algbw / bound_bw),
         "rate_units": str(bound.rate),
         "unit_bytes_per_s": float(net.unit),
-        "trees": [[[int(w), [[int(p), int(c)] for p, c in edges]] for w, edges in tr] for tr in trees],
+        "trees": trees,
         "num_trees": sum(len(tr) for tr in trees),
         "max_depth": packing.max_depth(),
         "critical_cut": [names[i] for i in np.flatnonzero(bound.cut)],
@@ -286,8 +309,9 @@ def _report(net: Net, bound, units, logical, packing: Packing, stats: SplitStats
     }
     if hints:
         info["warm"] = {
-            "reused": reuse_fraction(hints["pairs"], packing.all_pieces()),
+            "reused": reuse_fraction(hints["trees"], packing.all_pieces()),
             "preferred_units": int(packing.stats.get("preferred_units", 0)),
+            "repaired": packing.method == "warm-repair",
         }
     return info, algbw, bound_bw
 

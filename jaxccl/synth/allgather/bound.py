@@ -97,14 +97,33 @@ def optimal_rate(net: Net, *, hint: np.ndarray | None = None) -> Bound:
     return Bound(rate=rate, cut=cut, flows=check.count)
 
 
-def candidate_rate(net: Net, hint: np.ndarray | None = None) -> Bound:
+def switch_cuts(net: Net) -> list[np.ndarray]:
+    """Node masks of the cuts around every switch: the switch with its GPUs, and everything else.
+
+    A weakened link next to a switch most often makes one of them critical
+    (e.g. a host's in-cut when one of its NICs degrades).
+    """
+    n = net.num_gpus
+    out = []
+    for w in range(n, net.num_nodes):
+        near = np.union1d(net.src[(net.dst == w) & (net.src < n)], net.dst[(net.src == w) & (net.dst < n)])
+        if 0 < len(near) < n:
+            inner = np.zeros(net.num_nodes, dtype=bool)
+            inner[near] = True
+            inner[w] = True
+            out.extend([inner, ~inner])
+    return out
+
+
+def candidate_rate(net: Net, hint: np.ndarray | None = None, *, cuts: list[np.ndarray] | None = None) -> Bound:
     """An upper bound on ``x*`` from a few cuts, without max-flow (warm start).
 
-    The cuts are every GPU's in-cut (all nodes but that GPU) and ``hint``
-    (the previous schedule's critical cut). The result is ``x*`` whenever one
-    of them is critical; a packing that reaches it proves that (trees give
-    the lower bound, the cut the upper one), otherwise the caller must fall
-    back to :func:`optimal_rate`.
+    The cuts are every GPU's in-cut (all nodes but that GPU), ``hint`` (the
+    previous schedule's critical cut) and ``cuts`` (node masks, e.g.
+    :func:`switch_cuts`). The result is ``x*`` whenever one of them is
+    critical; a packing that reaches it proves that (trees give the lower
+    bound, the cut the upper one), otherwise the caller must fall back to
+    :func:`optimal_rate`.
     """
     n_gpus = net.num_gpus
     in_units = net.in_units()[:n_gpus]
@@ -112,12 +131,12 @@ def candidate_rate(net: Net, hint: np.ndarray | None = None) -> Bound:
     cut = np.ones(net.num_nodes, dtype=bool)
     cut[v0] = False
     rate = Fraction(int(in_units[v0]), n_gpus - 1)
-    if hint is not None:
-        hint = np.asarray(hint, dtype=bool)
-        if hint.shape == cut.shape and 0 < int(hint[:n_gpus].sum()) < n_gpus:
-            r = cut_ratio(net, hint)
+    for x in ([] if hint is None else [hint]) + list(cuts or []):
+        x = np.asarray(x, dtype=bool)
+        if x.shape == cut.shape and 0 < int(x[:n_gpus].sum()) < n_gpus:
+            r = cut_ratio(net, x)
             if r < rate:
-                rate, cut = r, hint.copy()
+                rate, cut = r, x.copy()
     if rate <= 0:
         raise SynthesisError(f"GPU {v0} receives nothing: the topology has no usable link into it")
     return Bound(rate=rate, cut=cut, flows=0)

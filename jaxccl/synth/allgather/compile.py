@@ -18,12 +18,133 @@ import collections
 
 import numpy as np
 
-from jaxccl.schedule import Buffer, Collective, ScheduleBuilder
+from jaxccl.schedule import Buffer, Collective, Op, OpKind, Schedule, ScheduleBuilder, Threadblock
 from jaxccl.synth.allgather.packing import Packing
 
 
-def allgather_schedule(packing: Packing, **build_kwargs) -> object:
-    """Compiles ``packing`` to an ``ALL_GATHER`` schedule with ``chunks_per_period = k``."""
+def allgather_schedule(packing: Packing, **build_kwargs) -> Schedule:
+    """Compiles ``packing`` to an ``ALL_GATHER`` schedule with ``chunks_per_period = k``.
+
+    The program is exactly what :func:`allgather_schedule_reference` builds
+    through :class:`~jaxccl.schedule.ScheduleBuilder` (same threadblocks,
+    op order and dependencies, so the same digest), computed with array
+    operations: threadblock and op indices by sorting, the receives a
+    forward waits for by binary search, and one :class:`~jaxccl.schedule.Op`
+    object per distinct op (ops are immutable; a schedule of a regular
+    topology repeats few distinct ones many times).
+    """
+    n, k = packing.n, packing.k
+    a = packing.all_pieces()  # root, parent, child, first, count, level
+    rows = a[np.lexsort((a[:, 3], a[:, 2], a[:, 0], a[:, 5]))]
+    root, u, v, first, count = (rows[:, i] for i in range(5))
+    m = len(rows)
+    # events in builder order: row i is a send at u (event 2i), then a receive at v (event 2i+1)
+    ev_rank = np.empty(2 * m, dtype=np.int64)
+    ev_rank[0::2], ev_rank[1::2] = u, v
+    ev_peer = np.empty(2 * m, dtype=np.int64)
+    ev_peer[0::2], ev_peer[1::2] = v, u
+    ev_recv = np.tile(np.array([0, 1], dtype=np.int64), m)
+    keys, first_use, ev_tb = np.unique((ev_rank * 2 + ev_recv) * n + ev_peer, return_index=True, return_inverse=True)
+    tb_rank = keys // (2 * n)
+    # threadblocks of a rank in order of first use, after its local one (index 0, the input copy)
+    order = np.lexsort((first_use, tb_rank))
+    rank_start = np.searchsorted(tb_rank[order], np.arange(n + 1))
+    tb_index = np.empty(len(keys), dtype=np.int64)
+    tb_index[order] = np.arange(len(keys)) - rank_start[tb_rank[order]] + 1
+    by_tb = np.argsort(ev_tb, kind="stable")
+    tb_size = np.bincount(ev_tb, minlength=len(keys))
+    tb_lo = np.cumsum(tb_size) - tb_size
+    ev_op = np.empty(2 * m, dtype=np.int64)
+    ev_op[by_tb] = np.arange(2 * m) - tb_lo[ev_tb[by_tb]]
+    recv_tb, recv_op = tb_index[ev_tb[1::2]], ev_op[1::2]
+
+    # a forward waits for the receives that brought its chunks: pieces of (root, u) overlapping its range
+    fwd = np.flatnonzero(u != root)
+    held = np.lexsort((first, root * n + v))
+    span = k + 1
+    key_lo = (root * n + v)[held] * span + first[held]
+    key_hi = key_lo + count[held]
+    qry = (root * n + u)[fwd] * span
+    lo = np.searchsorted(key_hi, qry + first[fwd], side="right")
+    hi = np.searchsorted(key_lo, qry + first[fwd] + count[fwd], side="left")
+    ndep = hi - lo
+    width = int(ndep.max()) if len(fwd) else 0
+    dep = np.full((m, 2 * max(width, 1)), -1, dtype=np.int64)
+    for j in range(width):
+        has = ndep > j
+        src_row = held[lo[has] + j]
+        got = np.minimum(first[src_row] + count[src_row], (first + count)[fwd[has]])
+        got -= np.maximum(first[src_row], first[fwd[has]])
+        if j == 0:
+            covered = np.zeros(len(fwd), dtype=np.int64)
+        covered[has] += got
+        if (src_row >= fwd[has]).any():  # pragma: no cover - guarded by the packing's level order
+            raise AssertionError("a GPU forwards chunks before the receive that brings them")
+        dep[fwd[has], 2 * j] = recv_tb[src_row]
+        dep[fwd[has], 2 * j + 1] = recv_op[src_row]
+    if len(fwd) and (covered != count[fwd]).any():  # pragma: no cover - guarded by the packing's level order
+        bad = fwd[np.flatnonzero(covered != count[fwd])[0]]
+        raise AssertionError(f"GPU {u[bad]} forwards chunks {first[bad]}+{count[bad]} of root {root[bad]} it lacks")
+    if width > 1:  # deps are sorted (threadblock, op) pairs
+        pairs = dep[:, : 2 * width].reshape(m, width, 2)
+        rank_key = np.where(pairs[:, :, 0] < 0, np.iinfo(np.int64).max, pairs[:, :, 0] * (2 * m + 1) + pairs[:, :, 1])
+        dep[:, : 2 * width] = np.take_along_axis(pairs, np.argsort(rank_key, axis=1)[:, :, None], axis=1).reshape(m, -1)
+
+    from_input = u == root
+    src_buf = np.where(from_input, int(Buffer.INPUT), int(Buffer.OUTPUT))
+    src_off = np.where(from_input, first, root * k + first)
+    dst_off = root * k + first
+    sends = _ops(OpKind.SEND, np.column_stack([src_buf, src_off, dst_off, count, dep]))
+    recvs = _ops(OpKind.RECV, np.column_stack([src_buf, src_off, dst_off, count]))
+    ev_obj = np.empty(2 * m, dtype=object)
+    ev_obj[0::2], ev_obj[1::2] = sends, recvs
+    ordered = ev_obj[by_tb].tolist()
+    tbs: list[list] = [[] for _ in range(n)]
+    lo_of, end_of = tb_lo.tolist(), (tb_lo + tb_size).tolist()
+    peer_of, rank_of, recv_of = (keys % n).tolist(), tb_rank.tolist(), ((keys // n) % 2 == 1).tolist()
+    for t in order.tolist():
+        ops = tuple(ordered[lo_of[t] : end_of[t]])
+        peer = peer_of[t]
+        tbs[rank_of[t]].append(Threadblock(ops, -1, peer, 0) if recv_of[t] else Threadblock(ops, peer, -1, 0))
+    ranks = tuple(
+        (Threadblock((Op(OpKind.COPY, Buffer.INPUT, 0, Buffer.OUTPUT, r * k, k),), -1, -1, 0), *tbs[r])
+        for r in range(n)
+    )
+    return Schedule(collective=Collective.ALL_GATHER, num_ranks=n, chunks_per_period=k, ranks=ranks, **build_kwargs)
+
+
+def _ops(kind: OpKind, cols: np.ndarray) -> np.ndarray:
+    """One :class:`Op` per distinct row ``(src buffer, src offset, dst offset, count, dep tb, dep op, ...)``."""
+    _, index, inverse = np.unique(_row_keys(cols), return_index=True, return_inverse=True)
+    uniq = cols[index]
+    objs = np.empty(len(uniq), dtype=object)
+    for i, row in enumerate(uniq.tolist()):
+        deps = tuple((row[j], row[j + 1]) for j in range(4, len(row), 2) if row[j] >= 0)
+        objs[i] = Op(kind, Buffer(row[0]), row[1], Buffer.OUTPUT, row[2], row[3], deps)
+    return objs[inverse.reshape(-1)]
+
+
+def _row_keys(cols: np.ndarray) -> np.ndarray:
+    """Integer keys equal exactly for equal rows (mixed radix, renumbered when it would overflow)."""
+    key = np.zeros(len(cols), dtype=np.int64)
+    size = 1
+    for c in cols.T:
+        c = c - c.min(initial=0)
+        radix = int(c.max(initial=0)) + 1
+        if size * radix >= 1 << 62:
+            uniq, key = np.unique(key, return_inverse=True)
+            key = key.reshape(-1)
+            size = len(uniq)
+        key = key * radix + c
+        size *= radix
+    return key
+
+
+def allgather_schedule_reference(packing: Packing, **build_kwargs) -> Schedule:
+    """:func:`allgather_schedule` through :class:`~jaxccl.schedule.ScheduleBuilder`, one transfer at a time.
+
+    The plain statement of the compilation; :func:`allgather_schedule` must build the same program (tests check it).
+    """
     n, k = packing.n, packing.k
     b = ScheduleBuilder(Collective.ALL_GATHER, n, k)
     for r in range(n):

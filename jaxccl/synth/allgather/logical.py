@@ -91,28 +91,31 @@ class Logical:
         (the physical link first, then the switches it was split at).
         """
         index = self.net.edge_index()
-        out = np.zeros(len(self.net.src), dtype=np.int64)
-        # work on a copy of the provenance: units taken are no longer available
-        avail: dict[tuple[int, int], dict[int | None, int]] = {}
+        out = [0] * len(self.net.src)
+        # work on a copy of the provenance, in the order units are taken: units taken are no longer available
+        avail: dict[tuple[int, int], list[list]] = {}
         stack = [(e, int(f)) for e, f in load.items() if f > 0]
         while stack:
-            (u, t), f = stack.pop()
-            src = avail.get((u, t))
+            e, f = stack.pop()
+            src = avail.get(e)
             if src is None:
-                src = avail[(u, t)] = dict(self.via.get((u, t), {}))
-            for w in sorted(src, key=lambda x: -1 if x is None else x):
+                via = self.via.get(e, {})
+                order = ([None] if None in via else []) + sorted(w for w in via if w is not None)
+                src = avail[e] = [[w, via[w]] for w in order]
+            for item in src:
                 if f == 0:
                     break
-                take = min(f, src[w])
+                w, have = item
+                take = min(f, have)
                 if take <= 0:
                     continue
-                src[w] -= take
+                item[1] = have - take
                 f -= take
                 if w is None:
-                    out[index[(u, t)]] += take
+                    out[index[e]] += take
                 else:
-                    stack.append(((u, w), take))
-                    stack.append(((w, t), take))
+                    stack.append(((e[0], w), take))
+                    stack.append(((w, e[1]), take))
             if f:
-                raise ValueError(f"logical link {(u, t)} carries more units than it was given")
-        return out
+                raise ValueError(f"logical link {e} carries more units than it was given")
+        return np.array(out, dtype=np.int64)

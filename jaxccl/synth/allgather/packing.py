@@ -12,12 +12,10 @@ Parents always hold a group before their children, so every chunk's route
 is an arborescence, and a finished packing is exact (``k`` trees per root
 within the link capacities) whatever strategy produced it.
 
-Strategies, cheapest first (:func:`pack`):
+Strategies, cheapest first (:func:`pack`; warm starts keep and repair the
+previous trees instead, :mod:`jaxccl.synth.allgather.repair`, and use
+:func:`match_pack` from the partial trees):
 
-* :func:`order_pack` (warm start): each previous tree keeps its share of
-  chunks and its order; a GPU takes its groups from its old parents if the
-  links still carry them (no max-flow at all), else by one matching along
-  the old order; groups that no longer fit split and move.
 * :func:`match_pack` with ``check="local"``: level by level without any
   max-flow check (optionally keeping the slack of given likely-tight sets by
   bookkeeping). It can run into a dead end, then the next strategy runs; it
@@ -85,55 +83,58 @@ class Packing:
     def link_load(self) -> dict[tuple[int, int], int]:
         """Chunks per period on every logical link."""
         a = self.all_pieces()
-        load: dict[tuple[int, int], int] = collections.defaultdict(int)
-        for u, v, c in zip(a[:, 1].tolist(), a[:, 2].tolist(), a[:, 4].tolist()):
-            load[(u, v)] += c
-        return dict(load)
+        keys = a[:, 1] * self.n + a[:, 2]
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        load = np.bincount(inverse.reshape(-1), weights=a[:, 4], minlength=len(uniq)).astype(np.int64)
+        return dict(zip(zip((uniq // self.n).tolist(), (uniq % self.n).tolist()), load.tolist()))
+
+    def tree_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The distinct arborescences as arrays ``(root, chunks, parent)``: tree ``t`` of root ``root[t]`` carries
+        ``chunks[t]`` consecutive chunks (trees of a root in chunk order) and gives every GPU its parent
+        ``parent[t]`` (``-1`` at the root).
+
+        Raises:
+            SynthesisError: if the pieces do not form ``k`` spanning arborescences per root.
+        """
+        n, k = self.n, self.k
+        a = self.all_pieces()
+        span = k + 1
+        at = a[:, 0] * span + a[:, 3]
+        bounds = np.unique(np.concatenate([at, np.arange(n) * span, np.arange(n) * span + k]))
+        b_root, b_at = bounds // span, bounds % span
+        lo = np.flatnonzero(b_root[:-1] == b_root[1:])  # a tree starts at every boundary but a root's last
+        tree_of = np.full(len(bounds), -1, dtype=np.int64)
+        tree_of[lo] = np.arange(len(lo))
+        s = np.searchsorted(bounds, at)
+        covers = np.searchsorted(bounds, at + a[:, 4]) - s  # trees a piece belongs to
+        piece = np.repeat(np.arange(len(a)), covers)
+        offset = np.arange(len(piece)) - np.repeat(np.cumsum(covers) - covers, covers)
+        tree = tree_of[s[piece] + offset]
+        if (tree < 0).any() or (np.bincount(tree, minlength=len(lo)) != n - 1).any():
+            raise SynthesisError("tree packing: the pieces do not form spanning trees")
+        parent = np.full((len(lo), n), -1, dtype=np.int64)
+        parent[tree, a[piece, 2]] = a[piece, 1]
+        return b_root[lo], b_at[lo + 1] - b_at[lo], parent
 
     def max_depth(self) -> int:
         """The largest number of hops from a root to a GPU over all trees."""
-        best = 0
-        for r, trees in enumerate(self.trees()):
-            for _, edges in trees:
-                parent = np.full(self.n, -1, dtype=np.int64)
-                for p, c in edges:
-                    parent[c] = p
-                best = max(best, _tree_depth(parent, r))
-        return best
+        roots, _, parent = self.tree_arrays()
+        return int(_all_depths(parent, roots).max()) if len(roots) else 0
 
     def trees(self) -> list[list[tuple[int, list[tuple[int, int]]]]]:
-        """Per root, its distinct arborescences: ``(chunks, [(parent, child), ...])``."""
-        a = self.all_pieces()
-        out = []
-        order = np.lexsort((a[:, 3], a[:, 2], a[:, 0]))
-        a = a[order]
-        bounds = np.searchsorted(a[:, 0], np.arange(self.n + 1))
-        for r in range(self.n):
-            rows = a[bounds[r] : bounds[r + 1]]
-            cuts = np.unique(np.concatenate([[0, self.k], rows[:, 3]]))
-            trees = []
-            for lo, hi in zip(cuts[:-1], cuts[1:]):
-                sel = rows[(rows[:, 3] <= lo) & (rows[:, 3] + rows[:, 4] > lo)]
-                trees.append((int(hi - lo), [(int(p), int(c)) for p, c in zip(sel[:, 1], sel[:, 2])]))
-            out.append(trees)
-        return out
+        """Per root, its distinct arborescences: ``(chunks, [(parent, child), ...])``, children ascending."""
+        return [[(w, [(p, c) for p, c in edges]) for w, edges in per_root] for per_root in tree_lists(self)]
 
 
-def _tree_depth(parent: np.ndarray, root: int) -> int:
-    """Depth of the arborescence given by parent pointers; raises if it is not one."""
-    n = len(parent)
-    others = np.arange(n) != root
-    if (parent[others] < 0).any():
-        raise SynthesisError(f"a tree of root {root} misses GPUs {np.flatnonzero(others & (parent < 0))[:8].tolist()}")
-    cur = parent.copy()
-    cur[root] = root
-    depth = others.astype(np.int64)
-    for _ in range(int(np.ceil(np.log2(max(n, 2)))) + 2):  # pointer jumping
-        depth = depth + depth[cur]
-        cur = cur[cur]
-        if (cur == root).all():
-            return int(depth.max())
-    raise SynthesisError(f"a tree of root {root} has a cycle")
+def tree_lists(packing: Packing) -> list[list[list]]:
+    """:meth:`Packing.trees` as plain lists, ``[[chunks, [[parent, child], ...]], ...]`` per root (JSON-ready)."""
+    roots, weights, parent = packing.tree_arrays()
+    out: list[list[list]] = [[] for _ in range(packing.n)]
+    nodes = np.arange(packing.n)
+    for r, w, par in zip(roots.tolist(), weights.tolist(), parent):
+        keep = nodes != r
+        out[r].append([w, np.column_stack([par[keep], nodes[keep]]).tolist()])
+    return out
 
 
 def match_pack(
@@ -145,6 +146,9 @@ def match_pack(
     max_levels: int | None = None,
     check: str = "full",
     sets: list[np.ndarray] | None = None,
+    start: PartialForest | None = None,
+    verify: np.ndarray | None = None,
+    max_checks: int | None = None,
 ) -> Packing:
     """Packs ``k`` trees per root by per-GPU matchings (see the module docstring).
 
@@ -162,21 +166,51 @@ def match_pack(
         sets: GPU sets likely to be tight (e.g. the GPUs around each switch):
             their slack is tracked so that a visit neither wastes it (entering
             a set with chunks it already holds) nor overdraws it.
+        start: complete these partial groups instead of ``k`` chunks per
+            root from scratch (warm-start repair); ``links`` are then the
+            capacities left by what the groups already hold, and the result
+            holds only the new pieces (levels above ``start.level0``).
+        verify: with ``check="local"``, GPUs (a boolean mask) whose visits
+            are verified all the same (where slack is scarce).
+        max_checks: give up (raise) after this many checks.
 
     Raises:
         SynthesisError: if a level makes no progress.
     """
     if check not in ("full", "local"):
         raise ValueError(f"check must be 'full' or 'local', got {check!r}")
-    return _Matcher(n, k, links, prefer, check, sets or []).run(n if max_levels is None else max_levels)
+    m = _Matcher(n, k, links, prefer, check, sets or [], start)
+    if verify is not None and check == "local":
+        m.verify_at = np.asarray(verify, dtype=bool)
+    m.max_checks = max_checks
+    return m.run(n if max_levels is None else max_levels)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialForest:
+    """Chunk groups that some GPUs already hold: the starting point of a repair.
+
+    Group ``g`` is chunks ``first[g] .. first[g]+count[g]-1`` of ``root[g]``;
+    ``held[g, v]`` says whether GPU ``v`` already has them (always true for
+    the root), ``depth[g, v]`` how many hops they took to get there. Every
+    piece that brought them has a level ``<= level0``.
+    """
+
+    root: np.ndarray
+    first: np.ndarray
+    count: np.ndarray
+    held: np.ndarray
+    depth: np.ndarray
+    level0: int
 
 
 class _Matcher:
     """State of :func:`match_pack`: chunk groups, their holders, remaining link capacity."""
 
-    def __init__(self, n: int, k: int, links: dict[tuple[int, int], int], prefer, check: str, sets: list):
+    def __init__(self, n: int, k: int, links: dict[tuple[int, int], int], prefer, check: str, sets: list, start=None):
         self.n, self.k = n, k
         self.verify = check == "full"
+        self.verify_at = np.full(n, self.verify)
         self.src = np.array([u for u, _ in links], dtype=np.int64)
         self.dst = np.array([v for _, v in links], dtype=np.int64)
         self.cap = np.array(list(links.values()), dtype=np.int64)
@@ -188,15 +222,26 @@ class _Matcher:
             e = self.by_dst[v]
             if len(e):
                 self.cls[e] = np.floor(np.log(self.cap[e].max() / self.cap[e]) / np.log(4.0)).astype(np.int64)
-        self.root = list(range(n))
-        self.first = [0] * n
-        self.count = [k] * n
-        self.held = np.eye(n, dtype=bool)  # held[g, v]
-        self.depth = np.zeros((n, n), dtype=np.int64)
+        if start is None:
+            self.root = list(range(n))
+            self.first = [0] * n
+            self.count = [k] * n
+            self.held = np.eye(n, dtype=bool)  # held[g, v]
+            self.depth = np.zeros((n, n), dtype=np.int64)
+            self.missing = np.full(n, k * (n - 1), dtype=np.int64)
+            self.level0 = 0
+        else:
+            self.root = [int(x) for x in start.root]
+            self.first = [int(x) for x in start.first]
+            self.count = [int(x) for x in start.count]
+            self.held = np.array(start.held, dtype=bool).reshape(-1, n)
+            self.depth = np.array(start.depth, dtype=np.int64).reshape(-1, n)
+            self.missing = (~self.held * np.asarray(self.count, dtype=np.int64)[:, None]).sum(axis=0)
+            self.level0 = int(start.level0)
         self.rows: list[list[tuple]] = [[] for _ in range(n)]
-        self.missing = np.full(n, k * (n - 1), dtype=np.int64)
         self.pref = _preference_masks(n, self.src, self.by_dst, prefer) if prefer else None
-        self.stats = {"node_matchings": 0, "checks": 0, "rejected": 0, "levels": 0, "groups": n, "preferred_units": 0}
+        self.stats = {"node_matchings": 0, "checks": 0, "rejected": 0, "levels": 0, "preferred_units": 0}
+        self.stats["groups"] = len(self.root)
         # tracked sets: members and the links entering them
         self.sets = [np.asarray(x, dtype=np.int64) for x in sets if 1 < len(x) < n]
         member = np.zeros((len(self.sets), n), dtype=bool)
@@ -205,25 +250,33 @@ class _Matcher:
         self.member = member
         self.enter = [np.flatnonzero(member[i, self.dst] & ~member[i, self.src]) for i in range(len(self.sets))]
         self.sets_of = [np.flatnonzero(member[:, v]) for v in range(n)]
-        self.inside = member[:, :n].copy() if len(self.sets) else np.zeros((0, n), dtype=bool)  # inside[S, g]
-        self.level0 = 0
+        # inside[S, g]: some member of S holds group g
+        self.inside = (member.astype(np.int32) @ self.held.T.astype(np.int32)) > 0
         self.max_checks: int | None = None
+        # repairs match few groups at a time: a greedy assignment that provably reaches the maximum saves scipy's
+        # overhead; the cold path keeps the max-flow matchings it was tuned with
+        self.greedy = start is not None
 
-    def _set_state(self, v: int, groups: np.ndarray, holders: np.ndarray):
-        """For the tracked sets holding ``v``: slacks, and per set which (group, link) pairs waste it."""
-        slacks, waste = [], []
-        sizes = np.asarray(self.count, dtype=np.int64)
+    def _set_state(self, v: int, groups: np.ndarray, holders: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For the tracked sets holding ``v``: slacks, and per set which (group, link) pairs waste it.
+
+        Returns ``(slacks, waste)``: ``slacks[i]`` of set ``i`` and a boolean
+        ``(sets, groups, links)`` array, all sets at once.
+        """
+        ids = self.sets_of[v]
+        if not len(ids):
+            return np.zeros(0, dtype=np.int64), np.zeros((0, len(groups), len(holders)), dtype=bool)
         G = len(self.root)
-        for i in self.sets_of[v].tolist():
-            x = self.sets[i]
-            inside = self.inside[i, :G]
-            # entering capacity is usable only up to what its head still misses
-            ent = self.enter[i]
-            into = np.bincount(self.dst[ent], weights=self.remaining[ent], minlength=self.n)[x]
-            usable = int(np.minimum(into, self.missing[x]).sum())
-            slack = usable - int(sizes[:G][~inside].sum())
-            slacks.append(slack)
-            waste.append(inside[groups][:, None] & ~self.member[i, holders][None, :])
+        sizes = np.asarray(self.count, dtype=np.int64)
+        inside = self.inside[ids, :G]
+        # entering capacity is usable only up to what its head still misses
+        ent = [self.enter[i] for i in ids.tolist()]
+        row = np.repeat(np.arange(len(ids)), [len(e) for e in ent])
+        ent = np.concatenate(ent)
+        into = np.bincount(row * self.n + self.dst[ent], weights=self.remaining[ent], minlength=len(ids) * self.n)
+        usable = np.minimum(into.reshape(len(ids), self.n), self.missing[None, :]).sum(axis=1).astype(np.int64)
+        slacks = usable - (~inside * sizes[None, :G]).sum(axis=1)
+        waste = inside[:, groups][:, :, None] & ~self.member[ids][:, holders][:, None, :]
         return slacks, waste
 
     # ------------------------------------------------------------------ run
@@ -262,20 +315,17 @@ class _Matcher:
         banned = np.zeros_like(allowed)
         slacks, waste = self._set_state(v, groups, holders)
         need = int(np.asarray(self.count)[groups].sum())
-        penalty = np.zeros(allowed.shape, dtype=np.int64)
-        for sl, w in zip(slacks, waste):
-            penalty += w * (2 if sl < need else 0)
+        penalty = 2 * waste[slacks < need].sum(axis=0, dtype=np.int64)
         for _ in range(8):
             taken = self._propose(v, groups, edges, allowed & ~banned, penalty)
             if not taken.any():
                 return False
-            over = [w for sl, w in zip(slacks, waste) if int(taken[w].sum()) > sl]
-            if over:  # a tracked set would be overdrawn: never waste it in this visit
+            over = (waste * taken[None]).sum(axis=(1, 2)) > slacks
+            if over.any():  # a tracked set would be overdrawn: never waste it in this visit
                 self.stats["rejected"] += 1
-                for w in over:
-                    banned |= w
+                banned |= waste[over].any(axis=0)
                 continue
-            cut = self._check(v, groups, edges, taken) if self.verify else None
+            cut = self._check(v, groups, edges, taken) if self.verify_at[v] else None
             if cut is None:
                 self._apply(v, groups, edges, taken, level)
                 return True
@@ -295,10 +345,13 @@ class _Matcher:
         score = np.where(allowed, self.depth[groups][:, holders] + self.cls[edges][None, :] + penalty, never)
         best = score.min(axis=1, keepdims=True)
         stages = []
+        preferred = False
         if self.pref is not None and v in self.pref:
-            pm = self.pref[v][np.asarray(self.root)[groups]][:, edges] & allowed
+            local = np.searchsorted(self.by_dst[v], edges)  # edges are a sorted subset of by_dst[v]
+            pm = self.pref[v][np.asarray(self.root)[groups]][:, local] & allowed
             if pm.any():
                 stages.append(pm)
+                preferred = True
         if allowed.any():
             spread = int((score - best)[allowed].max())
             stages += [allowed & (score <= best + j) for j in range(spread + 1)]
@@ -309,9 +362,9 @@ class _Matcher:
             if not todo.any():
                 continue
             self.stats["node_matchings"] += 1
-            flow = _bipartite(want[todo], mask[todo], self.remaining[edges] - taken.sum(axis=0))
+            flow = _bipartite(want[todo], mask[todo], self.remaining[edges] - taken.sum(axis=0), greedy=self.greedy)
             taken[np.flatnonzero(todo)] += flow
-            if si == 0 and len(stages) and self.pref is not None and v in self.pref:
+            if si == 0 and preferred:
                 self.stats["preferred_units"] += int(flow.sum())
         return taken
 
@@ -411,17 +464,18 @@ class _Matcher:
 
 
 def _preference_masks(n: int, src: np.ndarray, by_dst: list[np.ndarray], prefer: dict[int, np.ndarray]) -> dict:
-    """Per GPU, a (roots x links) mask of the (root, parent) pairs to try first."""
+    """Per GPU ``v``, a (roots x in-links of ``v``) mask of the (root, parent) pairs to try first."""
     out = {}
     for v, pairs in prefer.items():
         if not 0 <= v < n or pairs is None or not len(pairs):
             continue
-        mask = np.zeros((n, len(src)), dtype=bool)
-        pos = {int(src[e]): e for e in by_dst[v].tolist()}
+        edges = by_dst[v]
+        mask = np.zeros((n, len(edges)), dtype=bool)
+        pos = {int(u): i for i, u in enumerate(src[edges].tolist())}
         for r, u in np.asarray(pairs).reshape(-1, 2).tolist():
-            e = pos.get(int(u))
-            if e is not None and 0 <= r < n:
-                mask[r, e] = True
+            i = pos.get(int(u))
+            if i is not None and 0 <= r < n:
+                mask[r, i] = True
         out[v] = mask
     return out
 
@@ -448,8 +502,76 @@ def _edge_flows(flow: sp.csr_array, rows: np.ndarray, cols: np.ndarray) -> np.nd
     return np.asarray(f.data)[order][pos].astype(np.int64)
 
 
-def _bipartite(demand: np.ndarray, allowed: np.ndarray, icap: np.ndarray) -> np.ndarray:
-    """Max-flow from groups (``demand``) to allowed in-links (capacity ``icap``); the flow per (group, link)."""
+def _small_bipartite(demand: np.ndarray, allowed: np.ndarray, icap: np.ndarray) -> np.ndarray:
+    """:func:`_bipartite` for small matrices in plain Python (numpy's and scipy's per-call overhead would dominate).
+
+    A greedy assignment in row order, then augmenting paths (Ford-Fulkerson: a group takes a link's capacity
+    that another group gives up by moving to a link with capacity left) until none is left: a maximum flow.
+    """
+    left = [int(x) for x in np.asarray(icap).tolist()]
+    rows = allowed.tolist()
+    m, d = len(rows), len(left)
+    need = [int(x) for x in np.asarray(demand).tolist()]
+    flow = [[0] * d for _ in range(m)]
+    for i in range(m):
+        row, out = rows[i], flow[i]
+        for j in range(d):
+            if need[i] <= 0:
+                break
+            if row[j] and left[j] > 0:
+                take = min(need[i], left[j])
+                out[j] += take
+                left[j] -= take
+                need[i] -= take
+    users = [[g for g in range(m) if flow[g][j] > 0] for j in range(d)]
+    for i in range(m):
+        while need[i] > 0:
+            via_edge: dict[int, int] = {}  # link -> the group that takes it
+            via_group: dict[int, int] = {i: -1}  # group -> the link it gives up
+            queue, head, end = [i], 0, -1
+            while head < len(queue) and end < 0:
+                g = queue[head]
+                head += 1
+                for j in range(d):
+                    if rows[g][j] and j not in via_edge:
+                        via_edge[j] = g
+                        if left[j] > 0:
+                            end = j
+                            break
+                        for g2 in users[j]:
+                            if g2 not in via_group and flow[g2][j] > 0:
+                                via_group[g2] = j
+                                queue.append(g2)
+            if end < 0:
+                break
+            amount, j = min(need[i], left[end]), end
+            path = []
+            while True:
+                g = via_edge[j]
+                back = via_group[g]
+                path.append((g, j, back))
+                if back < 0:
+                    break
+                amount = min(amount, flow[g][back])
+                j = back
+            for g, j, back in path:
+                if flow[g][j] == 0:
+                    users[j].append(g)
+                flow[g][j] += amount
+                if back >= 0:
+                    flow[g][back] -= amount
+            left[end] -= amount
+            need[i] -= amount
+    return np.array(flow, dtype=np.int64).reshape(allowed.shape)
+
+
+def _bipartite(demand: np.ndarray, allowed: np.ndarray, icap: np.ndarray, *, greedy: bool = False) -> np.ndarray:
+    """Max-flow from groups (``demand``) to allowed in-links (capacity ``icap``); the flow per (group, link).
+
+    ``greedy=True`` uses :func:`_small_bipartite` (the same flow value, another assignment).
+    """
+    if greedy:
+        return _small_bipartite(demand, allowed, icap)
     m, d = allowed.shape
     ri, ei = np.nonzero(allowed)
     s, t = m + d, m + d + 1
@@ -556,222 +678,95 @@ class TreeGroups:
     parent: np.ndarray
 
 
-def tree_groups(n: int, k: int, trees: list) -> TreeGroups:
-    """Groups for ``k`` chunks per root from a previous schedule's ``info["trees"]``.
+@dataclasses.dataclass(frozen=True)
+class PreviousTrees:
+    """A previous schedule's arborescences as arrays: tree ``t`` of root ``root[t]`` carries ``weight[t]``
+    chunks (out of that root's total) and gives every GPU its parent ``parent[t]`` (``-1`` at the root)."""
+
+    root: np.ndarray
+    weight: np.ndarray
+    parent: np.ndarray
+
+    def hop_keys(self) -> np.ndarray:
+        """Sorted unique ``(root * n + parent) * n + child`` of every tree edge."""
+        n = self.parent.shape[1]
+        t, c = np.nonzero(self.parent >= 0)
+        return np.unique((self.root[t] * n + self.parent[t, c]) * n + c)
+
+
+def parse_trees(n: int, trees: list) -> PreviousTrees:
+    """Reads ``info["trees"]`` (per root: ``[[chunks, [[parent, child], ...]], ...]``) into :class:`PreviousTrees`.
+
+    Raises:
+        SynthesisError: if the list does not describe spanning arborescences of ``n`` GPUs.
+    """
+    if len(trees) != n:
+        raise SynthesisError(f"previous trees are given for {len(trees)} roots, expected {n}")
+    roots, weights, parents = [], [], []
+    for r, per_root in enumerate(trees):
+        for w, edges in per_root:
+            e = np.asarray(edges, dtype=np.int64).reshape(-1, 2)
+            if len(e) != n - 1 or e.min(initial=0) < 0 or e.max(initial=0) >= n:
+                raise SynthesisError(f"a previous tree of root {r} does not span GPUs 0..{n - 1}")
+            parent = np.full(n, -1, dtype=np.int64)
+            parent[e[:, 1]] = e[:, 0]
+            roots.append(r)
+            weights.append(int(w))
+            parents.append(parent)
+    prev = PreviousTrees(
+        np.array(roots, dtype=np.int64),
+        np.array(weights, dtype=np.int64),
+        np.array(parents, dtype=np.int64).reshape(-1, n),
+    )
+    _all_depths(prev.parent, prev.root)  # raises on a tree that misses a GPU or has a cycle
+    return prev
+
+
+def tree_groups(n: int, k: int, trees: list | PreviousTrees) -> TreeGroups:
+    """Groups for ``k`` chunks per root from a previous schedule's trees (``info["trees"]`` or parsed).
 
     Each previous tree keeps its share of its root's chunks (weights scaled
     from the old ``k`` to ``k``, largest remainders first; trees rounded to
     zero chunks are dropped).
     """
-    roots, firsts, counts, depths, parents = [], [], [], [], []
-    for r, per_root in enumerate(trees):
-        weights = np.array([int(w) for w, _ in per_root], dtype=np.int64)
+    prev = trees if isinstance(trees, PreviousTrees) else parse_trees(n, trees)
+    share = np.zeros(len(prev.root), dtype=np.int64)
+    bounds = np.searchsorted(prev.root, np.arange(n + 1))
+    for r in range(n):
+        lo, hi = bounds[r], bounds[r + 1]
+        weights = prev.weight[lo:hi]
         exact = weights * k / max(int(weights.sum()), 1)
-        share = np.floor(exact).astype(np.int64)
-        for i in np.argsort(-(exact - share), kind="stable")[: k - int(share.sum())]:
-            share[i] += 1
-        first = 0
-        for (_, edges), c in zip(per_root, share.tolist()):
-            if c == 0:
-                continue
-            parent = np.full(n, -1, dtype=np.int64)
-            for p, ch in edges:
-                parent[int(ch)] = int(p)
-            roots.append(r)
-            firsts.append(first)
-            counts.append(c)
-            depths.append(_depths(parent, r))
-            parents.append(parent)
-            first += c
-    return TreeGroups(
-        np.array(roots, dtype=np.int64),
-        np.array(firsts, dtype=np.int64),
-        np.array(counts, dtype=np.int64),
-        np.array(depths, dtype=np.int64).reshape(-1, n),
-        np.array(parents, dtype=np.int64).reshape(-1, n),
-    )
+        sh = np.floor(exact).astype(np.int64)
+        for i in np.argsort(-(exact - sh), kind="stable")[: k - int(sh.sum())]:
+            sh[i] += 1
+        share[lo:hi] = sh
+    keep = share > 0
+    root, count, parent = prev.root[keep], share[keep], prev.parent[keep]
+    first = np.cumsum(count) - count
+    first -= first[np.searchsorted(root, root)]  # restart at 0 for every root
+    return TreeGroups(root, first, count, _all_depths(parent, root), parent)
 
 
-def _depths(parent: np.ndarray, root: int) -> np.ndarray:
-    n = len(parent)
-    if (np.delete(parent, root) < 0).any():
-        raise SynthesisError(f"previous tree of root {root} does not span all GPUs")
+def _all_depths(parent: np.ndarray, roots: np.ndarray) -> np.ndarray:
+    """Depth of every GPU in every tree (rows of ``parent``); raises if a row is not an arborescence."""
+    t, n = parent.shape
+    rows = np.arange(t)
     cur = parent.copy()
-    cur[root] = root
-    depth = (np.arange(n) != root).astype(np.int64)
+    if ((cur < 0) & (np.arange(n)[None, :] != roots[:, None])).any():
+        bad = int(roots[((cur < 0) & (np.arange(n)[None, :] != roots[:, None])).any(axis=1)][0])
+        raise SynthesisError(f"previous tree of root {bad} does not span all GPUs")
+    cur[rows, roots] = roots
+    depth = (np.arange(n)[None, :] != roots[:, None]).astype(np.int64)
     for _ in range(int(np.ceil(np.log2(max(n, 2)))) + 2):
-        depth = depth + depth[cur]
-        cur = cur[cur]
-        if (cur == root).all():
+        depth = depth + np.take_along_axis(depth, cur, axis=1)
+        cur = np.take_along_axis(cur, cur, axis=1)
+        if (cur == roots[:, None]).all():
             return depth
-    raise SynthesisError(f"previous tree of root {root} has a cycle")
+    bad = int(roots[(cur != roots[:, None]).any(axis=1)][0])
+    raise SynthesisError(f"previous tree of root {bad} has a cycle")
 
 
-def order_pack(n: int, k: int, links: dict[tuple[int, int], int], groups: TreeGroups) -> Packing:
-    """Packs ``k`` trees per root along given trees' orders (warm start).
-
-    Group ``g`` reaches GPU ``v`` only from in-neighbours that come before
-    ``v`` in its tree (``depth[g, u] < depth[g, v]``), its old parent first;
-    so every chunk's route is an arborescence and the GPUs are independent:
-    one max-flow (two with the old-parent stage) per GPU, no levels and no
-    global checks. Where the topology changed so that a GPU receives only
-    part of a group that way, the group splits: the GPU keeps the part it
-    got, and for the rest it moves behind all its in-neighbours in that
-    part's order; the GPUs that took that part from it are matched again.
-
-    Raises:
-        SynthesisError: if the repairs do not settle.
-    """
-    return _OrderPacker(n, k, links, groups).run()
-
-
-class _OrderPacker:
-    def __init__(self, n: int, k: int, links: dict[tuple[int, int], int], groups: TreeGroups):
-        self.n, self.k = n, k
-        self.src = np.array([u for u, _ in links], dtype=np.int64)
-        dst = np.array([v for _, v in links], dtype=np.int64)
-        self.cap = np.array(list(links.values()), dtype=np.int64)
-        self.by_dst = [np.flatnonzero(dst == v) for v in range(n)]
-        self.root = groups.root.tolist()
-        self.first = groups.first.tolist()
-        self.count = groups.count.tolist()
-        self.depth = groups.depth.copy()
-        self.parent = groups.parent.copy()
-        self.sol: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(n)]  # v -> group -> [(parent, count)]
-        self.users: dict[tuple[int, int], set[int]] = collections.defaultdict(set)
-        self.stats = {"node_matchings": 0, "preferred_units": 0, "levels": 0, "groups": len(self.root), "splits": 0}
-
-    def run(self) -> Packing:
-        n = self.n
-        queue = collections.deque(range(n))
-        queued = np.ones(n, dtype=bool)
-        budget = n + max(n // 4, 32)  # repairs are local; a cascade means the old orders do not fit: give up
-        visits = np.zeros(n, dtype=np.int64)
-        while queue:
-            budget -= 1
-            if budget < 0:
-                raise SynthesisError("tree packing: warm-start repairs did not settle")
-            v = queue.popleft()
-            queued[v] = False
-            visits[v] += 1
-            if visits[v] > 3:
-                raise SynthesisError(f"tree packing: GPU {v} keeps moving in the previous trees' orders")
-            for w in self._match(v):
-                if not queued[w]:
-                    queue.append(w)
-                    queued[w] = True
-        return self._packing()
-
-    def _match(self, v: int) -> list[int]:
-        """Matches GPU ``v``; returns the GPUs to match again."""
-        edges = self.by_dst[v]
-        holders = self.src[edges]
-        gs = np.flatnonzero(np.asarray(self.root) != v)
-        dep = self.depth[gs]
-        allowed = dep[:, holders] < dep[:, v][:, None]
-        old = (self.parent[gs, v][:, None] == holders[None, :]) & allowed
-        need = np.asarray(self.count, dtype=np.int64)[gs]
-        taken = np.zeros((len(gs), len(edges)), dtype=np.int64)
-        preferred = 0
-        # fast path: every group from its old parent, if those in-links still carry it all (no max-flow)
-        has_old = old.any(axis=1)
-        if has_old.all():
-            col = old.argmax(axis=1)
-            load = np.bincount(col, weights=need, minlength=len(edges))
-            if (load <= self.cap[edges]).all():
-                taken[np.arange(len(gs)), col] = need
-                preferred = int(need.sum())
-                self.stats["reused_nodes"] = self.stats.get("reused_nodes", 0) + 1
-        for si, mask in enumerate((old, allowed)):
-            if preferred == int(need.sum()):
-                break
-            want = need - taken.sum(axis=1)
-            todo = (want > 0) & mask.any(axis=1)
-            if not todo.any():
-                continue
-            self.stats["node_matchings"] += 1
-            flow = _bipartite(want[todo], mask[todo], self.cap[edges] - taken.sum(axis=0))
-            taken[np.flatnonzero(todo)] += flow
-            if si == 0:
-                preferred = int(flow.sum())
-        self.stats["preferred_units"] += preferred
-        for g, lst in self.sol[v].items():
-            for u, _ in lst:
-                self.users[(g, u)].discard(v)
-        got = taken.sum(axis=1)
-        short = got < need
-        sol: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
-        gi, ei = np.nonzero(taken)
-        for g, u, c in zip(gs[gi].tolist(), holders[ei].tolist(), taken[gi, ei].tolist()):
-            sol[g].append((u, c))
-            self.users[(g, u)].add(v)
-        self.sol[v] = dict(sol)
-        again: list[int] = [v] if short.any() else []
-        for i in np.flatnonzero(short).tolist():
-            g = int(gs[i])
-            if got[i] == 0 and (self.depth[g, holders] < self.depth[g, v]).all():
-                raise SynthesisError(f"tree packing: GPU {v} cannot take root {self.root[g]}'s chunks at all")
-            again += self._split(g, int(got[i]), v, holders)
-        return again
-
-    def _split(self, g: int, keep: int, v: int, holders: np.ndarray) -> list[int]:
-        """Splits group ``g`` after its first ``keep`` chunks; ``v`` goes behind its in-neighbours for the rest."""
-        if keep == 0:
-            h = g
-        else:
-            h = len(self.root)
-            self.stats["splits"] += 1
-            self.root.append(self.root[g])
-            self.first.append(self.first[g] + keep)
-            self.count.append(self.count[g] - keep)
-            self.count[g] = keep
-            if h >= self.depth.shape[0]:
-                self.depth = np.concatenate([self.depth, np.zeros_like(self.depth)])
-                self.parent = np.concatenate([self.parent, np.zeros_like(self.parent)])
-            self.depth[h] = self.depth[g]
-            self.parent[h] = self.parent[g]
-            for w in range(self.n):  # every GPU's pieces of g split at the same chunk
-                lst = self.sol[w].get(g)
-                if not lst or w == v:
-                    continue
-                a, b, left = [], [], keep
-                for u, c in lst:
-                    if left >= c:
-                        a.append((u, c))
-                        left -= c
-                    elif left > 0:
-                        a.append((u, left))
-                        b.append((u, c - left))
-                        left = 0
-                    else:
-                        b.append((u, c))
-                self.sol[w][g] = a
-                self.sol[w][h] = b
-                for u, _ in b:
-                    self.users[(h, u)].add(w)
-                for u in {u for u, _ in lst} - {u for u, _ in a}:
-                    self.users[(g, u)].discard(w)
-        self.depth[h, v] = int(self.depth[h, holders].max()) + 1
-        self.stats["groups"] = len(self.root)
-        return [w for w in self.users[(h, v)] if self.depth[h, w] <= self.depth[h, v]]
-
-    def _packing(self) -> Packing:
-        rows = []
-        for v in range(self.n):
-            out = []
-            for g, lst in self.sol[v].items():
-                off = self.first[g]
-                for u, c in lst:
-                    out.append((self.root[g], u, off, c, int(self.depth[g, v])))
-                    off += c
-            rows.append(np.array(out, dtype=np.int64).reshape(-1, 5))
-        key = np.zeros((self.n, self.n), dtype=np.int64)
-        G = len(self.root)
-        np.maximum.at(key, np.asarray(self.root), self.depth[:G])
-        return Packing(n=self.n, k=self.k, pieces=rows, key=key, method="warm-order", stats=self.stats)
-
-
-def _globally_tight(n: int, k: int, links: dict[tuple[int, int], int]) -> bool:
+def globally_tight(n: int, k: int, links: dict[tuple[int, int], int]) -> bool:
     """Whether many GPUs receive exactly what they need (then only the checked matching gets through)."""
     incap = np.zeros(n, dtype=np.int64)
     for (_, v), c in links.items():
@@ -785,31 +780,19 @@ def pack(
     links: dict[tuple[int, int], int],
     *,
     prefer: dict[int, np.ndarray] | None = None,
-    previous_trees: list | None = None,
-    exhaustive: bool = True,
 ) -> Packing:
-    """Packs trees: along a previous schedule's trees if that works, else level by level, else by ForestColl's BFS.
+    """Packs trees from scratch: level by level, else by ForestColl's BFS.
 
-    ``previous_trees`` given: only :func:`order_pack` is tried, and
-    ``exhaustive=False`` stops there (raising ``SynthesisError``). Then the
-    unchecked level-by-level matching (skipped when most GPUs are exactly
-    tight, where it would run into a dead end), the checked matching, and
-    ForestColl's BFS as the last resort.
+    The unchecked level-by-level matching first (skipped when most GPUs are
+    exactly tight, where it would run into a dead end), then the checked
+    matching, and ForestColl's BFS as the last resort. (Warm starts keep
+    and repair previous trees instead: :func:`jaxccl.synth.allgather.repair.repair_pack`.)
     """
-    if previous_trees is not None:
-        groups = tree_groups(n, k, previous_trees)
-        try:
-            return order_pack(n, k, links, groups)
-        except SynthesisError:
-            pass
-        if not exhaustive:
-            raise SynthesisError("tree packing: the previous trees do not extend to this topology")
-    if not _globally_tight(n, k, links):
+    if not globally_tight(n, k, links):
         try:  # no per-visit max-flow: valid whenever it completes
             return match_pack(n, k, links, prefer=prefer, check="local")
         except SynthesisError:
-            if not exhaustive:
-                raise
+            pass
     try:
         return match_pack(n, k, links, prefer=prefer)
     except SynthesisError:

@@ -73,8 +73,9 @@ def remove_switches(
     base = Logical(net, caps)
     order = list(range(net.num_gpus, net.num_nodes))
     logical = base.copy()
+    plans: dict = {}  # switches with the same neighbourhood (symmetric topologies) share one transportation plan
     for w in order:
-        stats.dropped += _split_proportional(logical, w)
+        stats.dropped += _split_proportional(logical, w, plans)
     if not verify or _violation(logical, net, k, stats, nodes=net.num_gpus) is None:
         return logical
     # Redo one switch at a time, verifying each.
@@ -82,7 +83,7 @@ def remove_switches(
     stats.dropped = 0
     for w in order:
         trial = logical.copy()
-        dropped = _split_proportional(trial, w)
+        dropped = _split_proportional(trial, w, plans)
         if _violation(trial, net, k, stats, nodes=None) is None:
             logical = trial
             stats.dropped += dropped
@@ -106,8 +107,11 @@ def _violation(logical: Logical, net: Net, k: int, stats: SplitStats, *, nodes: 
 
 
 # ---------------------------------------------------------------- proportional
-def _split_proportional(logical: Logical, w: int) -> int:
-    """Splits switch ``w`` completely and proportionally; returns the units that had to be dropped."""
+def _split_proportional(logical: Logical, w: int, plans: dict | None = None) -> int:
+    """Splits switch ``w`` completely and proportionally; returns the units that had to be dropped.
+
+    ``plans`` memoizes :func:`transport_plan` (a pure function) by its inputs.
+    """
     preds, succs = logical.neighbors(w)
     if not preds or not succs:
         return logical.remove(w)
@@ -115,7 +119,13 @@ def _split_proportional(logical: Logical, w: int) -> int:
     a = np.array([c for _, c in preds], dtype=np.int64)
     st = np.array([t for t, _ in succs])
     b = np.array([c for _, c in succs], dtype=np.int64)
-    y = transport_plan(a, b, pu[:, None] != st[None, :])
+    allowed = pu[:, None] != st[None, :]
+    key = (a.tobytes(), b.tobytes(), np.packbits(allowed).tobytes(), allowed.shape)
+    y = None if plans is None else plans.get(key)
+    if y is None:
+        y = transport_plan(a, b, allowed)
+        if plans is not None:
+            plans[key] = y
     for i, j in zip(*np.nonzero(y)):
         logical.split(int(pu[i]), w, int(st[j]), int(y[i, j]))
     return logical.remove(w)

@@ -2,15 +2,14 @@
 
 MCCL guides tree generation by the previous arborescences so that links of
 the old trees are tried first ("A*-style reordering of candidate links") and
-unaffected structure survives. Here the previous trees become, for every
-GPU ``v``, the ``(root, parent)`` pairs it used: the per-GPU matchings of
-phase 3 offer those in-links first (see :func:`jaxccl.synth.allgather.packing.match_pack`),
-and the previous critical cut seeds the max-flow search of phase 1.
+unaffected structure survives. :func:`previous_hints` reads the previous
+trees (into arrays, :class:`~jaxccl.synth.allgather.packing.PreviousTrees`)
+and the previous critical cut, which seeds the rate of phase 1; the trees
+are then kept and repaired by :func:`jaxccl.synth.allgather.repair.repair_pack`.
 """
 
 from __future__ import annotations
 
-import collections
 from typing import Any
 
 import numpy as np
@@ -18,10 +17,11 @@ import numpy as np
 from jaxccl.errors import SynthesisError
 from jaxccl.schedule import Collective, Schedule
 from jaxccl.synth.allgather.network import Net
+from jaxccl.synth.allgather.packing import PreviousTrees, parse_trees
 
 
 def previous_hints(previous: Schedule | None, net: Net, collective: Collective) -> dict[str, Any]:
-    """Extracts the warm-start hints of ``previous`` for ``net``: ``prefer``, ``cut`` and ``pairs``.
+    """Extracts the warm-start hints of ``previous`` for ``net``: ``trees`` (parsed) and ``cut``.
 
     Raises:
         SynthesisError: if ``previous`` is not a schedule of this synthesizer for the same ranks.
@@ -38,12 +38,7 @@ def previous_hints(previous: Schedule | None, net: Net, collective: Collective) 
         )
     if previous.num_ranks != net.num_gpus:
         raise SynthesisError(f"previous= has {previous.num_ranks} ranks, the topology {net.num_gpus} GPUs")
-    pairs: dict[int, set[tuple[int, int]]] = collections.defaultdict(set)
-    for root, trees in enumerate(info["trees"]):
-        for _, edges in trees:
-            for p, c in edges:
-                pairs[int(c)].add((root, int(p)))
-    prefer = {v: np.array(sorted(s), dtype=np.int64).reshape(-1, 2) for v, s in pairs.items()}
+    trees = parse_trees(net.num_gpus, info["trees"])
     cut = None
     names = info.get("critical_cut")
     if names:
@@ -53,16 +48,23 @@ def previous_hints(previous: Schedule | None, net: Net, collective: Collective) 
             i = index.get(str(name))
             if i is not None:
                 cut[i] = True
-    return {"prefer": prefer, "cut": cut, "pairs": pairs, "trees": info["trees"]}
+    return {"cut": cut, "trees": trees}
 
 
-def reuse_fraction(pairs: dict[int, set[tuple[int, int]]], rows: np.ndarray) -> float:
-    """Share of the new schedule's chunk hops (``rows``: root, parent, child, first, count) the old one also had."""
+def reuse_fraction(previous: PreviousTrees, rows: np.ndarray) -> float:
+    """Share of the new schedule's chunk hops (``rows``: root, parent, child, first, count) the old one also had.
+
+    A hop counts as reused when the previous schedule also sent that root's chunks from the same parent to the
+    same child (whatever the chunk numbers).
+    """
     total = int(rows[:, 4].sum()) if len(rows) else 0
     if not total:
         return 0.0
-    kept = 0
-    for r, u, v, c in zip(rows[:, 0].tolist(), rows[:, 1].tolist(), rows[:, 2].tolist(), rows[:, 4].tolist()):
-        if (r, u) in pairs.get(v, ()):
-            kept += c
-    return kept / total
+    n = previous.parent.shape[1]
+    keys = (rows[:, 0] * n + rows[:, 1]) * n + rows[:, 2]
+    old = previous.hop_keys()
+    if not len(old):
+        return 0.0
+    pos = np.minimum(np.searchsorted(old, keys), len(old) - 1)
+    hit = old[pos] == keys
+    return float(rows[hit, 4].sum() / total)
