@@ -344,7 +344,7 @@ def test_no_congestion_no_change():
     pat = double_binary_tree_pattern(8)
     measure = pattern_measurer(SimulatorRunner(16 << 20), fat_tree(1, 8))
     res = run_react(pat, measure)
-    assert res.pattern is pat and res.improvement == 0.0 and len(res.rounds) == 1
+    assert res.pattern is pat and res.improvement == 0.0 and len(res.rounds) == 1 and res.epochs == 6
     assert not res.rounds[0].outcome.congestion
 
 
@@ -405,6 +405,185 @@ def test_transformed_schedules_run_on_the_cpu_executor_bitwise():
         assert np.asarray(f(x)).tobytes() == want.tobytes()
         comm.install("all_gather", rd.to_schedule())
         assert np.asarray(g(xg)).tobytes() == want_g.tobytes()
+
+
+def _native_or_skip():
+    pytest.importorskip("jax")
+    from jaxccl.runtime.communicator import native_available
+
+    if not native_available():
+        pytest.skip("native CPU executor not built")
+
+
+def test_executor_runner_measures_every_send_and_stays_bitwise():
+    """The emulated executor as a REACT runner: one op_times entry per sending op; transformed trees equal lax.psum."""
+    _native_or_skip()
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+
+    n = 8
+    topo = fat_tree(1, n)
+    runner = react.ExecutorRunner.create(topo, 256 << 10, time_scale=1e-2)
+    tree, _ = _random_chain(double_binary_tree_pattern(n), random.Random(1), 6)
+    assert not tree.is_identity()
+    for pat in (double_binary_tree_pattern(n), tree):
+        c = compile_pattern(pat)
+        m = runner(c.schedule, topo)  # check=True: the result is compared bitwise with jax.lax.psum
+        assert set(m.op_times) == set(c.send_ops)  # exactly one entry per sending op
+        assert len(c.send_ops) == sum(op.kind.sends for tbs in c.schedule.ranks for tb in tbs for op in tb.ops)
+        starts, ends = np.array(list(m.op_times.values())).T
+        assert starts.min() == 0.0 and (ends > starts).all() and m.time_s == pytest.approx(ends.max())
+        fct = flow_times(c, m)
+        assert np.isfinite(fct).all() and (fct > 0).all()
+        assert m.output_bytes == runner.input_bytes and m.wall_s > 0
+        # healthy 400 Gbps star: no message beats its link (bytes / capacity + route latency)
+        assert (fct >= (runner.input_bytes / 2) / topo.capacity(0, "leaf:0")).all()
+    assert runner.installs == 2 and runner.runs == 2
+    # AllGather: sends with several dependencies sit behind nops in the compiled table (trace op indices differ)
+    rd, _ = _random_chain(recursive_doubling_pattern(n), random.Random(2), 4)
+    c = compile_pattern(rd)
+    m = runner(c.schedule, topo)  # compared bitwise with jax.lax.all_gather
+    assert set(m.op_times) == set(c.send_ops) and m.output_bytes == n * runner.input_bytes
+    # the transformed schedule, explicitly: int32 sums are order-free, so bitwise equal to jax.lax.psum
+    ax = runner.comm.axis_name
+    mesh = runner.comm.mesh
+
+    def jit(fn):
+        return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(ax), out_specs=P(ax)))
+
+    x = np.random.default_rng(11).integers(-(2**30), 2**30, size=n * 40, dtype=np.int32)
+    want = np.asarray(jit(lambda v: jax.lax.psum(v, ax))(x))
+    with runner.comm:
+        got = np.asarray(jit(lambda v: jaxccl.psum(v, ax))(x))
+    assert runner.comm.schedule("all_reduce").digest == compile_pattern(tree).schedule.digest
+    assert got.tobytes() == want.tobytes()
+
+
+def test_executor_runner_sees_reduced_capacity_as_steady_congestion():
+    """A rank whose incoming link keeps 1/5 of its capacity: REACT's Eq. 1 flags every flow into it, and it leads.
+
+    Other flows may be flagged too: each link is a FIFO server of whole messages, so of two messages a rank
+    sends at once the second waits for the first (a real NIC would interleave them).
+    """
+    _native_or_skip()
+    n, target = 8, 3
+    topo = fat_tree(1, n)
+    cong = react.degraded_topology(topo, [target], 4)
+    assert cong.capacity("leaf:0", target) == topo.capacity("leaf:0", target) / 5
+    assert cong.capacity(target, "leaf:0") == topo.capacity(target, "leaf:0")  # only its incoming link
+    with pytest.raises(TopologyError):
+        react.degraded_topology(topo, [8], 1)
+    with pytest.raises(ValueError):
+        react.degraded_topology(topo, [1], -1)
+    runner = react.ExecutorRunner.create(topo, 256 << 10, time_scale=1e-2)
+    p = double_binary_tree_pattern(n)
+    measure = pattern_measurer(runner, cong)
+    fct = np.stack([measure(p)[1] for _ in range(6)])
+    assert runner.injections == 1
+    c = detect_congestion(fct, sizes=p.flow_size, degrees=p.flow_degree)
+    into = p.dst_device == target
+    assert set(np.flatnonzero(into).tolist()) <= c.steady
+    assert react.problem_devices(p, sorted(c.flows), c.flows)[0] == target
+    rate = (p.flow_size / fct).mean(axis=0)
+    assert rate[into].max() < 0.6 * np.median(rate[~into])
+
+
+def _synthetic_trace(schedule, expected, scale=1e-3):
+    from jaxccl.runtime.emulated import TRACE_DTYPE
+
+    table = react.table_op_indices(schedule)  # the trace names ops by their compiled-table index
+    recs = []
+    for i, ((r, t, o), b) in enumerate(sorted(expected.items())):
+        post = 1_000_000 + 1000 * i
+        recs.append((r, schedule.ranks[r][t].send_peer, t, table[r][t][o], 0, 0, b, post, post + 500, post + 900))
+    return np.array(recs, dtype=TRACE_DTYPE)
+
+
+@pytest.mark.parametrize("name,n", [("tree", 8), ("ring", 5), ("recursive_doubling", 8)])
+def test_table_op_indices_match_the_compiled_table(name, n):
+    from jaxccl.schedule.ir import OpKind
+    from jaxccl.schedule.table import compile_table, decode
+
+    pat, _ = _random_chain(react.pattern_for(name, n), random.Random(5), 4)
+    s = pat.to_schedule()
+    d = decode(compile_table(s))
+    idx = react.table_op_indices(s)
+    if name == "recursive_doubling":  # its sends wait for several receives: nops in front of them
+        assert any(j != i for r in idx for tb in r for i, j in enumerate(tb))
+    g = 0
+    for r, tbs in enumerate(s.ranks):
+        for t, tb in enumerate(tbs):
+            row = d["threadblocks"][g]
+            ops = d["ops"][row["first_op"] : row["first_op"] + row["num_ops"]]
+            assert [ops[j]["kind"] for j in idx[r][t]] == [op.kind.code for op in tb.ops]
+            assert all(ops[j]["kind"] == OpKind.NOP.code for j in set(range(len(ops))) - set(idx[r][t]))
+            g += 1
+
+
+def test_trace_measurement_maps_records_to_sending_ops_and_checks_them():
+    from jaxccl.errors import ExecutorError
+
+    s = compile_pattern(double_binary_tree_pattern(4)).schedule
+    topo = fat_tree(1, 4)
+    expected = react.expected_sends(s, 64, 4)
+    assert set(expected.values()) == {128}  # 2 chunks of 32 int32 each
+    tr = _synthetic_trace(s, expected)
+    m = react.trace_measurement(tr, s, time_scale=1e-3, topology=topo, output_bytes=256, expected=expected)
+    assert len(m.op_times) == len(expected)
+    k0 = min(expected)
+    lat = topo.path_latency(k0[0], int(s.ranks[k0[0]][k0[1]].send_peer))
+    assert m.op_times[k0] == pytest.approx((0.0, 500e-9 * 1e-3 + lat))
+    obs = react.trace_measurement(tr, s, time_scale=1e-3, topology=topo, output_bytes=256, end="observed")
+    assert obs.op_times[k0] == pytest.approx((0.0, 900e-9 * 1e-3))
+    assert m.algbw == pytest.approx(256 / m.time_s)
+    split = np.concatenate([tr, tr[:1]])  # one op's message in two records: one span, bytes summed
+    split["bytes"][[0, -1]] = 64
+    split["post_ns"][-1] += 100
+    split["tx_end_ns"][-1] += 100
+    m2 = react.trace_measurement(split, s, time_scale=1e-3, topology=topo, output_bytes=256, expected=expected)
+    assert m2.op_times[k0] == pytest.approx((0.0, 600e-9 * 1e-3 + lat))
+    with pytest.raises(ExecutorError, match="lacks"):
+        react.trace_measurement(tr[1:], s, time_scale=1e-3, topology=topo, output_bytes=256, expected=expected)
+    wrong = tr.copy()
+    wrong["bytes"][0] = 64
+    with pytest.raises(ExecutorError, match="carried 64 bytes"):
+        react.trace_measurement(wrong, s, time_scale=1e-3, topology=topo, output_bytes=256, expected=expected)
+    wrong = tr.copy()
+    wrong["dst"][0] = next(d for d in range(4) if d not in (wrong["src"][0], wrong["dst"][0]))  # not its send peer
+    with pytest.raises(ExecutorError, match="not a send"):
+        react.trace_measurement(wrong, s, time_scale=1e-3, topology=topo, output_bytes=256)
+    wrong = tr.copy()
+    wrong["src"][0] = 4
+    with pytest.raises(ExecutorError, match="outside"):
+        react.trace_measurement(wrong, s, time_scale=1e-3, topology=topo, output_bytes=256)
+    with pytest.raises(ExecutorError, match="empty"):
+        react.trace_measurement(tr[:0], s, time_scale=1e-3, topology=topo, output_bytes=256)
+    with pytest.raises(ValueError, match="end"):
+        react.trace_measurement(tr, s, time_scale=1e-3, topology=topo, output_bytes=256, end="nic")
+
+
+def test_executor_runner_needs_a_trace():
+    _native_or_skip()
+    import jax
+    from jax.sharding import Mesh
+
+    import jaxccl
+    from jaxccl.errors import ExecutorError
+    from jaxccl.runtime.emulated import LinkEmulation
+
+    topo = fat_tree(1, 2)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    plain = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu")
+    with pytest.raises(ExecutorError, match="link_emulation"):
+        react.ExecutorRunner(plain, 1 << 10)
+    no_trace = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu", link_emulation=LinkEmulation())
+    with pytest.raises(ExecutorError, match="trace=True"):
+        react.ExecutorRunner(no_trace, 1 << 10)
+    traced = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu", link_emulation=LinkEmulation(trace=True))
+    with pytest.raises(ValueError, match="bytes_per_rank"):
+        react.ExecutorRunner(traced, 8)
 
 
 # -------------------------------------------------------------------------------- doctests

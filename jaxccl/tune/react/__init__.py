@@ -16,7 +16,8 @@ Modules: :mod:`~jaxccl.tune.react.pattern` (TENs), :mod:`~jaxccl.tune.react.sema
 :mod:`~jaxccl.tune.react.transforms`, :mod:`~jaxccl.tune.react.detect`,
 :mod:`~jaxccl.tune.react.critical_path`, :mod:`~jaxccl.tune.react.model`,
 :mod:`~jaxccl.tune.react.algorithm` (Alg. 1 and the loop over batches),
-:mod:`~jaxccl.tune.react.measure` (runners: the simulator with external flows).
+:mod:`~jaxccl.tune.react.measure` (runners: the simulator with external flows),
+:mod:`~jaxccl.tune.react.executor` (the runner on the emulated CPU executor, from its message trace).
 
 Example:
     >>> from jaxccl.topology import fat_tree
@@ -41,11 +42,19 @@ from jaxccl.tune.react.algorithm import (
 from jaxccl.tune.react.compile import CompiledPattern, compile_pattern
 from jaxccl.tune.react.critical_path import CriticalPath, critical_path, critical_paths, path_time
 from jaxccl.tune.react.detect import DELTA1, DELTA2, Congestion, detect_congestion
+from jaxccl.tune.react.executor import (
+    ExecutorRunner,
+    expected_sends,
+    interleaved_runs,
+    table_op_indices,
+    trace_measurement,
+)
 from jaxccl.tune.react.measure import (
     ExternalFlows,
     Measurement,
     Runner,
     SimulatorRunner,
+    degraded_topology,
     external_flows_schedule,
     flow_times,
     pattern_measurer,
@@ -82,6 +91,7 @@ __all__ = [
     "Congestion",
     "CriticalPath",
     "Decision",
+    "ExecutorRunner",
     "ExternalFlows",
     "Flow",
     "FlowHistory",
@@ -104,12 +114,15 @@ __all__ = [
     "compile_pattern",
     "critical_path",
     "critical_paths",
+    "degraded_topology",
     "degree_preserving",
     "detect_congestion",
     "device_degree",
     "double_binary_tree_pattern",
+    "expected_sends",
     "external_flows_schedule",
     "flow_times",
+    "interleaved_runs",
     "is_valid",
     "path_time",
     "pattern_for",
@@ -122,5 +135,7 @@ __all__ = [
     "run_react",
     "simulate",
     "steady_congested_devices",
+    "table_op_indices",
+    "trace_measurement",
     "viable_set",
 ]

@@ -16,7 +16,9 @@ moved is no longer a swap partner for others.
 current pattern, transform, run a batch with the new pattern, keep it only if
 its measured time is at least ``1 + tau_r`` times lower (else revert and do not
 propose the same transforms again), for at most ``E_max`` exploratory rounds;
-``Kt`` grows every batch.
+``Kt`` grows every batch. A round that accepts no transform runs the next
+batch with the same pattern; the loop stops early when a batch shows no
+congestion.
 
 Example:
     >>> import numpy as np
@@ -373,7 +375,12 @@ def run_react(
         )
         if not out.accepted:
             rounds.append(RoundLog(r, out, t_cur, None, False))
-            break
+            if not out.congestion:
+                break  # nothing to fix
+            t_cur, batch = _batch(measure, cur, b)  # the next batch runs the same pattern; Kt grows
+            history.record_batch(cur, batch)
+            epochs += b
+            continue
         t_new, new_batch = _batch(measure, out.pattern, b)
         history.record_batch(out.pattern, new_batch)
         epochs += b

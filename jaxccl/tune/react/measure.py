@@ -6,8 +6,8 @@ flow of the pattern. A *runner* is any callable ``runner(schedule, topology)
 (possibly congested) topology and reports the collective's time and, for every
 sending op ``(rank, threadblock, op)``, when its message started and when its
 last byte arrived. :func:`flow_times` maps those back to the pattern's flows
-(through :class:`~jaxccl.tune.react.compile.CompiledPattern`). An executor
-with per-message measurement can be plugged in the same way.
+(through :class:`~jaxccl.tune.react.compile.CompiledPattern`). The emulated
+CPU executor is such a runner too (:class:`jaxccl.tune.react.executor.ExecutorRunner`).
 
 :class:`SimulatorRunner` is the runner on :mod:`jaxccl.sim`: the collective's
 ranks sit on GPUs ``0..N-1`` of the topology and, as in REACT Sec. 7.1, the
@@ -48,6 +48,7 @@ from jaxccl.tune.react.compile import CompiledPattern
 
 __all__ = [
     "ExternalFlows",
+    "degraded_topology",
     "Measurement",
     "Runner",
     "SimulatorRunner",
@@ -68,11 +69,14 @@ class Measurement:
         output_bytes: bytes of one rank's output buffer (``algbw = output_bytes / time_s``).
         op_times: per sending op ``(rank, threadblock, op)``: ``(start, last byte arrived)``
             of its message, seconds from the collective's start.
+        wall_s: real seconds the run took, where the runner knows it (the executor: the whole call,
+            JAX dispatch included; NaN for the simulator).
     """
 
     time_s: float
     output_bytes: float
     op_times: Mapping[OpKey, tuple[float, float]]
+    wall_s: float = float("nan")
 
     @property
     def algbw(self) -> float:
@@ -121,6 +125,40 @@ def pattern_measurer(runner: Runner, topology: Any) -> Callable[[Any], tuple[flo
         return m.time_s, flow_times(c, m)
 
     return measure
+
+
+def degraded_topology(topology: Any, targets: Sequence[int], p: int) -> Any:
+    """Node congestion as reduced capacity: every link into each target GPU keeps ``1 / (1 + p)`` of its capacity.
+
+    For runners that can change capacities but not add traffic (the emulated
+    executor, through ``comm.inject``): a single collective flow into a target
+    then gets the share it would get next to ``p`` long-lived external flows
+    (REACT's congestion degree). Unlike max-min fair external flows, several
+    collective flows arriving at once share the reduced capacity among
+    themselves (``1 / (k (1 + p))`` each instead of ``1 / (k + p)``).
+
+    Raises:
+        TopologyError: a target that is not a GPU of ``topology`` or has no incoming link.
+        ValueError: ``p`` is not a non-negative integer.
+
+    Example:
+        >>> from jaxccl.topology import fat_tree
+        >>> star = fat_tree(1, 4)
+        >>> degraded_topology(star, [2], 3).capacity("leaf:0", 2) / star.capacity("leaf:0", 2)
+        0.25
+    """
+    if not isinstance(p, int) or isinstance(p, bool) or p < 0:
+        raise ValueError(f"degraded_topology: p must be a non-negative integer, got {p!r}")
+    out = topology
+    for t in targets:
+        if t not in topology.gpus:
+            raise TopologyError(f"degraded_topology: {t!r} is not a GPU of {topology.name!r}")
+        edges = [(u, v) for u, v, _, _ in topology.edges() if v == t]
+        if not edges:
+            raise TopologyError(f"degraded_topology: GPU {t} has no incoming link")
+        for e in edges:
+            out = out.degrade(*e, capacity=topology.capacity(*e) / (1 + p), both=False)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
