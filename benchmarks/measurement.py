@@ -4,7 +4,9 @@
     ``chunk`` bytes per channel and direction (MCCL's point-to-point stress test:
     data is always ready), with link pacing off so the executor runs as fast as
     memcpy; median time per collective with measurement on vs off, interleaved
-    in the same run; overhead = on / off - 1. Beside the wall time, the CPU
+    in the same run; overhead = on / off - 1; ``aa_control_pct`` is the same
+    ratio for a second, identical measurement-off communicator (an A/A test:
+    what noise alone gives). Beside the wall time, the CPU
     time the process spent per collective (all threads): on a shared machine it
     is far less sensitive to other jobs than wall time.
 (b) Accuracy: the same pattern with pacing on; measured throughput (median of
@@ -67,13 +69,14 @@ def overhead(channels_list, chunks, runs):
             x = _input(ch * chunk // 4)
             on, f_on = _setup(topo, LinkEmulation(pace=False, measure=True), ch)
             off, f_off = _setup(topo, LinkEmulation(pace=False, measure=False), ch)
-            times = {"on": [], "off": []}
-            cpu = {"on": [], "off": []}
-            for comm, f in ((on, f_on), (off, f_off)):
+            ctl, f_ctl = _setup(topo, LinkEmulation(pace=False, measure=False), ch)  # A/A control: the noise floor
+            times = {"on": [], "off": [], "ctl": []}
+            cpu = {"on": [], "off": [], "ctl": []}
+            for comm, f in ((on, f_on), (off, f_off), (ctl, f_ctl)):
                 with comm:
                     for _ in range(2):
                         f(x).block_until_ready()
-            order = [("on", on, f_on), ("off", off, f_off)]
+            order = [("on", on, f_on), ("off", off, f_off), ("ctl", ctl, f_ctl)]
             for r in range(runs):
                 for key, comm, f in order if r % 2 == 0 else order[::-1]:  # alternate who runs first
                     with comm:
@@ -84,6 +87,7 @@ def overhead(channels_list, chunks, runs):
                 on.telemetry()  # drain so the buffer never fills
             t_on, t_off = report.median(times["on"]), report.median(times["off"])
             c_on, c_off = report.median(cpu["on"]), report.median(cpu["off"])
+            t_ctl = report.median(times["ctl"])
             size = 2 * ch * chunk  # bytes of one rank's output
             rows.append(
                 {
@@ -98,11 +102,12 @@ def overhead(channels_list, chunks, runs):
                     "cpu_off_ms": c_off * 1e3,
                     "cpu_on_ms": c_on * 1e3,
                     "cpu_overhead_pct": (c_on / c_off - 1) * 100,
+                    "aa_control_pct": (t_ctl / t_off - 1) * 100,
                     "windows": on.network.stats()["windows"],
                 }
             )
-            on.network.close()
-            off.network.close()
+            for comm in (on, off, ctl):
+                comm.network.close()
     return rows
 
 
