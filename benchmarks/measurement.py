@@ -6,7 +6,11 @@
     memcpy; median time per collective with measurement on vs off, interleaved
     in the same run; overhead = on / off - 1; ``aa_control_pct`` is the same
     ratio for a second, identical measurement-off communicator (an A/A test:
-    what noise alone gives). Beside the wall time, the CPU
+    what noise alone gives). ``hook_estimate_pct`` is the isolated cost:
+    the nanoseconds of measurement work per message (``_bench_measurement_hooks``:
+    OnPost + OnDelivered + a share of window close and flush, timed in a tight
+    loop) times the messages of one collective, over its measurement-off time.
+    Beside the wall time, the CPU
     time the process spent per collective (all threads): on a shared machine it
     is far less sensitive to other jobs than wall time.
 (b) Accuracy: the same pattern with pacing on; measured throughput (median of
@@ -59,10 +63,12 @@ def _input(elems):
 
 
 def overhead(channels_list, chunks, runs):
+    from jaxccl.runtime import native
     from jaxccl.runtime.emulated import LinkEmulation
     from jaxccl.topology import rail
 
     topo = rail(hosts=2, gpus_per_host=1)
+    hook_ns = report.median([native.module()._bench_measurement_hooks(200_000) for _ in range(5)])
     rows = []
     for chunk in chunks:
         for ch in report.progress(channels_list, label=f"overhead {report.format_bytes(chunk)}"):
@@ -103,6 +109,8 @@ def overhead(channels_list, chunks, runs):
                     "cpu_on_ms": c_on * 1e3,
                     "cpu_overhead_pct": (c_on / c_off - 1) * 100,
                     "aa_control_pct": (t_ctl / t_off - 1) * 100,
+                    # isolated cost: hook work per message x messages per collective (2 ranks x channels), / time
+                    "hook_estimate_pct": hook_ns * 1e-9 * 2 * ch / t_off * 100,
                     "windows": on.network.stats()["windows"],
                 }
             )

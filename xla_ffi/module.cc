@@ -220,6 +220,37 @@ NB_MODULE(_native, m) {
       },
       nb::arg("network"), "(records, dropped): every message delivered since the last call (56-byte TraceRecord).");
   m.def(
+      "_bench_measurement_hooks",
+      [](int64_t iterations) {
+        // The per-message work measurement adds to the executor (MCCL Fig. 9a's cost, isolated): one
+        // OnPost + one OnDelivered on a busy accumulator, a window per 8 messages, and one Flush per 64.
+        NetworkConfig c;
+        c.num_ranks = 2;
+        c.host_of_rank = {0, 1};
+        c.capacity = {1.0, 1.0};
+        c.latency_ns = {0.0, 0.0};
+        c.route_offsets = {0, 0, 1, 2, 2};
+        c.route_links = {0, 1};
+        c.pace = false;
+        c.min_window_bytes = 0;
+        auto net = Unwrap(Network::Create(c));
+        MeasurementCache cache;
+        const auto t0 = Clock::now();
+        for (int64_t k = 0; k < iterations; ++k) {
+          const int64_t now = NowNs();
+          net->OnPost(0, 1, now, k % 8 == 0, nullptr);
+          net->OnDelivered(0, 1, 1 << 17, NowNs(), k % 8 == 7, &cache);
+          if (k % 64 == 63) {
+            net->Flush(1, 1, 0, cache);
+            cache = MeasurementCache();
+            (void)net->Drain();
+          }
+        }
+        const double ns = std::chrono::duration<double, std::nano>(Clock::now() - t0).count();
+        return ns / static_cast<double>(iterations);
+      },
+      nb::arg("iterations") = 1000000, "Benchmark hook: nanoseconds of measurement work per message.");
+  m.def(
       "measure_reset", [](int64_t id) { NetworkOrRaise(id)->ResetMeasurements(); }, nb::arg("network"));
   m.attr("MEASUREMENT_VERSION") = kMeasurementVersion;
   m.def("current_version", [](int64_t slot) { return Unwrap(Registry::Get().CurrentVersion(slot)); }, nb::arg("slot"));
