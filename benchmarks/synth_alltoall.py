@@ -2,13 +2,14 @@
 
 Rail-optimized 1 x H x 8 topologies (MCCL Sec. 6.1) for H = 2..64 (16-512
 GPUs) in the states base, fail1, fail2, fail3: cold and warm (previous = the
-base schedule) times, iterations, columns generated and reused, LP bound,
-rounded algbw, gap and chunk count; a progress bar, a table and
-``--json PATH``. The same code runs as ``jaxccl synth alltoall``; see
-:mod:`jaxccl.cli.synth_alltoall`.
+base schedule) times (solve and total, medians of ``--runs``), iterations,
+columns generated and reused, LP bound, rounded algbw, gap and chunk count of
+both, and the warm mode; a progress bar, a table and ``--json PATH``. The
+same code runs as ``jaxccl synth alltoall``; see :mod:`jaxccl.cli.synth_alltoall`.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/synth_alltoall.py [--max-hosts 8] [--json results.json]
+    PYTHONPATH=. nice -n 10 python benchmarks/synth_alltoall.py [--min-hosts 16] [--max-hosts 64] \
+        [--runs 3] [--json results.json]
 """
 
 from __future__ import annotations

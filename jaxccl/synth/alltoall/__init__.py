@@ -10,8 +10,10 @@ Modules: :mod:`.network` (the topology as arrays), :mod:`.pricing`
 :mod:`.columns` (the column pool), :mod:`.master` (the RMP on HiGHS),
 :mod:`.cg` (the column-generation loop), :mod:`.repair` (warm start by
 certified local repair), :mod:`.rounding` (deep-dive
-rounding), :mod:`.compile` (the schedule IR), :mod:`.routes` (the stored
-routes), :mod:`.cflp` (the check). The benchmark is :mod:`jaxccl.cli.synth_alltoall`.
+rounding), :mod:`.compile` (the schedule IR, incremental for warm starts),
+:mod:`.routes` (the stored routes), :mod:`.state` (what a returned schedule
+leaves for the next warm start), :mod:`.cflp` (the check). The benchmark is
+:mod:`jaxccl.cli.synth_alltoall`.
 """
 
 from jaxccl.synth.alltoall.cflp import cflp_bound

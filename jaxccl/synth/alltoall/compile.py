@@ -27,11 +27,17 @@ first use; receives never wait on anything but their message -- because at
 Incremental compilation (warm starts). :func:`plan_incremental` keeps the
 class ranges and scratch offsets of every commodity whose routes did not
 change (read back from the previous schedule's ``info["paths"]``) and gives
-the changed ones fresh scratch above them. The emission is a deterministic
-function of the plan, so the previous schedule's threadblocks are known
-without reading its ops: every threadblock whose ops come out identical
-(same position, peers and op hash) is taken over from the previous schedule
-instead of being rebuilt.
+the changed ones fresh scratch above them; :func:`plan_delta` does the same
+when the caller knows which commodities changed (a local repair), without
+comparing the others. The emission is a deterministic function of the plan
+(the same layout rule whatever the history), and :func:`emit` with ``base``
+(the previous emission, :class:`Emitted`) computes it incrementally
+(:func:`_layout_delta`): the events of the messages taken over are carried
+over, only the connections that lose or gain a message are re-sorted, and
+threadblocks are renumbered by first use; an op whose message, hop and
+dependency are unchanged keeps its object, and a threadblock whose ops all
+stay is taken over as it is. Only the changed ops and threadblocks are built
+(the IR objects are immutable, so sharing them is safe).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,7 +63,10 @@ LAYOUT = "jaxccl.alltoall.first-use/1"  # recorded in info["layout"]; incrementa
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The messages of a rounded solution (one per route), as arrays, ordered by ``(src, dst, start)``.
+    """The messages of a rounded solution (one per route), as arrays, grouped by commodity.
+
+    A cold plan orders them by ``(src, dst, start)``; an incremental one keeps
+    the previous rows' order and puts new commodities' rows last.
 
     Attributes:
         gpus: ``(M, W)`` the GPUs each message visits, source first, -1 padded.
@@ -68,6 +78,7 @@ class Plan:
         scratch_chunks: scratch buffer size per rank.
         pid: ``(M,)`` path id of each message in the column pool (-1 if unknown).
         kept: ``(M,)`` the message was taken over from a previous plan.
+        prev_row: ``(M,)`` its row in that plan (-1 if not taken over).
     """
 
     gpus: np.ndarray
@@ -80,6 +91,11 @@ class Plan:
     scratch_chunks: int
     pid: np.ndarray
     kept: np.ndarray
+    prev_row: np.ndarray | None = None
+
+    def previous_rows(self) -> np.ndarray:
+        """``prev_row``, or all -1."""
+        return np.full(self.src.size, -1, dtype=np.int64) if self.prev_row is None else self.prev_row
 
 
 def gpu_sequences(net: Network, paths: np.ndarray) -> np.ndarray:
@@ -146,9 +162,11 @@ def _allocate(
     everything already allocated (the given offsets of the other messages)
     whose classes ``[c0, c0 + n)`` are all free: offset ``q * C + c0``.
     """
-    msg, pos = _intermediates(gpus, hops)
+    msg, pos = _intermediates(gpus, hops)  # sorted by message, then position
     next_period = np.zeros((n, c), dtype=np.int64)
-    given = ~np.isin(msg, todo)
+    is_todo = np.zeros(gpus.shape[0], dtype=bool)
+    is_todo[todo] = True
+    given = ~is_todo[msg]
     if given.any():
         m, p = msg[given], pos[given]
         g, q = gpus[m, p + 1], scratch[m, p] // c
@@ -158,13 +176,18 @@ def _allocate(
     sel = ~given
     msg, pos = msg[sel], pos[sel]
     if msg.size:
-        order = np.lexsort((pos, np.searchsorted(todo, msg)))
-        msg, pos = msg[order], pos[order]
+        if todo.size > 1 and np.any(np.diff(todo) < 0):  # allocate in the order of todo
+            turn_of = np.zeros(gpus.shape[0], dtype=np.int64)
+            turn_of[todo] = np.arange(todo.size)
+            order = np.lexsort((pos, turn_of[msg]))
+            msg, pos = msg[order], pos[order]
         g = gpus[msg, pos + 1]
-        if (c == 1 or np.all(count[msg] == 1)) and not given.any():
-            q = _cumcount(g * c + start[msg])
-            scratch[msg, pos] = q * c + start[msg]
-            np.maximum.at(next_period, (g, start[msg]), q + 1)
+        if c == 1 or np.all(count[msg] == 1):
+            # One class per message: each takes the next free period of its class, in order.
+            cls = start[msg]
+            q = next_period[g, cls] + _cumcount(g * c + cls)
+            scratch[msg, pos] = q * c + cls
+            np.maximum.at(next_period, (g, cls), q + 1)
         else:
             # The greedy is sequential per rank but independent across ranks: one round per message index.
             turn = _cumcount(g)
@@ -267,115 +290,242 @@ def previous_plan(paths: Mapping[str, Any], n: int, c: int) -> Plan | None:
 
 
 def plan_incremental(
-    net: Network, pool: ColumnPool, comm: np.ndarray, pid: np.ndarray, count: np.ndarray, chunks: int, prev: Plan
+    net: Network,
+    pool: ColumnPool,
+    comm: np.ndarray,
+    pid: np.ndarray,
+    count: np.ndarray,
+    chunks: int,
+    prev: Plan,
+    prev_arcs: np.ndarray | None = None,
 ) -> Plan:
     """Like :func:`plan`, but commodities routed exactly as in ``prev`` keep its class ranges and scratch.
 
     A commodity is kept when its rows and ``prev``'s rows for it are the same
-    multiset of (GPU sequence, chunks) with no repeats; the others get class
-    ranges in row order and scratch above everything the kept ones occupy.
+    multiset of (route, chunks) with no repeats; the others get class ranges
+    in row order and scratch above everything the kept ones occupy. The kept
+    rows keep their previous order and the others come last (as in :func:`plan_delta`). Routes
+    are compared as GPU sequences, or, when ``prev_arcs`` gives ``prev``'s
+    routes as arcs of the same network, as arc sequences (then only the
+    changed rows are turned into GPU sequences).
     """
     n, c = net.num_gpus, int(chunks)
-    gpus, hops, start, count = _messages(net, pool, comm, pid, count)
-    fresh = Plan(
+    comm = np.asarray(comm, dtype=np.int64)
+    pid = np.asarray(pid, dtype=np.int64)
+    count = np.asarray(count, dtype=np.int64)
+    src, dst = comm // n, comm % n
+    comm_old = prev.src * n + prev.dst
+    if prev_arcs is not None and prev_arcs.shape[0] == prev.src.size:
+        gpus_all, new_rows, old_rows = None, pool.paths[pid], prev_arcs
+    else:
+        gpus_all = gpu_sequences(net, pool.paths[pid])
+        new_rows, old_rows = gpus_all, prev.gpus
+    width = max(new_rows.shape[1], old_rows.shape[1])
+    new_rows = _pad_columns(new_rows, width)
+    old_rows = _pad_columns(old_rows, width)
+    k_new = _row_keys(new_rows, src, dst, count)
+    k_old = _row_keys(old_rows, prev.src, prev.dst, prev.count)
+    # Per commodity: an order-free digest of its rows, and whether some row repeats.
+    dig_new, rows_new = _digests(comm, k_new, n)
+    dig_old, rows_old = _digests(comm_old, k_old, n)
+    unique_new = np.bincount(comm[np.unique(k_new, return_index=True)[1]], minlength=n * n) == rows_new
+    same = (dig_new == dig_old) & (rows_new == rows_old) & (rows_new > 0) & unique_new
+    keep = same[comm]
+    # Kept rows take prev's row with the same key (unique within the commodity); checked exactly.
+    kept_rows = np.flatnonzero(keep)
+    first_old = np.full(n * n, -1, dtype=np.int64)
+    if comm_old.size:
+        starts = np.flatnonzero(np.r_[True, comm_old[1:] != comm_old[:-1]])
+        first_old[comm_old[starts]] = starts
+    match = first_old[comm[kept_rows]]  # right for commodities of one row
+    multi = np.flatnonzero(rows_new[comm[kept_rows]] > 1)
+    if multi.size:
+        sel = np.flatnonzero(rows_old[comm_old] > 1)
+        order_old = sel[np.argsort(k_old[sel], kind="stable")]
+        where = np.minimum(np.searchsorted(k_old[order_old], k_new[kept_rows[multi]]), order_old.size - 1)
+        match[multi] = order_old[where]
+    equal = (k_old[match] == k_new[keep]) & (prev.src[match] == src[keep]) & (prev.dst[match] == dst[keep])
+    equal &= (prev.count[match] == count[keep]) & np.all(old_rows[match] == new_rows[keep], axis=1)
+    if not equal.all():  # a hash collision: those commodities are planned afresh
+        bad = np.zeros(n * n, dtype=bool)
+        bad[comm[kept_rows[~equal]]] = True
+        keep &= ~bad[comm]
+        match = match[~bad[comm[kept_rows]]]
+        kept_rows = np.flatnonzero(keep)
+    todo = np.flatnonzero(~keep)
+    gpus_todo = gpu_sequences(net, pool.paths[pid[todo]]) if gpus_all is None else gpus_all[todo]
+    wide = max(gpus_todo.shape[1] - 2, prev.scratch.shape[1], prev.gpus.shape[1] - 2, 1)
+    gpus = np.full((pid.size, wide + 2), -1, dtype=np.int64)
+    gpus[kept_rows, : prev.gpus.shape[1]] = prev.gpus[match]
+    gpus[todo, : gpus_todo.shape[1]] = gpus_todo
+    hops = (gpus >= 0).sum(axis=1) - 1
+    start = np.empty(pid.size, dtype=np.int64)
+    start[kept_rows] = prev.start[match]
+    start[todo] = _starts(comm[todo], count[todo])
+    scratch = np.full((pid.size, wide), -1, dtype=np.int64)
+    scratch[kept_rows, : prev.scratch.shape[1]] = prev.scratch[match]
+    periods = _allocate(gpus, hops, start, count, scratch, todo, n, c)
+    prev_row = np.full(pid.size, -1, dtype=np.int64)
+    prev_row[kept_rows] = match
+    # The kept rows in their previous order, then the new ones by (src, dst, start): see plan_delta.
+    fresh = prev_row < 0
+    order = np.lexsort((start, dst, src, np.where(fresh, 0, prev_row), fresh))
+    return Plan(
+        gpus=gpus[order],
+        hops=hops[order],
+        start=start[order],
+        count=count[order],
+        src=src[order],
+        dst=dst[order],
+        scratch=scratch[order],
+        scratch_chunks=periods * c,
+        pid=pid[order],
+        kept=keep[order],
+        prev_row=prev_row[order],
+    )
+
+
+def plan_delta(
+    net: Network,
+    pool: ColumnPool,
+    prev: Plan,
+    kept: np.ndarray,
+    comm: np.ndarray,
+    pid: np.ndarray,
+    count: np.ndarray,
+    chunks: int,
+) -> Plan:
+    """``prev`` with only the rows ``kept`` of it, then new rows ``(commodity, path, chunks)`` sorted by commodity.
+
+    The new rows' commodities must be exactly those that lost their rows;
+    they get class ranges in row order and scratch above everything the
+    kept rows occupy (as :func:`plan_incremental` does, without comparing
+    the kept rows: the caller knows they are unchanged). Kept rows keep
+    their order and have ``pid = -1``; the new ones come last (so rows stay
+    grouped by commodity, not sorted: the routes table keeps this order).
+    """
+    n, c = net.num_gpus, int(chunks)
+    kept = np.asarray(kept, dtype=np.int64)
+    comm = np.asarray(comm, dtype=np.int64)
+    pid = np.asarray(pid, dtype=np.int64)
+    count = np.asarray(count, dtype=np.int64)
+    gpus_new = gpu_sequences(net, pool.paths[pid])
+    start_new = _starts(comm, count)
+    # The new rows go after the kept ones: the issue order is by hop depth, then row, so a new message's
+    # transfers queue behind the kept ones of the same depth instead of shifting them (and their dependents).
+    m = kept.size + comm.size
+    at = kept.size + np.arange(comm.size)
+    is_new = np.zeros(m, dtype=bool)
+    is_new[at] = True
+    old_at = np.flatnonzero(~is_new)
+    wide = max(gpus_new.shape[1] - 2, prev.scratch.shape[1], prev.gpus.shape[1] - 2, 1)
+    gpus = np.full((m, wide + 2), -1, dtype=np.int64)
+    gpus[old_at, : prev.gpus.shape[1]] = prev.gpus[kept]
+    gpus[at, : gpus_new.shape[1]] = gpus_new
+
+    def merged(old_col: np.ndarray, new_col: np.ndarray) -> np.ndarray:
+        out = np.empty(m, dtype=np.int64)
+        out[old_at] = old_col[kept]
+        out[at] = new_col
+        return out
+
+    hops = (gpus >= 0).sum(axis=1) - 1
+    start = merged(prev.start, start_new)
+    cnt = merged(prev.count, count)
+    scratch = np.full((m, wide), -1, dtype=np.int64)
+    scratch[old_at, : prev.scratch.shape[1]] = prev.scratch[kept]
+    periods = _allocate(gpus, hops, start, cnt, scratch, at, n, c)
+    prev_row = np.full(m, -1, dtype=np.int64)
+    prev_row[old_at] = kept
+    row_pid = np.full(m, -1, dtype=np.int64)
+    row_pid[at] = pid
+    return Plan(
         gpus=gpus,
         hops=hops,
         start=start,
-        count=count,
-        src=comm // n,
-        dst=comm % n,
-        scratch=np.zeros((gpus.shape[0], 0), dtype=np.int64),
-        scratch_chunks=0,
-        pid=np.asarray(pid, dtype=np.int64),
-        kept=np.zeros(gpus.shape[0], dtype=bool),
-    )
-    width = max(fresh.gpus.shape[1], prev.gpus.shape[1])
-
-    def keys(p: Plan) -> np.ndarray:
-        g = np.pad(p.gpus, ((0, 0), (0, width - p.gpus.shape[1])), constant_values=-1)
-        rng = np.random.default_rng(0xA11)
-        mult = rng.integers(1, 2**62, size=width + 3, dtype=np.int64).astype(np.uint64) | np.uint64(1)
-        with np.errstate(over="ignore"):
-            cols = np.concatenate([(g + 1), p.src[:, None], p.dst[:, None], p.count[:, None]], axis=1)
-            return (cols.astype(np.uint64) * mult).sum(axis=1, dtype=np.uint64)
-
-    k_new, k_old = keys(fresh), keys(prev)
-    comm_new, comm_old = fresh.src * n + fresh.dst, prev.src * n + prev.dst
-    # Per commodity: an order-free digest of its rows, and whether some row repeats.
-    with np.errstate(over="ignore"):
-        dig_new = np.zeros(n * n, dtype=np.uint64)
-        np.add.at(dig_new, comm_new, k_new * np.uint64(0x9E3779B97F4A7C15))
-        dig_old = np.zeros(n * n, dtype=np.uint64)
-        np.add.at(dig_old, comm_old, k_old * np.uint64(0x9E3779B97F4A7C15))
-    rows_new = np.bincount(comm_new, minlength=n * n)
-    rows_old = np.bincount(comm_old, minlength=n * n)
-    unique_new = np.bincount(comm_new[np.unique(k_new, return_index=True)[1]], minlength=n * n) == rows_new
-    same = (dig_new == dig_old) & (rows_new == rows_old) & (rows_new > 0) & unique_new
-    keep = same[comm_new]
-    # Kept rows take prev's row with the same key (unique within the commodity).
-    order_old = np.argsort(k_old, kind="stable")
-    match = order_old[np.searchsorted(k_old[order_old], k_new[keep])]
-    if np.any(k_old[match] != k_new[keep]):  # pragma: no cover - guarded by the digests
-        return fresh
-    start = fresh.start.copy()
-    start[keep] = prev.start[match]
-    wide = max(fresh.gpus.shape[1] - 2, prev.scratch.shape[1], 1)
-    scratch = np.full((fresh.gpus.shape[0], wide), -1, dtype=np.int64)
-    scratch[np.flatnonzero(keep), : prev.scratch.shape[1]] = prev.scratch[match]
-    gpus = np.pad(
-        fresh.gpus, ((0, 0), (0, max(wide + 2, fresh.gpus.shape[1]) - fresh.gpus.shape[1])), constant_values=-1
-    )
-    periods = _allocate(gpus, fresh.hops, start, fresh.count, scratch, np.flatnonzero(~keep), n, c)
-    order = np.lexsort((start, fresh.dst, fresh.src))
-    return Plan(
-        gpus=gpus[order],
-        hops=fresh.hops[order],
-        start=start[order],
-        count=fresh.count[order],
-        src=fresh.src[order],
-        dst=fresh.dst[order],
-        scratch=scratch[order],
+        count=cnt,
+        src=merged(prev.src, comm // n),
+        dst=merged(prev.dst, comm % n),
+        scratch=scratch,
         scratch_chunks=periods * c,
-        pid=fresh.pid[order],
-        kept=keep[order],
+        pid=row_pid,
+        kept=~is_new,
+        prev_row=prev_row,
     )
+
+
+def _pad_columns(rows: np.ndarray, width: int) -> np.ndarray:
+    if rows.shape[1] >= width:
+        return rows
+    return np.pad(rows, ((0, 0), (0, width - rows.shape[1])), constant_values=-1)
+
+
+_ROW_MULT = np.random.default_rng(0xA11).integers(1, 2**62, size=256, dtype=np.int64).astype(np.uint64) | np.uint64(1)
+
+
+def _row_keys(rows: np.ndarray, src: np.ndarray, dst: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """A 64-bit hash per row of (route, src, dst, chunks)."""
+    cols = np.concatenate([rows.astype(np.int64) + 1, src[:, None], dst[:, None], count[:, None]], axis=1)
+    mult = _ROW_MULT
+    if cols.shape[1] > mult.size:
+        mult = np.random.default_rng(cols.shape[1]).integers(1, 2**62, size=cols.shape[1], dtype=np.int64)
+        mult = mult.astype(np.uint64) | np.uint64(1)
+    with np.errstate(over="ignore"):
+        return (cols.astype(np.uint64) * mult[: cols.shape[1]]).sum(axis=1, dtype=np.uint64)
+
+
+def _digests(comm: np.ndarray, keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per commodity (rows grouped by commodity): the sum of its mixed row keys, and its row count."""
+    dig = np.zeros(n * n, dtype=np.uint64)
+    rows = np.zeros(n * n, dtype=np.int64)
+    if comm.size == 0:
+        return dig, rows
+    first = np.flatnonzero(np.r_[True, comm[1:] != comm[:-1]])
+    with np.errstate(over="ignore"):
+        dig[comm[first]] = np.add.reduceat(keys * np.uint64(0x9E3779B97F4A7C15), first)
+    rows[comm[first]] = np.diff(np.r_[first, comm.size])
+    return dig, rows
 
 
 @dataclasses.dataclass(frozen=True)
-class _Transfers:
-    """Every hop of every message, in issue order (hop depth, then message)."""
+class _Hops:
+    """Every hop of some messages, in issue order (hop depth, then message): who sends to whom."""
 
     msg: np.ndarray
     depth: np.ndarray
     frm: np.ndarray
     to: np.ndarray
-    src_buf: np.ndarray
-    src_off: np.ndarray
-    dst_buf: np.ndarray
-    dst_off: np.ndarray
-    count: np.ndarray
 
 
-def _transfers(p: Plan, c: int) -> _Transfers:
+def _hops(p: Plan, rows: np.ndarray | None = None) -> _Hops:
+    """Every hop of the messages (all, or the plan rows ``rows``, sorted), in issue order."""
     width = p.gpus.shape[1]
-    msg, depth = np.nonzero(np.arange(width - 1)[None, :] < p.hops[:, None])
-    order = np.lexsort((msg, depth))
-    msg, depth = msg[order], depth[order]
+    # Issue order: by hop depth, then message (the transposed mask's nonzeros come out in that order).
+    hops = p.hops if rows is None else p.hops[rows]
+    depth, msg = np.nonzero(np.arange(width - 1)[:, None] < hops[None, :])
+    if rows is not None:
+        msg = rows[msg]
+    return _Hops(msg=msg, depth=depth, frm=p.gpus[msg, depth], to=p.gpus[msg, depth + 1])
+
+
+def _hop_fields(p: Plan, c: int, msg: np.ndarray, depth: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``(src_buf, src_off, dst_buf, dst_off, count)`` of the transfers at hop ``depth`` of messages ``msg``.
+
+    The first hop reads the input chunks ``dst * C + c0``, the last writes the
+    output chunks ``src * C + c0``; in between the scratch offset at each GPU.
+    """
     last = depth == p.hops[msg] - 1
     inp, out, scr = int(Buffer.INPUT), int(Buffer.OUTPUT), int(Buffer.SCRATCH)
     c0 = p.start[msg]
-    prev = p.scratch[msg, np.minimum(np.maximum(depth - 1, 0), p.scratch.shape[1] - 1)]
-    here = p.scratch[msg, np.minimum(depth, p.scratch.shape[1] - 1)]
-    return _Transfers(
-        msg=msg,
-        depth=depth,
-        frm=p.gpus[msg, depth],
-        to=p.gpus[msg, depth + 1],
-        src_buf=np.where(depth == 0, inp, scr),
-        src_off=np.where(depth == 0, p.dst[msg] * c + c0, prev),
-        dst_buf=np.where(last, out, scr),
-        dst_off=np.where(last, p.src[msg] * c + c0, here),
-        count=p.count[msg],
+    width = p.scratch.shape[1]
+    prev = p.scratch[msg, np.minimum(np.maximum(depth - 1, 0), width - 1)]
+    here = p.scratch[msg, np.minimum(depth, width - 1)]
+    return (
+        np.where(depth == 0, inp, scr),
+        np.where(depth == 0, p.dst[msg] * c + c0, prev),
+        np.where(last, out, scr),
+        np.where(last, p.src[msg] * c + c0, here),
+        p.count[msg],
     )
 
 
@@ -410,28 +560,47 @@ def emit(
     p: Plan,
     *,
     method: str = DEFAULT_METHOD,
-    previous: Schedule | None = None,
-    previous_plan: Plan | None = None,
+    base: Emitted | None = None,
     stats: dict | None = None,
+    record: list | None = None,
     **build_kwargs,
 ) -> Schedule:
-    """The schedule of a plan; with ``previous`` (emitted from ``previous_plan``), unchanged threadblocks are reused.
+    """The schedule of a plan; with ``base`` (an earlier emission), its identical ops and threadblocks are reused.
 
-    ``stats`` (if given) receives ``reused`` and ``threadblocks`` counts.
+    With ``base``, the layout is computed incrementally (:func:`_layout_delta`);
+    an op is reused when it is the same hop of a message taken over with the
+    same dependency (so the very same op), a threadblock when all its ops are
+    an earlier threadblock's, in order, with the same peer (its index may
+    differ). Everything else is built. The result does not depend on
+    ``base``: it is the schedule :func:`_layout` of ``p`` gives.
+
+    Args:
+        n, c: ranks and chunks per period.
+        p: the plan.
+        method: ``"direct"`` or ``"builder"`` (no reuse).
+        base: an earlier :class:`Emitted` (see ``record``), of the plan ``p`` was
+            planned incrementally from (``p.prev_row`` refers to its rows).
+        stats: if given, receives ``reused`` (threadblocks taken over),
+            ``reused_ops``, ``ops`` and ``threadblocks``.
+        record: if given, the :class:`Emitted` of this schedule is appended.
+        build_kwargs: Schedule fields (name, algbw, bound, info).
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
     if method == "builder":
         return _with_builder(n, c, p, build_kwargs)
-    lay = _layout(n, c, p)
-    reuse = None
-    if previous is not None and previous_plan is not None:
-        reuse = _reusable(lay, _layout(n, c, previous_plan), previous)
-    ranks = _emit(n, c, lay, reuse)
+    src = reuse = None
+    if base is not None and base.num_ranks == n and base.chunks == c and _keeps_order(p, base.plan):
+        lay, src, reuse = _layout_delta(n, c, p, base.layout, base.plan)
+    else:
+        lay = _layout(n, c, p)
+    ranks, reused = _emit(n, c, p, lay, base, src, reuse)
     if stats is not None:
-        stats["reused"] = len(reuse or {})
+        stats["reused"] = reused
+        stats["reused_ops"] = int((src >= 0).sum()) if src is not None else 0
+        stats["ops"] = int(lay.kind.size) + n
         stats["threadblocks"] = int(lay.group_lo.size) + n
-    return Schedule(
+    sched = Schedule(
         collective=Collective.ALL_TO_ALL,
         num_ranks=n,
         chunks_per_period=c,
@@ -439,17 +608,75 @@ def emit(
         scratch_chunks=p.scratch_chunks,
         **build_kwargs,
     )
+    if record is not None:
+        record.append(Emitted(num_ranks=n, chunks=c, ranks=sched.ranks, layout=lay, plan=p))
+    return sched
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Emitted:
+    """An emitted program with what an incremental emission needs from it.
+
+    Attributes:
+        num_ranks, chunks: ``N`` and ``C``.
+        ranks: the programs (the schedule's ``ranks``).
+        layout: the layout (:func:`_layout`) they were emitted from: event
+            ``e`` is op ``e - group_lo[g]`` of threadblock ``group_tb[g]`` of
+            rank ``group_rank[g]`` for its group ``g``.
+        plan: the plan of that layout.
+    """
+
+    num_ranks: int
+    chunks: int
+    ranks: tuple
+    layout: _Layout
+    plan: Plan
+
+
+def emitted_from(previous: Schedule, p: Plan) -> Emitted | None:
+    """The :class:`Emitted` of a schedule this module emitted from plan ``p`` (e.g. read back from JSON).
+
+    Every op of ``previous`` is checked against the layout of ``p``: None if
+    any differs (then nothing is reused).
+    """
+    n, c = previous.num_ranks, previous.chunks_per_period
+    lay = _layout(n, c, p)
+    ops: list = []
+    for r, t, size in zip(lay.group_rank.tolist(), lay.group_tb.tolist(), (lay.group_hi - lay.group_lo).tolist()):
+        tbs = previous.ranks[r] if r < len(previous.ranks) else ()
+        if t >= len(tbs) or len(tbs[t].ops) != size:
+            return None
+        ops.extend(tbs[t].ops)
+    codes = {OpKind.SEND: 0, OpKind.RECV: 1}
+    try:
+        got = [
+            np.array([codes[op.kind] for op in ops], dtype=np.int64),
+            np.array([int(op.src) for op in ops], dtype=np.int64),
+            np.array([op.src_off for op in ops], dtype=np.int64),
+            np.array([int(op.dst) for op in ops], dtype=np.int64),
+            np.array([op.dst_off for op in ops], dtype=np.int64),
+            np.array([op.count for op in ops], dtype=np.int64),
+            np.array([op.deps[0][0] if op.deps else -1 for op in ops], dtype=np.int64),
+            np.array([op.deps[0][1] if op.deps else -1 for op in ops], dtype=np.int64),
+        ]
+    except (KeyError, TypeError):
+        return None
+    if any(len(op.deps) > 1 for op in ops):
+        return None
+    want = [lay.kind, *_hop_fields(p, c, lay.msg, lay.depth), lay.dep_tb, lay.dep_op]
+    if not all(np.array_equal(a, b) for a, b in zip(got, want)):
+        return None
+    return Emitted(num_ranks=n, chunks=c, ranks=previous.ranks, layout=lay, plan=p)
 
 
 def _with_builder(n: int, c: int, p: Plan, kwargs: dict) -> Schedule:
     b = ScheduleBuilder("all_to_all", n, c, scratch_chunks=p.scratch_chunks)
     for r in range(n):
         b.copy(r, (Buffer.INPUT, r * c), (Buffer.OUTPUT, r * c), c)
-    t = _transfers(p, c)
+    t = _hops(p)
+    fields = _hop_fields(p, c, t.msg, t.depth)
     received: dict[int, object] = {}
-    for i, j, a, bb, sb, so, db, do, m in zip(
-        *(x.tolist() for x in (t.msg, t.depth, t.frm, t.to, t.src_buf, t.src_off, t.dst_buf, t.dst_off, t.count))
-    ):
+    for i, j, a, bb, sb, so, db, do, m in zip(*(x.tolist() for x in (t.msg, t.depth, t.frm, t.to, *fields))):
         after = () if j == 0 else (received[i],)
         received[i] = b.transfer(a, bb, (Buffer(sb), so), (Buffer(db), do), m, after=after)
     return b.build(**kwargs)
@@ -504,19 +731,48 @@ def _fast_op_factory():
 _make_op = _fast_op_factory()
 
 
+def _fast_threadblock_factory():
+    """A constructor of :class:`Threadblock` values from an ops tuple that skips ``__post_init__`` (as for ops)."""
+    names = tuple(f.name for f in dataclasses.fields(Threadblock))
+
+    def slow(ops, send_peer, recv_peer):
+        return Threadblock(ops, send_peer, recv_peer, 0)
+
+    if names != ("ops", "send_peer", "recv_peer", "channel") or hasattr(Threadblock, "__slots__"):
+        return slow
+    new = object.__new__
+    setattr_ = object.__setattr__
+
+    def fast(ops, send_peer, recv_peer):
+        tb = new(Threadblock)
+        setattr_(tb, "__dict__", {"ops": ops, "send_peer": send_peer, "recv_peer": recv_peer, "channel": 0})
+        return tb
+
+    probe = ((_make_op(OpKind.SEND, Buffer.INPUT, 3, Buffer.SCRATCH, 1, 2, ()),), 1, -1)
+    try:
+        ok = fast(*probe) == slow(*probe) and hash(fast(*probe)) == hash(slow(*probe))
+    except Exception:  # pragma: no cover - defensive
+        ok = False
+    return fast if ok else slow
+
+
+_make_threadblock = _fast_threadblock_factory()
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """Every op of a plan with its place: events sorted by (rank, threadblock, op index).
 
-    ``group_*`` describe the threadblocks other than the local one (index 0).
+    An event is hop ``depth`` of plan row ``msg``, its send (``kind`` 0) or
+    its receive (1); the op's buffers, offsets and count follow from the
+    plan (:func:`_hop_fields`). ``group_*`` describe the threadblocks other
+    than the local one (index 0): group ``g`` holds events
+    ``group_lo[g]:group_hi[g]``, as threadblock ``group_tb[g]`` of rank ``group_rank[g]``.
     """
 
-    kind: np.ndarray  # 0 send, 1 recv
-    src_buf: np.ndarray
-    src_off: np.ndarray
-    dst_buf: np.ndarray
-    dst_off: np.ndarray
-    count: np.ndarray
+    msg: np.ndarray
+    depth: np.ndarray
+    kind: np.ndarray
     dep_tb: np.ndarray
     dep_op: np.ndarray
     group_rank: np.ndarray
@@ -525,7 +781,10 @@ class _Layout:
     group_kind: np.ndarray
     group_lo: np.ndarray
     group_hi: np.ndarray
-    group_hash: np.ndarray
+
+    def event_ranks(self) -> np.ndarray:
+        """The rank of every event."""
+        return np.repeat(self.group_rank, self.group_hi - self.group_lo)
 
 
 def _layout(n: int, c: int, p: Plan) -> _Layout:
@@ -537,7 +796,7 @@ def _layout(n: int, c: int, p: Plan) -> _Layout:
     (receive threadblock). Ops of a threadblock keep the issue order; the
     send of hop ``j >= 1`` depends on the receive of hop ``j - 1``.
     """
-    t = _transfers(p, c)
+    t = _hops(p)
     k = t.msg.size
     # Events: 2i = send of transfer i on its sender, 2i + 1 = its receive on its receiver.
     rank = np.empty(2 * k, dtype=np.int64)
@@ -546,15 +805,28 @@ def _layout(n: int, c: int, p: Plan) -> _Layout:
     peer[0::2], peer[1::2] = t.to, t.frm
     kind = np.tile(np.array([0, 1]), k)
     conn = (rank * n + peer) * 2 + kind
-    uniq, first_event, inverse = np.unique(conn, return_index=True, return_inverse=True)
-    inverse = inverse.ravel()
-    u_rank = uniq // (2 * n)
+    # Events grouped by connection, in issue order within each (a stable sort).
+    by_conn = np.argsort(conn, kind="stable")
+    sc = conn[by_conn]
+    starts = np.flatnonzero(np.r_[True, sc[1:] != sc[:-1]]) if sc.size else np.zeros(0, dtype=np.int64)
+    sizes = np.diff(np.r_[starts, sc.size])
+    first_event = by_conn[starts]
+    u_rank = sc[starts] // (2 * n)
+    # Connections of a rank in order of first use: that order is the threadblock order.
     order = np.lexsort((first_event, u_rank))
     ranks_sorted = u_rank[order]
-    tb_of_conn = np.empty(uniq.size, dtype=np.int64)
+    tb_of_conn = np.empty(starts.size, dtype=np.int64)
     tb_of_conn[order] = 1 + (np.arange(order.size) - np.searchsorted(ranks_sorted, ranks_sorted, side="left"))
-    tb = tb_of_conn[inverse]
-    op_idx = _cumcount(inverse)  # events are in time order
+    ev = by_conn[_ranges(starts[order], starts[order] + sizes[order])]
+    size_s = sizes[order]
+    lo = np.r_[0, np.cumsum(size_s)[:-1]].astype(np.int64) if size_s.size else np.zeros(0, dtype=np.int64)
+    hi = lo + size_s
+    op_sorted = np.arange(ev.size) - np.repeat(lo, size_s)
+    conn_of_event = np.empty(ev.size, dtype=np.int64)
+    conn_of_event[by_conn] = np.repeat(np.arange(starts.size), sizes)
+    tb = tb_of_conn[conn_of_event]
+    op_idx = np.empty(ev.size, dtype=np.int64)
+    op_idx[ev] = op_sorted
     recv_event = 2 * np.arange(k) + 1
     hop_event = np.full((p.gpus.shape[0], max(p.gpus.shape[1] - 1, 1)), -1, dtype=np.int64)
     hop_event[t.msg, t.depth] = recv_event
@@ -563,72 +835,163 @@ def _layout(n: int, c: int, p: Plan) -> _Layout:
     dep_op = np.full(2 * k, -1, dtype=np.int64)
     dep_tb[0::2] = np.where(dep_event >= 0, tb[np.maximum(dep_event, 0)], -1)
     dep_op[0::2] = np.where(dep_event >= 0, op_idx[np.maximum(dep_event, 0)], -1)
-    rep = np.repeat
-    fields = {
-        "src_buf": rep(t.src_buf, 2),
-        "src_off": rep(t.src_off, 2),
-        "dst_buf": rep(t.dst_buf, 2),
-        "dst_off": rep(t.dst_off, 2),
-        "count": rep(t.count, 2),
-    }
-    ev = np.lexsort((op_idx, tb, rank))
-    r_s, tb_s = rank[ev], tb[ev]
-    lo = np.flatnonzero(np.r_[True, (r_s[1:] != r_s[:-1]) | (tb_s[1:] != tb_s[:-1])]) if ev.size else ev
-    hi = np.r_[lo[1:], ev.size]
-    out = {name: v[ev] for name, v in fields.items()}
-    kind_s, dtb_s, dop_s = kind[ev], dep_tb[ev], dep_op[ev]
-    # One order-sensitive 64-bit hash per threadblock over everything that makes its ops.
-    with np.errstate(over="ignore"):
-        cols = [kind_s, out["src_buf"], out["src_off"], out["dst_buf"], out["dst_off"], out["count"], dtb_s, dop_s]
-        mult = np.random.default_rng(0x7B).integers(1, 2**62, size=len(cols) + 1, dtype=np.int64).astype(np.uint64)
-        h = np.zeros(ev.size, dtype=np.uint64)
-        for col, m in zip(cols, mult):
-            h = h * np.uint64(0x100000001B3) + (col.astype(np.int64) + 2).astype(np.uint64) * (m | np.uint64(1))
-        pos = (np.arange(ev.size) - np.repeat(lo, hi - lo)).astype(np.uint64)
-        h = h * (pos * np.uint64(0x9E3779B97F4A7C15) + np.uint64(1))
-        group_hash = np.add.reduceat(h, lo) if lo.size else np.zeros(0, dtype=np.uint64)
+    half = ev // 2  # the transfer of each event
+    kind_s = kind[ev]
     return _Layout(
+        msg=t.msg[half],
+        depth=t.depth[half],
         kind=kind_s,
-        dep_tb=dtb_s,
-        dep_op=dop_s,
-        group_rank=r_s[lo],
-        group_tb=tb_s[lo],
-        group_peer=peer[ev][lo],
-        group_kind=kind_s[lo],
+        dep_tb=dep_tb[ev],
+        dep_op=dep_op[ev],
+        group_rank=ranks_sorted,
+        group_tb=tb_of_conn[order],
+        group_peer=peer[first_event[order]],
+        group_kind=kind[first_event[order]],
         group_lo=lo,
         group_hi=hi,
-        group_hash=group_hash,
-        **out,
     )
 
 
-def _reusable(new: _Layout, old: _Layout, previous: Schedule) -> dict[int, Threadblock]:
-    """Threadblocks of ``previous`` that ``new`` would rebuild identically: group index -> Threadblock."""
-    key_new = np.stack([new.group_rank, new.group_tb], axis=1)
-    key_old = np.stack([old.group_rank, old.group_tb], axis=1)
-    n_tb = max(int(new.group_tb.max(initial=0)), int(old.group_tb.max(initial=0))) + 1
-    flat_new = key_new[:, 0] * n_tb + key_new[:, 1]
-    flat_old = key_old[:, 0] * n_tb + key_old[:, 1]
-    order = np.argsort(flat_old)
-    pos = np.minimum(np.searchsorted(flat_old[order], flat_new), max(order.size - 1, 0))
-    if order.size == 0:
-        return {}
-    j = order[pos]
-    same = (flat_old[j] == flat_new) & (old.group_hash[j] == new.group_hash)
-    same &= (old.group_peer[j] == new.group_peer) & (old.group_kind[j] == new.group_kind)
-    same &= (old.group_hi[j] - old.group_lo[j]) == (new.group_hi - new.group_lo)
-    out: dict[int, Threadblock] = {}
-    for g in np.flatnonzero(same).tolist():
-        r, t = int(new.group_rank[g]), int(new.group_tb[g])
-        tbs = previous.ranks[r] if r < len(previous.ranks) else ()
-        if t < len(tbs):
-            prev_tb = tbs[t]
-            length = int(new.group_hi[g] - new.group_lo[g])
-            peer = int(new.group_peer[g])
-            peers = (peer, -1) if new.group_kind[g] == 0 else (-1, peer)
-            if len(prev_tb.ops) == length and (prev_tb.send_peer, prev_tb.recv_peer) == peers:
-                out[g] = prev_tb
-    return out
+def _keeps_order(p: Plan, old_plan: Plan) -> bool:
+    """Whether ``p`` takes over rows of ``old_plan`` in their order (what :func:`_layout_delta` relies on)."""
+    if p.prev_row is None:
+        return False
+    taken = p.prev_row[p.prev_row >= 0]
+    return bool(taken.size == 0 or (taken.max() < old_plan.src.size and np.all(np.diff(taken) > 0)))
+
+
+def _layout_delta(n: int, c: int, p: Plan, old: _Layout, old_plan: Plan):
+    """:func:`_layout` of ``p`` computed from the layout of the plan it was planned from (``p.prev_row``).
+
+    Messages taken over keep their events; only the connections (rank,
+    peer, direction) that lose or gain a message get their event lists
+    rebuilt (events ordered by the key ``depth * M + row``, as the issue
+    sequence orders them: a rank never has two events of one transfer), and
+    threadblocks are renumbered by first use from the first event of each
+    connection. Returns ``(layout, src, reuse)``: the layout, equal to
+    :func:`_layout` of ``p``; per event the old event with the same op (same
+    message and hop, so the same fields, and the same dependency) or -1; the
+    ``(new group, old group)`` threadblocks taken over as they are.
+    """
+    m_new = p.src.size
+    old_rows = old_plan.src.size
+    prev_row = p.previous_rows().copy()
+    prev_row[prev_row >= old_rows] = -1
+    # A row taken over is the old row itself (plan_incremental and plan_delta copy its route, classes and scratch).
+    kept = np.flatnonzero(prev_row >= 0)
+    old_to_new = np.full(old_rows, -1, dtype=np.int64)
+    old_to_new[prev_row[kept]] = kept
+    e_old, g_old = old.kind.size, old.group_lo.size
+    old_size = old.group_hi - old.group_lo
+    old_group = np.repeat(np.arange(g_old), old_size)
+    surv = old_to_new[old.msg] >= 0 if e_old else np.zeros(0, dtype=bool)
+    # Events of the new messages.
+    t = _hops(p, np.flatnonzero(prev_row < 0))
+    k = t.msg.size
+    i_rank = np.empty(2 * k, dtype=np.int64)
+    i_peer = np.empty(2 * k, dtype=np.int64)
+    i_rank[0::2], i_rank[1::2] = t.frm, t.to
+    i_peer[0::2], i_peer[1::2] = t.to, t.frm
+    i_kind = np.tile(np.array([0, 1]), k)
+    i_conn = (i_rank * n + i_peer) * 2 + i_kind
+    # Their connections: an old group, or a new one.
+    g_conn = (old.group_rank * n + old.group_peer) * 2 + old.group_kind
+    i_group = np.full(2 * k, -1, dtype=np.int64)
+    if g_old:
+        order_conn = np.argsort(g_conn)
+        i_group = order_conn[np.minimum(np.searchsorted(g_conn[order_conn], i_conn), g_old - 1)]
+        i_group = np.where(g_conn[i_group] == i_conn, i_group, -1)
+    fresh_conn, fresh_inv = np.unique(i_conn[i_group < 0], return_inverse=True)
+    i_group[i_group < 0] = g_old + fresh_inv.ravel()
+    g_all = g_old + fresh_conn.size
+    touched = np.zeros(g_all, dtype=bool)
+    touched[old_group[~surv]] = True
+    touched[i_group] = True
+    # Event keys in issue order.
+    o_key = old.depth * m_new + np.where(surv, old_to_new[old.msg], 0)
+    i_key = np.repeat(t.depth * m_new + t.msg, 2)
+    # Touched groups: surviving old events plus new ones, sorted by key; the others keep their old list.
+    sel_old = np.flatnonzero(surv & touched[old_group])
+    t_group = np.r_[old_group[sel_old], i_group]
+    t_key = np.r_[o_key[sel_old], i_key]
+    t_src = np.r_[sel_old, e_old + np.arange(2 * k)]  # index into [old events, new events]
+    t_order = np.lexsort((t_key, t_group))
+    t_group, t_key, t_src = t_group[t_order], t_key[t_order], t_src[t_order]
+    t_lo = np.searchsorted(t_group, np.arange(g_all), side="left")
+    t_hi = np.searchsorted(t_group, np.arange(g_all), side="right")
+    size = np.where(touched, t_hi - t_lo, np.r_[old_size, np.zeros(fresh_conn.size, dtype=np.int64)])
+    first_key = np.full(g_all, -1, dtype=np.int64)
+    untouched_old = np.flatnonzero(~touched[:g_old])
+    first_key[untouched_old] = o_key[old.group_lo[untouched_old]]
+    has = np.flatnonzero(touched & (size > 0))
+    first_key[has] = t_key[t_lo[has]]
+    g_rank = np.r_[old.group_rank, fresh_conn // (2 * n)]
+    g_peer = np.r_[old.group_peer, (fresh_conn // 2) % n]
+    g_kind = np.r_[old.group_kind, fresh_conn % 2]
+    alive = np.flatnonzero(size > 0)
+    # Threadblocks of a rank in order of first use.
+    order = alive[np.lexsort((first_key[alive], g_rank[alive]))]
+    ranks_sorted = g_rank[order]
+    tb_new = 1 + (np.arange(order.size) - np.searchsorted(ranks_sorted, ranks_sorted, side="left"))
+    # The new event sequence as indices into [old events, new events] via one list of ranges.
+    z = np.r_[np.arange(e_old), t_src]
+    z_lo = np.where(touched, e_old + t_lo, np.r_[old.group_lo, np.zeros(fresh_conn.size, dtype=np.int64)])
+    seq = z[_ranges(z_lo[order], z_lo[order] + size[order])]
+    sizes = size[order]
+    lo = np.r_[0, np.cumsum(sizes)[:-1]].astype(np.int64) if sizes.size else np.zeros(0, dtype=np.int64)
+    hi = lo + sizes
+    from_old = seq < e_old
+    at_old, at_new = np.flatnonzero(from_old), np.flatnonzero(~from_old)
+    o_idx = seq[at_old]  # old event of each position taken from the old layout
+    i_idx = seq[at_new] - e_old  # new event of the others
+    half = i_idx // 2
+
+    def pick(old_col: np.ndarray, new_col: np.ndarray, per_event: bool = False) -> np.ndarray:
+        out = np.empty(seq.size, dtype=np.int64)
+        out[at_old] = old_col[o_idx]
+        out[at_new] = new_col[i_idx if per_event else half]
+        return out
+
+    msg = pick(old_to_new[old.msg], t.msg)
+    depth = pick(old.depth, t.depth)
+    kind = pick(old.kind, i_kind, per_event=True)
+    # Dependencies: the send of hop j >= 1 waits for the receive of hop j - 1 (same message, same rank).
+    width = int(depth.max()) + 1 if depth.size else 1
+    op = np.arange(seq.size) - np.repeat(lo, sizes)
+    tb = np.repeat(tb_new, sizes)
+    slot = np.full(m_new * width * 2, -1, dtype=np.int64)
+    slot[(msg * width + depth) * 2 + kind] = np.arange(seq.size)
+    needs = (kind == 0) & (depth > 0)
+    dep_event = np.full(seq.size, -1, dtype=np.int64)
+    dep_event[needs] = slot[(msg[needs] * width + depth[needs] - 1) * 2 + 1]
+    dep_tb = np.where(dep_event >= 0, tb[np.maximum(dep_event, 0)], -1)
+    dep_op = np.where(dep_event >= 0, op[np.maximum(dep_event, 0)], -1)
+    lay = _Layout(
+        msg=msg,
+        depth=depth,
+        kind=kind,
+        dep_tb=dep_tb,
+        dep_op=dep_op,
+        group_rank=ranks_sorted,
+        group_tb=tb_new,
+        group_peer=g_peer[order],
+        group_kind=g_kind[order],
+        group_lo=lo,
+        group_hi=hi,
+    )
+    # An old event keeps its op object when its dependency did not change either.
+    src = np.full(seq.size, -1, dtype=np.int64)
+    same_dep = (old.dep_tb[o_idx] == dep_tb[at_old]) & (old.dep_op[o_idx] == dep_op[at_old])
+    src[at_old[same_dep]] = o_idx[same_dep]
+    same = src >= 0
+    # An untouched old group keeps its threadblock when none of its ops changed.
+    untouched_new = np.flatnonzero((order < g_old) & ~touched[order])
+    if untouched_new.size:
+        all_same = np.logical_and.reduceat(same, lo) if lo.size else np.zeros(0, dtype=bool)
+        keep = untouched_new[all_same[untouched_new]]
+    else:
+        keep = untouched_new
+    return lay, src, (keep, order[keep])
 
 
 @contextlib.contextmanager
@@ -648,38 +1011,111 @@ def _no_gc():
             gc.enable()
 
 
-def _emit(n: int, c: int, lay: _Layout, reuse: dict[int, Threadblock] | None) -> tuple:
+def _emit(n: int, c: int, p: Plan, lay: _Layout, base: Emitted | None, src, reuse) -> tuple[tuple, int]:
     with _no_gc():
-        return _emit_ops(n, c, lay, reuse)
+        return _emit_ops(n, c, p, lay, base, src, reuse)
 
 
-def _emit_ops(n: int, c: int, lay: _Layout, reuse: dict[int, Threadblock] | None) -> tuple:
-    make = _make_op
+def _emit_ops(
+    n: int,
+    c: int,
+    p: Plan,
+    lay: _Layout,
+    base: Emitted | None,
+    src: np.ndarray | None,
+    reuse: tuple[np.ndarray, np.ndarray] | None,
+) -> tuple[tuple, int]:
+    """The programs and how many threadblocks were taken over from ``base``.
+
+    ``reuse`` pairs new groups with the old groups taken over as they are;
+    in the other groups, events whose ``src`` names an old event take its op
+    object, the others get a new one.
+    """
+    make, make_tb = _make_op, _make_threadblock
     bufs = (Buffer.INPUT, Buffer.OUTPUT, Buffer.SCRATCH)
     kinds = (OpKind.SEND, OpKind.RECV)
-    reuse = reuse or {}
-    # Ops only for the threadblocks that are not taken over.
-    build = np.ones(lay.kind.size, dtype=bool)
-    for g in reuse:
-        build[lay.group_lo[g] : lay.group_hi[g]] = False
-    idx = np.flatnonzero(build)
-    ops: list = [None] * lay.kind.size
-    vals = [
-        x[idx].tolist()
-        for x in (lay.kind, lay.src_buf, lay.src_off, lay.dst_buf, lay.dst_off, lay.count, lay.dep_tb, lay.dep_op)
+    g_count = lay.group_lo.size
+    reused_new, reused_old = reuse if reuse is not None else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    old_tbs = _old_threadblocks(base, reused_old) if reused_new.size else []
+    built = np.ones(g_count, dtype=bool)
+    built[reused_new] = False
+    g_built = np.flatnonzero(built)
+    lo, hi = lay.group_lo[g_built], lay.group_hi[g_built]
+    events = _ranges(lo, hi)
+    have = src[events] >= 0 if src is not None else np.zeros(events.size, dtype=bool)
+    # Op objects of the built events: old ones first, then the new ones, picked in event order.
+    pool = _old_ops(base, src[events[have]]) if have.any() else []
+    fresh = events[~have]
+    fields = _hop_fields(p, c, lay.msg[fresh], lay.depth[fresh])
+    vals = [x.tolist() for x in (lay.kind[fresh], *fields, lay.dep_tb[fresh], lay.dep_op[fresh])]
+    pool.extend(
+        make(kinds[kd], bufs[sb], so, bufs[db], do, cnt, () if dt < 0 else ((dt, dop),))
+        for kd, sb, so, db, do, cnt, dt, dop in zip(*vals)
+    )
+    pick = np.empty(events.size, dtype=np.int64)
+    n_old = int(have.sum())
+    pick[have] = np.arange(n_old)
+    pick[~have] = n_old + np.arange(fresh.size)
+    ops = list(map(pool.__getitem__, pick.tolist()))
+    ends = np.cumsum(hi - lo)
+    begins = ends - (hi - lo)
+    new_tbs = [
+        make_tb(tuple(ops[a:b]), peer, -1) if kd == 0 else make_tb(tuple(ops[a:b]), -1, peer)
+        for a, b, peer, kd in zip(
+            begins.tolist(), ends.tolist(), lay.group_peer[g_built].tolist(), lay.group_kind[g_built].tolist()
+        )
     ]
-    for i, kd, sb, so, db, do, cnt, dt, dop in zip(idx.tolist(), *vals):
-        ops[i] = make(kinds[kd], bufs[sb], so, bufs[db], do, cnt, () if dt < 0 else ((dt, dop),))
-    programs: list[list] = [[] for _ in range(n)]
+    # Every group's threadblock: the old ones taken over, then the new ones, picked in group order.
+    which = np.empty(g_count, dtype=np.int64)
+    which[reused_new] = np.arange(reused_new.size)
+    which[g_built] = reused_new.size + np.arange(g_built.size)
+    old_tbs.extend(new_tbs)
+    tbs = list(map(old_tbs.__getitem__, which.tolist()))
+    same_c = base is not None and base.chunks == c and base.num_ranks == n
+    copies = 0
+    rank_lo = np.searchsorted(lay.group_rank, np.arange(n + 1), side="left").tolist()
+    programs = []
     for r in range(n):
-        copy = make(OpKind.COPY, Buffer.INPUT, r * c, Buffer.OUTPUT, r * c, c, ())
-        programs[r].append(Threadblock((copy,), -1, -1, 0))
-    for g, (r, peer, kd, lo, hi) in enumerate(
-        zip(*(x.tolist() for x in (lay.group_rank, lay.group_peer, lay.group_kind, lay.group_lo, lay.group_hi)))
-    ):
-        tb = reuse.get(g)
-        if tb is None:
-            group = tuple(ops[lo:hi])
-            tb = Threadblock(group, peer, -1, 0) if kd == 0 else Threadblock(group, -1, peer, 0)
-        programs[r].append(tb)
-    return tuple(tuple(tbs) for tbs in programs)
+        old_tb = base.ranks[r][0] if same_c and base.ranks[r] else None
+        if old_tb is not None and _is_copy(old_tb, r, c):
+            copies += 1
+        else:
+            old_tb = make_tb((make(OpKind.COPY, Buffer.INPUT, r * c, Buffer.OUTPUT, r * c, c, ()),), -1, -1)
+        programs.append((old_tb, *tbs[rank_lo[r] : rank_lo[r + 1]]))
+    return tuple(programs), copies + int(reused_new.size)
+
+
+def _is_copy(tb: Threadblock, r: int, c: int) -> bool:
+    """Whether ``tb`` is rank ``r``'s local threadblock for ``c`` chunks per period (the copy of its own block)."""
+    if tb.send_peer != -1 or tb.recv_peer != -1 or len(tb.ops) != 1:
+        return False
+    op = tb.ops[0]
+    want = (OpKind.COPY, Buffer.INPUT, r * c, Buffer.OUTPUT, r * c, c, ())
+    return (op.kind, op.src, op.src_off, op.dst, op.dst_off, op.count, op.deps) == want
+
+
+def _old_threadblocks(base: Emitted, groups: np.ndarray) -> list:
+    """The threadblock objects of ``base``'s layout groups."""
+    lay = base.layout
+    per_rank = np.array([len(t) for t in base.ranks], dtype=np.int64)
+    flat = list(itertools.chain.from_iterable(base.ranks))
+    offset = np.r_[0, np.cumsum(per_rank)[:-1]]
+    return list(map(flat.__getitem__, (offset[lay.group_rank[groups]] + lay.group_tb[groups]).tolist()))
+
+
+def _old_ops(base: Emitted, events: np.ndarray) -> list:
+    """The op objects of ``base``'s layout events (in the given order)."""
+    lay = base.layout
+    group = np.searchsorted(lay.group_lo, events, side="right") - 1
+    needed, inverse = np.unique(group, return_inverse=True)
+    sizes = lay.group_hi[needed] - lay.group_lo[needed]
+    start = np.r_[0, np.cumsum(sizes)[:-1]]
+    flat = list(itertools.chain.from_iterable(t.ops for t in _old_threadblocks(base, needed)))
+    at = start[inverse.ravel()] + (events - lay.group_lo[group])
+    return list(map(flat.__getitem__, at.tolist()))
+
+
+def _ranges(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """The concatenation of ``arange(lo[i], hi[i])``."""
+    length = hi - lo
+    return np.repeat(lo - (np.cumsum(length) - length), length) + np.arange(int(length.sum()))

@@ -23,8 +23,29 @@ solution is ``K`` columns per source. Three outcomes, reported as
   overload (or a link that is gone) are re-optimized, the others keep their
   routes; accepted when a Lagrangian bound over all pairs proves the result
   LP-optimal (:mod:`.repair`, MCCL Sec. 4.1's locality of re-optimization).
+  (When some link is overloaded the repair runs first and the previous
+  routes are "kept" if its certified optimum is their rate.)
 * ``"column_generation"``: otherwise, the full column generation seeded with
   the previous trees whose routes still fit (MCCL Sec. 4.2's warm start).
+
+After a repair, the untouched pairs keep their routes and chunks, so only the
+re-optimized pairs are rounded -- at the previous chunk count ``K``, with the
+untouched routes as fixed link loads -- and that rounding is taken when it is
+within ``reuse_tolerance`` (default 0.25 %) of the LP bound (or, with
+``reuse_tolerance=0``, within the 0.1 % the full rounding allows for fewer
+chunks). Then the plan, the routes table and the program are updated rather
+than rebuilt (:func:`.compile.plan_delta`, incremental :func:`.compile.emit`):
+the previous schedule's unchanged threadblocks and ops are reused. Otherwise
+(another ``K`` is better by more than that) every pair is rounded over every
+``K`` as in a cold start. Deviation: MCCL re-rounds the warm LP solution
+like a cold one; keeping ``K`` trades at most ``reuse_tolerance`` of
+bandwidth for a re-synthesis that touches only what the change touched. The
+gap is reported as always (``gap_pct``, and every ``K`` tried in
+``per_chunk_algbw``).
+
+What the synthesizer needs from a schedule it returned (its plan, routes as
+arrays, emission) is remembered in memory next to it (:mod:`.state`); a
+schedule read back from JSON is parsed and checked instead, with the same result.
 """
 
 from __future__ import annotations
@@ -44,17 +65,31 @@ from jaxccl.synth.alltoall.cg import (
     lagrangian_bound,
     utilization_prices,
 )
-from jaxccl.synth.alltoall.compile import LAYOUT, emit, plan, plan_columns, plan_incremental, previous_plan
+from jaxccl.synth.alltoall.columns import ColumnPool
+from jaxccl.synth.alltoall.compile import (
+    LAYOUT,
+    Plan,
+    emit,
+    emitted_from,
+    plan,
+    plan_columns,
+    plan_delta,
+    plan_incremental,
+    previous_plan,
+)
 from jaxccl.synth.alltoall.network import Network, build_network
 from jaxccl.synth.alltoall.pricing import METHODS as PRICING_METHODS
 from jaxccl.synth.alltoall.pricing import shortest_path_trees
-from jaxccl.synth.alltoall.repair import repair
-from jaxccl.synth.alltoall.rounding import path_flows, round_flows
-from jaxccl.synth.alltoall.routes import encode_paths, route_arcs
+from jaxccl.synth.alltoall.repair import Repaired, repair
+from jaxccl.synth.alltoall.rounding import CHUNK_TOLERANCE, path_flows, round_at, round_flows
+from jaxccl.synth.alltoall.routes import route_arcs, route_nodes
+from jaxccl.synth.alltoall.state import WarmState, recall, remember
 from jaxccl.topology import Topology
 
 NAME = "cg_alltoall"
 SATURATION_TOL = 1e-6  # an LP link load within this fraction of capacity is "saturated" (the cut)
+# A warm start keeps the previous chunk count when its rounding is within this fraction of the LP bound.
+REUSE_TOLERANCE = 2.5e-3
 
 
 def alltoall(
@@ -66,6 +101,7 @@ def alltoall(
     max_steps: int | None = None,
     minimize_steps: bool = False,
     pricing: str | None = None,
+    reuse_tolerance: float = REUSE_TOLERANCE,
     name: str = NAME,
 ) -> Schedule:
     """Synthesizes an AllToAll schedule by column generation and deep-dive rounding (MCCL Sec. 4.2).
@@ -98,6 +134,10 @@ def alltoall(
             sweep over the time-expanded DAG) or ``"dijkstra"`` (compiled,
             exact when the step bound cannot bind); default: ``"dijkstra"``
             when ``m_s >= N``, else ``"dag"``.
+        reuse_tolerance: with ``previous``: the previous chunk count is kept
+            (and with it most of the previous program) when its rounding is
+            within this fraction of the LP bound (see the module docstring);
+            0 rounds every ``K`` as a cold start would.
         name: the schedule's name.
 
     Returns:
@@ -108,14 +148,15 @@ def alltoall(
         ``columns_generated``, ``reused_columns`` (previous trees in the
         master problem, or previous routes kept by a repair), ``warm_mode``,
         ``solve_time_s``,
-        ``timings``, ``paths`` (the chunk routes, see
+        ``timings``, ``threadblocks_reused`` and ``ops_reused`` (objects of
+        ``previous``'s program in this one), ``paths`` (the chunk routes, see
         :func:`~jaxccl.synth.alltoall.decode_paths`), and for the
         re-optimization trigger of MCCL Sec. 3.2 the bottleneck ``cut`` (links
         the LP saturates), their ``base_slacks`` and ``link_chunks``.
 
     Raises:
         TopologyError: ``topo`` is not a Topology or has fewer than 2 GPUs.
-        SynthesisError: bad ``max_chunks``/``time_budget``/``max_steps``, a
+        SynthesisError: bad ``max_chunks``/``time_budget``/``max_steps``/``reuse_tolerance``, a
             ``previous`` schedule of another collective or size, or a solver failure.
 
     Example:
@@ -131,6 +172,9 @@ def alltoall(
     max_chunks = _check_args(topo, max_chunks, time_budget)
     if pricing not in (None, *PRICING_METHODS):
         raise SynthesisError(f"pricing must be one of {PRICING_METHODS} or None, got {pricing!r}")
+    tol_ok = isinstance(reuse_tolerance, (int, float)) and not isinstance(reuse_tolerance, bool)
+    if not (tol_ok and 0 <= reuse_tolerance < 1):
+        raise SynthesisError(f"reuse_tolerance must be a fraction in [0, 1), got {reuse_tolerance!r}")
     n = topo.num_gpus
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -138,15 +182,22 @@ def alltoall(
     m_s = net.default_steps if max_steps is None else int(max_steps)
     if m_s < 2:
         raise SynthesisError(f"max_steps must be >= 2 (a path needs at least one hop), got {max_steps!r}")
-    warm = _Warm.of(previous, net) if previous is not None else None
     timings["network"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    state = recall(previous) if previous is not None else None
+    warm = _Warm.of(previous, net, state) if previous is not None else None
+    timings["previous"] = time.perf_counter() - t0
 
-    if warm is not None and not minimize_steps and warm.chunks <= max_chunks:
+    # Previous routes that overload no link keep their rate: check at once whether they are still optimal.
+    # Otherwise the repair below decides (its certified optimum is compared with their rate).
+    checked = False
+    if warm is not None and not minimize_steps and warm.chunks <= max_chunks and not warm.overloaded.any():
         t0 = time.perf_counter()
         kept = warm.still_optimal(m_s, pricing)
+        checked = True
         timings["check_previous"] = time.perf_counter() - t0
         if kept is not None:
-            return _keep_previous(previous, warm, kept, name, m_s, timings, t_start)
+            return _keep_previous(previous, warm, kept, name, m_s, timings, t_start, state)
 
     deadline = None if time_budget is None else t_start + float(time_budget)
     repaired = None
@@ -163,12 +214,26 @@ def alltoall(
             max_steps=m_s,
             pricing=pricing,
             deadline=deadline,
+            link_chunks=warm.link_chunks,
+            hops=warm.hops,
         )
         timings["repair"] = time.perf_counter() - t0
+        if repaired is not None:
+            timings.update({f"repair_{k}": v for k, v in repaired.timings.items()})
+            if warm.complete and warm.chunks <= max_chunks and repaired.z <= warm.rate * (1 + GAP_TOL):
+                # The previous routes already reach the certified optimum.
+                upper = max(repaired.upper, warm.rate)
+                return _keep_previous(previous, warm, upper, name, m_s, timings, t_start, state, repaired)
+    if repaired is None and not checked and warm is not None and not minimize_steps and warm.chunks <= max_chunks:
+        t0 = time.perf_counter()
+        kept = warm.still_optimal(m_s, pricing)
+        timings["check_previous"] = time.perf_counter() - t0
+        if kept is not None:
+            return _keep_previous(previous, warm, kept, name, m_s, timings, t_start, state)
     step_search = None
+    pool = flows = None
     if repaired is not None:
-        timings.update({f"repair_{k}": v for k, v in repaired.timings.items()})
-        pool, flows, z_bound = repaired.pool, repaired.flows, repaired.z
+        z_bound = repaired.z
         lp_loads = repaired.loads
         info: dict[str, Any] = {
             "warm_mode": "repair",
@@ -177,7 +242,6 @@ def alltoall(
             "lp_value": n * repaired.z * net.unit,
             "iterations": repaired.iterations,
             "columns_generated": repaired.columns_generated,
-            "columns_total": pool.num_paths,
             "reused_columns": repaired.kept_routes,
             "affected_pairs": repaired.affected,
             "simplex_iterations": repaired.simplex_iterations,
@@ -206,24 +270,58 @@ def alltoall(
         }
 
     t0 = time.perf_counter()
-    prefer = warm.chunks if warm is not None and warm.chunks >= 1 else None
-    rounded = round_flows(net, pool, flows, max_chunks=max_chunks, target=z_bound, prefer=prefer)
+    prefer = warm.chunks if warm is not None and 1 <= warm.chunks <= max_chunks else None
+    # The previous plan (the rows of its routes table) and, on the same network, its routes' arcs.
+    prev_plan = base = prev_arcs = None
+    if state is not None:
+        prev_plan, base = state.plan, state.emitted
+        prev_arcs = state.arcs_on(net.nodes, net.tail, net.head)
+    elif warm is not None and previous.info.get("layout") == LAYOUT and warm.chunks >= 1:
+        prev_plan = previous_plan(previous.info.get("paths") or {}, n, previous.chunks_per_period)
+        if prev_plan is not None and warm.all_routes and prev_plan.src.size == warm.src.size:
+            prev_arcs = warm.arcs
+    rounded = None
+    same_k = previous is not None and prefer == previous.chunks_per_period
+    if repaired is not None and prev_plan is not None and prev_arcs is not None and same_k:
+        # The untouched commodities stay as they are: round the affected ones at the previous K only.
+        trial = round_at(
+            net, repaired.pool, repaired.flows, prefer, fixed_load=repaired.fixed_chunks, target=z_bound, purify=False
+        )
+        if trial.rate >= z_bound * (1 - max(reuse_tolerance, CHUNK_TOLERANCE)):
+            rounded = trial
+    delta = rounded is not None
+    if not delta:
+        if repaired is not None:
+            pool, flows = repaired.complete()
+        rounded = round_flows(
+            net, pool, flows, max_chunks=max_chunks, target=z_bound, prefer=prefer, keep_within=reuse_tolerance
+        )
+    else:
+        pool = repaired.pool
+    info.setdefault("columns_total", pool.num_paths)
     timings["rounding"] = time.perf_counter() - t0
     if rounded.rate > z_bound * (1 + 1e-9):  # pragma: no cover - an integer solution is an LP solution
         raise SynthesisError(f"rounded rate {rounded.rate} exceeds the LP bound {z_bound}")
     rate = min(rounded.rate, z_bound)  # float noise only
     t0 = time.perf_counter()
-    prev_plan = None
-    if previous is not None and previous.info.get("layout") == LAYOUT and previous.chunks_per_period == rounded.chunks:
-        prev_plan = previous_plan(previous.info.get("paths") or {}, n, rounded.chunks)
-    if prev_plan is not None:
-        msgs = plan_incremental(net, pool, rounded.comm, rounded.pid, rounded.count, rounded.chunks, prev_plan)
+    if previous is None or previous.chunks_per_period != rounded.chunks:
+        prev_plan = base = None  # other chunk classes: nothing of the previous program carries over
+    if delta:
+        msgs = plan_delta(
+            net, pool, prev_plan, repaired.kept_rows, rounded.comm, rounded.pid, rounded.count, rounded.chunks
+        )
+        arcs = _merged_arcs(msgs, prev_arcs, pool)
+    elif prev_plan is not None:
+        msgs = plan_incremental(
+            net, pool, rounded.comm, rounded.pid, rounded.count, rounded.chunks, prev_plan, prev_arcs
+        )
+        arcs = pool.paths[msgs.pid]
     else:
         msgs = plan(net, pool, rounded.comm, rounded.pid, rounded.count, rounded.chunks)
+        arcs = pool.paths[msgs.pid]
     timings["plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    paths = encode_paths(net, pool, msgs.src * n + msgs.dst, msgs.pid, msgs.count)
-    paths.update(plan_columns(msgs))
+    paths = _paths_table(net, msgs, arcs)
     info = {
         "algorithm": "column_generation",
         "paper": "MCCL Sec. 4.2, App. D/F/G",
@@ -233,7 +331,7 @@ def alltoall(
         **info,
         "reused_schedule": False,
         "max_steps": m_s,
-        "steps_used": _max_hops(net, pool.paths[rounded.pid]),
+        "steps_used": int(msgs.hops.max()) if msgs.hops.size else 0,
         "step_search": step_search,
         "per_chunk_algbw": {str(k): n * v * net.unit for k, v in rounded.per_k.items()},
         "topology": topo.fingerprint,
@@ -245,33 +343,67 @@ def alltoall(
     timings["info"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    if base is None and prev_plan is not None:
+        base = emitted_from(previous, prev_plan)
     stats: dict[str, int] = {}
+    record: list = []
     sched = emit(
         n,
         rounded.chunks,
         msgs,
-        previous=previous if prev_plan is not None else None,
-        previous_plan=prev_plan,
+        base=base,
         stats=stats,
+        record=record,
         name=name,
         algbw=n * rate * net.unit,
         bound=n * z_bound * net.unit,
         info=info,
     )
+    state_new = WarmState(
+        paths=paths,
+        plan=msgs,
+        emitted=record[0],
+        nodes=net.nodes,
+        tail=net.tail,
+        head=net.head,
+        arcs=arcs,
+        link_chunks=np.asarray(rounded.link_chunks, dtype=np.float64),
+    )
+    remember(sched, state_new)
     timings["compile"] = time.perf_counter() - t0
     timings["total"] = time.perf_counter() - t_start
     # The schedule holds this very dict: what its own compilation took goes in last.
     info["threadblocks_reused"] = stats.get("reused", 0)
+    info["ops_reused"] = stats.get("reused_ops", 0)
     info["timings"] = timings
     info["solve_time_s"] = timings["total"]
     return sched
 
 
-def _max_hops(net: Network, arcs: np.ndarray) -> int:
-    """The most GPU-to-GPU hops (advancing arcs) of any path (rows of -1 padded arcs)."""
-    if arcs.size == 0:
-        return 0
-    return int(np.where(arcs >= 0, net.advances[np.maximum(arcs, 0)], False).sum(axis=1).max())
+def _merged_arcs(p: Plan, prev_arcs: np.ndarray, pool: ColumnPool) -> np.ndarray:
+    """``(M, L)`` the arcs of every row of a :func:`plan_delta` plan: kept rows' previous, new rows' pool paths."""
+    new = np.flatnonzero(p.prev_row < 0)
+    old = np.flatnonzero(p.prev_row >= 0)
+    fresh = pool.paths[p.pid[new]]
+    out = np.full((p.src.size, max(prev_arcs.shape[1], fresh.shape[1])), -1, dtype=np.int32)
+    out[old, : prev_arcs.shape[1]] = prev_arcs[p.prev_row[old]]
+    out[new, : fresh.shape[1]] = fresh
+    return out
+
+
+def _paths_table(net: Network, p: Plan, arcs: np.ndarray) -> dict:
+    """``info["paths"]``: the plan's rows (routes ``arcs``) with their class ranges and scratch offsets."""
+    route, length = route_nodes(net, arcs)
+    table = {
+        "nodes": list(net.nodes),
+        "src": p.src.tolist(),
+        "dst": p.dst.tolist(),
+        "chunks": p.count.tolist(),
+        "offset": np.r_[0, np.cumsum(length)].tolist(),
+        "route": route.tolist(),
+    }
+    table.update(plan_columns(p))
+    return table
 
 
 def _gap_pct(value: float, bound: float) -> float:
@@ -374,15 +506,26 @@ def _cut_info(net: Network, lp_loads: np.ndarray, link_chunks: np.ndarray) -> di
     cut = np.flatnonzero(lp_loads >= cap * (1 - SATURATION_TOL))
     slacks = np.maximum((cap[cut] - link_chunks[cut] * x_min) / cap[cut], 0.0)
     nz = np.flatnonzero(used)
+    names = np.empty(net.num_nodes, dtype=object)
+    names[:] = net.nodes
+    u, v = names[net.tail[nz]].tolist(), names[net.head[nz]].tolist()
     return {
-        "cut": [list(e) for e in net.arc_names(cut)],
+        "cut": [[names[net.tail[a]], names[net.head[a]]] for a in cut.tolist()],
         "base_slacks": slacks.tolist(),
-        "link_chunks": [[u, v, int(c)] for (u, v), c in zip(net.arc_names(nz), link_chunks[nz].tolist())],
+        "link_chunks": list(map(list, zip(u, v, np.rint(link_chunks[nz]).astype(np.int64).tolist()))),
     }
 
 
 def _keep_previous(
-    previous: Schedule, warm: _Warm, upper: float, name: str, m_s: int, timings: dict, t_start: float
+    previous: Schedule,
+    warm: _Warm,
+    upper: float,
+    name: str,
+    m_s: int,
+    timings: dict,
+    t_start: float,
+    state: WarmState | None,
+    repaired: Repaired | None = None,
 ) -> Schedule:
     """The previous program with this topology's bound, rate and trigger data."""
     net, n = warm.net, warm.net.num_gpus
@@ -395,8 +538,8 @@ def _keep_previous(
             "lp_converged": True,
             "lp_gap_pct": _gap_pct(rate, upper),
             "lp_value": n * rate * net.unit,
-            "iterations": 0,
-            "columns_generated": 0,
+            "iterations": 0 if repaired is None else repaired.iterations,
+            "columns_generated": 0 if repaired is None else repaired.columns_generated,
             "columns_total": warm.num_trees,
             "reused_columns": warm.num_trees,
             "reused_schedule": True,
@@ -404,15 +547,20 @@ def _keep_previous(
             "max_steps": m_s,
             "step_search": None,
             "per_chunk_algbw": {str(warm.chunks): n * rate * net.unit},
-            "simplex_iterations": 0,
+            "simplex_iterations": 0 if repaired is None else repaired.simplex_iterations,
             "topology": net.topo.fingerprint,
+            "threadblocks_reused": previous.num_threadblocks,
+            "ops_reused": previous.num_ops,
         }
     )
     info.update(_cut_info(net, warm.link_chunks * rate / warm.chunks, warm.link_chunks))
     timings["total"] = time.perf_counter() - t_start
     info["timings"] = timings
     info["solve_time_s"] = timings["total"]
-    return previous.replace(name=name, algbw=n * rate * net.unit, bound=n * upper * net.unit, info=info)
+    sched = previous.replace(name=name, algbw=n * rate * net.unit, bound=n * upper * net.unit, info=info)
+    if state is not None:
+        remember(sched, state)
+    return sched
 
 
 class _Warm:
@@ -421,6 +569,8 @@ class _Warm:
     Attributes:
         chunks: the previous ``K``.
         src, dst, count, arcs: its routes whose links all still exist (arcs -1 padded).
+        all_routes: every route of the previous table is among them (in its order).
+        hops: their GPU-to-GPU hops, when known without counting.
         complete: every commodity keeps all ``K`` chunks on existing links.
         overloaded: ``(A,)`` links the previous routes overload on the new capacities.
         rate: the previous integer solution's per-commodity rate on the new
@@ -438,9 +588,11 @@ class _Warm:
         self.link_chunks = np.zeros(net.num_arcs)
         self.overloaded = np.zeros(net.num_arcs, dtype=bool)
         self.num_trees = 0
+        self.all_routes = False
+        self.hops: np.ndarray | None = None
 
     @classmethod
-    def of(cls, previous: Schedule, net: Network) -> _Warm:
+    def of(cls, previous: Schedule, net: Network, state: WarmState | None = None) -> _Warm:
         if not isinstance(previous, Schedule):
             raise SynthesisError(f"previous must be a jaxccl Schedule, got {type(previous).__name__}")
         if previous.collective is not Collective.ALL_TO_ALL:
@@ -455,14 +607,23 @@ class _Warm:
             return w  # e.g. a baseline schedule: nothing to reuse
         n = net.num_gpus
         w.chunks = int(previous.info.get("chunks", previous.chunks_per_period))
-        src, dst, count, arcs, ok = route_arcs(net, table)
+        same = state.arcs_on(net.nodes, net.tail, net.head) if state is not None else None
+        if same is not None:  # the same network: the routes' arcs are those it was synthesized with
+            src, dst, count = state.plan.src, state.plan.dst, state.plan.count
+            arcs, ok = same, np.ones(src.size, dtype=bool)
+        else:
+            src, dst, count, arcs, ok = route_arcs(net, table)
         w.src, w.dst, w.count, w.arcs = src[ok], dst[ok], count[ok], arcs[ok]
+        w.all_routes = bool(ok.all())
         per_comm = np.bincount(w.src * n + w.dst, weights=w.count, minlength=n * n)
         off_diag = ~np.eye(n, dtype=bool).ravel()
         w.complete = bool(ok.all() and w.chunks >= 1 and np.all(per_comm[off_diag] == w.chunks))
-        valid = w.arcs >= 0
-        weights = np.broadcast_to(w.count[:, None], w.arcs.shape)[valid]
-        w.link_chunks = np.bincount(w.arcs[valid], weights=weights, minlength=net.num_arcs)
+        if same is not None:
+            w.link_chunks, w.hops = state.link_chunks, state.plan.hops
+        else:
+            valid = w.arcs >= 0
+            weights = np.broadcast_to(w.count[:, None], w.arcs.shape)[valid]
+            w.link_chunks = np.bincount(w.arcs[valid], weights=weights, minlength=net.num_arcs)
         if w.complete:
             w.rate = w.chunks / float(np.max(w.link_chunks / net.capacity))
             w.num_trees = n * w.chunks

@@ -33,11 +33,11 @@ import numpy as np
 import scipy.sparse as sp
 
 from jaxccl.errors import SynthesisError
-from jaxccl.synth.alltoall.cg import GAP_TOL, RC_TOL, initial_trees, lagrangian_bound, utilization_prices
+from jaxccl.synth.alltoall.cg import GAP_TOL, RC_TOL, lagrangian_bound, utilization_prices
 from jaxccl.synth.alltoall.columns import ColumnPool
 from jaxccl.synth.alltoall.master import check_status, new_highs
 from jaxccl.synth.alltoall.network import Network
-from jaxccl.synth.alltoall.pricing import shortest_path_trees
+from jaxccl.synth.alltoall.pricing import pair_paths, shortest_path_trees
 from jaxccl.synth.alltoall.rounding import PathFlows
 
 # Beyond this share of all commodities a change is not local: full column generation instead.
@@ -51,13 +51,17 @@ class Repaired:
     Attributes:
         z: LP optimum (per-commodity rate, capacity units).
         upper: the Lagrangian bound that certifies it (``z <= upper <= z (1 + GAP_TOL)``).
-        pool: the paths (previous routes and repaired paths).
-        flows: per-commodity path fractions of the solution.
+        pool: the paths of the affected commodities (previous routes and repaired paths).
+        flows: their path fractions (the kept commodities stay on their routes, see :meth:`complete`).
         loads: ``(A,)`` link loads at rate ``z``.
         iterations: RMP solves of the repair LP.
         columns_generated: paths added by its pricing.
         affected: commodities re-optimized.
         kept_routes: previous routes kept as they were.
+        kept_rows: their rows in the given routes.
+        fixed_chunks: ``(A,)`` chunks per link of the kept routes.
+        chunks: the previous ``K``.
+        routes: the given ``(src, dst, count, arcs)``.
         simplex_iterations: of the repair LP.
         timings: seconds per phase.
     """
@@ -73,6 +77,25 @@ class Repaired:
     kept_routes: int
     simplex_iterations: int
     timings: dict[str, float]
+    kept_rows: np.ndarray
+    fixed_chunks: np.ndarray
+    chunks: int
+    routes: tuple
+
+    def complete(self) -> tuple[ColumnPool, PathFlows]:
+        """The pool and flows of the whole solution: the kept routes (with their shares) added."""
+        if self._complete is None:
+            src, dst, count, arcs = self.routes
+            k = self.kept_rows
+            pid = self.pool.add_paths(src[k], dst[k], arcs[k])
+            n = self.pool.net.num_gpus
+            comm = np.r_[src[k] * n + dst[k], self.flows.comm]
+            pids = np.r_[pid, self.flows.pid]
+            frac = np.r_[count[k] / self.chunks, self.flows.frac]
+            self._complete = (self.pool, _flows(comm, pids, frac, self.pool.num_paths))
+        return self._complete
+
+    _complete: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def repair(
@@ -88,6 +111,8 @@ def repair(
     pricing: str | None = None,
     deadline: float | None = None,
     max_iterations: int = 200,
+    link_chunks: np.ndarray | None = None,
+    hops: np.ndarray | None = None,
 ) -> Repaired | None:
     """Repairs the previous routes ``(src, dst, count, arcs)`` (``chunks`` per commodity); None if not certified.
 
@@ -102,13 +127,17 @@ def repair(
         pricing: the shortest-path method.
         deadline: ``time.perf_counter()`` after which the repair gives up.
         max_iterations: cap on repair-LP solves.
+        link_chunks: ``(A,)`` the routes' chunks per link, if already at hand.
+        hops: ``(R,)`` the routes' GPU-to-GPU hops, if already at hand.
     """
     timings = {"setup": 0.0, "master": 0.0, "pricing": 0.0, "certificate": 0.0}
     t0 = time.perf_counter()
     n = net.num_gpus
     safe = np.maximum(arcs, 0)
     crosses = np.any((arcs >= 0) & overloaded[safe], axis=1)
-    crosses |= np.where(arcs >= 0, net.advances[safe], False).sum(axis=1) > max_steps - 1
+    if hops is None:
+        hops = np.where(arcs >= 0, net.advances[safe], False).sum(axis=1)
+    crosses |= hops > max_steps - 1
     comm = src * n + dst
     # Kept: every chunk still routed (over existing links) and no route over an overloaded link.
     total = np.bincount(comm, weights=count, minlength=n * n)
@@ -118,32 +147,41 @@ def repair(
     affected = pairs[bad[pairs] | (total[pairs] != chunks)]
     if affected.size == 0 or affected.size > MAX_AFFECTED_SHARE * pairs.size:
         return None
-    aff_row = np.isin(comm, affected)
+    is_affected = np.zeros(n * n, dtype=bool)
+    is_affected[affected] = True
+    aff_row = is_affected[comm]
+    aff_idx = np.flatnonzero(aff_row)
+    # The pool holds the affected commodities' paths only; the kept routes are fixed loads.
     pool = ColumnPool(net)
-    pid = pool.add_paths(src, dst, arcs)
-    # Fixed loads of the kept commodities, in units of one commodity's demand.
-    keep = ~aff_row
-    valid = arcs[keep] >= 0
-    weight = np.broadcast_to((count[keep] / chunks)[:, None], arcs[keep].shape)[valid]
-    fixed = np.bincount(arcs[keep][valid], weights=weight, minlength=net.num_arcs)
+    pid_aff = pool.add_paths(src[aff_idx], dst[aff_idx], arcs[aff_idx])
+    # Fixed loads of the kept commodities, in chunks and in units of one commodity's demand.
+    a_arcs = arcs[aff_idx]
+    valid = a_arcs >= 0
+    a_load = np.bincount(
+        a_arcs[valid], weights=np.broadcast_to(count[aff_idx][:, None], a_arcs.shape)[valid], minlength=net.num_arcs
+    )
+    if link_chunks is None:
+        valid = arcs >= 0
+        weights = np.broadcast_to(count[:, None], arcs.shape)[valid]
+        link_chunks = np.bincount(arcs[valid], weights=weights, minlength=net.num_arcs)
+    fixed_chunks = np.maximum(np.asarray(link_chunks, dtype=np.float64) - a_load, 0.0)
+    fixed = fixed_chunks / chunks
     # First columns of the affected commodities: their previous routes and their 1/capacity paths.
     a_src, a_dst = affected // n, affected % n
-    init_src, init_paths = initial_trees(net, max_steps, pricing=pricing)
-    row_of = np.full(n, -1, dtype=np.int64)
-    row_of[init_src] = np.arange(init_src.size)
-    init_pid = pool.add_paths(a_src, a_dst, init_paths[row_of[a_src], a_dst])
-    group_of = np.searchsorted(affected, comm[aff_row])
+    # The shortest paths for costs 1 / capacity (the cold start's initial trees), of these pairs only.
+    _, init_paths = pair_paths(net, 1.0 / net.capacity, a_src, a_dst, max_steps=max_steps, method=pricing, exact=False)
+    init_pid = pool.add_paths(a_src, a_dst, init_paths)
+    group_of = np.searchsorted(affected, comm[aff_idx])
     lp = _RepairLP(net, affected.size, fixed)
     seen: set[tuple[int, int]] = set()
     cols_g, cols_p = [], []
-    for g, p in zip(np.r_[group_of, np.arange(affected.size)].tolist(), np.r_[pid[aff_row], init_pid].tolist()):
+    for g, p in zip(np.r_[group_of, np.arange(affected.size)].tolist(), np.r_[pid_aff, init_pid].tolist()):
         if (g, p) not in seen:
             seen.add((g, p))
             cols_g.append(g)
             cols_p.append(p)
     lp.add(np.array(cols_g), np.array(cols_p), pool)
     timings["setup"] = time.perf_counter() - t0
-    sources = np.unique(a_src)
     generated = 0
     it = 0
     converged = False
@@ -153,16 +191,17 @@ def repair(
         chi, y, pi, alpha = lp.solve()
         t2 = time.perf_counter()
         timings["master"] += t2 - t1
-        trees = shortest_path_trees(net, alpha, sources=sources, max_steps=max_steps, method=pricing)
-        row = np.searchsorted(sources, a_src)
-        dist = trees.dist[row, a_dst]
+        dist, _ = pair_paths(net, alpha, a_src, a_dst, max_steps=max_steps, method=pricing, extract=False)
         tol = RC_TOL * max(float(np.max(np.abs(pi))), 1e-300)
         neg = np.flatnonzero(dist < pi - tol)
-        timings["pricing"] += time.perf_counter() - t2
         if neg.size == 0:
+            timings["pricing"] += time.perf_counter() - t2
             converged = True
             break
-        new_pid = pool.add_paths(a_src[neg], a_dst[neg], trees.paths[row[neg], a_dst[neg]])
+        # The paths of the pairs that price out (the tie-breaking run, for them only).
+        _, best = pair_paths(net, alpha, a_src[neg], a_dst[neg], max_steps=max_steps, method=pricing, exact=False)
+        timings["pricing"] += time.perf_counter() - t2
+        new_pid = pool.add_paths(a_src[neg], a_dst[neg], best)
         fresh = [(g, p) for g, p in zip(neg.tolist(), new_pid.tolist()) if (g, p) not in seen]
         if not fresh:
             converged = True  # numerically converged: every priced path is already a column
@@ -187,14 +226,8 @@ def repair(
     timings["certificate"] = time.perf_counter() - t3
     if not (np.isfinite(upper) and upper - z <= GAP_TOL * upper):
         return None
-    # Solution flows: kept routes with their shares, repaired paths with their LP fractions.
-    f_comm = np.r_[comm[keep], affected[lp.group[used]]]
-    f_pid = np.r_[pid[keep], lp.pid[used]]
-    f_frac = np.r_[count[keep] / chunks, y[used]]
-    key = f_comm * (pool.num_paths + 1) + f_pid
-    uniq, inverse = np.unique(key, return_inverse=True)
-    frac = np.bincount(inverse.ravel(), weights=f_frac)
-    flows = PathFlows(comm=uniq // (pool.num_paths + 1), pid=uniq % (pool.num_paths + 1), frac=frac)
+    # Solution flows of the affected commodities: the repaired paths with their LP fractions.
+    flows = _flows(affected[lp.group[used]], lp.pid[used], y[used], pool.num_paths)
     return Repaired(
         z=z,
         upper=max(upper, z),
@@ -204,65 +237,119 @@ def repair(
         iterations=it,
         columns_generated=generated,
         affected=int(affected.size),
-        kept_routes=int(keep.sum()),
+        kept_routes=int(aff_row.size - aff_idx.size),
         simplex_iterations=lp.simplex_iterations,
         timings=timings,
+        kept_rows=np.flatnonzero(~aff_row),
+        fixed_chunks=fixed_chunks,
+        chunks=int(chunks),
+        routes=(src, dst, count, arcs),
     )
 
 
+def _flows(comm: np.ndarray, pid: np.ndarray, frac: np.ndarray, num_paths: int) -> PathFlows:
+    """Path fractions per commodity (duplicates summed), rows sorted by commodity."""
+    key = comm * (num_paths + 1) + pid
+    uniq, inverse = np.unique(key, return_inverse=True)
+    total = np.bincount(inverse.ravel(), weights=frac)
+    return PathFlows(comm=uniq // (num_paths + 1), pid=uniq % (num_paths + 1), frac=total)
+
+
 class _RepairLP:
-    """``min chi``: ``sum_p y_kp = 1`` per affected commodity, ``fixed_a + sum beta y <= c_a chi`` per link."""
+    """``min chi``: ``sum_p y_kp = 1`` per affected commodity, ``fixed_a + sum beta y <= c_a chi`` per link.
+
+    Only the links some column crosses get a row (added with the columns);
+    every other link only bounds ``chi`` from below by ``fixed_a / c_a``,
+    which is ``chi``'s lower bound. The link prices are those of the full LP:
+    the rows' duals, plus the lower bound's reduced cost on the link that sets it.
+    """
 
     def __init__(self, net: Network, groups: int, fixed: np.ndarray):
         self.net = net
-        a = net.num_arcs
+        self.fixed = np.asarray(fixed, dtype=np.float64)
         inf = highspy.kHighsInf
         lp = highspy.HighsLp()
-        lp.num_col_, lp.num_row_ = 1, groups + a
+        lp.num_col_, lp.num_row_ = 1, groups
         lp.col_cost_ = np.array([1.0])
         lp.col_lower_ = np.zeros(1)
         lp.col_upper_ = np.array([inf])
-        lp.row_lower_ = np.r_[np.ones(groups), np.full(a, -inf)]
-        lp.row_upper_ = np.r_[np.ones(groups), -fixed]
+        lp.row_lower_ = np.ones(groups)
+        lp.row_upper_ = np.ones(groups)
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-        lp.a_matrix_.start_ = np.array([0, a], dtype=np.int32)
-        lp.a_matrix_.index_ = (groups + np.arange(a)).astype(np.int32)
-        lp.a_matrix_.value_ = -net.capacity
-        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = 1, groups + a
+        lp.a_matrix_.start_ = np.array([0, 0], dtype=np.int32)
+        lp.a_matrix_.index_ = np.zeros(0, dtype=np.int32)
+        lp.a_matrix_.value_ = np.zeros(0)
+        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = 1, groups
         self.h = new_highs()
         self.h.setOptionValue("presolve", "off")
         self.h.setOptionValue("solver", "simplex")
         if self.h.passModel(lp) != highspy.HighsStatus.kOk:
             raise SynthesisError("HiGHS refused the repair LP")
         self.groups = groups
+        self.row_of = np.full(net.num_arcs, -1, dtype=np.int64)  # LP row of each link (-1: none)
+        self.rows: list[int] = []
+        self._floor()
         self.group = np.zeros(0, dtype=np.int64)
         self.pid = np.zeros(0, dtype=np.int64)
-        self.incidence = sp.csc_matrix((a, 0))
+        self.incidence = sp.csc_matrix((net.num_arcs, 0))
         self.simplex_iterations = 0
+
+    def _floor(self) -> None:
+        """``chi >= max fixed_a / c_a`` over the links without a row."""
+        free = self.row_of < 0
+        ratio = np.where(free, self.fixed / self.net.capacity, -np.inf)
+        self.floor_arc = int(np.argmax(ratio)) if free.any() else -1
+        floor = max(float(ratio[self.floor_arc]), 0.0) if free.any() else 0.0
+        self.h.changeColBounds(0, floor, highspy.kHighsInf)
 
     def add(self, group: np.ndarray, pid: np.ndarray, pool: ColumnPool) -> None:
         if group.size == 0:
             return
         arcs = pool.paths[pid]
         ok = arcs >= 0
-        cols = np.broadcast_to(np.arange(pid.size)[:, None], arcs.shape)[ok]
-        inc = sp.csc_matrix((np.ones(int(ok.sum())), (arcs[ok], cols)), shape=(self.net.num_arcs, pid.size))
-        full = sp.vstack(
-            [sp.csc_matrix((np.ones(pid.size), (group, np.arange(pid.size))), shape=(self.groups, pid.size)), inc]
-        ).tocsc()
         k = pid.size
+        used = np.unique(arcs[ok])
+        new = used[self.row_of[used] < 0]
+        if new.size:
+            # Rows of the links these columns open: -c_a chi (+ the new columns) <= -fixed_a.
+            first = self.groups + len(self.rows)
+            self.row_of[new] = first + np.arange(new.size)
+            self.rows.extend(new.tolist())
+            status = self.h.addRows(
+                new.size,
+                np.full(new.size, -highspy.kHighsInf),
+                -self.fixed[new],
+                new.size,
+                np.arange(new.size, dtype=np.int32),
+                np.zeros(new.size, dtype=np.int32),
+                -self.net.capacity[new],
+            )
+            if status != highspy.HighsStatus.kOk:
+                raise SynthesisError("HiGHS refused rows of the repair LP")
+            self._floor()
+        length = ok.sum(axis=1)
+        # Column j: its commodity row, then the rows of its links (a path crosses a link at most once).
+        start = np.r_[0, np.cumsum(length + 1)]
+        index = np.empty(int(start[-1]), dtype=np.int32)
+        head = start[:-1]
+        index[head] = group
+        body = np.ones(index.size, dtype=bool)
+        body[head] = False
+        index[body] = self.row_of[arcs[ok]]
         status = self.h.addCols(
             k,
             np.zeros(k),
             np.zeros(k),
             np.full(k, highspy.kHighsInf),
-            full.nnz,
-            full.indptr[:-1].astype(np.int32),
-            full.indices.astype(np.int32),
-            full.data,
+            index.size,
+            head.astype(np.int32),
+            index,
+            np.ones(index.size),
         )
         if status != highspy.HighsStatus.kOk:
             raise SynthesisError("HiGHS refused columns of the repair LP")
+        cols = np.broadcast_to(np.arange(k)[:, None], arcs.shape)[ok]
+        inc = sp.csc_matrix((np.ones(cols.size), (arcs[ok], cols)), shape=(self.net.num_arcs, k))
         self.group = np.r_[self.group, group]
         self.pid = np.r_[self.pid, pid]
         self.incidence = sp.hstack([self.incidence, inc]).tocsc()
@@ -275,4 +362,12 @@ class _RepairLP:
         sol = self.h.getSolution()
         col = np.asarray(sol.col_value)
         dual = np.asarray(sol.row_dual)
-        return float(col[0]), col[1:], dual[: self.groups], np.maximum(-dual[self.groups :], 0.0)
+        alpha = np.zeros(self.net.num_arcs)
+        rows = np.asarray(self.rows, dtype=np.int64)
+        alpha[rows] = np.maximum(-dual[self.groups :], 0.0)
+        if self.floor_arc >= 0:
+            # chi at its lower bound: that link's row would carry the bound's reduced cost.
+            reduced = float(np.asarray(sol.col_dual)[0])
+            if reduced > 0:
+                alpha[self.floor_arc] += reduced / self.net.capacity[self.floor_arc]
+        return float(col[0]), col[1:], dual[: self.groups], alpha

@@ -26,7 +26,11 @@ For each ``K = 1 .. max_chunks``:
 The smallest ``K`` within 0.1 % of the best rate wins (fewer chunks are
 fewer, larger messages; with a warm start the previous ``K`` is preferred
 within the same tolerance, so that the previous threadblocks can be
-reused); the search stops early at a ``K`` that reaches the LP rate.
+reused); the search stops early at a ``K`` within that tolerance of the LP
+rate (no larger ``K`` could be picked). A warm start may also round at one
+``K`` only, with the untouched commodities as fixed link loads
+(:func:`round_at`), or take the previous ``K`` at once when it is within a
+tolerance of the LP rate (``keep_within``).
 
 Deviation: the paper fixes one column per dive step and re-runs column
 generation between fixes; here the dive fixes batches and stays on the
@@ -130,6 +134,7 @@ def round_flows(
     target: float | None = None,
     prefer: int | None = None,
     tolerance: float = CHUNK_TOLERANCE,
+    keep_within: float = 0.0,
 ) -> Rounded:
     """Rounds ``flows`` for every ``K <= max_chunks`` and returns the best.
 
@@ -138,65 +143,140 @@ def round_flows(
         pool: the column pool the path ids refer to.
         flows: the LP solution (:func:`path_flows`).
         max_chunks: the largest chunk count per commodity to try.
-        target: the LP rate; the search stops early at a ``K`` that reaches it.
+        target: the LP rate; the search stops early at a ``K`` within ``tolerance`` of it
+            (and not below ``prefer``).
         prefer: a chunk count to pick when it is within ``tolerance`` of the
             best (a warm start's previous ``K``: its threadblocks can be reused).
         tolerance: relative rate given up for fewer chunks (or for ``prefer``):
             the result is the smallest ``K`` within it of the best rate found.
+        keep_within: with ``prefer`` and ``target``: ``prefer`` is rounded
+            first and taken at once if it is within this fraction of
+            ``target`` (no other ``K`` is tried).
     """
-    cap = net.capacity
-    comm_ids, first = np.unique(flows.comm, return_index=True)
-    counts = np.diff(np.append(first, flows.comm.size))
-    single = counts == 1
-    single_rows = first[single]
-    inc_single = _incidence(pool, flows.pid[single_rows])
-    base_load = np.asarray(inc_single.sum(axis=0)).ravel()
-    frac_comm = comm_ids[~single]
-    cand = _candidates(pool, flows, frac_comm)
-    lp = _ResidualLP(net, cand) if cand.pid.size else None
-    if lp is not None:
-        # Purify: a vertex of the path-level LP splits at most one commodity per tight link, while
-        # the tree LP's vertex may split a whole tree's worth per extra tree.
-        y = lp.solve(base_load, np.ones(cand.num_groups, dtype=np.int64))
-        cand = dataclasses.replace(cand, frac=y)
+    r = _Rounding(net, pool, flows, target=target)
+    if prefer is not None and target is not None and keep_within > 0 and 1 <= prefer <= max_chunks:
+        rate, fixed_count, loads = r.polish(prefer, *r.dive(prefer))
+        if rate >= target * (1 - keep_within):
+            return r.finish(prefer, rate, fixed_count, loads, {prefer: rate})
     dived: list[tuple[float, int, np.ndarray, np.ndarray]] = []
     for k in range(1, max_chunks + 1):
-        _, fixed_count, loads = _dive(net, lp, cand, base_load * k, k)
-        dived.append((_rate(k, loads, cap), k, fixed_count, loads))
-        if target is not None and dived[-1][0] >= target * (1 - 1e-9):
+        rate, fixed_count, loads = r.dive(k)
+        dived.append((rate, k, fixed_count, loads))
+        # A K within the tolerance of the LP rate is within it of the best too: no larger K can be
+        # picked (the smallest one within the tolerance wins), unless it is the preferred one.
+        reached = target is not None and dived[-1][0] >= target * (1 - max(tolerance, 1e-9))
+        if reached and (prefer is None or k >= prefer):
             break
     # Polish the most promising chunk counts (the dive is within a few chunks of its best there).
-    moves = _moves(cand)
-    budget = 20 * cand.num_groups + 100
     per_k = {k: rate for rate, k, _, _ in dived}
-    best_dived = max(r for r, *_ in dived)
+    best_dived = max(rate for rate, *_ in dived)
     ranked = sorted(dived, key=lambda t: (-round(t[0] / best_dived, 10) if best_dived > 0 else 0.0, t[1]))
     chosen = ranked[:POLISHED_CHUNK_COUNTS] + [t for t in ranked[POLISHED_CHUNK_COUNTS:] if t[1] == prefer]
     polished: dict[int, tuple] = {}
     for rate, k, fixed_count, loads in chosen:
-        if target is None or rate < target * (1 - 1e-9):
-            fixed_count, loads = _polish(net, moves, fixed_count, loads, budget)
-            rate = _rate(k, loads, cap)
-            per_k[k] = rate
-        polished[k] = (rate, (cand.pid, fixed_count, loads))
-    best_rate = max(r for r, _ in polished.values())
-    near = sorted(k for k, (r, _) in polished.items() if r >= best_rate * (1 - tolerance))
+        polished[k] = r.polish(k, rate, fixed_count, loads)
+        per_k[k] = polished[k][0]
+    best_rate = max(rate for rate, *_ in polished.values())
+    near = sorted(k for k, (rate, *_) in polished.items() if rate >= best_rate * (1 - tolerance))
     k = prefer if prefer in near else near[0]
-    rate, (fixed_pid, fixed_count, loads) = polished[k]
-    comm = np.concatenate([comm_ids[single], cand.comm_of[fixed_count > 0]])
-    pid = np.concatenate([flows.pid[single_rows], fixed_pid[fixed_count > 0]])
-    count = np.concatenate([np.full(single_rows.size, k), fixed_count[fixed_count > 0]])
-    order = np.lexsort((pid, comm))
-    per_k = dict(sorted(per_k.items()))
-    return Rounded(
-        chunks=k,
-        comm=comm[order],
-        pid=pid[order],
-        count=count[order].astype(np.int64),
-        link_chunks=loads,
-        rate=rate,
-        per_k=per_k,
-    )
+    return r.finish(k, *polished[k], per_k)
+
+
+def round_at(
+    net: Network,
+    pool: ColumnPool,
+    flows: PathFlows,
+    chunks: int,
+    *,
+    fixed_load: np.ndarray | None = None,
+    target: float | None = None,
+    purify: bool = True,
+) -> Rounded:
+    """Rounds ``flows`` to exactly ``chunks`` chunks per commodity (dive and polish).
+
+    ``fixed_load`` are chunks per link of commodities outside ``flows``
+    that stay as they are (a warm start's untouched routes): they load the
+    links and count in the rate, but only the rows of ``flows`` are returned.
+    ``purify=False`` skips the purification LP, for flows that already are a
+    vertex of a path-level LP (the repair LP's solution).
+    """
+    r = _Rounding(net, pool, flows, target=target, fixed_load=fixed_load, k_fixed=chunks, purify=purify)
+    rate, fixed_count, loads = r.polish(chunks, *r.dive(chunks))
+    return r.finish(chunks, rate, fixed_count, loads, {chunks: rate})
+
+
+class _Rounding:
+    """One LP solution being rounded: its integral commodities, the candidates of the others, the dive LP."""
+
+    def __init__(
+        self,
+        net: Network,
+        pool: ColumnPool,
+        flows: PathFlows,
+        *,
+        target: float | None,
+        fixed_load: np.ndarray | None = None,
+        k_fixed: int | None = None,
+        purify: bool = True,
+    ):
+        self.net, self.flows, self.target = net, flows, target
+        self.fixed_load = None if fixed_load is None else np.asarray(fixed_load, dtype=np.float64)
+        self.k_fixed = k_fixed
+        comm_ids, first = np.unique(flows.comm, return_index=True)
+        counts = np.diff(np.append(first, flows.comm.size))
+        single = counts == 1
+        self.single_comm = comm_ids[single]
+        self.single_rows = first[single]
+        single_arcs = pool.paths[flows.pid[self.single_rows]]
+        self.base_load = np.bincount(single_arcs[single_arcs >= 0], minlength=net.num_arcs).astype(np.float64)
+        cand = _candidates(pool, flows, comm_ids[~single])
+        self.lp = _ResidualLP(net, cand) if cand.pid.size else None
+        if self.lp is not None and purify:
+            # Purify: a vertex of the path-level LP splits at most one commodity per tight link, while
+            # the tree LP's vertex may split a whole tree's worth per extra tree.
+            y = self.lp.solve(self._load(1), np.ones(cand.num_groups, dtype=np.int64))
+            cand = dataclasses.replace(cand, frac=y)
+        self.cand = cand
+        self._moves: _Moves | None | bool = False  # built on the first polish
+        self.budget = 20 * cand.num_groups + 100
+
+    def _load(self, k: int) -> np.ndarray:
+        """Link loads (chunks) of the integral commodities at ``k`` chunks, fixed loads included."""
+        load = self.base_load * k
+        if self.fixed_load is not None:
+            # The fixed loads are given in chunks at k_fixed; at another k they scale.
+            load = load + self.fixed_load * (k / self.k_fixed if self.k_fixed else 1.0)
+        return load
+
+    def dive(self, k: int) -> tuple[float, np.ndarray, np.ndarray]:
+        """``(rate, chunks per candidate row, loads)`` of the dive at ``k`` chunks."""
+        _, fixed_count, loads = _dive(self.net, self.lp, self.cand, self._load(k), k)
+        return _rate(k, loads, self.net.capacity), fixed_count, loads
+
+    def polish(self, k: int, rate: float, fixed_count: np.ndarray, loads: np.ndarray):
+        """The polished ``(rate, chunks per candidate row, loads)`` (unchanged once at the target)."""
+        if self.target is None or rate < self.target * (1 - 1e-9):
+            if self._moves is False:
+                self._moves = _moves(self.cand)
+            fixed_count, loads = _polish(self.net, self._moves, fixed_count, loads, self.budget)
+            rate = _rate(k, loads, self.net.capacity)
+        return rate, fixed_count, loads
+
+    def finish(self, k: int, rate: float, fixed_count: np.ndarray, loads: np.ndarray, per_k: dict) -> Rounded:
+        cand, rows = self.cand, self.single_rows
+        comm = np.concatenate([self.single_comm, cand.comm_of[fixed_count > 0]])
+        pid = np.concatenate([self.flows.pid[rows], cand.pid[fixed_count > 0]])
+        count = np.concatenate([np.full(rows.size, k), fixed_count[fixed_count > 0]])
+        order = np.lexsort((pid, comm))
+        return Rounded(
+            chunks=k,
+            comm=comm[order],
+            pid=pid[order],
+            count=count[order].astype(np.int64),
+            link_chunks=loads,
+            rate=rate,
+            per_k=dict(sorted(per_k.items())),
+        )
 
 
 @dataclasses.dataclass
@@ -283,56 +363,80 @@ def _argmax_per_group(values: np.ndarray, group: np.ndarray, num_groups: int) ->
 
 
 class _ResidualLP:
-    """``min chi`` over the residual chunks of the fractional commodities (a fresh HiGHS model per solve).
+    """``min chi`` over the residual chunks of the fractional commodities (a fresh model per solve).
 
     Columns: ``chi``, then ``y`` per candidate row of a commodity with
     residual chunks (extra chunks on that path). Rows: ``sum_p y_p =
     residual_k`` per such commodity, and ``fixed load_a + sum beta y - c_a
     chi <= 0`` per link they cross; the other links only bound ``chi`` from
     below. (Keeping one model and changing bounds was slower: the warm
-    dual simplex then pivots through every commodity already decided.)
+    dual simplex then pivots through every commodity already decided.) The
+    model is assembled column-wise with numpy and passed to one HiGHS
+    instance (presolve off: the models are small and presolve dominated).
     """
 
     def __init__(self, net: Network, cand: _Candidates):
         self.cap = net.capacity
         self.cand = cand
         self.inc_t = cand.inc.T.tocsr()
+        inc = cand.inc.tocsr()
+        self._ptr, self._idx, self._val = inc.indptr.astype(np.int64), inc.indices.astype(np.int64), inc.data
+        self.solves = 0
+        self._h = new_highs()
+        self._h.setOptionValue("solver", "simplex")
+        self._h.setOptionValue("presolve", "off")
 
     def solve(self, loads: np.ndarray, residual: np.ndarray) -> np.ndarray:
         """``y`` per candidate row for these fixed loads and residual chunks per commodity."""
         cand, cap = self.cand, self.cap
         rows = np.flatnonzero(residual[cand.group] > 0)
-        sub = cand.inc[rows].tocsc()
-        touched = np.flatnonzero(np.diff(sub.indptr) > 0)
-        sub = sub[:, touched].T.tocsr()  # (touched arcs, rows)
+        nv = rows.size
+        lo, length = self._ptr[rows], self._ptr[rows + 1] - self._ptr[rows]
+        total = int(length.sum())
+        pos = np.repeat(lo - (np.cumsum(length) - length), length) + np.arange(total)
+        arcs, vals = self._idx[pos], self._val[pos]
+        touched, arc_row = np.unique(arcs, return_inverse=True)
         untouched = np.ones(cap.size, dtype=bool)
         untouched[touched] = False
         chi_floor = float(np.max(loads[untouched] / cap[untouched])) if untouched.any() else 0.0
-        groups, g_index = np.unique(cand.group[rows], return_inverse=True)
-        nv = rows.size
+        groups, g_row = np.unique(cand.group[rows], return_inverse=True)
+        ng, nt = groups.size, touched.size
+        # Column-wise: chi (-c_a on every touched link row), then per y its commodity row and its link rows.
+        start = np.empty(nv + 2, dtype=np.int64)
+        start[0], start[1] = 0, nt
+        start[2:] = nt + np.cumsum(length + 1)
+        index = np.empty(nt + nv + total, dtype=np.int32)
+        value = np.empty(nt + nv + total, dtype=np.float64)
+        index[:nt] = ng + np.arange(nt)
+        value[:nt] = -cap[touched]
+        head = start[1:-1]
+        index[head] = g_row.ravel()
+        value[head] = 1.0
+        body = np.ones(index.size, dtype=bool)
+        body[:nt] = False
+        body[head] = False
+        index[body] = ng + arc_row.ravel()
+        value[body] = vals
         inf = highspy.kHighsInf
-        eq = sp.csr_matrix((np.ones(nv), (g_index.ravel(), np.arange(nv))), shape=(groups.size, nv))
-        capm = sp.hstack([sp.csr_matrix(-cap[touched][:, None]), sub])
-        a = sp.vstack([sp.hstack([sp.csr_matrix((groups.size, 1)), eq]), capm]).tocsc()
         lp = highspy.HighsLp()
-        lp.num_col_, lp.num_row_ = nv + 1, a.shape[0]
+        lp.num_col_, lp.num_row_ = nv + 1, ng + nt
         lp.col_cost_ = np.r_[1.0, np.zeros(nv)]
         lp.col_lower_ = np.r_[chi_floor, np.zeros(nv)]
         lp.col_upper_ = np.full(nv + 1, inf)
         res = residual[groups].astype(np.float64)
-        lp.row_lower_ = np.r_[res, np.full(touched.size, -inf)]
+        lp.row_lower_ = np.r_[res, np.full(nt, -inf)]
         lp.row_upper_ = np.r_[res, -loads[touched]]
         lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
-        lp.a_matrix_.start_ = a.indptr.astype(np.int32)
-        lp.a_matrix_.index_ = a.indices.astype(np.int32)
-        lp.a_matrix_.value_ = a.data
-        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = a.shape[1], a.shape[0]
-        h = new_highs()
-        h.setOptionValue("solver", "simplex")
+        lp.a_matrix_.start_ = start.astype(np.int32)
+        lp.a_matrix_.index_ = index
+        lp.a_matrix_.value_ = value
+        lp.a_matrix_.num_col_, lp.a_matrix_.num_row_ = nv + 1, ng + nt
+        h = self._h
         if h.passModel(lp) != highspy.HighsStatus.kOk:
             raise SynthesisError("HiGHS refused the rounding LP")
         h.run()
         check_status(h, "rounding LP")
+        self.solves += 1
         y = np.zeros(cand.pid.size)
         y[rows] = np.asarray(h.getSolution().col_value)[1:]
         return y

@@ -28,22 +28,27 @@ KEYS = ("nodes", "src", "dst", "chunks", "offset", "route")
 def encode_paths(net: Network, pool: ColumnPool, comm: np.ndarray, pid: np.ndarray, count: np.ndarray) -> dict:
     """The columnar form of rounded rows ``(s*N + d, path id, chunks)``."""
     n = net.num_gpus
-    arcs = pool.paths[pid]
-    valid = arcs >= 0
-    length = valid.sum(axis=1)
-    first = net.tail[arcs[:, 0]]
-    heads = net.head[np.where(valid, arcs, 0)]
-    seq = np.concatenate([first[:, None], heads], axis=1)
-    keep = np.concatenate([np.ones((arcs.shape[0], 1), bool), valid], axis=1)
-    offset = np.r_[0, np.cumsum(length + 1)]
+    route, length = route_nodes(net, pool.paths[pid])
     return {
         "nodes": list(net.nodes),
         "src": (comm // n).tolist(),
         "dst": (comm % n).tolist(),
-        "chunks": count.tolist(),
-        "offset": offset.tolist(),
-        "route": seq[keep].tolist(),
+        "chunks": np.asarray(count).tolist(),
+        "offset": np.r_[0, np.cumsum(length)].tolist(),
+        "route": route.tolist(),
     }
+
+
+def route_nodes(net: Network, arcs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Node indices along each route (rows of -1 padded arcs): ``(flat nodes, nodes per route)``."""
+    if arcs.shape[0] == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    valid = arcs >= 0
+    first = net.tail[arcs[:, 0]]
+    heads = net.head[np.where(valid, arcs, 0)]
+    seq = np.concatenate([first[:, None], heads], axis=1)
+    keep = np.concatenate([np.ones((arcs.shape[0], 1), bool), valid], axis=1)
+    return seq[keep].astype(np.int64), valid.sum(axis=1) + 1
 
 
 def decode_paths(paths: Mapping[str, Any]) -> list[tuple[int, int, int, list]]:
