@@ -477,7 +477,7 @@ def test_executor_runner_sees_reduced_capacity_as_steady_congestion():
         react.degraded_topology(topo, [8], 1)
     with pytest.raises(ValueError):
         react.degraded_topology(topo, [1], -1)
-    runner = react.ExecutorRunner.create(topo, 256 << 10, time_scale=1e-2)
+    runner = react.ExecutorRunner.create(topo, 256 << 10, time_scale=1e-3)
     p = double_binary_tree_pattern(n)
     measure = pattern_measurer(runner, cong)
     fct = np.stack([measure(p)[1] for _ in range(6)])
@@ -485,7 +485,12 @@ def test_executor_runner_sees_reduced_capacity_as_steady_congestion():
     c = detect_congestion(fct, sizes=p.flow_size, degrees=p.flow_degree)
     into = p.dst_device == target
     assert set(np.flatnonzero(into).tolist()) <= c.steady
-    assert react.problem_devices(p, sorted(c.flows), c.flows)[0] == target
+    # REACT Sec. 5.4.1: a device all of whose incoming flows are steady congested. (Which device *leads* the
+    # problem list is not stable: the FIFO links flag some healthy flows too, and high-degree tree nodes touch more.)
+    from jaxccl.tune.react.algorithm import steady_congested_devices
+
+    assert target in steady_congested_devices(p, c.steady)
+    assert target in react.problem_devices(p, sorted(c.flows), c.flows)
     rate = (p.flow_size / fct).mean(axis=0)
     assert rate[into].max() < 0.6 * np.median(rate[~into])
 
