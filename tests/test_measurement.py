@@ -238,7 +238,8 @@ def test_bad_input_errors():
     from jaxccl.runtime import native
 
     with pytest.raises(ValueError, match="capacity"):
-        native.module().network_create(
+        native.module().network_configure(
+            network=0,
             num_ranks=2,
             host_of_rank=np.zeros(2, np.int32),
             capacity=np.array([0.0]),

@@ -134,39 +134,24 @@ NB_MODULE(_native, m) {
         if (!t.has_value()) Raise(t.error());
       },
       nb::arg("table"), "Checks a compiled table word by word; raises ValueError naming the first bad word.");
-  const auto net_args = std::make_tuple(nb::arg("num_ranks"), nb::arg("host_of_rank"), nb::arg("capacity"),
-                                        nb::arg("latency_ns"), nb::arg("route_offsets"), nb::arg("route_links"),
-                                        nb::arg("pace"), nb::arg("measure"), nb::arg("link_timestamps"),
-                                        nb::arg("trace"), nb::arg("intra_threshold"), nb::arg("inter_threshold"),
-                                        nb::arg("min_window_bytes"), nb::arg("slots_per_tb"));
   m.def(
-      "network_create",
-      [](int32_t n, IntArray hosts, DoubleArray cap, DoubleArray lat, IntArray offs, IntArray links, bool pace,
-         bool measure, bool stamps, bool trace, int32_t intra, int32_t inter, int64_t min_bytes, int32_t slots) {
-        return Unwrap(CreateNetwork(MakeNetworkConfig(n, hosts, cap, lat, offs, links, pace, measure, stamps, trace,
-                                                      intra, inter, min_bytes, slots)));
-      },
-      std::get<0>(net_args), std::get<1>(net_args), std::get<2>(net_args), std::get<3>(net_args),
-      std::get<4>(net_args), std::get<5>(net_args), std::get<6>(net_args), std::get<7>(net_args),
-      std::get<8>(net_args), std::get<9>(net_args), std::get<10>(net_args), std::get<11>(net_args),
-      std::get<12>(net_args), std::get<13>(net_args),
-      "Creates an emulated network (capacities in bytes per real ns, CSR routes per ordered GPU pair); returns its id.");
-  m.def(
-      "network_update",
+      "network_configure",
       [](int64_t id, int32_t n, IntArray hosts, DoubleArray cap, DoubleArray lat, IntArray offs, IntArray links,
          bool pace, bool measure, bool stamps, bool trace, int32_t intra, int32_t inter, int64_t min_bytes,
          int32_t slots) {
-        if (ffi::Error e = UpdateNetwork(id, MakeNetworkConfig(n, hosts, cap, lat, offs, links, pace, measure, stamps,
-                                                               trace, intra, inter, min_bytes, slots));
-            e.failure()) {
-          Raise(e);
-        }
+        NetworkConfig c = MakeNetworkConfig(n, hosts, cap, lat, offs, links, pace, measure, stamps, trace, intra,
+                                            inter, min_bytes, slots);
+        if (id == 0) return Unwrap(CreateNetwork(std::move(c)));
+        if (ffi::Error e = UpdateNetwork(id, std::move(c)); e.failure()) Raise(e);
+        return id;
       },
-      nb::arg("network"), std::get<0>(net_args), std::get<1>(net_args), std::get<2>(net_args),
-      std::get<3>(net_args), std::get<4>(net_args), std::get<5>(net_args), std::get<6>(net_args),
-      std::get<7>(net_args), std::get<8>(net_args), std::get<9>(net_args), std::get<10>(net_args),
-      std::get<11>(net_args), std::get<12>(net_args), std::get<13>(net_args),
-      "Replaces a network's links, routes and flags live (running collectives see it at their next message).");
+      nb::arg("network"), nb::arg("num_ranks"), nb::arg("host_of_rank"), nb::arg("capacity"), nb::arg("latency_ns"),
+      nb::arg("route_offsets"), nb::arg("route_links"), nb::arg("pace"), nb::arg("measure"),
+      nb::arg("link_timestamps"), nb::arg("trace"), nb::arg("intra_threshold"), nb::arg("inter_threshold"),
+      nb::arg("min_window_bytes"), nb::arg("slots_per_tb"),
+      "Creates an emulated network (network=0; capacities in bytes per real ns, CSR routes per ordered GPU pair) or "
+      "replaces an existing one's links, routes and flags live (running collectives see it at their next message); "
+      "returns its id.");
   m.def(
       "network_remove",
       [](int64_t id) {

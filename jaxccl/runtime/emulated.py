@@ -161,7 +161,7 @@ class EmulatedNetwork:
         self._native = native.module()
         self.config = config or LinkEmulation()
         self.topology = topology
-        self.id = int(self._native.network_create(**_network_arrays(topology, self.config)))
+        self.id = int(self._native.network_configure(0, **_network_arrays(topology, self.config)))
 
     def attach(self, slot: int) -> None:
         """Runs the collectives of registry slot ``slot`` over this network."""
@@ -184,7 +184,7 @@ class EmulatedNetwork:
         if [topology.host_of(r) for r in topology.gpus] != [self.topology.host_of(r) for r in self.topology.gpus]:
             raise TopologyError("inject: the new topology puts GPUs on other hosts; ranks must keep their hosts")
         try:
-            self._native.network_update(self.id, **_network_arrays(topology, self.config))
+            self._native.network_configure(self.id, **_network_arrays(topology, self.config))
         except ValueError as e:
             raise TopologyError(f"inject: {e}") from None
         self.topology = topology
