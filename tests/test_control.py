@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from programs import all_gather_pair
 
 import jaxccl
 from jaxccl.control import Controller, check, measured_topology, nominal_capacities, profile
@@ -59,12 +59,7 @@ def _setup(alpha=0.5, emulation=None):
         link_emulation=emulation or LinkEmulation(time_scale=1e-3),
         telemetry_alpha=alpha,
     )
-    f = jax.jit(
-        jax.shard_map(lambda x: jaxccl.all_gather(x, "d", tiled=True), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
-    )
-    ref = jax.jit(
-        jax.shard_map(lambda x: jax.lax.all_gather(x, "d", tiled=True), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
-    )
+    f, ref = all_gather_pair(mesh)
     return comm, f, ref
 
 

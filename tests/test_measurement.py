@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from programs import all_gather_pair, sharded
 
 import jaxccl
 from jaxccl.errors import ExecutorError, TopologyError
@@ -25,10 +25,6 @@ def _mesh(n):
     return Mesh(np.array(jax.devices()[:n]), ("d",))
 
 
-def _runner(mesh, fn):
-    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-
-
 def _data(n, elems, seed=0):
     return np.random.default_rng(seed).standard_normal(n * elems).astype(np.float32) + 0.5
 
@@ -37,8 +33,7 @@ def _all_gather_comm(topo, emulation, channels):
     mesh = _mesh(topo.num_gpus)
     comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu", link_emulation=emulation)
     comm.install("all_gather", baselines.ring_allgather(topo.num_gpus, channels=channels))
-    f = _runner(mesh, lambda x: jaxccl.all_gather(x, "d", tiled=True))
-    ref = _runner(mesh, lambda x: jax.lax.all_gather(x, "d", tiled=True))
+    f, ref = all_gather_pair(mesh)
     return comm, f, ref
 
 
@@ -126,8 +121,8 @@ def test_reductions_are_not_measured():
     mesh = _mesh(4)
     emu = LinkEmulation(time_scale=1e-2, min_window_bytes=0)
     comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu", link_emulation=emu)
-    f = _runner(mesh, lambda x: jaxccl.psum_scatter(x, "d", tiled=True))
-    ref = _runner(mesh, lambda x: jax.lax.psum_scatter(x, "d", tiled=True))
+    f = sharded(mesh, lambda x: jaxccl.psum_scatter(x, "d", tiled=True))
+    ref = sharded(mesh, lambda x: jax.lax.psum_scatter(x, "d", tiled=True))
     x = _data(4, 1 << 12)
     with comm:
         for _ in range(3):
@@ -136,7 +131,7 @@ def test_reductions_are_not_measured():
     assert stats["windows"] == 0 and stats["records"] == 0
     assert comm.network.drain() == b""
     # ...while an AllGather on the same network is measured
-    g = _runner(mesh, lambda x: jaxccl.all_gather(x, "d", tiled=True))
+    g = sharded(mesh, lambda x: jaxccl.all_gather(x, "d", tiled=True))
     with comm:
         g(x).block_until_ready()
     assert comm.network.stats()["records"] > 0
@@ -164,8 +159,7 @@ def test_live_injection_keeps_results_bitwise_equal():
     mesh = _mesh(8)
     comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu", link_emulation=LinkEmulation(time_scale=1e-2))
     comm.install("all_gather", jaxccl.synth.allgather(topo))
-    f = _runner(mesh, lambda x: jaxccl.all_gather(x, "d", tiled=True))
-    ref = _runner(mesh, lambda x: jax.lax.all_gather(x, "d", tiled=True))
+    f, ref = all_gather_pair(mesh)
     scenarios = [jaxccl.topology.scenario(topo, s) for s in ("fail1", "fail2")] + [topo]
     stop = threading.Event()
 
@@ -265,7 +259,7 @@ def test_trace_records_every_message_with_consistent_times():
         mesh, "d", topology=topo, backend="cpu", link_emulation=LinkEmulation(time_scale=1e-2, trace=True)
     )
     comm.install("all_gather", s)
-    f = _runner(mesh, lambda x: jaxccl.all_gather(x, "d", tiled=True))
+    f = sharded(mesh, lambda x: jaxccl.all_gather(x, "d", tiled=True))
     with comm:
         f(_data(4, 1 << 10)).block_until_ready()
     tr = comm.network.take_trace()

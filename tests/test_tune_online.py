@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from programs import all_gather_pair
 
 import jaxccl
 from jaxccl.runtime import native
@@ -18,12 +18,7 @@ TOPO = rail(hosts=2, gpus_per_host=4)
 def _setup():
     mesh = Mesh(np.array(jax.devices()), ("d",))
     comm = jaxccl.Communicator(mesh, "d", topology=TOPO, backend="cpu", link_emulation=LinkEmulation(time_scale=1e-2))
-    f = jax.jit(
-        jax.shard_map(lambda x: jaxccl.all_gather(x, "d", tiled=True), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
-    )
-    ref = jax.jit(
-        jax.shard_map(lambda x: jax.lax.all_gather(x, "d", tiled=True), mesh=mesh, in_specs=P("d"), out_specs=P("d"))
-    )
+    f, ref = all_gather_pair(mesh)
     return comm, f, ref
 
 
