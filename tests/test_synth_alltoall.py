@@ -173,6 +173,51 @@ def test_warm_start_gives_the_same_optimum(fail):
         assert 0 < warm.info["affected_pairs"] < 16 * 15
 
 
+@pytest.mark.parametrize("name", ["rail1x2x4", "hetero", "fat-tree2x2"])
+def test_certificate_bounds_the_lp_for_any_capacities(name):
+    # The prices behind a schedule's bound keep bounding the LP when capacities change (MCCL Sec. 3.2's
+    # re-check without a solve): checked against the CF-LP optimum of randomly rescaled links.
+    from jaxccl.synth.alltoall.state import recall
+
+    topo = SMALL[name]()
+    s = alltoall(topo)
+    cert = recall(s).certificate
+    net = build_network(topo)
+    assert cert is not None and cert.max_steps == s.info["max_steps"]
+    n = topo.num_gpus
+    assert n * cert.bound(net.capacity) * net.unit == pytest.approx(s.bound, rel=1e-7)
+    rng = np.random.default_rng(7)
+    for _ in range(4):
+        changes = {(u, v): {"capacity": c * float(rng.uniform(0.2, 1.6))} for u, v, c, _ in topo.edges()}
+        other = topo.with_edges(changes)
+        on = build_network(other)
+        assert np.array_equal(on.tail, net.tail) and np.array_equal(on.head, net.head)
+        assert n * cert.bound(on.capacity) * on.unit >= cflp_bound(other) * (1 - 1e-7)
+
+
+def test_kept_warm_start_is_certified_without_pricing(monkeypatch):
+    # fail1 degrades NVLinks the base certificate does not price: its bound, unchanged, proves the old routes
+    # optimal; no shortest path is computed at all.
+    import importlib
+
+    base_topo = rail(hosts=2, gpus_per_host=8)
+    base = alltoall(base_topo)
+    driver = importlib.import_module("jaxccl.synth.alltoall.driver")
+
+    def no_pricing(*args, **kwargs):
+        raise AssertionError("the kept check priced something")
+
+    monkeypatch.setattr(driver, "shortest_path_trees", no_pricing)
+    warm = alltoall(scenario(base_topo, "fail1"), previous=base)
+    assert warm.info["warm_mode"] == "kept" and warm.digest == base.digest
+    monkeypatch.undo()
+    cold = alltoall(scenario(base_topo, "fail1"))
+    assert warm.bound == pytest.approx(cold.bound, rel=1e-9)
+    # A chain of kept schedules carries the certificate on.
+    again = alltoall(scenario(base_topo, "fail1"), previous=warm)
+    assert again.info["warm_mode"] == "kept" and again.bound == pytest.approx(cold.bound, rel=1e-9)
+
+
 def test_warm_start_falls_back_to_column_generation_when_the_repair_is_not_optimal():
     # On a ring the pairs that avoid the slow link must move too: the local repair cannot prove optimality.
     base = alltoall(ring(6))
@@ -323,33 +368,41 @@ def test_incremental_layout_equals_a_fresh_layout(hosts, gph, monkeypatch):
     from jaxccl.synth.alltoall.compile import emit, previous_plan
 
     comp = importlib.import_module("jaxccl.synth.alltoall.compile")
-    original = comp._layout_delta
+    lay_mod = importlib.import_module("jaxccl.synth.alltoall.layout")
+    original = lay_mod.layout_delta
     calls = []
 
-    def checked(n, c, p, old, old_plan):
-        lay, src, (reused, old_groups) = original(n, c, p, old, old_plan)
-        ref = comp._layout(n, c, p)
+    def checked(n, p, old, old_plan):
+        lay, src, (reused, old_groups) = original(n, p, old, old_plan)
+        dense, idx = lay.compact()
+        ref = lay_mod.layout(n, p)
         for f in dataclasses.fields(ref):
-            assert np.array_equal(getattr(lay, f.name), getattr(ref, f.name)), f.name
+            assert np.array_equal(getattr(dense, f.name), getattr(ref, f.name)), f.name
         # An op taken over is the same hop of the same kept message, with the same dependency.
-        ok = np.flatnonzero(src >= 0)
+        ok = idx[src[idx] >= 0]
         assert np.array_equal(p.previous_rows()[lay.msg[ok]], old.msg[src[ok]])
         for name in ("depth", "kind", "dep_tb", "dep_op"):
             assert np.array_equal(getattr(lay, name)[ok], getattr(old, name)[src[ok]])
         assert np.array_equal(lay.group_peer[reused], old.group_peer[old_groups])
+        # A group taken over holds the old group's ops, in order.
+        for g, h in zip(reused.tolist(), old_groups.tolist()):
+            assert np.array_equal(src[lay.group_lo[g] : lay.group_hi[g]], np.arange(old.group_lo[h], old.group_hi[h]))
         calls.append(len(ok))
         return lay, src, (reused, old_groups)
 
-    monkeypatch.setattr(comp, "_layout_delta", checked)
+    monkeypatch.setattr(comp, "layout_delta", checked)
     base_topo = rail(hosts=hosts, gpus_per_host=gph)
     prev = alltoall(base_topo)
-    for fail in ("fail2", "fail3", "fail1", None):
+    # A chain of warm starts: layouts with unused entries are the base of the next ones.
+    for fail in ("fail2", "fail3", "fail1", None, "fail2", "fail3"):
         topo = base_topo if fail is None else scenario(base_topo, fail)
         s = alltoall(topo, previous=prev).validate()
         n, c = s.num_ranks, s.chunks_per_period
         # The emission is a function of the stored plan alone, however the schedule was reached.
         assert emit(n, c, previous_plan(s.info["paths"], n, c)).digest == s.digest
         assert s.algbw == pytest.approx(_rounded_rate(s, topo)[0], rel=1e-9)
+        assert s.num_ops == sum(len(tb.ops) for tbs in s.ranks for tb in tbs)
+        assert s.num_threadblocks == sum(len(tbs) for tbs in s.ranks)
         prev = s
     assert calls and sum(calls) > 0
 
@@ -571,3 +624,17 @@ def test_docstring_examples(module):
     mod = importlib.import_module(f"jaxccl.synth.alltoall.{module}")
     result = doctest.testmod(mod, optionflags=doctest.ELLIPSIS)
     assert result.attempted > 0 and result.failed == 0
+
+
+def test_benchmark_driver_reports_paired_speedups():
+    from jaxccl.cli.synth_alltoall import acceptance, run_benchmark
+
+    rows = run_benchmark([2], ["fail1", "fail2"], runs=2, stream=open(os.devnull, "w"))
+    assert [r["state"] for r in rows] == ["fail1", "fail2"]
+    for r in rows:
+        assert len(r["ratios_total"]) == 2 and r["speedup_total"] == pytest.approx(np.median(r["ratios_total"]))
+        assert r["cold_total_s"] > 0 and r["warm_total_s"] > 0 and r["validated"]
+        assert r["bound_GBps"] == pytest.approx(r["warm_bound_GBps"], rel=1e-6)
+    assert rows[0]["warm_mode"] == "kept" and rows[1]["warm_mode"] == "repair"
+    lines = acceptance(rows)
+    assert any("rounding gap" in line for line in lines)

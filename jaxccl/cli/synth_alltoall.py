@@ -8,7 +8,9 @@ rail-optimized ``1 x H x 8`` topologies (MCCL Sec. 6.1) for ``H = 2, 4, ...,
 64`` (16-512 GPUs) in the states base, fail1, fail2 and fail3; per (size,
 state) the cold time, the warm time (``previous=`` the base schedule),
 iterations, columns generated and reused, LP bound, rounded algbw, gap and
-chunk count; medians over ``--runs`` runs (3 up to 8 hosts, 1 above).
+chunk count; medians over ``--runs`` runs (5 up to 16 hosts, 3 above). Cold
+and warm runs alternate, and the speedups are the medians of the cold/warm
+ratios of adjacent runs (the machines are shared: their speed drifts).
 
 Times are reported twice: *solve* (topology arrays, LP by column generation,
 rounding -- the optimizer) and *total* (the whole ``alltoall()`` call,
@@ -76,27 +78,44 @@ def _solve_time(s) -> float:
     return float(t["total"] - t.get("plan", 0.0) - t.get("compile", 0.0) - t.get("info", 0.0))
 
 
-def _timed(fn, runs: int) -> tuple[Any, list[float], list[float]]:
-    """Like :func:`jaxccl.report.timed_runs`, but the previous run's schedule is freed before the clock starts.
+def _timed_pairs(cold, warm, runs: int) -> tuple[Any, Any, dict[str, list[float]]]:
+    """``runs`` cold runs and ``runs`` warm runs, alternating: ``(last cold, last warm, times)``.
 
-    (Freeing a schedule of a million ops takes a noticeable time, and a cold
-    schedule shares none of its objects: it must not count in the next run.
-    A garbage collection before each run keeps the collector's debt from one
-    run out of the next, cold and warm alike.)
+    ``times`` holds ``cold_solve``, ``cold_total``, ``warm_solve``,
+    ``warm_total`` and ``ratio_solve``/``ratio_total`` (cold over warm of
+    each adjacent pair). Alternating keeps a drift of the machine's speed
+    (these machines are shared) out of the comparison; each pair's ratio is
+    taken under the same conditions. The previous run's schedule is freed
+    and the garbage collected before each clock starts (freeing a schedule
+    of a million ops takes a noticeable time, and the collector's debt of
+    one run must not land in the next).
     """
-    solves: list[float] = []
-    totals: list[float] = []
-    out = None
+    times: dict[str, list[float]] = {
+        k: [] for k in ("cold_solve", "cold_total", "warm_solve", "warm_total", "ratio_solve", "ratio_total")
+    }
+    cold_out = warm_out = None
     for _ in range(runs):
-        out = None
-        gc.collect()
-        t = time.perf_counter()
-        out = fn()
-        totals.append(time.perf_counter() - t)
-        solves.append(_solve_time(out))
-    if out is None:
+        for label, fn in (("cold", cold), ("warm", warm)):
+            if label == "cold":
+                cold_out = None
+            else:
+                warm_out = None
+            gc.collect()
+            t = time.perf_counter()
+            out = fn()
+            times[f"{label}_total"].append(time.perf_counter() - t)
+            times[f"{label}_solve"].append(_solve_time(out))
+            if label == "cold":
+                cold_out = out
+            else:
+                warm_out = out
+            del out
+        for kind in ("solve", "total"):
+            w = times[f"warm_{kind}"][-1]
+            times[f"ratio_{kind}"].append(times[f"cold_{kind}"][-1] / w if w > 0 else float("inf"))
+    if cold_out is None or warm_out is None:
         raise ValueError("runs must be >= 1")
-    return out, solves, totals
+    return cold_out, warm_out, times
 
 
 def run_benchmark(
@@ -116,23 +135,21 @@ def run_benchmark(
     warm_kw = {} if reuse_tolerance is None else {"reuse_tolerance": reuse_tolerance}
     rows: list[dict[str, Any]] = []
     for h in report.progress(list(hosts), label="synth alltoall", stream=stream):
-        n_runs = runs if runs is not None else (3 if h <= 8 else 1)
+        n_runs = runs if runs is not None else (5 if h <= 16 else 3)
         base_topo = rail_1xhx8(h)
-        base, base_solve, base_total = _timed(lambda t=base_topo: alltoall(t, max_chunks=max_chunks), n_runs)
+        base = alltoall(base_topo, max_chunks=max_chunks)  # the previous schedule of every warm start
         for state in states:
             topo = base_topo if state == "base" else scenario(base_topo, state)
-            if state == "base":
-                s, solve, total = base, base_solve, base_total
-            else:
-                s, solve, total = _timed(lambda t=topo: alltoall(t, max_chunks=max_chunks), n_runs)
-            warm, warm_solve, warm_total = _timed(
-                lambda t=topo, b=base: alltoall(t, previous=b, max_chunks=max_chunks, **warm_kw), n_runs
+            s, warm, times = _timed_pairs(
+                lambda t=topo: alltoall(t, max_chunks=max_chunks),
+                lambda t=topo, b=base: alltoall(t, previous=b, max_chunks=max_chunks, **warm_kw),
+                n_runs,
             )
             if s.num_ranks <= validate_max_gpus:
                 s.validate()
                 warm.validate()
-            cs, ct = statistics.median(solve), statistics.median(total)
-            ws, wt = statistics.median(warm_solve), statistics.median(warm_total)
+            med = {k: statistics.median(v) for k, v in times.items()}
+            cs, ct, ws, wt = med["cold_solve"], med["cold_total"], med["warm_solve"], med["warm_total"]
             rows.append(
                 {
                     "hosts": h,
@@ -143,8 +160,9 @@ def run_benchmark(
                     "cold_total_s": ct,
                     "warm_solve_s": ws,
                     "warm_total_s": wt,
-                    "speedup_solve": cs / ws if ws > 0 else None,
-                    "speedup_total": ct / wt if wt > 0 else None,
+                    "speedup_solve": med["ratio_solve"],
+                    "speedup_total": med["ratio_total"],
+                    "ratios_total": times["ratio_total"],
                     "iters": s.info["iterations"],
                     "warm_iters": warm.info["iterations"],
                     "columns": s.info["columns_generated"],

@@ -275,11 +275,12 @@ class Schedule:
     def buffer_chunks(self, buf: Buffer) -> int:
         return (self.in_chunks, self.out_chunks, self.scratch_chunks)[Buffer(buf)]
 
-    @property
+    # Cached: the programs are immutable (tuples of frozen threadblocks and ops).
+    @functools.cached_property
     def num_threadblocks(self) -> int:
         return sum(len(tbs) for tbs in self.ranks)
 
-    @property
+    @functools.cached_property
     def num_ops(self) -> int:
         return sum(len(tb.ops) for tbs in self.ranks for tb in tbs)
 

@@ -13,6 +13,13 @@ mincost_c(alpha)``, and the total cost is at most ``sum_a alpha_a c_a``, so
 duals the numerator is the RMP optimum, so the relative gap is
 ``1 / sum_c mincost_c - 1``; it reaches 0 exactly when no column prices out.
 The time-bounded mode stops when the budget is spent and reports this bound.
+
+The prices of the best bound are kept as a :class:`Certificate`: the
+denominator depends only on the prices, the links and the step bound, so the
+same prices bound the LP of *any* capacities on those links at the cost of
+one dot product. A warm start uses it to prove the previous routes still
+optimal after a change that did not touch the priced links (MCCL's fail1, a
+degraded NVSwitch, when the bottleneck is the NICs) without pricing anything.
 """
 
 from __future__ import annotations
@@ -33,6 +40,49 @@ RC_TOL = 1e-9
 GAP_TOL = 1e-9
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Certificate:
+    """Link prices ``alpha >= 0`` and ``sum_c mincost_c(alpha)`` on the time-expanded DAG of ``max_steps`` steps.
+
+    :meth:`bound` is the Lagrangian upper bound of :func:`lagrangian_bound`
+    for any capacities of the same links (the min-cost sum does not depend
+    on capacities).
+
+    >>> import numpy as np
+    >>> Certificate(np.array([1.0, 0.0]), 2.0, 3).bound(np.array([4.0, 9.0]))
+    2.0
+    """
+
+    prices: np.ndarray
+    mincost: float
+    max_steps: int
+
+    def bound(self, capacity: np.ndarray) -> float:
+        """``sum_a alpha_a c_a / sum_c mincost_c``: an upper bound on the LP optimum with capacities ``capacity``."""
+        return float(self.prices @ capacity) / self.mincost if self.mincost > 0 else np.inf
+
+
+class BestBound:
+    """The smallest Lagrangian bound offered so far and its :class:`Certificate`."""
+
+    def __init__(self, net: Network, max_steps: int) -> None:
+        self.net, self.max_steps = net, int(max_steps)
+        self.upper = np.inf
+        self.certificate: Certificate | None = None
+
+    def offer(self, prices: np.ndarray, mincost: np.ndarray) -> float:
+        """Bounds the LP with ``prices`` (``mincost``: per-tensor min costs at them); returns the best bound."""
+        value = lagrangian_bound(self.net, prices, mincost)
+        if value < self.upper:
+            self.upper = value
+            self.certificate = Certificate(np.array(prices, dtype=np.float64), float(mincost.sum()), self.max_steps)
+        return self.upper
+
+    def closes(self, z: float) -> bool:
+        """Whether the best bound proves ``z`` optimal (relative gap at most ``GAP_TOL``)."""
+        return _closed(z, self.upper)
+
+
 @dataclasses.dataclass
 class CGResult:
     """Outcome of :func:`column_generation`.
@@ -47,6 +97,7 @@ class CGResult:
         columns_generated: trees added by pricing (excludes the initial and reused ones).
         timings: seconds spent in ``master``, ``pricing``, ``columns``.
         history: per iteration ``(z, upper, new columns)``.
+        certificate: the prices of the best Lagrangian bound (see :class:`Certificate`).
     """
 
     z: float
@@ -62,6 +113,7 @@ class CGResult:
     timings: dict[str, float]
     history: list[tuple[float, float, int]]
     steps_used: int = 0
+    certificate: Certificate | None = None
 
 
 def initial_trees(net: Network, max_steps: int, *, pricing: str | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -109,6 +161,7 @@ def column_generation(
             cols = pool.add(src, paths, origin=origin)
             _push(pool, master, cols)
     timings["columns"] += time.perf_counter() - t0
+    best = BestBound(net, max_steps)
     upper = np.inf
     history: list[tuple[float, float, int]] = []
     generated = 0
@@ -131,13 +184,13 @@ def column_generation(
             net, alpha_a, max_steps=max_steps, extract=True, extract_below=alpha_c - tol, method=pricing
         )
         steps_used = max(steps_used, trees.steps)
-        upper = min(upper, lagrangian_bound(net, alpha_a, trees.cost))
+        upper = best.offer(alpha_a, trees.cost)
         extra = []
         if not _closed(z, upper):
             used = np.flatnonzero(x > 0)
             for cand in utilization_prices(net, pool.loads(used, x[used])):
                 guided = shortest_path_trees(net, cand, max_steps=max_steps, extract=diversify, method=pricing)
-                upper = min(upper, lagrangian_bound(net, cand, guided.cost))
+                upper = best.offer(cand, guided.cost)
                 if diversify:
                     # The trees these prices route also enter the RMP when they price out at its duals.
                     rmp_cost = np.append(alpha_a, 0.0)[guided.paths].sum(axis=(1, 2))
@@ -182,6 +235,7 @@ def column_generation(
         timings=timings,
         history=history,
         steps_used=steps_used,
+        certificate=best.certificate,
     )
 
 

@@ -50,6 +50,7 @@ schedule read back from JSON is parsed and checked instead, with the same result
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -59,10 +60,11 @@ from jaxccl.errors import SynthesisError, TopologyError
 from jaxccl.schedule import Collective, Schedule
 from jaxccl.synth.alltoall.cg import (
     GAP_TOL,
+    BestBound,
+    Certificate,
     CGResult,
     column_generation,
     initial_trees,
-    lagrangian_bound,
     utilization_prices,
 )
 from jaxccl.synth.alltoall.columns import ColumnPool
@@ -223,7 +225,8 @@ def alltoall(
             if warm.complete and warm.chunks <= max_chunks and repaired.z <= warm.rate * (1 + GAP_TOL):
                 # The previous routes already reach the certified optimum.
                 upper = max(repaired.upper, warm.rate)
-                return _keep_previous(previous, warm, upper, name, m_s, timings, t_start, state, repaired)
+                kept = (upper, repaired.certificate)
+                return _keep_previous(previous, warm, kept, name, m_s, timings, t_start, state, repaired)
     if repaired is None and not checked and warm is not None and not minimize_steps and warm.chunks <= max_chunks:
         t0 = time.perf_counter()
         kept = warm.still_optimal(m_s, pricing)
@@ -233,6 +236,7 @@ def alltoall(
     step_search = None
     pool = flows = None
     if repaired is not None:
+        certificate = repaired.certificate
         z_bound = repaired.z
         lp_loads = repaired.loads
         info: dict[str, Any] = {
@@ -255,6 +259,7 @@ def alltoall(
         timings["lp"] = time.perf_counter() - t0
         timings.update({f"lp_{k}": v for k, v in res.timings.items()})
         pool, z_bound = res.pool, (res.z if res.converged else res.upper)
+        certificate = res.certificate
         flows = path_flows(pool, res.x)
         lp_loads = pool.loads(np.flatnonzero(res.x > 0), res.x[res.x > 0])
         info = {
@@ -321,7 +326,12 @@ def alltoall(
         arcs = pool.paths[msgs.pid]
     timings["plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    paths = _paths_table(net, msgs, arcs)
+    if delta and state is not None and state.route is not None:
+        route, offset = _routes_from(state, msgs, net, arcs)
+    else:
+        route, length = route_nodes(net, arcs)
+        offset = np.r_[0, np.cumsum(length)]
+    paths = _paths_table(net, msgs, route, offset)
     info = {
         "algorithm": "column_generation",
         "paper": "MCCL Sec. 4.2, App. D/F/G",
@@ -368,6 +378,9 @@ def alltoall(
         head=net.head,
         arcs=arcs,
         link_chunks=np.asarray(rounded.link_chunks, dtype=np.float64),
+        certificate=certificate,
+        route=route,
+        route_offset=offset,
     )
     remember(sched, state_new)
     timings["compile"] = time.perf_counter() - t0
@@ -381,29 +394,51 @@ def alltoall(
 
 
 def _merged_arcs(p: Plan, prev_arcs: np.ndarray, pool: ColumnPool) -> np.ndarray:
-    """``(M, L)`` the arcs of every row of a :func:`plan_delta` plan: kept rows' previous, new rows' pool paths."""
-    new = np.flatnonzero(p.prev_row < 0)
-    old = np.flatnonzero(p.prev_row >= 0)
-    fresh = pool.paths[p.pid[new]]
+    """``(M, L)`` the arcs of every row of a :func:`plan_delta` plan: kept rows' previous, new rows' pool paths.
+
+    The kept rows are the plan's first rows (as :func:`plan_delta` orders them).
+    """
+    k = int(np.count_nonzero(p.prev_row >= 0))
+    if not np.all(p.prev_row[:k] >= 0):  # pragma: no cover - plan_delta puts the kept rows first
+        raise SynthesisError("internal: a delta plan must list its kept rows first")
+    fresh = pool.paths[p.pid[k:]]
     out = np.full((p.src.size, max(prev_arcs.shape[1], fresh.shape[1])), -1, dtype=np.int32)
-    out[old, : prev_arcs.shape[1]] = prev_arcs[p.prev_row[old]]
-    out[new, : fresh.shape[1]] = fresh
+    out[:k, : prev_arcs.shape[1]] = np.take(prev_arcs, p.prev_row[:k], axis=0)
+    out[k:, : fresh.shape[1]] = fresh
     return out
 
 
-def _paths_table(net: Network, p: Plan, arcs: np.ndarray) -> dict:
-    """``info["paths"]``: the plan's rows (routes ``arcs``) with their class ranges and scratch offsets."""
-    route, length = route_nodes(net, arcs)
+def _paths_table(net: Network, p: Plan, route: np.ndarray, offset: np.ndarray) -> dict:
+    """``info["paths"]``: the plan's rows (nodes ``route[offset[i]:offset[i+1]]``) with class ranges and scratch."""
     table = {
         "nodes": list(net.nodes),
         "src": p.src.tolist(),
         "dst": p.dst.tolist(),
         "chunks": p.count.tolist(),
-        "offset": np.r_[0, np.cumsum(length)].tolist(),
+        "offset": offset.tolist(),
         "route": route.tolist(),
     }
     table.update(plan_columns(p))
     return table
+
+
+def _routes_from(state: WarmState, p: Plan, net: Network, arcs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(route, offset)`` of a :func:`plan_delta` plan built from ``state``'s: kept rows keep their nodes.
+
+    The kept rows come first, in their previous order (as :func:`plan_delta`
+    lists them), so their nodes are the previous table's minus the dropped rows'.
+    """
+    k = int(np.count_nonzero(p.prev_row >= 0))
+    kept = p.prev_row[:k]
+    if not (np.all(kept >= 0) and np.all(np.diff(kept) > 0)):  # pragma: no cover - plan_delta's order
+        raise SynthesisError("internal: a delta plan must list its kept rows first, in order")
+    old_len = np.diff(state.route_offset)
+    keep = np.zeros(old_len.size, dtype=bool)
+    keep[kept] = True
+    fresh, fresh_len = route_nodes(net, arcs[k:])
+    route = np.concatenate([state.route[np.repeat(keep, old_len)], fresh])
+    offset = np.r_[0, np.cumsum(np.concatenate([old_len[kept], fresh_len]))]
+    return route, offset
 
 
 def _gap_pct(value: float, bound: float) -> float:
@@ -519,7 +554,7 @@ def _cut_info(net: Network, lp_loads: np.ndarray, link_chunks: np.ndarray) -> di
 def _keep_previous(
     previous: Schedule,
     warm: _Warm,
-    upper: float,
+    kept: tuple[float, Certificate | None],
     name: str,
     m_s: int,
     timings: dict,
@@ -527,7 +562,11 @@ def _keep_previous(
     state: WarmState | None,
     repaired: Repaired | None = None,
 ) -> Schedule:
-    """The previous program with this topology's bound, rate and trigger data."""
+    """The previous program with this topology's bound, rate and trigger data.
+
+    ``kept`` is the certified bound and the certificate behind it.
+    """
+    upper, certificate = kept
     net, n = warm.net, warm.net.num_gpus
     rate = warm.rate
     info = dict(previous.info)
@@ -559,6 +598,8 @@ def _keep_previous(
     info["solve_time_s"] = timings["total"]
     sched = previous.replace(name=name, algbw=n * rate * net.unit, bound=n * upper * net.unit, info=info)
     if state is not None:
+        if certificate is not state.certificate:
+            state = dataclasses.replace(state, certificate=certificate)
         remember(sched, state)
     return sched
 
@@ -576,6 +617,8 @@ class _Warm:
         rate: the previous integer solution's per-commodity rate on the new
             capacities (capacity units), when complete.
         link_chunks: its chunks per link, when complete.
+        certificate: the previous schedule's :class:`~.cg.Certificate`, when
+            its prices refer to this network's arcs.
     """
 
     def __init__(self, net: Network) -> None:
@@ -590,6 +633,7 @@ class _Warm:
         self.num_trees = 0
         self.all_routes = False
         self.hops: np.ndarray | None = None
+        self.certificate: Certificate | None = None
 
     @classmethod
     def of(cls, previous: Schedule, net: Network, state: WarmState | None = None) -> _Warm:
@@ -613,13 +657,17 @@ class _Warm:
             arcs, ok = same, np.ones(src.size, dtype=bool)
         else:
             src, dst, count, arcs, ok = route_arcs(net, table)
-        w.src, w.dst, w.count, w.arcs = src[ok], dst[ok], count[ok], arcs[ok]
         w.all_routes = bool(ok.all())
+        if w.all_routes:  # read-only use: no copies
+            w.src, w.dst, w.count, w.arcs = src, dst, count, arcs
+        else:
+            w.src, w.dst, w.count, w.arcs = src[ok], dst[ok], count[ok], arcs[ok]
         per_comm = np.bincount(w.src * n + w.dst, weights=w.count, minlength=n * n)
         off_diag = ~np.eye(n, dtype=bool).ravel()
         w.complete = bool(ok.all() and w.chunks >= 1 and np.all(per_comm[off_diag] == w.chunks))
         if same is not None:
             w.link_chunks, w.hops = state.link_chunks, state.plan.hops
+            w.certificate = state.certificate
         else:
             valid = w.arcs >= 0
             weights = np.broadcast_to(w.count[:, None], w.arcs.shape)[valid]
@@ -633,20 +681,32 @@ class _Warm:
             w.overloaded = w.link_chunks / net.capacity > (w.chunks / old_rate) * (1 + 1e-9)
         return w
 
-    def still_optimal(self, m_s: int, pricing: str | None = None) -> float | None:
-        """A Lagrangian bound proving the previous routes optimal on the new capacities, else None."""
+    def still_optimal(self, m_s: int, pricing: str | None = None) -> tuple[float, Certificate | None] | None:
+        """A Lagrangian bound proving the previous routes optimal on the new capacities, else None.
+
+        Returns the bound and its certificate. The previous schedule's
+        certificate is tried first (one dot product: a change away from the
+        links it prices leaves its bound unchanged); then the utilization
+        prices of the routes, each priced once.
+        """
         if not self.complete:
             return None
         net = self.net
-        hops = np.where(self.arcs >= 0, net.advances[np.maximum(self.arcs, 0)], False).sum(axis=1)
+        hops = self.hops
+        if hops is None:
+            hops = np.where(self.arcs >= 0, net.advances[np.maximum(self.arcs, 0)], False).sum(axis=1)
         if hops.max() > m_s - 1:
             return None
-        upper = np.inf
-        for prices in utilization_prices(net, self.link_chunks):
-            cost = shortest_path_trees(net, prices, max_steps=m_s, extract=False, method=pricing).cost
-            upper = min(upper, lagrangian_bound(net, prices, cost))
+        cert = self.certificate
+        if cert is not None and cert.max_steps == m_s:
+            upper = cert.bound(net.capacity)
             if np.isfinite(upper) and upper - self.rate <= GAP_TOL * upper:
-                return max(upper, self.rate)
+                return max(upper, self.rate), cert
+        best = BestBound(net, m_s)
+        for prices in utilization_prices(net, self.link_chunks):
+            best.offer(prices, shortest_path_trees(net, prices, max_steps=m_s, extract=False, method=pricing).cost)
+            if best.closes(self.rate):
+                return max(best.upper, self.rate), best.certificate
         return None
 
     def trees(self, m_s: int, fallback: tuple[np.ndarray, np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:

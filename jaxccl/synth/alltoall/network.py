@@ -98,6 +98,33 @@ class Network:
         """``tail`` with the virtual padding arc appended (tail = virtual node)."""
         return np.append(self.tail, self.num_nodes).astype(np.int64)
 
+    @functools.cached_property
+    def arc_matrix(self) -> np.ndarray:
+        """``(V, V)`` arc index of each node pair (-1: no link)."""
+        mat = np.full((self.num_nodes, self.num_nodes), -1, dtype=np.int64)
+        mat[self.tail, self.head] = np.arange(self.num_arcs)
+        return mat
+
+    @functools.cached_property
+    def _csr_patterns(self) -> tuple:
+        """CSR ``(indptr, indices, arc order)`` of the graph and of the reversed graph."""
+        v = self.num_nodes
+        fwd = (np.searchsorted(self.tail, np.arange(v + 1)), self.head.astype(np.int32), None)
+        order = np.lexsort((self.tail, self.head))
+        rev = (np.searchsorted(self.head[order], np.arange(v + 1)), self.tail[order].astype(np.int32), order)
+        return fwd, rev
+
+    def csr(self, weights: np.ndarray, *, reverse: bool = False):
+        """The graph (or the reversed graph) with arc weights ``weights`` as a ``scipy.sparse.csr_matrix``.
+
+        Built from a cached pattern (arcs are sorted by tail, so no conversion).
+        """
+        import scipy.sparse as sp
+
+        indptr, indices, order = self._csr_patterns[1 if reverse else 0]
+        data = np.asarray(weights, dtype=np.float64)
+        return sp.csr_matrix((data if order is None else data[order], indices, indptr), shape=(self.num_nodes,) * 2)
+
     def arc_names(self, arcs: np.ndarray) -> list[tuple]:
         """Names ``(u, v)`` of arcs."""
         return [(self.nodes[self.tail[a]], self.nodes[self.head[a]]) for a in arcs]
@@ -148,10 +175,13 @@ def build_network(topo: Topology) -> Network:
     others = sorted((x for x in topo.graph.nodes if not isinstance(x, int) or isinstance(x, bool)), key=str)
     nodes = tuple(range(n)) + tuple(others)
     index = {x: i for i, x in enumerate(nodes)}
-    rows = sorted((index[u], index[v], float(c)) for u, v, c, _ in topo.edges())
-    tail = np.array([r[0] for r in rows], dtype=np.int64)
-    head = np.array([r[1] for r in rows], dtype=np.int64)
-    cap = np.array([r[2] for r in rows], dtype=np.float64)
+    edges = tuple(topo.graph.edges(data="capacity"))
+    us, vs, cs = zip(*edges) if edges else ((), (), ())
+    tail = np.fromiter(map(index.__getitem__, us), np.int64, len(us))
+    head = np.fromiter(map(index.__getitem__, vs), np.int64, len(vs))
+    order = np.lexsort((head, tail))  # arcs sorted by (tail, head)
+    tail, head = tail[order], head[order]
+    cap = np.array(cs, dtype=np.float64)[order]
     unit = float(cap.max()) if cap.size else 1.0
     advances = head < n
     num_arcs = tail.shape[0]
@@ -182,7 +212,8 @@ def _groups(head: np.ndarray, mask: np.ndarray, num_arcs: int) -> tuple[HeadGrou
     for deg in np.unique(padded):
         sel = np.flatnonzero(padded == deg)
         mat = np.full((sel.size, int(deg)), num_arcs, dtype=np.int64)
-        for row, i in enumerate(sel):
-            mat[row, : counts[i]] = arcs[starts[i] : starts[i] + counts[i]]
+        row = np.repeat(np.arange(sel.size), counts[sel])
+        col = np.arange(row.size) - np.repeat(np.cumsum(counts[sel]) - counts[sel], counts[sel])
+        mat[row, col] = arcs[np.repeat(starts[sel], counts[sel]) + col]
         groups.append(HeadGroup(heads=heads[sel], arcs=mat))
     return tuple(groups)

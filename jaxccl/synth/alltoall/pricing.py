@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-import scipy.sparse as sp
 
 from jaxccl.errors import SynthesisError
 from jaxccl.synth.alltoall.network import HeadGroup, Network
@@ -284,12 +283,12 @@ def _dijkstra(net: Network, w: np.ndarray, src: np.ndarray, want: np.ndarray, ex
     """
     from scipy.sparse.csgraph import dijkstra
 
-    n, v = net.num_gpus, net.num_nodes
+    n = net.num_gpus
     top = float(w.max()) if w.size else 0.0
     eps = 1e-12 * top / n if top > 0 else 1.0
     # csgraph drops nothing here, but keep every arc strictly positive so that no zero can be read as "no edge".
     tiny = np.finfo(np.float64).tiny
-    exact = sp.csr_matrix((w + tiny, (net.tail, net.head)), shape=(v, v))
+    exact = net.csr(w + tiny)
     dist = dijkstra(exact, indices=src)[:, :n]
     if not np.all(np.isfinite(dist)):
         s, d = np.argwhere(~np.isfinite(dist))[0]
@@ -301,7 +300,7 @@ def _dijkstra(net: Network, w: np.ndarray, src: np.ndarray, want: np.ndarray, ex
     paths = None
     if want.any():
         rows = np.flatnonzero(want)
-        tilted = sp.csr_matrix((w + eps * net.advances + tiny, (net.tail, net.head)), shape=(v, v))
+        tilted = net.csr(w + eps * net.advances + tiny)
         _, pred = dijkstra(tilted, indices=src[rows], return_predecessors=True)
         paths = _walk(net, pred, src[rows], rows, src.size)
     return Trees(sources=src, dist=dist, cost=cost, paths=paths, steps=0, extracted=want)
@@ -310,8 +309,7 @@ def _dijkstra(net: Network, w: np.ndarray, src: np.ndarray, want: np.ndarray, ex
 def _walk(net: Network, pred: np.ndarray, roots: np.ndarray, rows: np.ndarray, total: int) -> np.ndarray:
     """Paths from Dijkstra predecessors: ``(total, N, L)`` arcs, rows ``rows`` filled, -1 padded."""
     n, v = net.num_gpus, net.num_nodes
-    arcmat = np.full((v, v), -1, dtype=np.int64)
-    arcmat[net.tail, net.head] = np.arange(net.num_arcs)
+    arcmat = net.arc_matrix
     k = rows.size
     r_idx = np.repeat(np.arange(k), n)
     dest = np.tile(np.arange(n), k)
@@ -446,16 +444,15 @@ def _dijkstra_from(net: Network, w: np.ndarray, roots: np.ndarray, forward: bool
     """Distances ``(R, N)`` from (forward) or to (reversed) ``roots``, and tilted predecessors if wanted."""
     from scipy.sparse.csgraph import dijkstra
 
-    n, v = net.num_gpus, net.num_nodes
+    n = net.num_gpus
     top = float(w.max()) if w.size else 0.0
     eps = 1e-12 * top / n if top > 0 else 1.0
     tiny = np.finfo(np.float64).tiny
-    a, b = (net.tail, net.head) if forward else (net.head, net.tail)
     pred = None
     if exact or not want.any():
-        dist = dijkstra(sp.csr_matrix((w + tiny, (a, b)), shape=(v, v)), indices=roots)[:, :n]
+        dist = dijkstra(net.csr(w + tiny, reverse=not forward), indices=roots)[:, :n]
     if want.any():
-        tilted = sp.csr_matrix((w + eps * net.advances + tiny, (a, b)), shape=(v, v))
+        tilted = net.csr(w + eps * net.advances + tiny, reverse=not forward)
         tilted_dist, pred = dijkstra(tilted, indices=roots, return_predecessors=True)
         if not (exact or not want.any()):
             dist = tilted_dist[:, :n]
@@ -477,8 +474,7 @@ def _walk_pairs(
     graph gives every node its successor towards it, walked from the source.
     """
     v = net.num_nodes
-    arcmat = np.full((v, v), -1, dtype=np.int64)
-    arcmat[net.tail, net.head] = np.arange(net.num_arcs)
+    arcmat = net.arc_matrix
     p = row.size
     node = others.copy()
     target = roots[row]

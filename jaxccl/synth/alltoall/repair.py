@@ -30,10 +30,9 @@ import time
 
 import highspy
 import numpy as np
-import scipy.sparse as sp
 
 from jaxccl.errors import SynthesisError
-from jaxccl.synth.alltoall.cg import GAP_TOL, RC_TOL, lagrangian_bound, utilization_prices
+from jaxccl.synth.alltoall.cg import RC_TOL, BestBound, Certificate, utilization_prices
 from jaxccl.synth.alltoall.columns import ColumnPool
 from jaxccl.synth.alltoall.master import check_status, new_highs
 from jaxccl.synth.alltoall.network import Network
@@ -64,6 +63,7 @@ class Repaired:
         routes: the given ``(src, dst, count, arcs)``.
         simplex_iterations: of the repair LP.
         timings: seconds per phase.
+        certificate: the prices of ``upper`` (see :class:`.cg.Certificate`).
     """
 
     z: float
@@ -81,6 +81,7 @@ class Repaired:
     fixed_chunks: np.ndarray
     chunks: int
     routes: tuple
+    certificate: Certificate | None = None
 
     def complete(self) -> tuple[ColumnPool, PathFlows]:
         """The pool and flows of the whole solution: the kept routes (with their shares) added."""
@@ -133,10 +134,10 @@ def repair(
     timings = {"setup": 0.0, "master": 0.0, "pricing": 0.0, "certificate": 0.0}
     t0 = time.perf_counter()
     n = net.num_gpus
-    safe = np.maximum(arcs, 0)
-    crosses = np.any((arcs >= 0) & overloaded[safe], axis=1)
+    # -1 pads index the appended False: no mask needed.
+    crosses = np.take(np.append(overloaded, False), arcs).any(axis=1)
     if hops is None:
-        hops = np.where(arcs >= 0, net.advances[safe], False).sum(axis=1)
+        hops = np.take(np.append(net.advances, False), arcs).sum(axis=1)
     crosses |= hops > max_steps - 1
     comm = src * n + dst
     # Kept: every chunk still routed (over existing links) and no route over an overloaded link.
@@ -173,14 +174,13 @@ def repair(
     init_pid = pool.add_paths(a_src, a_dst, init_paths)
     group_of = np.searchsorted(affected, comm[aff_idx])
     lp = _RepairLP(net, affected.size, fixed)
-    seen: set[tuple[int, int]] = set()
-    cols_g, cols_p = [], []
-    for g, p in zip(np.r_[group_of, np.arange(affected.size)].tolist(), np.r_[pid_aff, init_pid].tolist()):
-        if (g, p) not in seen:
-            seen.add((g, p))
-            cols_g.append(g)
-            cols_p.append(p)
-    lp.add(np.array(cols_g), np.array(cols_p), pool)
+    # Distinct (commodity, path) columns, in first-seen order.
+    all_g, all_p = np.r_[group_of, np.arange(affected.size)], np.r_[pid_aff, init_pid]
+    _, first = np.unique(all_g * (pool.num_paths + 1) + all_p, return_index=True)
+    first.sort()
+    cols_g, cols_p = all_g[first], all_p[first]
+    seen = set(zip(cols_g.tolist(), cols_p.tolist()))
+    lp.add(cols_g, cols_p, pool)
     timings["setup"] = time.perf_counter() - t0
     generated = 0
     it = 0
@@ -216,21 +216,21 @@ def repair(
     t3 = time.perf_counter()
     z = 1.0 / chi
     used = np.flatnonzero(y > 1e-12)
-    loads = fixed + np.asarray(lp.incidence[:, used] @ y[used]).ravel()
-    upper = np.inf
+    loads = fixed + lp.loads(used, y[used], pool)
+    best = BestBound(net, max_steps)
     for prices in [alpha, *utilization_prices(net, loads)]:
-        cost = shortest_path_trees(net, prices, max_steps=max_steps, extract=False, method=pricing).cost
-        upper = min(upper, lagrangian_bound(net, prices, cost))
-        if np.isfinite(upper) and upper - z <= GAP_TOL * upper:
+        best.offer(prices, shortest_path_trees(net, prices, max_steps=max_steps, extract=False, method=pricing).cost)
+        if best.closes(z):
             break
     timings["certificate"] = time.perf_counter() - t3
-    if not (np.isfinite(upper) and upper - z <= GAP_TOL * upper):
+    if not best.closes(z):
         return None
     # Solution flows of the affected commodities: the repaired paths with their LP fractions.
     flows = _flows(affected[lp.group[used]], lp.pid[used], y[used], pool.num_paths)
     return Repaired(
         z=z,
-        upper=max(upper, z),
+        upper=max(best.upper, z),
+        certificate=best.certificate,
         pool=pool,
         flows=flows,
         loads=loads * z,
@@ -291,7 +291,6 @@ class _RepairLP:
         self._floor()
         self.group = np.zeros(0, dtype=np.int64)
         self.pid = np.zeros(0, dtype=np.int64)
-        self.incidence = sp.csc_matrix((net.num_arcs, 0))
         self.simplex_iterations = 0
 
     def _floor(self) -> None:
@@ -348,11 +347,14 @@ class _RepairLP:
         )
         if status != highspy.HighsStatus.kOk:
             raise SynthesisError("HiGHS refused columns of the repair LP")
-        cols = np.broadcast_to(np.arange(k)[:, None], arcs.shape)[ok]
-        inc = sp.csc_matrix((np.ones(cols.size), (arcs[ok], cols)), shape=(self.net.num_arcs, k))
         self.group = np.r_[self.group, group]
         self.pid = np.r_[self.pid, pid]
-        self.incidence = sp.hstack([self.incidence, inc]).tocsc()
+
+    def loads(self, cols: np.ndarray, y: np.ndarray, pool: ColumnPool) -> np.ndarray:
+        """``(A,)`` link loads of path columns ``cols`` carrying ``y`` each."""
+        arcs = pool.paths[self.pid[cols]]
+        ok = arcs >= 0
+        return np.bincount(arcs[ok], weights=np.broadcast_to(y[:, None], arcs.shape)[ok], minlength=self.net.num_arcs)
 
     def solve(self) -> tuple[float, np.ndarray, np.ndarray, np.ndarray]:
         """``(chi, y per path column, commodity duals pi, link prices alpha >= 0)``."""

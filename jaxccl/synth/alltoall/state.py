@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from jaxccl.schedule import Schedule
+from jaxccl.synth.alltoall.cg import Certificate
 from jaxccl.synth.alltoall.compile import Emitted, Plan
 
 
@@ -36,6 +37,9 @@ class WarmState:
         nodes, tail, head: the network the routes were found on (node names, arc endpoints).
         arcs: ``(R, L)`` each route's arcs on that network (-1 padded).
         link_chunks: ``(A,)`` chunks per arc of that network (all routes).
+        certificate: prices on that network's arcs that bound its LP (the
+            schedule's ``bound``), for any capacities (:class:`.cg.Certificate`).
+        route, route_offset: the table's ``route`` and ``offset`` columns as arrays.
     """
 
     paths: Mapping[str, Any]
@@ -46,6 +50,9 @@ class WarmState:
     head: np.ndarray
     arcs: np.ndarray
     link_chunks: np.ndarray
+    certificate: Certificate | None = None
+    route: np.ndarray | None = None
+    route_offset: np.ndarray | None = None
 
     def arcs_on(self, nodes: tuple, tail: np.ndarray, head: np.ndarray) -> np.ndarray | None:
         """``arcs`` if a network has the same nodes and links (the same arc numbering), else None."""
