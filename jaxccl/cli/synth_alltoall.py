@@ -8,7 +8,7 @@ rail-optimized ``1 x H x 8`` topologies (MCCL Sec. 6.1) for ``H = 2, 4, ...,
 64`` (16-512 GPUs) in the states base, fail1, fail2 and fail3; per (size,
 state) the cold time, the warm time (``previous=`` the base schedule),
 iterations, columns generated and reused, LP bound, rounded algbw, gap and
-chunk count; medians over ``--runs`` runs (5 up to 16 hosts, 3 above). Cold
+chunk count; medians over ``--runs`` runs (7 up to 16 hosts, 3 above). Cold
 and warm runs alternate, and the speedups are the medians of the cold/warm
 ratios of adjacent runs (the machines are shared: their speed drifts).
 
@@ -135,7 +135,7 @@ def run_benchmark(
     warm_kw = {} if reuse_tolerance is None else {"reuse_tolerance": reuse_tolerance}
     rows: list[dict[str, Any]] = []
     for h in report.progress(list(hosts), label="synth alltoall", stream=stream):
-        n_runs = runs if runs is not None else (5 if h <= 16 else 3)
+        n_runs = runs if runs is not None else (7 if h <= 16 else 3)
         base_topo = rail_1xhx8(h)
         base = alltoall(base_topo, max_chunks=max_chunks)  # the previous schedule of every warm start
         for state in states:

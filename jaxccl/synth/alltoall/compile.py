@@ -51,11 +51,13 @@ from typing import Any
 
 import numpy as np
 
+from jaxccl.errors import ScheduleError
 from jaxccl.schedule import Buffer, Op, OpKind, Schedule, ScheduleBuilder, Threadblock
 from jaxccl.schedule.ir import Collective
 from jaxccl.synth.alltoall.columns import ColumnPool
 from jaxccl.synth.alltoall.layout import Layout, concat_ranges, hops, keeps_order, layout, layout_delta
 from jaxccl.synth.alltoall.network import Network
+from jaxccl.synth.alltoall.routes import decode_column, encode_column
 
 METHODS = ("direct", "builder")
 DEFAULT_METHOD = "direct"
@@ -235,7 +237,7 @@ def plan(net: Network, pool: ColumnPool, comm: np.ndarray, pid: np.ndarray, coun
 def plan_columns(p: Plan) -> dict[str, list]:
     """The plan's class ranges and scratch offsets as JSON columns (added to ``info["paths"]``)."""
     valid = p.scratch >= 0
-    return {"start": p.start.tolist(), "scratch": p.scratch[valid].tolist()}
+    return {"start": encode_column(p.start), "scratch": encode_column(p.scratch[valid])}
 
 
 def previous_plan(paths: Mapping[str, Any], n: int, c: int) -> Plan | None:
@@ -250,9 +252,8 @@ def previous_plan(paths: Mapping[str, Any], n: int, c: int) -> Plan | None:
         return None
     try:
         src, dst, count, nodes, route, offset = _columns(paths)
-        start = np.asarray(paths["start"], dtype=np.int64)
-        flat_scratch = np.asarray(paths["scratch"], dtype=np.int64)
-    except Exception:
+        start, flat_scratch = decode_column(paths["start"]), decode_column(paths["scratch"])
+    except ScheduleError:
         return None
     r = src.size
     if start.size != r or r == 0:

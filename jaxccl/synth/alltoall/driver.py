@@ -84,7 +84,7 @@ from jaxccl.synth.alltoall.pricing import METHODS as PRICING_METHODS
 from jaxccl.synth.alltoall.pricing import shortest_path_trees
 from jaxccl.synth.alltoall.repair import Repaired, repair
 from jaxccl.synth.alltoall.rounding import CHUNK_TOLERANCE, path_flows, round_at, round_flows
-from jaxccl.synth.alltoall.routes import route_arcs, route_nodes
+from jaxccl.synth.alltoall.routes import COLUMN_ENCODING, encode_column, route_arcs, route_nodes
 from jaxccl.synth.alltoall.state import WarmState, recall, remember
 from jaxccl.topology import Topology
 
@@ -412,11 +412,12 @@ def _paths_table(net: Network, p: Plan, route: np.ndarray, offset: np.ndarray) -
     """``info["paths"]``: the plan's rows (nodes ``route[offset[i]:offset[i+1]]``) with class ranges and scratch."""
     table = {
         "nodes": list(net.nodes),
-        "src": p.src.tolist(),
-        "dst": p.dst.tolist(),
-        "chunks": p.count.tolist(),
-        "offset": offset.tolist(),
-        "route": route.tolist(),
+        "encoding": COLUMN_ENCODING,
+        "src": encode_column(p.src),
+        "dst": encode_column(p.dst),
+        "chunks": encode_column(p.count),
+        "offset": encode_column(offset),
+        "route": encode_column(route),
     }
     table.update(plan_columns(p))
     return table
