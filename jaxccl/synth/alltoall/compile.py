@@ -798,9 +798,9 @@ def _emit_ops(
         sizes = base.layout.group_hi[needed] - base.layout.group_lo[needed]
         pool = list(itertools.chain.from_iterable(tb.ops for tb in old_tb_of.many(needed)))
         pick[have] = (np.cumsum(sizes) - sizes)[inverse.ravel()] + (old_ev - base.layout.group_lo[group])
-    fresh = events[~have]
-    pick[~have] = len(pool) + np.arange(fresh.size)
-    pool.extend(_new_ops(p, c, lay, fresh))
+    fresh_ops, at = _new_ops(p, c, lay, events[~have])
+    pick[~have] = len(pool) + at
+    pool.extend(fresh_ops)
     ops = list(map(pool.__getitem__, pick.tolist()))
     ends = np.cumsum(hi - lo)
     begins = ends - (hi - lo)
@@ -836,26 +836,36 @@ _BUFFER_OBJECTS = np.empty(len(Buffer), dtype=object)  # indexed by the buffers'
 _BUFFER_OBJECTS[[int(b) for b in Buffer]] = list(Buffer)
 
 
-def _new_ops(p: Plan, c: int, lay: Layout, events: np.ndarray) -> list:
-    """New op objects for layout events ``events``: fields gathered as columns, one constructor call per op."""
+def _new_ops(p: Plan, c: int, lay: Layout, events: np.ndarray) -> tuple[list, np.ndarray]:
+    """New op objects for layout events ``events`` and, per event, its op's index in that list.
+
+    Fields are gathered as columns and each op is one constructor call; the
+    ops without a dependency come first, then those with one (so neither
+    needs a per-op branch).
+    """
     src_buf, src_off, dst_buf, dst_off, count = _hop_fields(p, c, lay.msg[events], lay.depth[events])
     dep_tb, dep_op = lay.dep_tb[events], lay.dep_op[events]
-    deps: list = [()] * events.size
-    has = np.flatnonzero(dep_tb >= 0)
-    for i, t, o in zip(has.tolist(), dep_tb[has].tolist(), dep_op[has].tolist()):
-        deps[i] = ((t, o),)
-    return list(
+    waits = dep_tb >= 0
+    order = np.r_[np.flatnonzero(~waits), np.flatnonzero(waits)]
+    free = int((~waits).sum())
+    deps = itertools.chain(
+        itertools.repeat((), free), zip(zip(dep_tb[order[free:]].tolist(), dep_op[order[free:]].tolist()))
+    )
+    ops = list(
         map(
             _make_op,
-            _KIND_OBJECTS[lay.kind[events]].tolist(),
-            _BUFFER_OBJECTS[src_buf].tolist(),
-            src_off.tolist(),
-            _BUFFER_OBJECTS[dst_buf].tolist(),
-            dst_off.tolist(),
-            count.tolist(),
+            _KIND_OBJECTS[lay.kind[events[order]]].tolist(),
+            _BUFFER_OBJECTS[src_buf[order]].tolist(),
+            src_off[order].tolist(),
+            _BUFFER_OBJECTS[dst_buf[order]].tolist(),
+            dst_off[order].tolist(),
+            count[order].tolist(),
             deps,
         )
     )
+    at = np.empty(events.size, dtype=np.int64)
+    at[order] = np.arange(events.size)
+    return ops, at
 
 
 def _is_copy(tb: Threadblock, r: int, c: int) -> bool:

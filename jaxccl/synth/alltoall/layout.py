@@ -22,6 +22,7 @@ hold unused entries between the groups' ranges (``msg == -1``);
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -99,10 +100,15 @@ class Layout:
         """The event indices of all groups, in group order (the dense order)."""
         return concat_ranges(self.group_lo, self.group_hi)
 
+    @functools.cached_property
+    def _groups_by_lo(self) -> tuple[np.ndarray, np.ndarray]:
+        by_lo = np.argsort(self.group_lo, kind="stable")
+        return by_lo, self.group_lo[by_lo]
+
     def group_of(self, events: np.ndarray) -> np.ndarray:
         """The group holding each of ``events`` (which must lie in some group's range)."""
-        by_lo = np.argsort(self.group_lo, kind="stable")
-        return by_lo[np.searchsorted(self.group_lo[by_lo], events, side="right") - 1]
+        by_lo, lo_sorted = self._groups_by_lo
+        return by_lo[np.searchsorted(lo_sorted, events, side="right") - 1]
 
     def compact(self) -> tuple[Layout, np.ndarray]:
         """The dense form (events in group order, nothing unused) and, per its event, the event here."""

@@ -48,6 +48,7 @@ import scipy.sparse as sp
 
 from jaxccl.errors import SynthesisError
 from jaxccl.synth.alltoall.columns import ColumnPool
+from jaxccl.synth.alltoall.layout import concat_ranges
 from jaxccl.synth.alltoall.master import check_status, new_highs
 from jaxccl.synth.alltoall.network import Network
 
@@ -118,11 +119,13 @@ def path_flows(pool: ColumnPool, x: np.ndarray) -> PathFlows:
 
 
 def _incidence(pool: ColumnPool, pids: np.ndarray) -> sp.csr_matrix:
-    """``(len(pids), A)`` 0/1 matrix of the links on each path."""
-    arcs = pool.paths[pids]
-    rows = np.broadcast_to(np.arange(pids.size)[:, None], arcs.shape)
-    ok = arcs >= 0
-    return sp.csr_matrix((np.ones(int(ok.sum())), (rows[ok], arcs[ok])), shape=(pids.size, pool.net.num_arcs))
+    """``(len(pids), A)`` 0/1 matrix of the links on each path (built as CSR directly: a path has no repeated link)."""
+    pad = np.iinfo(np.int32).max
+    arcs = np.sort(np.where(pool.paths[pids] >= 0, pool.paths[pids], pad), axis=1)
+    ok = arcs != pad
+    indptr = np.r_[0, np.cumsum(ok.sum(axis=1))]
+    indices = arcs[ok]
+    return sp.csr_matrix((np.ones(indices.size), indices, indptr), shape=(pids.size, pool.net.num_arcs))
 
 
 def round_flows(
@@ -469,19 +472,27 @@ def _moves(cand: _Candidates) -> _Moves | None:
     r_of, a_of = r_of[keep], a_of[keep]
     if r_of.size == 0:
         return None
-    diff = (cand.inc[a_of] - cand.inc[r_of]).tocsr()
-    diff.eliminate_zeros()
-    nz = np.diff(diff.indptr) > 0
-    r_of, a_of, diff = r_of[nz], a_of[nz], diff[nz]
-    if r_of.size == 0:
+    # The link difference (a - r) of every move: +1 on a's links, -1 on r's, shared links cancel.
+    ptr, idx = cand.inc.indptr, cand.inc.indices
+    la, lr = ptr[a_of + 1] - ptr[a_of], ptr[r_of + 1] - ptr[r_of]
+    move = np.r_[np.repeat(np.arange(a_of.size), la), np.repeat(np.arange(r_of.size), lr)]
+    link = np.r_[idx[concat_ranges(ptr[a_of], ptr[a_of + 1])], idx[concat_ranges(ptr[r_of], ptr[r_of + 1])]]
+    sign = np.r_[np.ones(int(la.sum())), -np.ones(int(lr.sum()))]
+    keys, inverse = np.unique(move * cand.inc.shape[1] + link, return_inverse=True)
+    val = np.bincount(inverse.ravel(), weights=sign)
+    keep = val != 0
+    keys, val = keys[keep], val[keep]
+    m_of = keys // cand.inc.shape[1]
+    alive, counts = np.unique(m_of, return_counts=True)
+    if alive.size == 0:
         return None
     return _Moves(
-        r_of=r_of,
-        a_of=a_of,
-        idx=diff.indices,
-        val=diff.data,
-        ptr=diff.indptr,
-        row_of_nz=np.repeat(np.arange(r_of.size), np.diff(diff.indptr)),
+        r_of=r_of[alive],
+        a_of=a_of[alive],
+        idx=keys % cand.inc.shape[1],
+        val=val,
+        ptr=np.r_[0, np.cumsum(counts)],
+        row_of_nz=np.repeat(np.arange(alive.size), counts),
     )
 
 
