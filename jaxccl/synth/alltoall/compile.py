@@ -170,10 +170,17 @@ def _allocate(
     is_todo = np.zeros(gpus.shape[0], dtype=bool)
     is_todo[todo] = True
     given = ~is_todo[msg]
+    top = 0  # periods the given offsets use, anywhere
     if given.any():
         m, p = msg[given], pos[given]
         g, q = gpus[m, p + 1], scratch[m, p] // c
-        for k in range(int(count[m].max())):  # every class each given message occupies
+        top = int(q.max()) + 1
+        # Only the ranks where a message of todo stops over need their free periods.
+        need = np.zeros(n, dtype=bool)
+        need[gpus[msg[~given], pos[~given] + 1]] = True
+        keep = need[g]
+        m, g, q = m[keep], g[keep], q[keep]
+        for k in range(int(count[m].max(initial=0))):  # every class each given message occupies
             sel = k < count[m]
             np.maximum.at(next_period, (g[sel], (start[m] + k)[sel]), q[sel] + 1)
     sel = ~given
@@ -203,7 +210,7 @@ def _allocate(
                 q = np.where(mask, next_period[gg], -1).max(axis=1)
                 next_period[gg] = np.where(mask, (q + 1)[:, None], next_period[gg])
                 scratch[m_, pos[sel]] = q * c + start[m_]
-    return int(next_period.max()) if next_period.size else 0
+    return max(top, int(next_period.max()) if next_period.size else 0)
 
 
 def _messages(net: Network, pool: ColumnPool, comm: np.ndarray, pid: np.ndarray, count: np.ndarray):

@@ -304,7 +304,8 @@ def layout_delta(n: int, p: Plan, old: Layout, old_plan: Plan) -> tuple[Layout, 
     dep_op = np.concatenate([old.dep_op, np.full(n_app, -1, dtype=np.int64)])
     dep_tb[gone] = -1
     dep_op[gone] = -1
-    src = np.concatenate([np.arange(e_old, dtype=np.int64), np.full(n_app, -1, dtype=np.int64)])
+    src = np.arange(e_old + n_app, dtype=np.int64)
+    src[e_old:] = -1
     src[gone] = -1
     src[e_old + o_at] = o_src
 
@@ -326,9 +327,10 @@ def layout_delta(n: int, p: Plan, old: Layout, old_plan: Plan) -> tuple[Layout, 
     if fwd.size:
         # A send at hop j is on the j-th GPU its message visits.
         f_rank = old_plan.gpus[old.msg[fwd], old.depth[fwd]]
-        fwd = fwd[retarget[first_of_rank[f_rank] + old.dep_tb[fwd] - 1]]
+        may = retarget[first_of_rank[f_rank] + old.dep_tb[fwd] - 1]
+        fwd, f_rank = fwd[may], f_rank[may]
     if fwd.size:
-        tb_new, op_new, _ = moved_target(fwd, old_plan.gpus[old.msg[fwd], old.depth[fwd]])
+        tb_new, op_new, _ = moved_target(fwd, f_rank)
         changed = np.flatnonzero((tb_new != dep_tb[fwd]) | (op_new != dep_op[fwd]))
         ev = fwd[changed]
         dep_tb[ev], dep_op[ev] = tb_new[changed], op_new[changed]
