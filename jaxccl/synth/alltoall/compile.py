@@ -579,7 +579,7 @@ def emit(
         lay, src, reuse = layout_delta(n, p, base.layout, base.plan)
     else:
         lay = layout(n, p)
-    ranks, reused = _emit(n, c, p, lay, base, src, reuse)
+    ranks, reused, group_tbs = _emit(n, c, p, lay, base, src, reuse)
     if stats is not None:
         stats["reused"] = reused
         stats["reused_ops"] = int((src >= 0).sum()) if src is not None else 0
@@ -597,7 +597,11 @@ def emit(
     sched.__dict__["num_ops"] = lay.num_events + n
     sched.__dict__["num_threadblocks"] = int(lay.group_lo.size) + n
     if record is not None:
-        record.append(Emitted(num_ranks=n, chunks=c, ranks=sched.ranks, layout=lay, plan=p, local_checked=True))
+        record.append(
+            Emitted(
+                num_ranks=n, chunks=c, ranks=sched.ranks, layout=lay, plan=p, local_checked=True, group_tbs=group_tbs
+            )
+        )
     return sched
 
 
@@ -614,6 +618,7 @@ class Emitted:
         plan: the plan of that layout.
         local_checked: every rank's threadblock 0 is known to be its local copy
             (true when :func:`emit` made the programs).
+        group_tbs: the threadblock object of every layout group, in group order.
     """
 
     num_ranks: int
@@ -622,6 +627,7 @@ class Emitted:
     layout: Layout
     plan: Plan
     local_checked: bool = False
+    group_tbs: list = dataclasses.field(default_factory=list)
 
 
 def emitted_from(previous: Schedule, p: Plan) -> Emitted | None:
@@ -657,7 +663,8 @@ def emitted_from(previous: Schedule, p: Plan) -> Emitted | None:
     want = [lay.kind, *_hop_fields(p, c, lay.msg, lay.depth), lay.dep_tb, lay.dep_op]
     if not all(np.array_equal(a, b) for a, b in zip(got, want)):
         return None
-    return Emitted(num_ranks=n, chunks=c, ranks=previous.ranks, layout=lay, plan=p)
+    group_tbs = [previous.ranks[r][t] for r, t in zip(lay.group_rank.tolist(), lay.group_tb.tolist())]
+    return Emitted(num_ranks=n, chunks=c, ranks=previous.ranks, layout=lay, plan=p, group_tbs=group_tbs)
 
 
 def _with_builder(n: int, c: int, p: Plan, kwargs: dict) -> Schedule:
@@ -764,7 +771,7 @@ def _no_gc():
             gc.enable()
 
 
-def _emit(n: int, c: int, p: Plan, lay: Layout, base: Emitted | None, src, reuse) -> tuple[tuple, int]:
+def _emit(n: int, c: int, p: Plan, lay: Layout, base: Emitted | None, src, reuse) -> tuple[tuple, int, list]:
     with _no_gc():
         return _emit_ops(n, c, p, lay, base, src, reuse)
 
@@ -777,8 +784,8 @@ def _emit_ops(
     base: Emitted | None,
     src: np.ndarray | None,
     reuse: tuple[np.ndarray, np.ndarray] | None,
-) -> tuple[tuple, int]:
-    """The programs and how many threadblocks were taken over from ``base``.
+) -> tuple[tuple, int, list]:
+    """The programs, how many threadblocks were taken over from ``base``, and every group's threadblock.
 
     ``reuse`` pairs new groups with the old groups taken over as they are;
     in the other groups, events whose ``src`` names an old event take its op
@@ -787,8 +794,8 @@ def _emit_ops(
     make, make_tb = _make_op, _make_threadblock
     g_count = lay.group_lo.size
     reused_new, reused_old = reuse if reuse is not None else (np.zeros(0, np.int64), np.zeros(0, np.int64))
-    old_tb_of = _OldThreadblocks(base) if base is not None else None
-    old_tbs = old_tb_of.many(reused_old) if reused_new.size else []
+    old_group_tbs = base.group_tbs if base is not None else []
+    old_tbs = list(map(old_group_tbs.__getitem__, reused_old.tolist()))
     built = np.ones(g_count, dtype=bool)
     built[reused_new] = False
     g_built = np.flatnonzero(built)
@@ -803,7 +810,7 @@ def _emit_ops(
         group = base.layout.group_of(old_ev)
         needed, inverse = np.unique(group, return_inverse=True)
         sizes = base.layout.group_hi[needed] - base.layout.group_lo[needed]
-        pool = list(itertools.chain.from_iterable(tb.ops for tb in old_tb_of.many(needed)))
+        pool = list(itertools.chain.from_iterable(map(_ops_of, map(old_group_tbs.__getitem__, needed.tolist()))))
         pick[have] = (np.cumsum(sizes) - sizes)[inverse.ravel()] + (old_ev - base.layout.group_lo[group])
     fresh_ops, at = _new_ops(p, c, lay, events[~have])
     pick[~have] = len(pool) + at
@@ -835,7 +842,7 @@ def _emit_ops(
         else:
             old_tb = make_tb((make(OpKind.COPY, Buffer.INPUT, r * c, Buffer.OUTPUT, r * c, c, ()),), -1, -1)
         programs.append((old_tb, *tbs[rank_lo[r] : rank_lo[r + 1]]))
-    return tuple(programs), copies + int(reused_new.size)
+    return tuple(programs), copies + int(reused_new.size), tbs
 
 
 _KIND_OBJECTS = np.array([OpKind.SEND, OpKind.RECV], dtype=object)
@@ -884,15 +891,5 @@ def _is_copy(tb: Threadblock, r: int, c: int) -> bool:
     return (op.kind, op.src, op.src_off, op.dst, op.dst_off, op.count, op.deps) == want
 
 
-class _OldThreadblocks:
-    """The threadblock objects of ``base``'s layout groups."""
-
-    def __init__(self, base: Emitted) -> None:
-        lay = base.layout
-        sizes = np.array([len(t) for t in base.ranks], dtype=np.int64)
-        self.flat = list(itertools.chain.from_iterable(base.ranks))
-        self.at = (np.cumsum(sizes) - sizes)[lay.group_rank] + lay.group_tb
-
-    def many(self, groups: np.ndarray) -> list:
-        """The threadblocks of ``groups``, in order."""
-        return list(map(self.flat.__getitem__, self.at[groups].tolist()))
+def _ops_of(tb: Threadblock) -> tuple:
+    return tb.ops
