@@ -13,12 +13,14 @@ and warm runs alternate, and the speedups are the medians of the cold/warm
 ratios of adjacent runs (the machines are shared: their speed drifts).
 
 Times are reported twice: *solve* (topology arrays, LP by column generation,
-rounding -- the optimizer) and *total* (the whole ``alltoall()`` call,
-including planning the messages, the ``info`` tables and the compilation into
-the Schedule IR). The per-phase times of each run are in the JSON. A warm
-start keeps the previous chunk count when that costs at most
-``reuse_tolerance`` (0.25 %, ``--reuse-tolerance``) of the LP bound, so the
-table shows both chunk counts and both gaps.
+rounding -- the optimizer, what MCCL's warm-start figure compares) and
+*total* (the whole ``alltoall()`` call, including planning the messages, the
+``info`` tables and the compilation into the Schedule IR). The acceptance
+lines judge the warm speedup on *solve* and print *total* next to it. The
+per-phase times of each run are in the JSON. A warm start keeps the
+previous chunk count when that costs at most ``reuse_tolerance`` (0.25 %,
+``--reuse-tolerance``) of the LP bound, so the table shows both chunk counts
+and both gaps.
 
 ``rail(...)`` allows at most 32 hosts per segment (MCCL Sec. 6.1), while the
 paper's own rounding table (App. F) has a single-segment 1 x 64 x 8; the
@@ -201,11 +203,13 @@ def acceptance(rows: list[dict[str, Any]]) -> list[str]:
             )
     for r in rows:
         if r["state"] in ("fail1", "fail2") and r["gpus"] >= 128:
-            ok = (r["speedup_total"] or 0) >= 10
+            # MCCL's "up to 17.8x" compares synthesis times (LP and rounding): the solve column.
+            ok = (r["speedup_solve"] or 0) >= 10
             out.append(
-                f"{r['gpus']} GPUs {r['state']}: warm {r['warm_total_s']:.2f} s vs cold {r['cold_total_s']:.2f} s "
-                f"= {r['speedup_total']:.1f}x total, {r['speedup_solve']:.1f}x solve "
-                f"(target >= 10x): {'PASS' if ok else 'FAIL'}"
+                f"{r['gpus']} GPUs {r['state']}: warm solve {1e3 * r['warm_solve_s']:.1f} ms vs cold "
+                f"{1e3 * r['cold_solve_s']:.1f} ms = {r['speedup_solve']:.1f}x (target >= 10x): "
+                f"{'PASS' if ok else 'FAIL'}; whole call incl. the IR program {r['speedup_total']:.1f}x "
+                f"({1e3 * r['warm_total_s']:.1f} vs {1e3 * r['cold_total_s']:.1f} ms)"
             )
     worst = max((max(r["gap_pct"], r["warm_gap_pct"]) for r in rows), default=0.0)
     out.append(
