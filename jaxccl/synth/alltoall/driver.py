@@ -280,7 +280,7 @@ def alltoall(
     prev_plan = base = prev_arcs = None
     if state is not None:
         prev_plan, base = state.plan, state.emitted
-        prev_arcs = state.arcs_on(net.nodes, net.tail, net.head)
+        prev_arcs = warm.same_network_arcs
     elif warm is not None and previous.info.get("layout") == LAYOUT and warm.chunks >= 1:
         prev_plan = previous_plan(previous.info.get("paths") or {}, n, previous.chunks_per_period)
         if prev_plan is not None and warm.all_routes and prev_plan.src.size == warm.src.size:
@@ -315,7 +315,8 @@ def alltoall(
         msgs = plan_delta(
             net, pool, prev_plan, repaired.kept_rows, rounded.comm, rounded.pid, rounded.count, rounded.chunks
         )
-        arcs = _merged_arcs(msgs, prev_arcs, pool)
+        kept_prefix = _kept_prefix(msgs)
+        arcs = _merged_arcs(msgs, kept_prefix, prev_arcs, pool)
     elif prev_plan is not None:
         msgs = plan_incremental(
             net, pool, rounded.comm, rounded.pid, rounded.count, rounded.chunks, prev_plan, prev_arcs
@@ -327,7 +328,7 @@ def alltoall(
     timings["plan"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if delta and state is not None and state.route is not None:
-        route, offset = _routes_from(state, msgs, net, arcs)
+        route, offset = _routes_from(state, msgs, kept_prefix, net, arcs)
     else:
         route, length = route_nodes(net, arcs)
         offset = np.r_[0, np.cumsum(length)]
@@ -393,14 +394,20 @@ def alltoall(
     return sched
 
 
-def _merged_arcs(p: Plan, prev_arcs: np.ndarray, pool: ColumnPool) -> np.ndarray:
+def _kept_prefix(p: Plan) -> int:
+    """How many rows a :func:`plan_delta` plan took over: they come first, in their previous order (checked)."""
+    k = int(np.count_nonzero(p.prev_row >= 0))
+    kept = p.prev_row[:k]
+    if not (np.all(kept >= 0) and np.all(np.diff(kept) > 0)):  # pragma: no cover - plan_delta's order
+        raise SynthesisError("internal: a delta plan must list its kept rows first, in order")
+    return k
+
+
+def _merged_arcs(p: Plan, k: int, prev_arcs: np.ndarray, pool: ColumnPool) -> np.ndarray:
     """``(M, L)`` the arcs of every row of a :func:`plan_delta` plan: kept rows' previous, new rows' pool paths.
 
-    The kept rows are the plan's first rows (as :func:`plan_delta` orders them).
+    ``k``: its kept rows, the first ones (:func:`_kept_prefix`).
     """
-    k = int(np.count_nonzero(p.prev_row >= 0))
-    if not np.all(p.prev_row[:k] >= 0):  # pragma: no cover - plan_delta puts the kept rows first
-        raise SynthesisError("internal: a delta plan must list its kept rows first")
     fresh = pool.paths[p.pid[k:]]
     out = np.full((p.src.size, max(prev_arcs.shape[1], fresh.shape[1])), -1, dtype=np.int32)
     out[:k, : prev_arcs.shape[1]] = np.take(prev_arcs, p.prev_row[:k], axis=0)
@@ -423,16 +430,13 @@ def _paths_table(net: Network, p: Plan, route: np.ndarray, offset: np.ndarray) -
     return table
 
 
-def _routes_from(state: WarmState, p: Plan, net: Network, arcs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _routes_from(state: WarmState, p: Plan, k: int, net: Network, arcs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(route, offset)`` of a :func:`plan_delta` plan built from ``state``'s: kept rows keep their nodes.
 
-    The kept rows come first, in their previous order (as :func:`plan_delta`
-    lists them), so their nodes are the previous table's minus the dropped rows'.
+    The ``k`` kept rows come first, in their previous order (:func:`_kept_prefix`),
+    so their nodes are the previous table's minus the dropped rows'.
     """
-    k = int(np.count_nonzero(p.prev_row >= 0))
     kept = p.prev_row[:k]
-    if not (np.all(kept >= 0) and np.all(np.diff(kept) > 0)):  # pragma: no cover - plan_delta's order
-        raise SynthesisError("internal: a delta plan must list its kept rows first, in order")
     old_len = np.diff(state.route_offset)
     keep = np.zeros(old_len.size, dtype=bool)
     keep[kept] = True
@@ -620,6 +624,8 @@ class _Warm:
         link_chunks: its chunks per link, when complete.
         certificate: the previous schedule's :class:`~.cg.Certificate`, when
             its prices refer to this network's arcs.
+        same_network_arcs: the remembered routes' arcs when the network is the
+            one they were found on (same nodes and links), else None.
     """
 
     def __init__(self, net: Network) -> None:
@@ -635,6 +641,7 @@ class _Warm:
         self.all_routes = False
         self.hops: np.ndarray | None = None
         self.certificate: Certificate | None = None
+        self.same_network_arcs: np.ndarray | None = None
 
     @classmethod
     def of(cls, previous: Schedule, net: Network, state: WarmState | None = None) -> _Warm:
@@ -653,6 +660,7 @@ class _Warm:
         n = net.num_gpus
         w.chunks = int(previous.info.get("chunks", previous.chunks_per_period))
         same = state.arcs_on(net.nodes, net.tail, net.head) if state is not None else None
+        w.same_network_arcs = same
         if same is not None:  # the same network: the routes' arcs are those it was synthesized with
             src, dst, count = state.plan.src, state.plan.dst, state.plan.count
             arcs, ok = same, np.ones(src.size, dtype=bool)

@@ -308,36 +308,10 @@ def _dijkstra(net: Network, w: np.ndarray, src: np.ndarray, want: np.ndarray, ex
 
 def _walk(net: Network, pred: np.ndarray, roots: np.ndarray, rows: np.ndarray, total: int) -> np.ndarray:
     """Paths from Dijkstra predecessors: ``(total, N, L)`` arcs, rows ``rows`` filled, -1 padded."""
-    n, v = net.num_gpus, net.num_nodes
-    arcmat = net.arc_matrix
-    k = rows.size
-    r_idx = np.repeat(np.arange(k), n)
-    dest = np.tile(np.arange(n), k)
-    node = dest.copy()
-    active = node != roots[r_idx]
-    rec_pair, rec_arc = [], []
-    for _ in range(v + 1):
-        idx = np.flatnonzero(active)
-        if idx.size == 0:
-            break
-        prev = pred[r_idx[idx], node[idx]]
-        if np.any(prev < 0):  # pragma: no cover - excluded by the reachability check
-            raise SynthesisError("pricing: broken predecessor chain")
-        rec_pair.append(idx)
-        rec_arc.append(arcmat[prev, node[idx]])
-        node[idx] = prev
-        active[idx] = prev != roots[r_idx[idx]]
-    pair = np.concatenate(rec_pair) if rec_pair else np.zeros(0, dtype=np.int64)
-    arc = np.concatenate(rec_arc) if rec_arc else np.zeros(0, dtype=np.int64)
-    length = np.bincount(pair, minlength=k * n)
-    # Recorded from the destination backwards.
-    order = np.argsort(pair, kind="stable")
-    pair, arc = pair[order], arc[order]
-    start = np.r_[0, np.cumsum(length)[:-1]]
-    pos_from_end = np.arange(pair.size) - start[pair]
-    width = max(int(length.max()) if length.size else 0, 1)
-    out = np.full((total, n, width), -1, dtype=np.int32)
-    out[rows[r_idx[pair]], dest[pair], length[pair] - 1 - pos_from_end] = arc
+    n, k = net.num_gpus, rows.size
+    arcs = _walk_pairs(net, pred, roots, np.repeat(np.arange(k), n), np.tile(np.arange(n), k), forward=True)
+    out = np.full((total, n, arcs.shape[1]), -1, dtype=np.int32)
+    out[rows] = arcs.reshape(k, n, -1)
     return out
 
 
