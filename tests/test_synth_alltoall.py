@@ -503,7 +503,7 @@ def test_bad_inputs_raise_clear_errors():
     # What reaches the synthesizer is already checked by Topology: these never get through.
     with pytest.raises(TopologyError, match="disconnected"):
         Topology.from_edges(3, [(0, 1, 1e9, 0), (1, 0, 1e9, 0), (1, 2, 1e9, 0)])
-    with pytest.raises(TopologyError, match="non-positive or invalid capacity"):
+    with pytest.raises(TopologyError, match="capacity .* must be positive"):
         Topology.from_edges(2, [(0, 1, 0.0, 0), (1, 0, 1e9, 0)])
     with pytest.raises(TopologyError, match="disconnected"):
         rail(hosts=2, gpus_per_host=1).cut(0, "tor:s0r0")
