@@ -206,3 +206,26 @@ def test_300_async_steps_on_8_devices():
             y = step(y)
         y = np.asarray(y)
     assert y.tobytes() == (x0 + 300).tobytes()
+
+
+def test_stage_validated_refuses_what_does_not_fit_and_checks_unvalidated():
+    mesh = _mesh()
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    running = comm.schedule("all_gather")
+    with pytest.raises(ScheduleError, match=r"stage_validated\('all_gather'\): .* is for N=8 ranks but axis 'd' has 4"):
+        comm.stage_validated("all_gather", baselines.ring_allgather(8).validate())
+    with pytest.raises(ScheduleError, match="implements reduce_scatter, not all_gather"):
+        comm.stage_validated("all_gather", baselines.ring_reduce_scatter(N).validate())
+    # Never validated and wrong (a receive that lands nowhere useful): the interpreter runs and refuses it.
+    b = ScheduleBuilder("all_gather", num_ranks=N, chunks_per_period=1)
+    for r in range(N):
+        b.copy(r, (Buffer.INPUT, 0), (Buffer.OUTPUT, r))
+    broken = b.build()
+    assert not broken.validated
+    with pytest.raises(ScheduleError):
+        comm.stage_validated("all_gather", broken)
+    assert comm.schedule("all_gather") is running
+    f = _jit(lambda v: jaxccl.all_gather(v, "d", tiled=True), mesh)
+    x = _x((N * 8,), seed=3)
+    with comm:
+        assert np.array_equal(np.asarray(f(x)).reshape(N, -1), np.tile(x, (N, 1)))

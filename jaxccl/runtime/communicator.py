@@ -310,27 +310,24 @@ class Communicator:
             ExecutorError: the native registry refused it.
         """
         coll = _canonical(collective)
-        if not isinstance(schedule, Schedule):
-            raise ScheduleError(f"install({coll.value!r}): expected a Schedule, got {type(schedule).__name__}")
-        if schedule.collective is not coll:
-            raise ScheduleError(
-                f"install({coll.value!r}): the schedule implements {schedule.collective.value}, not {coll.value}"
-            )
-        if schedule.num_ranks != self.axis_size:
-            raise ScheduleError(
-                f"install({coll.value!r}): schedule {schedule.name or schedule.digest[:12]} is for "
-                f"N={schedule.num_ranks} ranks but axis {self.axis_name!r} has {self.axis_size} devices"
-            )
+        self._check_fits(coll, schedule, "install")
         schedule.validate()
         self.stage_validated(coll, schedule)
 
     def stage_validated(self, collective: str | Collective, schedule: Schedule, *, table: Any = None) -> int:
-        """:meth:`install` without the checks, for callers that validated ``schedule`` already (the controller).
+        """:meth:`install` for callers that validated ``schedule`` already (the controller).
 
+        Still refuses a schedule for another collective or rank count, and
+        runs the interpreter unless :meth:`Schedule.validate` already passed on
+        this very object: whatever path a schedule takes, a training step never
+        sees one that does not fit or does not check.
         ``table`` is its compiled table (:func:`jaxccl.schedule.table.compile_table`) if the caller has it.
         Returns the staged version (native backends; 0 on ``ppermute``).
         """
         coll = _canonical(collective)
+        self._check_fits(coll, schedule, "stage_validated")
+        if not schedule.validated:
+            schedule.validate()
         version = 0
         with self._lock:
             if self.backend in ("cpu", "cuda"):
@@ -339,6 +336,19 @@ class Communicator:
         if self.backend in ("ppermute", "auto"):
             _bump_generation()
         return version
+
+    def _check_fits(self, coll: Collective, schedule: Any, caller: str) -> None:
+        if not isinstance(schedule, Schedule):
+            raise ScheduleError(f"{caller}({coll.value!r}): expected a Schedule, got {type(schedule).__name__}")
+        if schedule.collective is not coll:
+            raise ScheduleError(
+                f"{caller}({coll.value!r}): the schedule implements {schedule.collective.value}, not {coll.value}"
+            )
+        if schedule.num_ranks != self.axis_size:
+            raise ScheduleError(
+                f"{caller}({coll.value!r}): schedule {schedule.name or schedule.digest[:12]} is for "
+                f"N={schedule.num_ranks} ranks but axis {self.axis_name!r} has {self.axis_size} devices"
+            )
 
     def _install_native(self, coll: Collective, schedule: Schedule, table: Any = None) -> int:
         from jaxccl.schedule.table import compile_table

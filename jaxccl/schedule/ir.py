@@ -297,10 +297,23 @@ class Schedule:
         order (bitwise equal to ``jax.lax`` on CPU); the default checks it
         when ``info["ordered_reduction"]`` is true.
         """
-        from jaxccl.schedule.interpreter import check
+        from jaxccl.schedule.interpreter import DEFAULT_NUM_SLOTS, check
 
         check(self, num_slots=num_slots, ordered_reduction=ordered_reduction)
+        if num_slots in (None, DEFAULT_NUM_SLOTS) and ordered_reduction is None:
+            self.__dict__["_passed_default_check"] = True  # what the executors run with; see `validated`
         return self
+
+    @property
+    def validated(self) -> bool:
+        """Whether :meth:`validate` passed on this object with its defaults (the executors' slots and order).
+
+        >>> from jaxccl.synth.baselines import ring_allgather
+        >>> s = ring_allgather(4)
+        >>> s.validated, s.validate().validated
+        (False, True)
+        """
+        return self.__dict__.get("_passed_default_check", False)
 
     # ---------------------------------------------------------------- digest
     def program_dict(self) -> dict[str, Any]:
