@@ -637,7 +637,7 @@ class _Interpreter:
             rnd += 1
 
         if remaining:
-            self._deadlock(tb_ops, pcs, tb_rank, tb_local, queues, gid)
+            self._deadlock(tb_ops, pcs, tb_rank, tb_local, queues, (conn_send_tb, conn_recv_tb))
         for j, q in enumerate(queues):
             if q:
                 a, b, c = self.conns[j]
@@ -659,15 +659,13 @@ class _Interpreter:
         round_of = {ref: k for k, rd in enumerate(round_refs) for ref in rd}
         return RoundPlan(round_refs, round_of, receiver, sender, report)
 
-    def _deadlock(self, tb_ops, pcs, tb_rank, tb_local, queues, gid) -> None:
-        lines = []
-        total = 0
+    def _deadlock(self, tb_ops, pcs, tb_rank, tb_local, queues, conn_tbs) -> None:
+        """Fails naming the cycle of threadblocks that wait for each other, then the others that are blocked."""
+        conn_send_tb, conn_recv_tb = conn_tbs
+        waits: dict[int, tuple[str, int]] = {}  # blocked global threadblock -> (why, the one it waits for)
         for g, ops in enumerate(tb_ops):
             pc = pcs[g]
             if pc >= len(ops):
-                continue
-            total += 1
-            if len(lines) >= _MAX_REPORTED:
                 continue
             r, t = tb_rank[g], tb_local[g]
             kind, _, _, _, _, _, deps, sc, rc = ops[pc]
@@ -675,18 +673,41 @@ class _Interpreter:
             why = None
             for dg, di, dt in deps:
                 if pcs[dg] <= di:
-                    why = f"waits for dependency tb {dt} op {di} (not done)"
+                    why = (f"waits for dependency tb {dt} op {di} (not done)", dg)
                     break
             if why is None and kind in _RECVS and not queues[rc]:
-                why = f"waits for a message from rank {tb.recv_peer} on channel {tb.channel}"
+                why = (f"waits for a message from rank {tb.recv_peer} on channel {tb.channel}", conn_send_tb[rc])
             if why is None and kind in _SENDS and len(queues[sc]) >= self.slots:
                 why = (
                     f"waits for a free slot towards rank {tb.send_peer} on channel {tb.channel} "
-                    f"({len(queues[sc])} unconsumed messages, num_slots={self.slots})"
+                    f"({len(queues[sc])} unconsumed messages, num_slots={self.slots})",
+                    conn_recv_tb[sc],
                 )
-            lines.append(f"  {self._name(r, t, pc)} {why}")
-        more = f"\n  ... and {total - len(lines)} more" if total > len(lines) else ""
-        _fail(f"deadlock with num_slots={self.slots}: {total} threadblock(s) blocked:\n" + "\n".join(lines) + more)
+            waits[g] = why or ("is blocked", g)
+
+        def line(g: int) -> str:
+            return f"  {self._name(tb_rank[g], tb_local[g], pcs[g])} {waits[g][0]}"
+
+        cycle: list[int] = []
+        seen: dict[int, int] = {}
+        g = min(waits)
+        while g in waits and g not in seen:
+            seen[g] = len(cycle)
+            cycle.append(g)
+            g = waits[g][1]
+        cycle = cycle[seen[g] :] if g in seen else []
+        lines = []
+        if cycle:
+            lines.append(f"  wait cycle of {len(cycle)} threadblock(s):")
+            lines += ["  " + line(g) for g in cycle[:_MAX_REPORTED]]
+            lines.append("    -> back to the first")
+        others = [g for g in sorted(waits) if g not in set(cycle)]
+        if others:
+            lines.append("  also blocked:" if cycle else "  blocked:")
+            lines += ["  " + line(g) for g in others[:_MAX_REPORTED]]
+            if len(others) > _MAX_REPORTED:
+                lines.append(f"    ... and {len(others) - _MAX_REPORTED} more")
+        _fail(f"deadlock with num_slots={self.slots}: {len(waits)} threadblock(s) blocked:\n" + "\n".join(lines))
 
     # ----------------------------------------------------------------------- data
     def _describe(self, v: int) -> str:
