@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jaxccl
-from jaxccl.errors import SynthesisError, TopologyError
+from jaxccl.errors import OptionError, SynthesisError, TopologyError
 from jaxccl.schedule import chunk_bounds
 from jaxccl.synth.allgather import allgather, reduce_scatter
 from jaxccl.topology import Topology, gbps, rail, ring, scenario, single_node
@@ -240,7 +240,7 @@ def test_bad_inputs():
         Topology.from_edges(2, [(0, "sw", GB, 1e-6), ("sw", 0, GB, 1e-6), (1, "t", GB, 1e-6), ("t", 1, GB, 1e-6)])
     with pytest.raises(TopologyError, match="capacity"):
         Topology.from_edges(2, [(0, 1, 0.0, 1e-6), (1, 0, GB, 1e-6)])
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(OptionError, match="method='magic' is not one of 'forestcoll', 'latency'"):
         allgather(rail(hosts=2), method="magic")
     with pytest.raises(SynthesisError, match="previous"):
         allgather(rail(hosts=2), previous="not a schedule")

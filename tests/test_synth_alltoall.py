@@ -14,7 +14,7 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from jaxccl.errors import ScheduleError, SynthesisError, TopologyError
+from jaxccl.errors import OptionError, ScheduleError, SynthesisError, TopologyError
 from jaxccl.schedule import Schedule
 from jaxccl.synth import baselines
 from jaxccl.synth.alltoall import alltoall, cflp_bound, decode_paths
@@ -319,7 +319,7 @@ def test_dijkstra_pricing_refuses_a_binding_step_bound():
     net = build_network(ring(6))
     with pytest.raises(SynthesisError, match="ignores the step bound"):
         shortest_path_trees(net, np.ones(net.num_arcs), max_steps=4, method="dijkstra")
-    with pytest.raises(SynthesisError, match="pricing must be one of"):
+    with pytest.raises(OptionError, match="pricing='bellman' is not one of 'dijkstra', 'dag' or None"):
         alltoall(ring(4), pricing="bellman")
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from jaxccl.errors import SynthesisError
+from jaxccl.errors import OptionError, SynthesisError
 from jaxccl.schedule import Collective, Schedule
 from jaxccl.synth.allgather.bound import DEFAULT_MAX_CHUNKS, candidate_rate, optimal_rate, switch_cuts, tree_units
 from jaxccl.synth.allgather.compile import allgather_schedule, reduce_scatter_schedule
@@ -124,8 +124,7 @@ def reversed_topology(topo: Topology) -> Topology:
 
 
 def _synthesize(topo, previous, method, max_chunks, collective: Collective) -> Schedule:
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    OptionError.check("method", method, METHODS)
     t_start = time.perf_counter()
     times: dict[str, float] = {}
     work = reversed_topology(topo) if collective is Collective.REDUCE_SCATTER else topo

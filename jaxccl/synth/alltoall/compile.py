@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.errors import ScheduleError
+from jaxccl.errors import OptionError, ScheduleError
 from jaxccl.schedule import Buffer, Op, OpKind, Schedule, ScheduleBuilder, Threadblock
 from jaxccl.schedule.ir import Collective
 from jaxccl.synth.alltoall.columns import ColumnPool
@@ -570,8 +570,7 @@ def emit(
         record: if given, the :class:`Emitted` of this schedule is appended.
         build_kwargs: Schedule fields (name, algbw, bound, info).
     """
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    OptionError.check("method", method, METHODS)
     if method == "builder":
         return _with_builder(n, c, p, build_kwargs)
     src = reuse = None
@@ -680,80 +679,6 @@ def _with_builder(n: int, c: int, p: Plan, kwargs: dict) -> Schedule:
     return b.build(**kwargs)
 
 
-_OP_FIELDS = ("kind", "src", "src_off", "dst", "dst_off", "count", "deps")
-
-
-def _fast_op_factory():
-    """A constructor of already-normalized :class:`Op` values that skips ``__post_init__``.
-
-    The emitter only creates well-formed ops (and ``Schedule.validate()``
-    checks them all), so the per-op normalization is pure overhead (~10 us).
-    Falls back to the regular constructor if ``Op``'s layout is not the
-    expected plain frozen dataclass.
-    """
-    names = tuple(f.name for f in dataclasses.fields(Op))
-
-    def slow(kind, src, src_off, dst, dst_off, count, deps):
-        return Op(kind, src, src_off, dst, dst_off, count, deps)
-
-    if names != _OP_FIELDS or hasattr(Op, "__slots__"):
-        return slow
-    new = object.__new__
-
-    def fast(kind, src, src_off, dst, dst_off, count, deps):
-        op = new(Op)
-        d = op.__dict__  # filling the instance dict directly is twice as fast as assigning a new one
-        d["kind"] = kind
-        d["src"] = src
-        d["src_off"] = src_off
-        d["dst"] = dst
-        d["dst_off"] = dst_off
-        d["count"] = count
-        d["deps"] = deps
-        return op
-
-    probe = (OpKind.SEND, Buffer.INPUT, 3, Buffer.SCRATCH, 1, 2, ((1, 0),))
-    try:
-        ok = fast(*probe) == slow(*probe) and hash(fast(*probe)) == hash(slow(*probe))
-    except Exception:  # pragma: no cover - defensive
-        ok = False
-    return fast if ok else slow
-
-
-_make_op = _fast_op_factory()
-
-
-def _fast_threadblock_factory():
-    """A constructor of :class:`Threadblock` values from an ops tuple that skips ``__post_init__`` (as for ops)."""
-    names = tuple(f.name for f in dataclasses.fields(Threadblock))
-
-    def slow(ops, send_peer, recv_peer):
-        return Threadblock(ops, send_peer, recv_peer, 0)
-
-    if names != ("ops", "send_peer", "recv_peer", "channel") or hasattr(Threadblock, "__slots__"):
-        return slow
-    new = object.__new__
-
-    def fast(ops, send_peer, recv_peer):
-        tb = new(Threadblock)
-        d = tb.__dict__
-        d["ops"] = ops
-        d["send_peer"] = send_peer
-        d["recv_peer"] = recv_peer
-        d["channel"] = 0
-        return tb
-
-    probe = ((_make_op(OpKind.SEND, Buffer.INPUT, 3, Buffer.SCRATCH, 1, 2, ()),), 1, -1)
-    try:
-        ok = fast(*probe) == slow(*probe) and hash(fast(*probe)) == hash(slow(*probe))
-    except Exception:  # pragma: no cover - defensive
-        ok = False
-    return fast if ok else slow
-
-
-_make_threadblock = _fast_threadblock_factory()
-
-
 @contextlib.contextmanager
 def _no_gc():
     """Pauses the cyclic garbage collector while a million acyclic ops are created.
@@ -791,7 +716,7 @@ def _emit_ops(
     in the other groups, events whose ``src`` names an old event take its op
     object, the others get a new one.
     """
-    make, make_tb = _make_op, _make_threadblock
+    make, make_tb = Op.unchecked, Threadblock.unchecked
     g_count = lay.group_lo.size
     reused_new, reused_old = reuse if reuse is not None else (np.zeros(0, np.int64), np.zeros(0, np.int64))
     old_group_tbs = base.group_tbs if base is not None else []
@@ -867,7 +792,7 @@ def _new_ops(p: Plan, c: int, lay: Layout, events: np.ndarray) -> tuple[list, np
     )
     ops = list(
         map(
-            _make_op,
+            Op.unchecked,
             _KIND_OBJECTS[lay.kind[events[order]]].tolist(),
             _BUFFER_OBJECTS[src_buf[order]].tolist(),
             src_off[order].tolist(),

@@ -56,7 +56,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.errors import SynthesisError, TopologyError
+from jaxccl.errors import OptionError, SynthesisError, TopologyError
 from jaxccl.schedule import Collective, Schedule
 from jaxccl.synth.alltoall.cg import (
     GAP_TOL,
@@ -97,9 +97,9 @@ REUSE_TOLERANCE = 2.5e-3
 def alltoall(
     topo: Topology,
     previous: Schedule | None = None,
+    *,
     max_chunks: int = 10,
     time_budget: float | None = None,
-    *,
     max_steps: int | None = None,
     minimize_steps: bool = False,
     pricing: str | None = None,
@@ -158,6 +158,7 @@ def alltoall(
 
     Raises:
         TopologyError: ``topo`` is not a Topology or has fewer than 2 GPUs.
+        OptionError: ``pricing`` is not one of its choices.
         SynthesisError: bad ``max_chunks``/``time_budget``/``max_steps``/``reuse_tolerance``, a
             ``previous`` schedule of another collective or size, or a solver failure.
 
@@ -172,8 +173,7 @@ def alltoall(
     """
     t_start = time.perf_counter()
     max_chunks = _check_args(topo, max_chunks, time_budget)
-    if pricing not in (None, *PRICING_METHODS):
-        raise SynthesisError(f"pricing must be one of {PRICING_METHODS} or None, got {pricing!r}")
+    OptionError.check("pricing", pricing, PRICING_METHODS, allow_none=True)
     tol_ok = isinstance(reuse_tolerance, (int, float)) and not isinstance(reuse_tolerance, bool)
     if not (tol_ok and 0 <= reuse_tolerance < 1):
         raise SynthesisError(f"reuse_tolerance must be a fraction in [0, 1), got {reuse_tolerance!r}")
