@@ -412,7 +412,7 @@ def _check_packing(p, links):
 
 @pytest.mark.parametrize("strategy", ["full", "local", "forestcoll"])
 def test_every_packing_strategy_is_exact(strategy):
-    from jaxccl.synth.allgather import switch_groups
+    from jaxccl.synth.allgather.driver import switch_groups
     from jaxccl.synth.allgather.packing import forestcoll_pack, match_pack
 
     net, units, logical = _logical(scenario(rail(hosts=2, gpus_per_host=4), "fail1"))
@@ -425,7 +425,7 @@ def test_every_packing_strategy_is_exact(strategy):
 
 
 def test_repair_keeps_previous_trees_and_regrows_only_what_they_lost():
-    from jaxccl.synth.allgather import switch_groups
+    from jaxccl.synth.allgather.driver import switch_groups
     from jaxccl.synth.allgather.packing import tree_groups
     from jaxccl.synth.allgather.repair import repair_pack
 
@@ -507,7 +507,7 @@ def test_fast_compile_builds_the_reference_program():
 
     from jaxccl.synth.allgather.compile import allgather_schedule, allgather_schedule_reference
 
-    mod = sys.modules["jaxccl.synth.allgather"]
+    mod = sys.modules["jaxccl.synth.allgather.driver"]
     seen = []
     original = mod.allgather_schedule
 
