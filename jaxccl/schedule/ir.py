@@ -158,6 +158,7 @@ class OpKind(str, enum.Enum):
 
 
 _OP_CODES = {k: i for i, k in enumerate(OpKind)}
+_new_object = object.__new__
 _SENDS = frozenset({OpKind.SEND, OpKind.RECV_COPY_SEND, OpKind.RECV_REDUCE_SEND, OpKind.RECV_REDUCE_COPY_SEND})
 _RECVS = frozenset(
     {OpKind.RECV, OpKind.RECV_COPY_SEND, OpKind.RECV_REDUCE_COPY, OpKind.RECV_REDUCE_SEND, OpKind.RECV_REDUCE_COPY_SEND}
@@ -200,6 +201,40 @@ class Op:
         if self.kind.writes_dst and self.dst is None:
             raise ScheduleError(f"op {self.kind.value} needs a dst buffer")
 
+    @classmethod
+    def unchecked(
+        cls,
+        kind: OpKind,
+        src: Buffer | None,
+        src_off: int,
+        dst: Buffer | None,
+        dst_off: int,
+        count: int,
+        deps: tuple[tuple[int, int], ...],
+    ) -> Op:
+        """An op from fields already in normal form, without ``__init__``'s conversions and checks.
+
+        For synthesizers that create 10^5..10^6 ops from values they built
+        themselves (enum members, Python ints, a tuple of int pairs), where
+        the per-op normalization would dominate (it costs ~5x the object).
+        The result equals ``Op(...)`` of the same fields; nothing is checked,
+        so :meth:`Schedule.validate` is what vouches for such ops.
+
+        >>> f = (OpKind.SEND, Buffer.INPUT, 3, Buffer.SCRATCH, 1, 2, ((1, 0),))
+        >>> Op.unchecked(*f) == Op(*f)
+        True
+        """
+        op = _new_object(cls)
+        fields = op.__dict__  # the frozen dataclass keeps its fields in the instance dict
+        fields["kind"] = kind
+        fields["src"] = src
+        fields["src_off"] = src_off
+        fields["dst"] = dst
+        fields["dst_off"] = dst_off
+        fields["count"] = count
+        fields["deps"] = deps
+        return op
+
 
 @dataclasses.dataclass(frozen=True)
 class Threadblock:
@@ -218,6 +253,22 @@ class Threadblock:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
+
+    @classmethod
+    def unchecked(cls, ops: tuple[Op, ...], send_peer: int, recv_peer: int, channel: int = 0) -> Threadblock:
+        """A threadblock from an ops tuple, without ``__init__``'s conversion (see :meth:`Op.unchecked`).
+
+        >>> ops = (Op(OpKind.SEND, Buffer.INPUT, 0),)
+        >>> Threadblock.unchecked(ops, 1, -1) == Threadblock(ops, 1, -1)
+        True
+        """
+        tb = _new_object(cls)
+        fields = tb.__dict__
+        fields["ops"] = ops
+        fields["send_peer"] = send_peer
+        fields["recv_peer"] = recv_peer
+        fields["channel"] = channel
+        return tb
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
