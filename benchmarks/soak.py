@@ -8,7 +8,9 @@ Meanwhile, at random points, a collective's schedule is hot-swapped (another
 synthesized or baseline schedule, staged without recompiling), a link fault is
 injected or healed (``comm.inject``), and a throwaway Communicator is created,
 used and dropped. Resources are read before and after: resident memory,
-threads, open file descriptors and the native executor's slots and workers.
+threads, open file descriptors and the native executor's slots and workers;
+and once more after ``jax.clear_caches()``, since a program traced with a
+communicator keeps that communicator's native slots while JAX caches it.
 
 Reductions run on int32 data (any summation order is then exact) so that every
 reduction schedule, ordered or not, is checked against ``jax.lax`` bitwise.
@@ -155,8 +157,22 @@ def main(argv: list[str] | None = None) -> int:
     comm.inject(topo)
     gc.collect()
     after = resources()
+    # Programs traced with the throwaway communicators keep their slots while JAX caches them.
+    jax.clear_caches()
+    gc.collect()
+    after_clear = resources()
 
-    rows = [{"resource": k, "before": before[k], "after": after[k], "delta": after[k] - before[k]} for k in before]
+    rows = [
+        {
+            "resource": k,
+            "before": before[k],
+            "after": after[k],
+            "delta": after[k] - before[k],
+            "after clear_caches": after_clear[k],
+            "delta then": after_clear[k] - before[k],
+        }
+        for k in before
+    ]
     print()
     report.print_table([{**counts, "seconds": elapsed}])
     print()
@@ -172,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             "before": before,
             "after": after,
             "delta": {k: after[k] - before[k] for k in before},
+            "after_clear_caches": after_clear,
+            "delta_after_clear_caches": {k: after_clear[k] - before[k] for k in before},
         },
     )
     print(f"wrote {args.json}")

@@ -239,9 +239,21 @@ def test_close_and_garbage_collection_free_the_native_slots():
 
     mesh = _mesh()
     topo = jaxccl.topology.rail(hosts=2, gpus_per_host=2)
+    jax.clear_caches()  # programs of earlier tests hold their communicators' slots
     gc.collect()
     base = native.stats()["slots"]
-    for _ in range(50):  # dropped without close(): the garbage collector frees them
+    f = _jit(lambda v: jaxccl.all_gather(v, "d", tiled=True), mesh)
+    for k in range(20):  # used in a jitted program, then dropped without close(): garbage collection frees them
+        used = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu", link_emulation=LinkEmulation())
+        with used:
+            f(_x((N * 4,), seed=k)).block_until_ready()
+    del used
+    gc.collect()
+    assert native.stats()["slots"] > base  # the programs traced with them are still cached: they keep the slots
+    jax.clear_caches()
+    gc.collect()
+    assert native.stats()["slots"] == base
+    for _ in range(20):  # never used in a program: freed as soon as they are dropped
         jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu", link_emulation=LinkEmulation())
     gc.collect()
     assert native.stats()["slots"] == base
@@ -252,6 +264,5 @@ def test_close_and_garbage_collection_free_the_native_slots():
     assert comm.closed and native.stats()["slots"] == base
     with pytest.raises(jaxccl.ExecutorError, match="is closed"):
         comm.install("all_gather", baselines.ring_allgather(N))
-    f = _jit(lambda v: jaxccl.all_gather(v, "d", tiled=True), mesh)
     with pytest.raises(Exception, match="is closed"), comm:
         f(_x((N * 4,)))

@@ -107,7 +107,7 @@ def _prepare(fn: str, x: Any, axis_name: Any, *, reduction: bool):
     x = jnp.asarray(x)
     _check_dtype(fn, x.dtype, reduction=reduction)
     comm = _comm.resolve(name, n)
-    return _varying(x, name), name, n, comm
+    return _varying(x, name), name, n, comm.ref
 
 
 def all_gather(

@@ -223,9 +223,11 @@ class Communicator:
                 if s is not None:
                     self._install_native(c, s)
         _LIVE[self.uid] = self
-        # Dropping the last reference frees the native slots and the emulated network, as close() does.
+        # The native slots and the emulated network are freed by close(), or once neither this communicator
+        # nor any program traced with it (JAX's caches hold their CommunicatorRef) is left.
         self._closed = False
-        self._finalizer = weakref.finalize(self, _release, self._slots, self.network)
+        self._lease = _Lease()
+        self._finalizer = weakref.finalize(self._lease, _release, self._slots, self.network)
 
     # ------------------------------------------------------------------ link emulation
     def _start_emulation(self, config: Any, alpha: float) -> None:
@@ -392,14 +394,22 @@ class Communicator:
         Idempotent. Afterwards installing schedules or running collectives
         with it raises :class:`~jaxccl.ExecutorError`; collectives already
         running finish on their tables. A communicator that is dropped is
-        freed the same way when it is garbage-collected. (``with comm:``
-        scopes collectives to the communicator and does not close it; use
-        ``contextlib.closing(comm)`` for both.)
+        freed the same way once it is garbage-collected and no program traced
+        with it remains in JAX's caches (those programs may still be running:
+        their slots stay until then; ``jax.clear_caches()`` drops them). Call
+        ``close()`` only once the results of its collectives are ready.
+        (``with comm:`` scopes collectives to the communicator and does not
+        close it; use ``contextlib.closing(comm)`` for both.)
         """
         with self._lock:
             self._closed = True
         self._finalizer()
         self.network = None
+
+    @property
+    def ref(self) -> CommunicatorRef:
+        """A weak reference to this communicator, what the collective primitives carry as a parameter."""
+        return CommunicatorRef(self)
 
     @property
     def closed(self) -> bool:
@@ -426,6 +436,56 @@ class Communicator:
     def __repr__(self) -> str:
         kind = "default " if self._is_default else ""
         return f"Communicator({kind}axis={self.axis_name!r}, N={self.axis_size}, backend={self.backend!r})"
+
+
+class CommunicatorRef:
+    """A hashable, weak reference to a :class:`Communicator` that stands in for it (attribute access delegates).
+
+    Traced programs keep their primitives' parameters for as long as they stay
+    in JAX's caches; carrying this instead of the communicator itself lets a
+    communicator that nothing else references be garbage-collected. The
+    reference keeps the communicator's native slots (its lease) alive, since a
+    cached or already dispatched program reads its tables from them. Two
+    references are equal when they name the same communicator.
+    """
+
+    __slots__ = ("_desc", "_lease", "_ref", "uid")
+
+    def __init__(self, comm: Communicator):
+        self.uid = comm.uid
+        self._ref = weakref.ref(comm)
+        self._lease = comm._lease  # keeps the native slots of programs in flight or cached
+        self._desc = repr(comm)
+
+    def get(self) -> Communicator:
+        """The communicator, or ``ExecutorError`` if it was garbage-collected."""
+        comm = self._ref()
+        if comm is None:
+            raise ExecutorError(
+                f"{self._desc} (#{self.uid}) was garbage-collected; a program traced with it cannot run any more "
+                "(keep a reference to the communicator while its programs are in use)"
+            )
+        return comm
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.get(), name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CommunicatorRef) and other.uid == self.uid
+
+    def __hash__(self) -> int:
+        return hash(("jaxccl.Communicator", self.uid))
+
+    def __repr__(self) -> str:
+        return f"ref({self._desc})"
+
+
+class _Lease:
+    """Stands for a communicator's native resources: they are released when it is closed or collected."""
+
+    __slots__ = ("__weakref__",)
 
 
 def _release(slots: dict[Collective, int], network: Any) -> None:
