@@ -9,7 +9,8 @@ Modules: :mod:`.driver` (the pipeline :func:`alltoall` runs),
 :mod:`.network` (the topology as arrays), :mod:`.pricing` (shortest-path
 trees on the time-expanded DAG, all sources per sweep), :mod:`.columns`
 (the column pool), :mod:`.master` (the RMP on HiGHS), :mod:`.cg` (the
-column-generation loop), :mod:`.warm` (what a previous schedule offers a
+column-generation loop), :mod:`.lp` (the seeded LP solve and the step
+search), :mod:`.warm` (what a previous schedule offers a
 warm start, and its reuse), :mod:`.repair` (warm start by certified local
 repair), :mod:`.rounding` (deep-dive rounding), :mod:`.planning`
 (messages, class ranges and scratch of the rounded routes, incremental for
