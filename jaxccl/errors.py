@@ -46,7 +46,8 @@ class OptionError(JaxcclError, ValueError):
 
     One rule for every such keyword (``method=`` of the AllGather synthesis
     and of the AllToAll emission and pricing, ``pricing=`` of
-    :func:`jaxccl.synth.alltoall`, ``routing=`` of the simulator): a value
+    :func:`jaxccl.synth.alltoall`, ``routing=`` of the simulator, REACT's
+    ``unknown=`` and ``end=``): a value
     outside the choices raises this error, whose message names the keyword,
     the value and every valid choice. It is a ``ValueError`` (the caller
     passed a bad value; nothing failed while working), not the error type of

@@ -19,7 +19,17 @@ def _option_calls():
 
     topo = rail(hosts=2, gpus_per_host=2)
     net = build_network(ring(4))
+    from jaxccl.tune.react.executor import trace_measurement
+    from jaxccl.tune.react.model import FlowHistory
+
+    trace = np.zeros(0)
     return {
+        "unknown": [lambda v: FlowHistory(unknown=v)],
+        "end": [
+            lambda v: trace_measurement(
+                trace, ring_allgather(4), time_scale=1.0, topology=ring(4), output_bytes=1.0, end=v
+            )
+        ],
         "method": [
             lambda v: allgather(topo, method=v),
             lambda v: reduce_scatter(topo, method=v),
@@ -33,7 +43,7 @@ def _option_calls():
     }
 
 
-@pytest.mark.parametrize("option", ["method", "pricing", "routing"])
+@pytest.mark.parametrize("option", ["method", "pricing", "routing", "unknown", "end"])
 def test_a_bad_option_value_is_one_error_type_naming_the_choices(option):
     for call in _option_calls()[option]:
         with pytest.raises(OptionError, match=rf"^{option}='bogus' is not one of '") as info:

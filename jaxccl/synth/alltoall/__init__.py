@@ -5,18 +5,21 @@ arc-based CF-LP of App. G.3, an independent check of the LP optimum;
 :func:`decode_paths` reads the chunk routes a schedule stores in
 ``info["paths"]``.
 
-Modules: :mod:`.network` (the topology as arrays), :mod:`.pricing`
-(shortest-path trees on the time-expanded DAG, all sources per sweep),
-:mod:`.columns` (the column pool), :mod:`.master` (the RMP on HiGHS),
-:mod:`.cg` (the column-generation loop), :mod:`.repair` (warm start by
-certified local repair), :mod:`.rounding` (deep-dive
-rounding), :mod:`.planning` (messages, class ranges and scratch of the
-rounded routes, incremental for warm starts), :mod:`.emission` (the
-schedule IR of a plan, incremental for warm starts) with :mod:`.layout`
-(where each op goes, computed incrementally),
-:mod:`.routes` (the stored routes), :mod:`.state` (what a returned schedule
-leaves for the next warm start), :mod:`.cflp` (the check). The benchmark is
-:mod:`jaxccl.cli.synth_alltoall`.
+Modules: :mod:`.driver` (the pipeline :func:`alltoall` runs),
+:mod:`.network` (the topology as arrays), :mod:`.pricing` (shortest-path
+trees on the time-expanded DAG, all sources per sweep), :mod:`.columns`
+(the column pool), :mod:`.master` (the RMP on HiGHS), :mod:`.cg` (the
+column-generation loop), :mod:`.lp` (the seeded LP solve and the step
+search), :mod:`.warm` (what a previous schedule offers a
+warm start, and its reuse), :mod:`.repair` (warm start by certified local
+repair), :mod:`.rounding` (deep-dive rounding), :mod:`.planning`
+(messages, class ranges and scratch of the rounded routes, incremental for
+warm starts), :mod:`.emission` (the schedule IR of a plan, incremental for
+warm starts) with :mod:`.layout` (where each op goes, computed
+incrementally), :mod:`.report` (the gap, cut and routes table in
+``info``), :mod:`.routes` (the stored routes), :mod:`.state` (what a
+returned schedule leaves for the next warm start), :mod:`.cflp` (the
+check). The benchmark is :mod:`jaxccl.cli.synth_alltoall`.
 """
 
 from jaxccl.synth.alltoall.cflp import cflp_bound

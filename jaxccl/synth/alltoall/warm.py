@@ -65,6 +65,11 @@ class PreviousRoutes:
 
     @classmethod
     def of(cls, previous: Schedule, net: Network, state: WarmState | None = None) -> PreviousRoutes:
+        """The routes of ``previous`` on ``net``; ``state`` is what its synthesis remembered (:mod:`.state`), if any.
+
+        Raises:
+            SynthesisError: ``previous`` is not an AllToAll schedule for ``net``'s GPUs.
+        """
         if not isinstance(previous, Schedule):
             raise SynthesisError(f"previous must be a jaxccl Schedule, got {type(previous).__name__}")
         if previous.collective is not Collective.ALL_TO_ALL:

@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.errors import ExecutorError, ScheduleError
+from jaxccl.errors import ExecutorError, OptionError, ScheduleError
 from jaxccl.schedule.ir import Collective, Schedule, chunk_bounds, period_elements
 from jaxccl.tune.react.measure import Measurement
 
@@ -141,10 +141,9 @@ def trace_measurement(
     Raises:
         ExecutorError: the trace is empty, names an op that does not send to that receiver, lacks a
             sending op, or carries other bytes than expected.
-        ValueError: unknown ``end``.
+        OptionError: unknown ``end``.
     """
-    if end not in END_MODES:
-        raise ValueError(f"end must be one of {END_MODES}, got {end!r}")
+    OptionError.check("end", end, END_MODES)
     if len(trace) == 0:
         raise ExecutorError(f"executor trace of schedule {schedule.name!r} is empty (was trace=True set?)")
     src, dst = trace["src"].astype(np.int64), trace["dst"].astype(np.int64)
@@ -217,8 +216,7 @@ class ExecutorRunner:
             raise ExecutorError("ExecutorRunner needs a Communicator with link_emulation=LinkEmulation(trace=True)")
         if not net.config.trace:
             raise ExecutorError("ExecutorRunner needs LinkEmulation(trace=True): per-message times come from the trace")
-        if end not in END_MODES:
-            raise ValueError(f"end must be one of {END_MODES}, got {end!r}")
+        OptionError.check("end", end, END_MODES)
         n = comm.axis_size
         elems = int(bytes_per_rank) // 4 // (2 * n) * (2 * n)
         if elems < 2 * n:

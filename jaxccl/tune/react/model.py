@@ -44,6 +44,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxccl.errors import OptionError
 from jaxccl.tune.react.critical_path import CriticalPath
 from jaxccl.tune.react.pattern import Pattern
 
@@ -89,8 +90,7 @@ class FlowHistory:
     def __init__(self, horizon: int = HISTORY_EPOCHS, *, unknown: str = "median"):
         if not isinstance(horizon, int) or horizon < 1:
             raise ValueError(f"horizon must be a positive integer, got {horizon!r}")
-        if unknown not in UNKNOWN_METHODS:
-            raise ValueError(f"unknown must be one of {UNKNOWN_METHODS}, got {unknown!r}")
+        OptionError.check("unknown", unknown, UNKNOWN_METHODS)
         self.horizon = horizon
         self.unknown = unknown
         self._epochs: collections.deque[_Epoch] = collections.deque(maxlen=horizon)
