@@ -2,7 +2,7 @@
 
 An nccl-tests-style table per collective: per-rank input size, median time
 over ``--runs`` timed calls (after warm-up), algorithm bandwidth (bytes of one
-rank's output buffer / time, as nccl-tests and DESIGN.md), bus bandwidth
+rank's output buffer / time, as nccl-tests), bus bandwidth
 (``algbw * (N-1)/N`` for both collectives, as nccl-tests) and the time ratio
 to ``jax.lax`` measured in the same run. Every jaxccl result is checked
 bitwise against ``jax.lax`` once per size.

@@ -1,8 +1,10 @@
 """jaxccl: topology-aware, self-adapting collectives for JAX.
 
-Public surface (see ``../shared/DESIGN.md``, "API contract"). Subpackages hold
-the real code: ``topology``, ``schedule``, ``synth``, ``runtime``,
-``telemetry``, ``control``, ``tune``, ``sim``.
+The public surface: ``emulate``, the collectives (``all_gather``,
+``all_to_all``, ``psum_scatter``, ``psum``), ``Communicator``, the error
+types and the subpackages that hold the real code: ``topology``,
+``schedule``, ``synth``, ``runtime``, ``telemetry``, ``control``, ``tune``,
+``sim``. How they fit together: ``docs/architecture.md``.
 """
 
 from jaxccl import schedule, synth, topology

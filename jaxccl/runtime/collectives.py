@@ -6,6 +6,12 @@ axis (as ``lax`` does, so ``check_vma=True`` type-checks), resolves the
 :class:`~jaxccl.runtime.communicator.Communicator` in scope for the axis (or
 the default one) and binds the primitive of :mod:`jaxccl.runtime.primitives`.
 
+Which communicator runs a call is decided when it is traced: the innermost
+``with comm:`` whose ``comm`` serves ``axis_name``, else the default
+communicator of ``(axis_name, axis size)``
+(:func:`jaxccl.runtime.communicator.default_communicator`: baseline
+schedules, no topology, backend chosen at lowering).
+
 Supported: one named mesh axis of ``jax.shard_map`` (a 1-tuple is accepted),
 any whole-byte dtype for ``all_gather``/``all_to_all``; ``psum_scatter``/``psum``
 on float32, bfloat16 and float16 (reduced in float32, as XLA:CPU does) and
@@ -121,6 +127,9 @@ def all_gather(
 ) -> Any:
     """Gathers ``x`` from every device of mesh axis ``axis_name``; as :func:`jax.lax.all_gather`.
 
+    Runs on the communicator in scope for ``axis_name`` (``with comm:``), else on
+    the axis's default one (:func:`~jaxccl.runtime.communicator.default_communicator`).
+
     Args:
         x: array or pytree of arrays (per-device values inside ``jax.shard_map``).
         axis_name: the mesh axis.
@@ -167,6 +176,9 @@ def all_to_all(
     axis_index_groups: Any = None,
 ) -> Any:
     """Sends block ``d`` of ``x`` along ``split_axis`` to device ``d``; as :func:`jax.lax.all_to_all`.
+
+    Runs on the communicator in scope for ``axis_name`` (``with comm:``), else on
+    the axis's default one (:func:`~jaxccl.runtime.communicator.default_communicator`).
 
     Blocks received from device ``s`` are placed at position ``s`` along
     ``concat_axis``. With ``tiled=False`` the size of ``split_axis`` must equal
@@ -230,6 +242,9 @@ def psum_scatter(
 ) -> Any:
     """Sums ``x`` over mesh axis ``axis_name`` and scatters the result; as :func:`jax.lax.psum_scatter`.
 
+    Runs on the communicator in scope for ``axis_name`` (``with comm:``), else on
+    the axis's default one (:func:`~jaxccl.runtime.communicator.default_communicator`).
+
     Device ``r`` receives block ``r`` of the sum along ``scatter_dimension``
     (``tiled=True``: that dimension shrinks by the axis size; ``tiled=False``:
     its size must equal the axis size and it is removed). With the default
@@ -273,6 +288,9 @@ def psum_scatter(
 
 def psum(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
     """All-reduce sum of ``x`` over mesh axis ``axis_name``; as :func:`jax.lax.psum`.
+
+    Runs on the communicator in scope for ``axis_name`` (``with comm:``), else on
+    the axis's default one (:func:`~jaxccl.runtime.communicator.default_communicator`).
 
     Runs the communicator's ``all_reduce`` schedule when one is installed
     (the default: rank-ordered), else ReduceScatter + AllGather (MCCL Sec. 3).

@@ -509,10 +509,23 @@ def _bump_generation() -> None:
 def default_communicator(axis_name: Hashable, axis_size: int) -> Communicator:
     """The communicator used for ``axis_name`` when none is in scope (backend chosen at lowering).
 
+    A collective over ``axis_name`` traced outside any ``with comm:`` for that
+    axis runs here. There is one per ``(axis_name, axis_size)`` in the
+    process, created on first use and shared by every later call. It has no
+    topology, link emulation or telemetry, and runs the ring AllGather, the
+    direct AllToAll, the rank-ordered direct ReduceScatter and the
+    rank-ordered AllReduce (``psum``) of :mod:`jaxccl.synth.baselines`;
+    :meth:`Communicator.install` on it changes what those later calls run.
+
     Its backend is ``"auto"`` in a wider sense than :class:`Communicator`'s:
     on the CPU platform the native executor when the module is built and the
     program runs in one process, else ``ppermute``; on GPUs the CUDA executor
     when available, else ``ppermute``.
+
+    Example:
+        >>> comm = default_communicator("data", 8)
+        >>> comm is default_communicator("data", 8), comm.topology, comm.schedule("all_gather").name
+        (True, None, 'ring_allgather')
     """
     key = (axis_name, int(axis_size))
     with _LOCK:

@@ -56,7 +56,7 @@ class JobResult:
     Attributes:
         name: the job's label.
         time_s: from the job's start to its last op's completion.
-        algbw: one rank's output bytes / ``time_s`` (bytes/s; the DESIGN.md
+        algbw: one rank's output bytes / ``time_s`` (bytes/s; the nccl-tests
             convention: for AllGather ``N x`` the input shard).
         output_bytes: bytes of one rank's output buffer.
         rank_finish_s: completion time of each schedule rank (from the job start).

@@ -3,8 +3,8 @@
 Rates. The LP's ``z`` is the rate every commodity ``(s, d)`` gets (bytes/s of
 the ``D`` bytes rank ``s`` sends to rank ``d``). A rank's AllToAll output
 buffer holds ``N * D`` bytes and the collective takes ``D / z`` seconds in the
-large-message limit, so ``algbw = N * z`` (the nccl-tests convention of
-DESIGN.md: one rank's output bytes over the time, its own block included).
+large-message limit, so ``algbw = N * z`` (the nccl-tests convention:
+one rank's output bytes over the time, its own block included).
 ``Schedule.bound`` is ``N * z_LP`` and ``Schedule.algbw`` is ``N * K / chi``
 of the rounded solution (``chi = max_a n_a / c_a``, ``n_a`` chunks of size
 ``D / K`` on link ``a``).

@@ -1,4 +1,4 @@
-"""REACT: congestion-driven rank swaps for reduction collectives (paper ``001_aa09dfc36dd9153d``, Sec. 5, App. A).
+"""REACT: congestion-driven rank swaps for reduction collectives (REACT paper, Sec. 5, App. A).
 
 A collective *pattern* (ring AllReduce, NCCL's double binary tree AllReduce,
 recursive-doubling AllGather) is a time-expanded network whose positions are

@@ -1,5 +1,0 @@
-"""Test setup: 8 emulated CPU devices before JAX starts."""
-
-import jaxccl
-
-jaxccl.emulate(8)
