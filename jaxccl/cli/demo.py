@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from jaxccl.cli.args import UsageError, positive_float, positive_int, require_matplotlib
+from jaxccl.demo import DemoConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +24,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--fail-step", type=positive_int, default=15, help="step at which the failure is injected (default 15)"
     )
     p.add_argument(
-        "--time-scale", type=positive_float, default=3e-4, help="emulated link capacities x this (default 3e-4)"
+        "--time-scale",
+        type=positive_float,
+        default=DemoConfig.time_scale,
+        help=f"emulated link capacities x this (default {DemoConfig.time_scale:g})",
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--png", default=None, metavar="PATH", help="write the algbw timeline as PNG")
@@ -38,7 +42,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UsageError(f"--fail-step must be in 1..{args.steps - 3} for --steps {args.steps}, got {args.fail_step}")
     if args.png:
         require_matplotlib()
-    from jaxccl.demo import DemoConfig, run
+    from jaxccl.demo import run
 
     cfg = DemoConfig(
         steps=args.steps,
