@@ -145,6 +145,13 @@ def _describe(event: Any, labels: dict[int, str]) -> str:
     if event.kind == "detected":
         links = ", ".join(f"{k} at {100 * f:.0f} %" for k, f in d.get("degraded", {}).items()) or "none below nominal"
         return f"Algorithm 1 flagged the schedule (slack deviation {d['max_delta']:.2f}); measured low: {links}"
+    if event.kind == "confirmed":
+        return (
+            f"confirmed after {d['flagged_samples']} flagged samples, {d['confirm_ms']:.0f} ms "
+            f"(the EWMA has settled on the new capacity)"
+        )
+    if event.kind == "cleared":
+        return f"flag cleared after {d['flagged_samples']} samples (a burst): no action"
     if event.kind == "synthesized":
         return f"re-synthesized warm-started in {d['synth_ms']:.1f} ms, predicted {d['predicted_algbw'] / 1e9:.0f} GB/s"
     if event.kind == "staged":
@@ -285,7 +292,9 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     after = [e for e in events if e.time_ns >= inject_ns]
     detections = [e for e in events if e.kind == "detected"]
     detected = next((e for e in after if e.kind == "detected"), None)
-    first = {k: next((e for e in after if e.kind == k), None) for k in ("synthesized", "staged", "activated")}
+    first = {
+        k: next((e for e in after if e.kind == k), None) for k in ("confirmed", "synthesized", "staged", "activated")
+    }
     versions = [r["version"] for r in rows]
     v0 = versions[0]
     swap_steps = [r["step"] for prev, r in zip(rows, rows[1:]) if r["version"] != prev["version"]]
@@ -341,6 +350,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         "resyntheses": sum(1 for e in events if e.kind == "synthesized"),
         "swaps": len(swap_steps),
         "swap_steps": swap_steps,
+        "confirm_ms": ms(first["confirmed"], "confirm_ms"),
         "synth_ms": ms(first["synthesized"], "synth_ms"),
         "dispatch_ms": ms(first["staged"], "dispatch_ms"),
         "swap_ms": ms(first["staged"], "swap_ms"),
@@ -385,7 +395,8 @@ def _summary(r: dict[str, Any], say: Any) -> None:
         f"{', '.join(map(str, r['swap_steps'])) or '-'}"
     )
     say(
-        f"first reaction: detection {r['detect_ms']:.1f} ms after the failure, synthesis {r['synth_ms']:.1f} ms, "
+        f"first reaction: detection {r['detect_ms']:.1f} ms after the failure, confirmation {r['confirm_ms']:.0f} ms "
+        f"later (EWMA settled), synthesis {r['synth_ms']:.1f} ms, "
         f"dispatch (validate + compile) {r['dispatch_ms']:.2f} ms, swap (stage) {r['swap_ms']:.3f} ms; "
         f"active from step {r['swap_step']}"
     )

@@ -2,7 +2,10 @@
 
 Every ``interval_s`` it drains the communicator's telemetry (EWMA link matrix
 ``M``), runs Algorithm 1 (:mod:`jaxccl.control.algorithm1`) for every active
-schedule it manages, and for a flagged one re-synthesizes warm-started from
+schedule it manages. A flagged schedule is ``"detected"`` at its first
+flagged measurement; once it stayed flagged over ``confirm`` fresh samples
+and the EWMA has settled (``"confirmed"``; a flag that goes away first is
+``"cleared"``), the controller re-synthesizes it warm-started from
 the running schedule (AllGather: tree packing, AllToAll: column generation) on
 the topology as measured, validates the result with the reference
 interpreter, drains once more and aborts if the degradation cleared
@@ -18,7 +21,7 @@ Example:
     >>> with ctl:                                          # doctest: +SKIP
     ...     train()                                        # the thread runs meanwhile
     >>> [e.kind for e in ctl.events]                       # doctest: +SKIP
-    ['detected', 'synthesized', 'staged', 'activated']
+    ['detected', 'confirmed', 'synthesized', 'staged', 'activated']
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ Synthesizer = Callable[[Any, Any], Any]  # (measured topology, running schedule)
 class Event:
     """One step of the loop. ``time_ns`` is ``time.monotonic_ns()`` (the executor's clock)."""
 
-    kind: str  # detected | synthesized | aborted | rejected | staged | activated | error
+    kind: str  # detected | cleared | confirmed | synthesized | aborted | rejected | staged | activated | error
     time_ns: int
     collective: str | None
     detail: Mapping[str, Any]
@@ -88,6 +91,13 @@ def measured_topology(base: Any, estimates: Mapping[tuple, float], *, tolerance:
     return base.with_edges({e: {"capacity": f * base.capacity(*e)} for e, f in factors.items()})
 
 
+def _samples_of(samples: np.ndarray, pairs: frozenset[tuple[int, int]]) -> int:
+    """Measurements of the schedule: the fewest samples of its inter-node pairs (all entries' if it has none)."""
+    if not pairs:
+        return int(samples.sum())
+    return int(min(samples[i, j] for i, j in pairs))
+
+
 def _degraded_links(caps: Mapping[tuple, float], belief: Any, tolerance: float) -> dict[str, float]:
     """``"u->v": measured / believed`` for the links measured more than ``tolerance`` below what was believed."""
     out = {}
@@ -107,6 +117,7 @@ class _Managed:
     staged_version: int = 0
     staged_ns: int = 0
     flagged_in_a_row: int = 0
+    detected_ns: int = 0
     samples_seen: int = -1
     last: CheckResult | None = None
 
@@ -267,7 +278,7 @@ class Controller:
         caps = self._estimates(tel, m)
         result = check(m.profile, caps, gamma=self.gamma)
         m.last = result
-        seen = int(tel.samples.sum())
+        seen = _samples_of(tel.samples, m.profile.inter_pairs)
         fresh, m.samples_seen = seen != m.samples_seen, seen
         return _Checked(result, caps, self._settled(tel, m, caps) if result.flagged else True, fresh)
 
@@ -278,14 +289,36 @@ class Controller:
                 continue  # wait until the staged schedule runs before judging again
             checked = self._check(m)
             if checked is None or not checked.result.flagged:
+                if m.flagged_in_a_row:
+                    self._emit("cleared", m.collective, flagged_samples=m.flagged_in_a_row)
                 m.flagged_in_a_row = 0
                 continue
             if not checked.fresh:
                 continue  # the same data again: neither confirms nor clears
             m.flagged_in_a_row += 1
+            if m.flagged_in_a_row == 1:
+                m.detected_ns = self._detected(m, checked).time_ns
             if m.flagged_in_a_row >= self.confirm and checked.settled:
+                self._emit(
+                    "confirmed",
+                    m.collective,
+                    flagged_samples=m.flagged_in_a_row,
+                    confirm_ms=(time.monotonic_ns() - m.detected_ns) / 1e6,
+                    degraded=_degraded_links(checked.caps, m.belief, self.tolerance),
+                )
                 m.flagged_in_a_row = 0
                 self._resynthesize(m, checked.result, checked.caps)
+
+    def _detected(self, m: _Managed, checked: _Checked) -> Event:
+        r = checked.result
+        return self._emit(
+            "detected",
+            m.collective,
+            max_delta=r.max_delta,
+            worst_link=str(r.worst),
+            x_min=r.x_min,
+            degraded=_degraded_links(checked.caps, m.belief, self.tolerance),
+        )
 
     def _note_activation(self, m: _Managed) -> None:
         if not m.staged_version or self.comm.backend not in ("cpu", "cuda"):
@@ -308,14 +341,6 @@ class Controller:
 
         coll = m.collective
         running = self.comm.schedule(coll)
-        self._emit(
-            "detected",
-            coll,
-            max_delta=result.max_delta,
-            worst_link=str(result.worst),
-            x_min=result.x_min,
-            degraded=_degraded_links(caps, m.belief, self.tolerance),
-        )
         target = measured_topology(self.comm.topology, caps, tolerance=self.tolerance)
         t0 = time.perf_counter()
         new = self.synthesizers[coll](target, running)
