@@ -50,7 +50,7 @@ def test_demo_swaps_once_and_counts_every_event(demo):
     versions = [row["version"] for row in r["steps"]]
     assert len(set(versions)) == 2 and versions == sorted(versions)
     assert r["steps"][0]["schedule"] == "healthy" and r["steps"][-1]["schedule"] == "re-synthesized #1"
-    assert r["fail_step"] < r["detect_step"] <= r["swap_step"]
+    assert r["fail_step"] < r["detect_step"] <= r["confirm_step"] <= r["swap_step"]
 
 
 def test_demo_recovers_and_explains_its_rates(demo):
