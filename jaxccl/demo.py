@@ -26,7 +26,7 @@ what the emulated links can deliver at this size.
 
 Example:
     >>> DemoConfig().steps, DemoConfig().fail_step
-    (60, 15)
+    (40, 12)
 """
 
 from __future__ import annotations
@@ -56,8 +56,8 @@ class DemoConfig:
     scheduling noise, so the failure and the recovery stand out per step.
     """
 
-    steps: int = 60
-    fail_step: int = 15
+    steps: int = 40
+    fail_step: int = 12
     time_scale: float = 1e-4
     lr: float = 0.2
     batch: int = 256
@@ -332,6 +332,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         "ab_recovered": ab["recovered"],
         "algbw_stale_timeline": report.median(stale_steps),
         "algbw_recovered_timeline": report.median(recovered_steps),
+        "bytes_per_rank": out_bytes // NUM_DEVICES,
         "predicted_algbw_healthy": healthy_schedule.algbw,
         "predicted_algbw_recovered": new_schedule.algbw,
         "simulated_algbw_healthy": sim_ordered,
@@ -408,7 +409,8 @@ def _summary(r: dict[str, Any], say: Any) -> None:
     )
     say(
         f"healthy rate vs prediction: measured {r['algbw_healthy'] / g:.0f} GB/s = {r['measured_over_predicted']:.2f} "
-        f"of the large-message limit {r['predicted_algbw_healthy'] / g:.0f} GB/s; at this size (192 KiB per rank) "
+        f"of the large-message limit {r['predicted_algbw_healthy'] / g:.0f} GB/s; at this size "
+        f"({report.format_bytes(r['bytes_per_rank'])} per rank) "
         f"the per-hop latencies cap it: the simulator gives {r['simulated_algbw_healthy'] / g:.0f} GB/s in the "
         f"executor's threadblock order ({r['simulated_algbw_healthy_dataflow'] / g:.0f} GB/s as a dataflow), so "
         f"the measurement is {r['measured_over_simulated']:.2f} of what the emulated links allow; the rest is host "

@@ -19,9 +19,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "and hot-swaps it. Prints per-step progress, the reaction times and algbw before/after."
         ),
     )
-    p.add_argument("--steps", type=positive_int, default=60, help="training steps (default 60)")
     p.add_argument(
-        "--fail-step", type=positive_int, default=15, help="step at which the failure is injected (default 15)"
+        "--steps", type=positive_int, default=DemoConfig.steps, help=f"training steps (default {DemoConfig.steps})"
+    )
+    p.add_argument(
+        "--fail-step",
+        type=positive_int,
+        default=DemoConfig.fail_step,
+        help=f"step at which the failure is injected (default {DemoConfig.fail_step})",
     )
     p.add_argument(
         "--time-scale",
