@@ -114,7 +114,7 @@ def test_warm_start_from_a_written_schedule(tmp_path, capsys):
 
 def test_old_benchmark_spelling_still_runs_the_benchmark_with_a_deprecation(tmp_path, capsys):
     out = tmp_path / "bench.json"
-    argv = ["synth", "allgather", "--hosts", "2,4", "--states", "base", "--methods", "forestcoll", "--runs", "1"]
+    argv = ["synth", "allgather", "--hosts", "2", "4", "--states", "base", "--methods", "forestcoll", "--runs", "1"]
     assert main([*argv, "--json", str(out)]) == 0
     assert "deprecated" in capsys.readouterr().err
     rows = json.loads(out.read_text())["rows"]

@@ -33,6 +33,7 @@ from jaxccl.errors import JaxcclError
 
 __all__ = [
     "TOPOLOGY_FORMS",
+    "HostCountsAction",
     "UsageError",
     "host_counts",
     "parse_size",
@@ -93,6 +94,19 @@ def host_counts(text: str) -> tuple[int, ...]:
         return tuple(positive_int(p.strip()) for p in parts)
     except UsageError:
         raise UsageError(f"expected host counts like 4 or 2,4,8, got {text!r}") from None
+
+
+class HostCountsAction(argparse.Action):
+    """``--hosts 2,4,8`` or ``--hosts 2 4 8`` (``nargs="+"``, ``type=host_counts``): one flat tuple.
+
+    >>> p = argparse.ArgumentParser()
+    >>> _ = p.add_argument("--hosts", nargs="+", type=host_counts, action=HostCountsAction)
+    >>> p.parse_args(["--hosts", "2,4", "8"]).hosts
+    (2, 4, 8)
+    """
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, tuple(h for group in values for h in group))
 
 
 def parse_size(text: str) -> int:

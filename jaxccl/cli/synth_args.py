@@ -4,7 +4,7 @@ Both commands synthesize one schedule by default, for ``--topology`` or for
 the rail ``1 x --hosts x --gpus-per-host`` (default ``1 x 2 x 8``), and run
 their benchmark only with ``--benchmark``. ``--hosts`` means the same in both:
 the hosts of rail topologies ``1 x H x N``, one value for a synthesis, a list
-(``2,4,8``) for the benchmark. Earlier spellings that ran the benchmark
+(``2 4 8`` or ``2,4,8``, as ``jaxccl sim fig8 --hosts``) for the benchmark. Earlier spellings that ran the benchmark
 without ``--benchmark`` still do, with a deprecation message on stderr.
 
 Example:
@@ -23,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from jaxccl.cli.args import UsageError, host_counts, positive_int, topology
+from jaxccl.cli.args import HostCountsAction, UsageError, host_counts, positive_int, topology
 
 __all__ = ["add_mode_arguments", "add_topology_arguments", "single_topology", "wants_benchmark"]
 
@@ -43,9 +43,11 @@ def add_topology_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hosts",
         type=host_counts,
-        metavar="H[,H...]",
+        nargs="+",
+        action=HostCountsAction,
+        metavar="H",
         help=f"hosts of the rail 1 x H x --gpus-per-host: one value to synthesize (default {DEFAULT_HOSTS}), "
-        "a list such as 2,4,8 with --benchmark",
+        "several (2 4 8 or 2,4,8) with --benchmark",
     )
     p.add_argument(
         "--gpus-per-host",
