@@ -58,7 +58,11 @@ def build_parser() -> Parser:
     """The parser of every subcommand (subparsers are :class:`Parser` too)."""
     from jaxccl import __version__
 
-    parser = Parser(prog="jaxccl", description=plain(__doc__.splitlines()[0]))
+    parser = Parser(
+        prog="jaxccl",
+        description="jaxccl: topology-aware collectives for JAX that re-synthesize themselves when links degrade.",
+        epilog="User errors print one line and exit with status 2; JAXCCL_TRACEBACK=1 shows the traceback.",
+    )
     parser.add_argument("--version", action="version", version=f"jaxccl {__version__}")
     top = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
