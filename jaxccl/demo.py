@@ -172,6 +172,8 @@ def _simulated(topo: Any, schedule: Any, bytes_per_rank: float) -> tuple[float, 
 
 def run(cfg: DemoConfig) -> dict[str, Any]:
     """Runs the demo; returns the JSON-ready result (also written to ``cfg.json``)."""
+    if cfg.png:
+        import matplotlib  # noqa: F401  (a missing matplotlib fails here, not after the run)
     say = _say(cfg.quiet)
     say(f"jaxccl demo: starting {NUM_DEVICES} emulated CPU devices (JAX on this host's CPU) ...")
     jaxccl.emulate(NUM_DEVICES)
