@@ -214,7 +214,7 @@ def _single(args: argparse.Namespace) -> int:
             previous = Schedule.from_json(f.read())
     fn = reduce_scatter if args.collective == "reduce_scatter" else allgather
     print(f"synthesizing {args.collective} ({args.method}) for {topo.name or 'the topology'} ({topo.num_gpus} GPUs)")
-    s = fn(topo, previous, method=args.method)
+    s = fn(topo, previous=previous, method=args.method)
     s.validate()
     info = s.info
     print(
