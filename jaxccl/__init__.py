@@ -6,8 +6,16 @@ the real code: ``topology``, ``schedule``, ``synth``, ``runtime``,
 """
 
 from jaxccl import schedule, synth, topology
-from jaxccl.emulation import emulate
-from jaxccl.errors import ExecutorError, JaxcclError, ScheduleError, SynthesisError, TopologyError
+from jaxccl.devices import emulate
+from jaxccl.errors import (
+    ExecutorError,
+    JaxcclError,
+    OptionError,
+    ScheduleError,
+    SynthesisError,
+    TopologyError,
+    TuneError,
+)
 
 __version__ = "0.1.0"
 
@@ -55,9 +63,11 @@ __all__ = [
     "Communicator",
     "ExecutorError",
     "JaxcclError",
+    "OptionError",
     "ScheduleError",
     "SynthesisError",
     "TopologyError",
+    "TuneError",
     "all_gather",
     "all_to_all",
     "emulate",

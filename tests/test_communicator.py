@@ -206,3 +206,52 @@ def test_300_async_steps_on_8_devices():
             y = step(y)
         y = np.asarray(y)
     assert y.tobytes() == (x0 + 300).tobytes()
+
+
+def test_stage_validated_refuses_what_does_not_fit_and_checks_unvalidated():
+    mesh = _mesh()
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    running = comm.schedule("all_gather")
+    with pytest.raises(ScheduleError, match=r"stage_validated\('all_gather'\): .* is for N=8 ranks but axis 'd' has 4"):
+        comm.stage_validated("all_gather", baselines.ring_allgather(8).validate())
+    with pytest.raises(ScheduleError, match="implements reduce_scatter, not all_gather"):
+        comm.stage_validated("all_gather", baselines.ring_reduce_scatter(N).validate())
+    # Never validated and wrong (a receive that lands nowhere useful): the interpreter runs and refuses it.
+    b = ScheduleBuilder("all_gather", num_ranks=N, chunks_per_period=1)
+    for r in range(N):
+        b.copy(r, (Buffer.INPUT, 0), (Buffer.OUTPUT, r))
+    broken = b.build()
+    assert not broken.validated
+    with pytest.raises(ScheduleError):
+        comm.stage_validated("all_gather", broken)
+    assert comm.schedule("all_gather") is running
+    f = _jit(lambda v: jaxccl.all_gather(v, "d", tiled=True), mesh)
+    x = _x((N * 8,), seed=3)
+    with comm:
+        assert np.array_equal(np.asarray(f(x)).reshape(N, -1), np.tile(x, (N, 1)))
+
+
+def test_close_and_garbage_collection_free_the_native_slots():
+    import gc
+
+    from jaxccl.runtime import native
+    from jaxccl.runtime.emulated import LinkEmulation
+
+    mesh = _mesh()
+    topo = jaxccl.topology.rail(hosts=2, gpus_per_host=2)
+    gc.collect()
+    base = native.stats()["slots"]
+    for _ in range(50):  # dropped without close(): the garbage collector frees them
+        jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu", link_emulation=LinkEmulation())
+    gc.collect()
+    assert native.stats()["slots"] == base
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    assert native.stats()["slots"] > base
+    comm.close()
+    comm.close()  # idempotent
+    assert comm.closed and native.stats()["slots"] == base
+    with pytest.raises(jaxccl.ExecutorError, match="is closed"):
+        comm.install("all_gather", baselines.ring_allgather(N))
+    f = _jit(lambda v: jaxccl.all_gather(v, "d", tiled=True), mesh)
+    with pytest.raises(Exception, match="is closed"), comm:
+        f(_x((N * 4,)))

@@ -179,8 +179,38 @@ def test_deadlock_by_receive_order():
         p = 1 - r
         ops = (op(K.COPY, (I, 0), (O, r)), op(K.RECV, None, (O, p)), op(K.SEND, (I, 0), (O, r)))
         progs.append([Threadblock(ops, p, p, 0)])
-    with pytest.raises(ScheduleError, match="deadlock.*\n.*rank 0 tb 0 op 1 \\(r\\) waits for a message from rank 1"):
+    with pytest.raises(
+        ScheduleError, match="deadlock(.|\n)*wait cycle(.|\n)*rank 0 tb 0 op 1 \\(r\\) waits for a message from rank 1"
+    ):
         check(make_schedule("all_gather", 2, 1, progs), num_slots=1000)
+
+
+def test_deadlock_names_the_wait_cycle_before_its_victims():
+    # Ranks 1 and 2 both receive from each other first (the cycle); rank 1's send to rank 0 waits for that
+    # receive, and rank 0 for the send (two victims, listed first in rank order before this change).
+    def tb(ops, send, recv):
+        return Threadblock(tuple(ops), send, recv, 0)
+
+    progs = [
+        [tb([op(K.COPY, (I, 0), (O, 0)), op(K.RECV, None, (O, 1))], -1, 1), tb([op(K.SEND, (I, 0), (O, 0))], 2, -1)],
+        [
+            tb([op(K.COPY, (I, 0), (O, 1)), op(K.RECV, None, (O, 2)), op(K.SEND, (I, 0), (O, 1))], 2, 2),
+            tb([op(K.SEND, (I, 0), (O, 1), deps=[(0, 1)])], 0, -1),
+        ],
+        [
+            tb([op(K.COPY, (I, 0), (O, 2)), op(K.RECV, None, (O, 1)), op(K.SEND, (I, 0), (O, 2))], 1, 1),
+            tb([op(K.RECV, None, (O, 0))], -1, 0),
+        ],
+    ]
+    with pytest.raises(ScheduleError) as e:
+        check(make_schedule("all_gather", 3, 1, progs), num_slots=1000)
+    text = str(e.value)
+    cycle, _, rest = text.partition("also blocked:")
+    assert "wait cycle of 2 threadblock(s)" in cycle
+    assert "rank 1 tb 0 op 1 (r) waits for a message from rank 2" in cycle
+    assert "rank 2 tb 0 op 1 (r) waits for a message from rank 1" in cycle
+    assert "rank 0 tb 0 op 1 (r)" in rest and "rank 1 tb 1 op 0 (s) waits for dependency" in rest
+    assert "rank 0" not in cycle
 
 
 def test_dependency_cycle():

@@ -195,7 +195,10 @@ GOOD = to_msccl_xml(ordered_allreduce(2))
         (lambda t: "", "malformed MSCCL XML"),
         (lambda t: t.replace('type="rrc"', 'type="xyz"', 1), "unknown step type 'xyz'"),
         (lambda t: t.replace(' cnt="1"', "", 1), 'step 0 of <tb id="0"> of <gpu id="0"> is missing attribute \'cnt\''),
-        (lambda t: t.replace('srcoff="1"', 'srcoff="one"', 1), r"attribute srcoff='one' .* is not an integer"),
+        (lambda t: t.replace('srcoff="1"', 'srcoff="one"', 1), r"attribute srcoff of .* must be an integer .*'one'"),
+        (lambda t: t.replace('cnt="1"', 'cnt="1_0"', 1), r"attribute cnt of .* must be an integer .*'1_0'"),
+        (lambda t: t.replace('cnt="1"', 'cnt="\u0661"', 1), r"attribute cnt of .* must be an integer written in ASCII"),
+        (lambda t: t.replace('ngpus="2"', 'ngpus="2.0"'), r"attribute ngpus of <algo> must be an integer"),
         (lambda t: t.replace('ngpus="2"', 'ngpus="3"'), r"ngpus=3 but found <gpu> ids \[0, 1\]"),
         (lambda t: t.replace('<gpu id="1"', '<gpu id="0"'), r'<gpu id="0"> appears twice'),
         (lambda t: t.replace('coll="allreduce"', 'coll="broadcast"'), "unsupported collective coll='broadcast'"),
@@ -209,7 +212,7 @@ GOOD = to_msccl_xml(ordered_allreduce(2))
         (lambda t: t.replace('depid="-1" deps="-1"', 'depid="0" deps="-1"', 1), "depid=0 but deps=-1"),
         (lambda t: t.replace('<step s="1"', '<step s="5"', 1), "has s=5; steps must be numbered"),
         (lambda t: t.replace('proto="Simple"', 'proto="Fast"'), "unknown protocol proto='Fast'"),
-        (lambda t: t.replace('outofplace="1"', 'outofplace="0"'), "in-place-only"),
+        (lambda t: t.replace('outofplace="1"', 'outofplace="0"'), 'outofplace="0" without inplace="1"'),
         (lambda t: t.replace('nchannels="2"', 'nchannels="1"'), "nchannels=1 but a threadblock uses channel 1"),
         (
             lambda t: t.replace("<algo ", "<algorithm ").replace("</algo>", "</algorithm>"),
@@ -220,7 +223,10 @@ GOOD = to_msccl_xml(ordered_allreduce(2))
         (lambda t: t.replace('srcoff="0"', 'srcoff="-1"', 1), "needs a src buffer"),
         (lambda t: t.replace('cnt="1"', 'cnt="0"', 1), "count must be >= 1"),
         (lambda t: t.replace("<gpu", '<!DOCTYPE x [<!ENTITY a "b">]><gpu', 1), "DOCTYPE"),
-        (lambda t: t.replace('jaxccl:period="2"', 'jaxccl:period="2" jaxccl:algbw="fast"'), "algbw='fast'"),
+        (lambda t: t.replace('jaxccl:period="2"', 'jaxccl:period="2" jaxccl:algbw="fast"'), "algbw .*got 'fast'"),
+        (lambda t: t.replace('jaxccl:period="2"', 'jaxccl:period="2" jaxccl:algbw="inf"'), "algbw .*got 'inf'"),
+        (lambda t: t.replace('jaxccl:period="2"', 'jaxccl:period="2" jaxccl:algbw="-1"'), "algbw .*must be positive"),
+        (lambda t: t.replace('jaxccl:period="2"', 'jaxccl:period="2" jaxccl:bound="1e999"'), "bound .*must be finite"),
     ],
 )
 def test_corrupt_xml(edit, match):
@@ -252,3 +258,22 @@ def test_bytes_input_and_schedule_method():
     s = direct_alltoall(3)
     assert from_msccl_xml(s.to_msccl_xml().encode()) == s
     assert isinstance(from_msccl_xml(to_msccl_xml(s)), Schedule)
+
+
+@pytest.mark.parametrize(
+    "schedule, match",
+    [
+        (ring_allgather(300), r"rank 0 threadblock 0 needs 301 steps .* allows 256"),
+        (direct_alltoall(40), r"rank 0 has 39 threadblocks on channel 0; the MSCCL runtime allows 32"),
+        (
+            make_schedule(
+                "all_gather", 1, 100, [[Threadblock((Op(OpKind.COPY, Buffer.INPUT, 0, Buffer.OUTPUT, 0, 100),))]]
+            ),
+            r"cpy step of 100 chunks; the MSCCL runtime allows 72",
+        ),
+    ],
+)
+def test_export_refuses_what_the_msccl_runtime_cannot_load(schedule, match):
+    with pytest.raises(ScheduleError, match=match):
+        to_msccl_xml(schedule)
+    assert from_msccl_xml(to_msccl_xml(schedule, runtime_limits=False)) == schedule

@@ -1,5 +1,7 @@
 """The Schedule IR data model: construction, layout, JSON round trip, digest, builder."""
 
+import dataclasses
+
 import pytest
 
 import jaxccl
@@ -96,3 +98,59 @@ def test_malformed_ops_and_schedules_are_refused():
         Schedule.from_json('{"schema": "nope"}')
     with pytest.raises(ValueError):
         OpKind("zz")
+
+
+def test_builder_places_ops_on_chosen_threadblocks_and_shares_equal_ops():
+    # a 3-rank ring all_gather with fused ops, one threadblock per rank (as the ring baselines write it)
+    b = ScheduleBuilder("all_gather", num_ranks=3, chunks_per_period=1)
+    for r in range(3):
+        tb = b.threadblock(r, send_peer=(r + 1) % 3, recv_peer=(r - 1) % 3)
+        assert b.threadblock(r, send_peer=(r + 1) % 3, recv_peer=(r - 1) % 3) == tb == 0
+        b.op(r, tb, OpKind.SEND, (Buffer.INPUT, 0), (Buffer.OUTPUT, r))
+        b.op(r, tb, OpKind.COPY, (Buffer.INPUT, 0), (Buffer.OUTPUT, r))
+        prev, prev2 = (r - 1) % 3, (r - 2) % 3
+        b.op(r, tb, OpKind.RECV_COPY_SEND, (Buffer.OUTPUT, prev), (Buffer.OUTPUT, prev))
+        last = b.op(r, tb, OpKind.RECV, (Buffer.OUTPUT, prev2), (Buffer.OUTPUT, prev2))
+        assert last == Handle(r, 0, 3)
+    s = b.build(name="ring3").validate()
+    assert s.num_threadblocks == 3 and s.num_ops == 12
+    assert [op.kind for op in s.ranks[1][0].ops] == [OpKind.SEND, OpKind.COPY, OpKind.RECV_COPY_SEND, OpKind.RECV]
+    # equal ops are one object, on any rank or threadblock
+    b = ScheduleBuilder("all_reduce", num_ranks=2, chunks_per_period=1)
+    ops = [b.op(r, b.threadblock(r), OpKind.COPY, (Buffer.INPUT, 0), (Buffer.OUTPUT, 0)) for r in range(2)]
+    s = b.build()
+    assert s.ranks[0][0].ops[ops[0].op] is s.ranks[1][0].ops[ops[1].op]
+
+
+def test_builder_op_dependencies_and_errors():
+    b = ScheduleBuilder("all_gather", num_ranks=2, chunks_per_period=1)
+    local = b.threadblock(0)
+    peer = b.threadblock(0, send_peer=1, recv_peer=1, channel=2)
+    got = b.op(0, peer, OpKind.RECV, (Buffer.INPUT, 0), (Buffer.OUTPUT, 1))
+    same = b.op(0, peer, OpKind.RECV, (Buffer.INPUT, 0), (Buffer.OUTPUT, 1), after=[got])  # own tb: no dep
+    copy = b.op(0, local, OpKind.COPY, (Buffer.INPUT, 0), (Buffer.OUTPUT, 0), after=[None, got, same, got])
+    tbs = b.build().ranks[0]
+    assert tbs[local].ops[copy.op].deps == ((1, 0), (1, 1))
+    assert tbs[peer].ops[same.op].deps == () and (tbs[peer].send_peer, tbs[peer].channel) == (1, 2)
+    with pytest.raises(jaxccl.ScheduleError, match="no threadblock 5"):
+        b.op(0, 5, OpKind.NOP)
+    with pytest.raises(jaxccl.ScheduleError, match="out of range"):
+        b.op(7, 0, OpKind.NOP)
+    with pytest.raises(jaxccl.ScheduleError, match="out of range"):
+        b.threadblock(-1)
+    with pytest.raises(jaxccl.ScheduleError, match="not on rank 1"):
+        b.op(1, b.threadblock(1), OpKind.NOP, after=[got])
+    with pytest.raises(jaxccl.ScheduleError, match="tuples"):
+        b.op(0, local, OpKind.COPY, [Buffer.INPUT, 0], (Buffer.OUTPUT, 0))
+    with pytest.raises(jaxccl.ScheduleError, match="needs a src"):
+        b.op(0, local, OpKind.COPY, None, (Buffer.OUTPUT, 0))
+
+
+def test_unchecked_constructors_equal_the_checked_ones():
+    fields = (OpKind.RECV_REDUCE_COPY, Buffer.SCRATCH, 4, Buffer.OUTPUT, 2, 3, ((0, 1), (2, 0)))
+    fast, slow = Op.unchecked(*fields), Op(*fields)
+    assert fast == slow and hash(fast) == hash(slow) and repr(fast) == repr(slow)
+    tb_fast, tb_slow = Threadblock.unchecked((fast,), 2, 1, 1), Threadblock((slow,), 2, 1, 1)
+    assert tb_fast == tb_slow and hash(tb_fast) == hash(tb_slow)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.count = 1

@@ -24,6 +24,7 @@ This uses ``jax._src.config`` (no public hook exists in jax 0.10.2).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 import weakref
@@ -222,6 +223,9 @@ class Communicator:
                 if s is not None:
                     self._install_native(c, s)
         _LIVE[self.uid] = self
+        # Dropping the last reference frees the native slots and the emulated network, as close() does.
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _release, self._slots, self.network)
 
     # ------------------------------------------------------------------ link emulation
     def _start_emulation(self, config: Any, alpha: float) -> None:
@@ -310,27 +314,24 @@ class Communicator:
             ExecutorError: the native registry refused it.
         """
         coll = _canonical(collective)
-        if not isinstance(schedule, Schedule):
-            raise ScheduleError(f"install({coll.value!r}): expected a Schedule, got {type(schedule).__name__}")
-        if schedule.collective is not coll:
-            raise ScheduleError(
-                f"install({coll.value!r}): the schedule implements {schedule.collective.value}, not {coll.value}"
-            )
-        if schedule.num_ranks != self.axis_size:
-            raise ScheduleError(
-                f"install({coll.value!r}): schedule {schedule.name or schedule.digest[:12]} is for "
-                f"N={schedule.num_ranks} ranks but axis {self.axis_name!r} has {self.axis_size} devices"
-            )
+        self._check_fits(coll, schedule, "install")
         schedule.validate()
         self.stage_validated(coll, schedule)
 
     def stage_validated(self, collective: str | Collective, schedule: Schedule, *, table: Any = None) -> int:
-        """:meth:`install` without the checks, for callers that validated ``schedule`` already (the controller).
+        """:meth:`install` for callers that validated ``schedule`` already (the controller).
 
+        Still refuses a schedule for another collective or rank count, and
+        runs the interpreter unless :meth:`Schedule.validate` already passed on
+        this very object: whatever path a schedule takes, a training step never
+        sees one that does not fit or does not check.
         ``table`` is its compiled table (:func:`jaxccl.schedule.table.compile_table`) if the caller has it.
         Returns the staged version (native backends; 0 on ``ppermute``).
         """
         coll = _canonical(collective)
+        self._check_fits(coll, schedule, "stage_validated")
+        if not schedule.validated:
+            schedule.validate()
         version = 0
         with self._lock:
             if self.backend in ("cpu", "cuda"):
@@ -340,9 +341,23 @@ class Communicator:
             _bump_generation()
         return version
 
+    def _check_fits(self, coll: Collective, schedule: Any, caller: str) -> None:
+        if not isinstance(schedule, Schedule):
+            raise ScheduleError(f"{caller}({coll.value!r}): expected a Schedule, got {type(schedule).__name__}")
+        if schedule.collective is not coll:
+            raise ScheduleError(
+                f"{caller}({coll.value!r}): the schedule implements {schedule.collective.value}, not {coll.value}"
+            )
+        if schedule.num_ranks != self.axis_size:
+            raise ScheduleError(
+                f"{caller}({coll.value!r}): schedule {schedule.name or schedule.digest[:12]} is for "
+                f"N={schedule.num_ranks} ranks but axis {self.axis_name!r} has {self.axis_size} devices"
+            )
+
     def _install_native(self, coll: Collective, schedule: Schedule, table: Any = None) -> int:
         from jaxccl.schedule.table import compile_table
 
+        self._check_open()
         native = _native()
         slot = self._slots.get(coll)
         if slot is None:
@@ -362,12 +377,38 @@ class Communicator:
         """The native registry slot of ``collective`` (allocated and filled on first use)."""
         coll = _canonical(collective)
         with self._lock:
+            self._check_open()
             if coll not in self._slots:
                 s = self._schedules[coll]
                 if s is None:
                     raise ExecutorError(f"{self!r}: no {coll.value} schedule installed")
                 self._install_native(coll, s)
             return self._slots[coll]
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Frees what the communicator holds in the executor: its registry slots and its emulated network.
+
+        Idempotent. Afterwards installing schedules or running collectives
+        with it raises :class:`~jaxccl.ExecutorError`; collectives already
+        running finish on their tables. A communicator that is dropped is
+        freed the same way when it is garbage-collected. (``with comm:``
+        scopes collectives to the communicator and does not close it; use
+        ``contextlib.closing(comm)`` for both.)
+        """
+        with self._lock:
+            self._closed = True
+        self._finalizer()
+        self.network = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise ExecutorError(f"{self!r} is closed")
 
     # ---------------------------------------------------------------------- scope
     def __enter__(self) -> Communicator:
@@ -385,6 +426,18 @@ class Communicator:
     def __repr__(self) -> str:
         kind = "default " if self._is_default else ""
         return f"Communicator({kind}axis={self.axis_name!r}, N={self.axis_size}, backend={self.backend!r})"
+
+
+def _release(slots: dict[Collective, int], network: Any) -> None:
+    """Removes ``slots`` from the native registry and closes ``network`` (a communicator's close/finalizer)."""
+    from jaxccl.runtime import native
+
+    for slot in list(slots.values()):
+        with contextlib.suppress(ExecutorError):  # already gone
+            native.remove(slot)
+    slots.clear()
+    if network is not None:
+        network.close()
 
 
 def _bump_generation() -> None:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -325,11 +326,20 @@ def _lowering(impl):
 
             sub = ctx.replace(avals_in=[*ctx.avals_in, prev[1]])
             out = mlir.lower_fun(fn, multiple_results=False)(sub, x, prev[0], comm=comm, **params)
-        flat, _ = mlir.ir_tree_registry.flatten(out)
-        chain[key] = (flat[0], ctx.avals_out[0])
+        chain[key] = (_first_ir_value(out), ctx.avals_out[0])
         return out
 
     return rule
+
+
+def _first_ir_value(out: Any) -> Any:
+    """The first ``ir.Value`` of what ``mlir.lower_fun`` returned (a value or nested sequences of them).
+
+    Written out instead of ``mlir.ir_tree_registry``, which jax only has from 0.10.2 on.
+    """
+    while isinstance(out, (list, tuple)):
+        out = out[0]
+    return out
 
 
 # ---------------------------------------------------------------- registration

@@ -58,6 +58,9 @@ from jaxccl.schedule.ir import Buffer, Collective, OpKind, Schedule
 
 DEFAULT_NUM_SLOTS = 8
 _MAX_REPORTED = 12
+# Chunk cells (ranks x chunks of input, output and used scratch) the interpreter tracks at most:
+# about 1.5 GB of bookkeeping; a 512-GPU AllGather with 128 chunks per period needs 34 million.
+MAX_CHUNK_CELLS = 1 << 26
 
 # Op kind codes (OpKind declaration order) for the hot loop.
 _S, _R, _RCS, _RRC, _RRS, _RRCS, _CPY, _RE, _NOP = range(9)
@@ -217,6 +220,7 @@ class _Interpreter:
         recv_tb: dict[tuple[int, int, int], int] = {}
         send_ops: dict[tuple[int, int], list[int]] = {}
         recv_ops: dict[tuple[int, int], list[int]] = {}
+        scratch_used = 0
         for r, tbs in enumerate(s.ranks):
             num_tbs = len(tbs)
             for t, tb in enumerate(tbs):
@@ -249,6 +253,10 @@ class _Interpreter:
                             _fail(f"{self._name(r, t, i)}: receives but its threadblock has no receive peer")
                         recvs.append(i)
                     count = op.count
+                    if rs and op.src is Buffer.SCRATCH:
+                        scratch_used = max(scratch_used, op.src_off + count)
+                    if wd and op.dst is Buffer.SCRATCH:
+                        scratch_used = max(scratch_used, op.dst_off + count)
                     if rs and op.src_off + count > sizes[op.src]:
                         self._range_error(r, t, i, "src", op.src, op.src_off, count)
                     if wd and op.dst_off + count > sizes[op.dst]:
@@ -275,6 +283,14 @@ class _Interpreter:
                             )
                 send_ops[(r, t)] = sends
                 recv_ops[(r, t)] = recvs
+        # Scratch no op touches is never allocated: a declared size costs nothing until it is used.
+        self.alloc = (sizes[0], sizes[1], min(sizes[2], scratch_used))
+        cells = n * sum(self.alloc)
+        if cells > MAX_CHUNK_CELLS:
+            _fail(
+                f"schedule too large to check: {n} ranks x {sum(self.alloc)} chunks of input, output and used "
+                f"scratch = {cells} chunk cells, above the interpreter's limit of {MAX_CHUNK_CELLS}"
+            )
         # Match the k-th message of every connection.
         self.conns: list[tuple[int, int, int]] = sorted(set(send_tb) | {(a, r, c) for (r, a, c) in recv_tb})
         self.conn_id = {k: j for j, k in enumerate(self.conns)}
@@ -429,11 +445,11 @@ class _Interpreter:
 
         # Memory: per rank and buffer, the term of every chunk (-1 = never written).
         mem = [
-            [list(range(r * in_chunks, (r + 1) * in_chunks)), [-1] * self.sizes[1], [-1] * self.sizes[2]]
+            [list(range(r * in_chunks, (r + 1) * in_chunks)), [-1] * self.alloc[1], [-1] * self.alloc[2]]
             for r in range(n)
         ]
-        last_write = [[[-1] * size for size in self.sizes] for _ in range(n)]
-        reads: list[list[list[list[int] | None]]] = [[[None] * size for size in self.sizes] for _ in range(n)]
+        last_write = [[[-1] * size for size in self.alloc] for _ in range(n)]
+        reads: list[list[list[list[int] | None]]] = [[[None] * size for size in self.alloc] for _ in range(n)]
 
         # Terms: ids < num_leaves are leaves; sums are interned pairs.
         self.num_leaves = n * in_chunks
@@ -621,7 +637,7 @@ class _Interpreter:
             rnd += 1
 
         if remaining:
-            self._deadlock(tb_ops, pcs, tb_rank, tb_local, queues, gid)
+            self._deadlock(tb_ops, pcs, tb_rank, tb_local, queues, (conn_send_tb, conn_recv_tb))
         for j, q in enumerate(queues):
             if q:
                 a, b, c = self.conns[j]
@@ -643,15 +659,13 @@ class _Interpreter:
         round_of = {ref: k for k, rd in enumerate(round_refs) for ref in rd}
         return RoundPlan(round_refs, round_of, receiver, sender, report)
 
-    def _deadlock(self, tb_ops, pcs, tb_rank, tb_local, queues, gid) -> None:
-        lines = []
-        total = 0
+    def _deadlock(self, tb_ops, pcs, tb_rank, tb_local, queues, conn_tbs) -> None:
+        """Fails naming the cycle of threadblocks that wait for each other, then the others that are blocked."""
+        conn_send_tb, conn_recv_tb = conn_tbs
+        waits: dict[int, tuple[str, int]] = {}  # blocked global threadblock -> (why, the one it waits for)
         for g, ops in enumerate(tb_ops):
             pc = pcs[g]
             if pc >= len(ops):
-                continue
-            total += 1
-            if len(lines) >= _MAX_REPORTED:
                 continue
             r, t = tb_rank[g], tb_local[g]
             kind, _, _, _, _, _, deps, sc, rc = ops[pc]
@@ -659,18 +673,41 @@ class _Interpreter:
             why = None
             for dg, di, dt in deps:
                 if pcs[dg] <= di:
-                    why = f"waits for dependency tb {dt} op {di} (not done)"
+                    why = (f"waits for dependency tb {dt} op {di} (not done)", dg)
                     break
             if why is None and kind in _RECVS and not queues[rc]:
-                why = f"waits for a message from rank {tb.recv_peer} on channel {tb.channel}"
+                why = (f"waits for a message from rank {tb.recv_peer} on channel {tb.channel}", conn_send_tb[rc])
             if why is None and kind in _SENDS and len(queues[sc]) >= self.slots:
                 why = (
                     f"waits for a free slot towards rank {tb.send_peer} on channel {tb.channel} "
-                    f"({len(queues[sc])} unconsumed messages, num_slots={self.slots})"
+                    f"({len(queues[sc])} unconsumed messages, num_slots={self.slots})",
+                    conn_recv_tb[sc],
                 )
-            lines.append(f"  {self._name(r, t, pc)} {why}")
-        more = f"\n  ... and {total - len(lines)} more" if total > len(lines) else ""
-        _fail(f"deadlock with num_slots={self.slots}: {total} threadblock(s) blocked:\n" + "\n".join(lines) + more)
+            waits[g] = why or ("is blocked", g)
+
+        def line(g: int) -> str:
+            return f"  {self._name(tb_rank[g], tb_local[g], pcs[g])} {waits[g][0]}"
+
+        cycle: list[int] = []
+        seen: dict[int, int] = {}
+        g = min(waits)
+        while g in waits and g not in seen:
+            seen[g] = len(cycle)
+            cycle.append(g)
+            g = waits[g][1]
+        cycle = cycle[seen[g] :] if g in seen else []
+        lines = []
+        if cycle:
+            lines.append(f"  wait cycle of {len(cycle)} threadblock(s):")
+            lines += ["  " + line(g) for g in cycle[:_MAX_REPORTED]]
+            lines.append("    -> back to the first")
+        others = [g for g in sorted(waits) if g not in set(cycle)]
+        if others:
+            lines.append("  also blocked:" if cycle else "  blocked:")
+            lines += ["  " + line(g) for g in others[:_MAX_REPORTED]]
+            if len(others) > _MAX_REPORTED:
+                lines.append(f"    ... and {len(others) - _MAX_REPORTED} more")
+        _fail(f"deadlock with num_slots={self.slots}: {len(waits)} threadblock(s) blocked:\n" + "\n".join(lines))
 
     # ----------------------------------------------------------------------- data
     def _describe(self, v: int) -> str:

@@ -26,6 +26,7 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from jaxccl import strict
 from jaxccl.errors import ScheduleError
 
 SCHEMA = "jaxccl.schedule/1"
@@ -157,6 +158,7 @@ class OpKind(str, enum.Enum):
 
 
 _OP_CODES = {k: i for i, k in enumerate(OpKind)}
+_new_object = object.__new__
 _SENDS = frozenset({OpKind.SEND, OpKind.RECV_COPY_SEND, OpKind.RECV_REDUCE_SEND, OpKind.RECV_REDUCE_COPY_SEND})
 _RECVS = frozenset(
     {OpKind.RECV, OpKind.RECV_COPY_SEND, OpKind.RECV_REDUCE_COPY, OpKind.RECV_REDUCE_SEND, OpKind.RECV_REDUCE_COPY_SEND}
@@ -199,6 +201,40 @@ class Op:
         if self.kind.writes_dst and self.dst is None:
             raise ScheduleError(f"op {self.kind.value} needs a dst buffer")
 
+    @classmethod
+    def unchecked(
+        cls,
+        kind: OpKind,
+        src: Buffer | None,
+        src_off: int,
+        dst: Buffer | None,
+        dst_off: int,
+        count: int,
+        deps: tuple[tuple[int, int], ...],
+    ) -> Op:
+        """An op from fields already in normal form, without ``__init__``'s conversions and checks.
+
+        For synthesizers that create 10^5..10^6 ops from values they built
+        themselves (enum members, Python ints, a tuple of int pairs), where
+        the per-op normalization would dominate (it costs ~5x the object).
+        The result equals ``Op(...)`` of the same fields; nothing is checked,
+        so :meth:`Schedule.validate` is what vouches for such ops.
+
+        >>> f = (OpKind.SEND, Buffer.INPUT, 3, Buffer.SCRATCH, 1, 2, ((1, 0),))
+        >>> Op.unchecked(*f) == Op(*f)
+        True
+        """
+        op = _new_object(cls)
+        fields = op.__dict__  # the frozen dataclass keeps its fields in the instance dict
+        fields["kind"] = kind
+        fields["src"] = src
+        fields["src_off"] = src_off
+        fields["dst"] = dst
+        fields["dst_off"] = dst_off
+        fields["count"] = count
+        fields["deps"] = deps
+        return op
+
 
 @dataclasses.dataclass(frozen=True)
 class Threadblock:
@@ -217,6 +253,22 @@ class Threadblock:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ops", tuple(self.ops))
+
+    @classmethod
+    def unchecked(cls, ops: tuple[Op, ...], send_peer: int, recv_peer: int, channel: int = 0) -> Threadblock:
+        """A threadblock from an ops tuple, without ``__init__``'s conversion (see :meth:`Op.unchecked`).
+
+        >>> ops = (Op(OpKind.SEND, Buffer.INPUT, 0),)
+        >>> Threadblock.unchecked(ops, 1, -1) == Threadblock(ops, 1, -1)
+        True
+        """
+        tb = _new_object(cls)
+        fields = tb.__dict__
+        fields["ops"] = ops
+        fields["send_peer"] = send_peer
+        fields["recv_peer"] = recv_peer
+        fields["channel"] = channel
+        return tb
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -296,10 +348,23 @@ class Schedule:
         order (bitwise equal to ``jax.lax`` on CPU); the default checks it
         when ``info["ordered_reduction"]`` is true.
         """
-        from jaxccl.schedule.interpreter import check
+        from jaxccl.schedule.interpreter import DEFAULT_NUM_SLOTS, check
 
         check(self, num_slots=num_slots, ordered_reduction=ordered_reduction)
+        if num_slots in (None, DEFAULT_NUM_SLOTS) and ordered_reduction is None:
+            self.__dict__["_passed_default_check"] = True  # what the executors run with; see `validated`
         return self
+
+    @property
+    def validated(self) -> bool:
+        """Whether :meth:`validate` passed on this object with its defaults (the executors' slots and order).
+
+        >>> from jaxccl.synth.baselines import ring_allgather
+        >>> s = ring_allgather(4)
+        >>> s.validated, s.validate().validated
+        (False, True)
+        """
+        return self.__dict__.get("_passed_default_check", False)
 
     # ---------------------------------------------------------------- digest
     def program_dict(self) -> dict[str, Any]:
@@ -356,42 +421,60 @@ class Schedule:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Schedule:
+        """Restores :meth:`to_dict` output; malformed input raises ``ScheduleError`` naming the field."""
         if not isinstance(data, Mapping):
             raise ScheduleError("schedule JSON must be an object")
         if data.get("schema") != SCHEMA:
             raise ScheduleError(f"unsupported schedule schema {data.get('schema')!r}; expected {SCHEMA!r}")
         try:
-            ranks = [[_tb_from_dict(tb) for tb in tbs] for tbs in data["ranks"]]
+            ranks = data["ranks"]
+            if not isinstance(ranks, list) or not all(isinstance(tbs, list) for tbs in ranks):
+                raise ScheduleError("schedule JSON: 'ranks' must be a list of lists of threadblocks")
+            info = data.get("info") or {}
+            if not isinstance(info, Mapping):
+                raise ScheduleError(f"schedule JSON: 'info' must be an object, got {type(info).__name__}")
+            name = data.get("name", "")
+            if not isinstance(name, str):
+                raise ScheduleError(f"schedule JSON: 'name' must be a string, got {name!r}")
             return cls(
                 collective=Collective(data["collective"]),
-                num_ranks=int(data["num_ranks"]),
-                chunks_per_period=int(data["chunks_per_period"]),
-                scratch_chunks=int(data.get("scratch_chunks", 0)),
-                ranks=tuple(tuple(tbs) for tbs in ranks),
-                name=str(data.get("name", "")),
-                algbw=data.get("algbw"),
-                bound=data.get("bound"),
-                info=dict(data.get("info") or {}),
+                num_ranks=strict.integer(data["num_ranks"], "schedule JSON: num_ranks", ScheduleError, minimum=1),
+                chunks_per_period=strict.integer(
+                    data["chunks_per_period"], "schedule JSON: chunks_per_period", ScheduleError, minimum=1
+                ),
+                scratch_chunks=strict.integer(
+                    data.get("scratch_chunks", 0), "schedule JSON: scratch_chunks", ScheduleError, minimum=0
+                ),
+                ranks=tuple(
+                    tuple(_tb_from_dict(tb, f"rank {r} threadblock {t}") for t, tb in enumerate(tbs))
+                    for r, tbs in enumerate(ranks)
+                ),
+                name=name,
+                algbw=_optional_rate(data.get("algbw"), "algbw"),
+                bound=_optional_rate(data.get("bound"), "bound"),
+                info=dict(info),
             )
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             if isinstance(e, ScheduleError):
                 raise
-            raise ScheduleError(f"malformed schedule JSON: {e!r}") from e
+            raise ScheduleError(f"malformed schedule JSON: {type(e).__name__}: {e}") from e
 
     @classmethod
     def from_json(cls, text: str) -> Schedule:
         """Parses :meth:`to_json` output; malformed input raises ``ScheduleError``."""
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ScheduleError(f"malformed schedule JSON: {e}") from e
+        except (json.JSONDecodeError, TypeError, RecursionError) as e:
+            raise ScheduleError(f"malformed schedule JSON: {type(e).__name__}: {e}") from None
         return cls.from_dict(data)
 
-    def to_msccl_xml(self, *, min_bytes: int = 0, max_bytes: int | None = None, proto: str = "Simple") -> str:
+    def to_msccl_xml(
+        self, *, min_bytes: int = 0, max_bytes: int | None = None, proto: str = "Simple", runtime_limits: bool = True
+    ) -> str:
         """Exports MSCCL XML (``<algo>/<gpu>/<tb>/<step>``); see :mod:`jaxccl.schedule.msccl_xml`."""
         from jaxccl.schedule.msccl_xml import to_msccl_xml
 
-        return to_msccl_xml(self, min_bytes=min_bytes, max_bytes=max_bytes, proto=proto)
+        return to_msccl_xml(self, min_bytes=min_bytes, max_bytes=max_bytes, proto=proto, runtime_limits=runtime_limits)
 
     def replace(self, **changes: Any) -> Schedule:
         """A copy with fields replaced (``dataclasses.replace``)."""
@@ -428,22 +511,47 @@ def _buf_from_xml(name: str | None) -> Buffer | None:
         raise ScheduleError(f"unknown buffer {name!r}; expected 'i', 'o' or 's'") from e
 
 
-def _tb_from_dict(d: Mapping[str, Any]) -> Threadblock:
+def _optional_rate(value: Any, what: str) -> float | None:
+    return None if value is None else strict.real(value, f"schedule JSON: {what}", ScheduleError, positive=True)
+
+
+def _tb_from_dict(d: Mapping[str, Any], where: str) -> Threadblock:
+    if not isinstance(d, Mapping):
+        raise ScheduleError(f"schedule JSON: {where} must be an object, got {type(d).__name__}")
     ops = []
-    for item in d["ops"]:
+    items = d["ops"]
+    if not isinstance(items, list):
+        raise ScheduleError(f"schedule JSON: 'ops' of {where} must be a list")
+    for i, item in enumerate(items):
+        here = f"schedule JSON: op {i} of {where}"
+        if not isinstance(item, list) or len(item) != 7:
+            raise ScheduleError(f"{here} must be a list [kind, src, src_off, dst, dst_off, count, deps]")
         kind, src, soff, dst, doff, cnt, deps = item
+        if not isinstance(deps, list) or not all(isinstance(x, list) and len(x) == 2 for x in deps):
+            raise ScheduleError(f"{here}: deps must be a list of [threadblock, op] pairs")
         ops.append(
             Op(
                 OpKind(kind),
                 _buf_from_xml(src),
-                int(soff),
+                strict.integer(soff, f"{here}: src_off", ScheduleError, minimum=0),
                 _buf_from_xml(dst),
-                int(doff),
-                int(cnt),
-                tuple(tuple(x) for x in deps),
+                strict.integer(doff, f"{here}: dst_off", ScheduleError, minimum=0),
+                strict.integer(cnt, f"{here}: count", ScheduleError, minimum=0),
+                tuple(
+                    (
+                        strict.integer(t, f"{here}: dependency threadblock", ScheduleError, minimum=0),
+                        strict.integer(o, f"{here}: dependency op", ScheduleError, minimum=0),
+                    )
+                    for t, o in deps
+                ),
             )
         )
-    return Threadblock(tuple(ops), int(d["send"]), int(d["recv"]), int(d.get("chan", 0)))
+    return Threadblock(
+        tuple(ops),
+        strict.integer(d["send"], f"schedule JSON: send peer of {where}", ScheduleError, minimum=-1),
+        strict.integer(d["recv"], f"schedule JSON: recv peer of {where}", ScheduleError, minimum=-1),
+        strict.integer(d.get("chan", 0), f"schedule JSON: channel of {where}", ScheduleError, minimum=0),
+    )
 
 
 def chunk_bounds(index: int, period: int, period_elems: int) -> tuple[int, int]:

@@ -38,7 +38,7 @@ against ``nchunksperloop``), ``jaxccl:algbw`` and ``jaxccl:bound`` on
 has a non-zero offset, and ``info`` as JSON in an XML comment
 ``<!-- jaxccl:info {...} -->`` inside ``<algo>`` (comments, because MSCCL's
 parser limits attribute values to 255 characters and ignores comments).
-So ``from_msccl_xml(to_msccl_xml(s)) == s`` for every schedule, and an XML
+So ``from_msccl_xml(to_msccl_xml(s, runtime_limits=False)) == s`` for every schedule, and an XML
 without any ``jaxccl`` extras imports with MSCCL's conventions.
 
 Example:
@@ -51,19 +51,24 @@ Example:
 from __future__ import annotations
 
 import json
-import math
 import re
 import xml.etree.ElementTree as ET
 from typing import Any
 from xml.sax.saxutils import quoteattr
 
+from jaxccl import strict
 from jaxccl.errors import ScheduleError
+from jaxccl.schedule.inplace import out_of_place
 from jaxccl.schedule.interpreter import gc_paused
 from jaxccl.schedule.ir import Buffer, Collective, Op, OpKind, Schedule, Threadblock
 
 NAMESPACE = "urn:jaxccl:schedule:1"
 PROTOCOLS = ("Simple", "LL", "LL128")
 INT64_MAX = 2**63 - 1
+# What msccl-executor-nccl loads at most (its msccl_struct.h).
+MSCCL_MAX_STEPS = 256
+MSCCL_MAX_THREADBLOCKS_PER_CHANNEL = 32
+MSCCL_MAX_COUNT = 72
 
 _NS = "{" + NAMESPACE + "}"
 _COLL_TO_XML = {
@@ -102,7 +107,14 @@ def _float_attr(x: float) -> str:
     return repr(float(x))
 
 
-def to_msccl_xml(schedule: Schedule, *, min_bytes: int = 0, max_bytes: int | None = None, proto: str = "Simple") -> str:
+def to_msccl_xml(
+    schedule: Schedule,
+    *,
+    min_bytes: int = 0,
+    max_bytes: int | None = None,
+    proto: str = "Simple",
+    runtime_limits: bool = True,
+) -> str:
     """Serializes ``schedule`` as MSCCL XML (see the module docstring).
 
     Args:
@@ -110,9 +122,19 @@ def to_msccl_xml(schedule: Schedule, *, min_bytes: int = 0, max_bytes: int | Non
         min_bytes: ``minBytes`` (the smallest message MSCCL should use it for).
         max_bytes: ``maxBytes``; ``None`` writes the largest int64.
         proto: ``Simple``, ``LL`` or ``LL128``.
+        runtime_limits: refuse schedules the MSCCL runtime (msccl-executor-nccl)
+            cannot load: more than ``MSCCL_MAX_STEPS`` steps in a threadblock
+            (dependency ``nop`` steps included), more than
+            ``MSCCL_MAX_THREADBLOCKS_PER_CHANNEL`` threadblocks of a rank on one
+            channel, or a step moving more than ``MSCCL_MAX_COUNT`` chunks.
+            ``False`` writes any schedule (for jaxccl's own round trips).
 
     Returns:
         The XML text.
+
+    Raises:
+        ScheduleError: bad arguments, or a schedule over a runtime limit (naming
+            it and where).
 
     >>> from jaxccl.synth.baselines import ring_allgather
     >>> print(to_msccl_xml(ring_allgather(2)).splitlines()[3].strip())
@@ -126,6 +148,8 @@ def to_msccl_xml(schedule: Schedule, *, min_bytes: int = 0, max_bytes: int | Non
     if int(min_bytes) < 0 or max_b < int(min_bytes):
         raise ScheduleError(f"need 0 <= min_bytes <= max_bytes, got {min_bytes} and {max_bytes}")
     s = schedule
+    if runtime_limits:
+        _check_runtime_limits(s)
     nchannels = max((tb.channel + 1 for tbs in s.ranks for tb in tbs), default=1)
     head = [
         f"<algo name={quoteattr(s.name)}",
@@ -163,6 +187,33 @@ def to_msccl_xml(schedule: Schedule, *, min_bytes: int = 0, max_bytes: int | Non
         out.append("  </gpu>")
     out.append("</algo>")
     return "\n".join(out) + "\n"
+
+
+def _check_runtime_limits(s: Schedule) -> None:
+    for r, tbs in enumerate(s.ranks):
+        per_channel: dict[int, int] = {}
+        for t, tb in enumerate(tbs):
+            per_channel[tb.channel] = per_channel.get(tb.channel, 0) + 1
+            steps = sum(max(1, len(op.deps)) for op in tb.ops)
+            if steps > MSCCL_MAX_STEPS:
+                raise ScheduleError(
+                    f"MSCCL export: rank {r} threadblock {t} needs {steps} steps (dependency nops included); the "
+                    f"MSCCL runtime allows {MSCCL_MAX_STEPS}: use fewer chunks per period or more channels, or pass "
+                    "runtime_limits=False to write it anyway"
+                )
+            big = next((op for op in tb.ops if op.count > MSCCL_MAX_COUNT), None)
+            if big is not None:
+                raise ScheduleError(
+                    f"MSCCL export: rank {r} threadblock {t} has a {big.kind.value} step of {big.count} chunks; the "
+                    f"MSCCL runtime allows {MSCCL_MAX_COUNT} per step (pass runtime_limits=False to write it anyway)"
+                )
+        for chan, count in per_channel.items():
+            if count > MSCCL_MAX_THREADBLOCKS_PER_CHANNEL:
+                raise ScheduleError(
+                    f"MSCCL export: rank {r} has {count} threadblocks on channel {chan}; the MSCCL runtime allows "
+                    f"{MSCCL_MAX_THREADBLOCKS_PER_CHANNEL} per channel: spread them over more channels, or pass "
+                    "runtime_limits=False to write it anyway"
+                )
 
 
 def _steps(tb: Threadblock) -> tuple[list[tuple[Op | None, tuple[int, int] | None, bool, int | None]], list[int]]:
@@ -212,23 +263,21 @@ def _int(el: ET.Element, name: str, where: str, default: int | None = None) -> i
         if default is not None:
             return default
         raise ScheduleError(f"MSCCL XML: {where} is missing attribute {name!r}")
-    try:
-        return int(v.strip())
-    except ValueError:
-        raise ScheduleError(f"MSCCL XML: attribute {name}={v!r} of {where} is not an integer") from None
+    return strict.integer_text(v, f"MSCCL XML: attribute {name} of {where}", ScheduleError)
+
+
+def _quick_int(v: str) -> int:
+    """``int(v)`` for plain ASCII digits with an optional ``-``; ``ValueError`` sends the caller to the slow path."""
+    if v.isascii() and (v.isdigit() or (v[:1] == "-" and v[1:].isdigit())):
+        return int(v)
+    raise ValueError(v)
 
 
 def _float(el: ET.Element, name: str, where: str) -> float | None:
     v = el.get(name)
     if v is None:
         return None
-    try:
-        x = float(v)
-    except ValueError:
-        raise ScheduleError(f"MSCCL XML: attribute {name}={v!r} of {where} is not a number") from None
-    if math.isnan(x):
-        raise ScheduleError(f"MSCCL XML: attribute {name} of {where} is NaN")
-    return x
+    return strict.real_text(v, f"MSCCL XML: attribute {name} of {where}", ScheduleError, positive=True)
 
 
 def _buffer(el: ET.Element, name: str, where: str) -> Buffer:
@@ -319,10 +368,9 @@ def _from_root(root: ET.Element) -> Schedule:
     proto = root.get("proto")
     if proto is not None and proto not in PROTOCOLS:
         raise ScheduleError(f"MSCCL XML: unknown protocol proto={proto!r}; expected one of {PROTOCOLS}")
-    if root.get("outofplace") is not None and _int(root, "outofplace", "<algo>") == 0:
-        raise ScheduleError(
-            'MSCCL XML: in-place-only algorithms (outofplace="0") are not supported; jaxccl is out-of-place'
-        )
+    in_place = _int(root, "inplace", "<algo>", default=0) == 1
+    if not in_place and root.get("outofplace") is not None and _int(root, "outofplace", "<algo>") == 0:
+        raise ScheduleError('MSCCL XML: outofplace="0" without inplace="1": the algorithm runs in no buffer layout')
     nchannels = _int(root, "nchannels", "<algo>", default=-1)
     in_chunks, out_chunks = coll.buffer_chunks(n, period)
 
@@ -357,10 +405,11 @@ def _from_root(root: ET.Element) -> Schedule:
         where = f'<gpu id="{r}">'
         for attr, want in (("i_chunks", in_chunks), ("o_chunks", out_chunks)):
             got = _int(gpu, attr, where)
-            if got != want:
+            if got != want and not (in_place and 0 <= got <= max(in_chunks, out_chunks)):
                 raise ScheduleError(
                     f"MSCCL XML: {where} has {attr}={got}, but {coll_name} with {n} GPUs and "
                     f"nchunksperloop={nchunks} needs {want}"
+                    + ("" if in_place else ' (an in-place algorithm must say inplace="1")')
                 )
         s_chunks = _int(gpu, "s_chunks", where, default=0)
         if s_chunks < 0:
@@ -371,7 +420,7 @@ def _from_root(root: ET.Element) -> Schedule:
         ranks.append(tuple(tbs))
     if nchannels >= 0 and max_chan >= nchannels:
         raise ScheduleError(f"MSCCL XML: nchannels={nchannels} but a threadblock uses channel {max_chan}")
-    return Schedule(
+    schedule = Schedule(
         collective=coll,
         num_ranks=n,
         chunks_per_period=period,
@@ -382,6 +431,7 @@ def _from_root(root: ET.Element) -> Schedule:
         bound=_float(root, _NS + "bound", "<algo>"),
         info=info,
     )
+    return out_of_place(schedule) if in_place else schedule
 
 
 def _read_threadblocks(gpu: ET.Element, r: int, cache: dict[tuple, Op]) -> list[Threadblock]:
@@ -416,10 +466,11 @@ def _read_threadblocks(gpu: ET.Element, r: int, cache: dict[tuple, Op]) -> list[
         for k, st in enumerate(steps):
             at = st.attrib
             try:  # fast path; the slow path below names what is wrong
-                s_attr, kind = int(at["s"]), _STEP_TYPES[at["type"]]
-                src, soff = _BUFFERS[at["srcbuf"]], int(at["srcoff"])
-                dst, doff = _BUFFERS[at["dstbuf"]], int(at["dstoff"])
-                cnt, depid, deps = int(at["cnt"]), int(at.get("depid", -1)), int(at.get("deps", -1))
+                s_attr, kind = _quick_int(at["s"]), _STEP_TYPES[at["type"]]
+                src, soff = _BUFFERS[at["srcbuf"]], _quick_int(at["srcoff"])
+                dst, doff = _BUFFERS[at["dstbuf"]], _quick_int(at["dstoff"])
+                cnt = _quick_int(at["cnt"])
+                depid, deps = _quick_int(at.get("depid", "-1")), _quick_int(at.get("deps", "-1"))
             except (KeyError, ValueError):
                 s_attr, kind, src, soff, dst, doff, cnt, depid, deps = _step_slow(st, f"step {k} of {where_tb}")
             if s_attr != k or soff < -1 or doff < -1 or (depid < 0) != (deps < 0) or depid >= 0:

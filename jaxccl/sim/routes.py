@@ -19,7 +19,7 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from jaxccl.errors import TopologyError
+from jaxccl.errors import OptionError
 from jaxccl.topology import Topology
 
 __all__ = ["ROUTING_METHODS", "Router"]
@@ -44,8 +44,7 @@ class Router:
     """
 
     def __init__(self, topo: Topology, method: str = "primary"):
-        if method not in ROUTING_METHODS:
-            raise TopologyError(f"unknown routing method {method!r}; expected one of {ROUTING_METHODS}")
+        OptionError.check("routing", method, ROUTING_METHODS)
         self.topo = topo
         self.method = method
         self.links: list[tuple[Hashable, Hashable]] = []

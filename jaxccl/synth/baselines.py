@@ -6,10 +6,10 @@ returns a :class:`~jaxccl.schedule.Schedule` that passes
 :meth:`~jaxccl.schedule.Schedule.validate`. All are out-of-place: the own
 contribution is copied (or reduced) into the output explicitly.
 
-Threadblocks are written by hand (rather than with
-:class:`~jaxccl.schedule.ScheduleBuilder`) so that rings use MSCCL's fused
-ops (``rcs``, ``rrs``, ``rrcs``) with one threadblock per ring and channel, as
-NCCL's ring kernels do.
+Threadblocks are placed by hand (:meth:`ScheduleBuilder.threadblock
+<jaxccl.schedule.ScheduleBuilder.threadblock>` and :meth:`~jaxccl.schedule.ScheduleBuilder.op`
+rather than transfers) so that rings use MSCCL's fused ops (``rcs``, ``rrs``,
+``rrcs``) with one threadblock per ring and channel, as NCCL's ring kernels do.
 
 Example:
     >>> from jaxccl.synth.baselines import ring_allgather, ordered_allreduce
@@ -26,8 +26,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from jaxccl.errors import ScheduleError
+from jaxccl.schedule.builder import Handle, ScheduleBuilder
 from jaxccl.schedule.interpreter import gc_paused
-from jaxccl.schedule.ir import Buffer, Collective, Op, OpKind, Schedule, Threadblock
+from jaxccl.schedule.ir import Buffer, Collective, OpKind, Schedule
 
 I, O = Buffer.INPUT, Buffer.OUTPUT
 
@@ -58,59 +59,6 @@ def _fast(fn: _F) -> _F:
             return fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
-
-
-class _Programs:
-    """Per-rank threadblocks keyed by ``(send peer, recv peer, channel)``."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self.keys: list[dict[tuple[int, int, int], int]] = [{} for _ in range(n)]
-        self.tbs: list[list[tuple[tuple[int, int, int], list[Op]]]] = [[] for _ in range(n)]
-        self.cache: dict[tuple, Op] = {}
-
-    def tb(self, rank: int, send: int = -1, recv: int = -1, chan: int = 0) -> int:
-        key = (send, recv, chan)
-        idx = self.keys[rank].get(key)
-        if idx is None:
-            idx = len(self.tbs[rank])
-            self.keys[rank][key] = idx
-            self.tbs[rank].append((key, []))
-        return idx
-
-    def op(
-        self,
-        rank: int,
-        tb: int,
-        kind: OpKind,
-        src: tuple[Buffer, int] | None = None,
-        dst: tuple[Buffer, int] | None = None,
-        count: int = 1,
-        deps: Sequence[tuple[int, int] | None] = (),
-    ) -> tuple[int, int]:
-        ops = self.tbs[rank][tb][1]
-        clean = tuple(sorted({d for d in deps if d is not None and d[0] != tb})) if deps else ()
-        key = (kind, src, dst, count, clean)
-        op = self.cache.get(key)
-        if op is None:  # equal ops are shared: schedules with 10^5 ops build much faster
-            op = Op(
-                kind,
-                None if src is None else src[0],
-                0 if src is None else src[1],
-                None if dst is None else dst[0],
-                0 if dst is None else dst[1],
-                count,
-                clean,
-            )
-            self.cache[key] = op
-        ops.append(op)
-        return tb, len(ops) - 1
-
-    def build(self, collective: Collective, c: int, **kwargs: Any) -> Schedule:
-        ranks = tuple(
-            tuple(Threadblock(tuple(ops), send, recv, chan) for (send, recv, chan), ops in tbs) for tbs in self.tbs
-        )
-        return Schedule(collective=collective, num_ranks=self.n, chunks_per_period=c, ranks=ranks, **kwargs)
 
 
 def _ranks_of(n_or_topo: Any) -> tuple[int, Any]:
@@ -207,23 +155,21 @@ def ring_allgather(
     c = _check_channels(channels)
     ring = _ring_order(n, topo, order)
     pos = {r: p for p, r in enumerate(ring)}
-    prog = _Programs(n)
+    prog = ScheduleBuilder(Collective.ALL_GATHER, n, c)
     if n == 1:
-        prog.op(0, prog.tb(0), OpKind.COPY, (I, 0), (O, 0), c)
+        prog.op(0, prog.threadblock(0), OpKind.COPY, (I, 0), (O, 0), c)
     for k in range(c if n > 1 else 0):
         d = _direction(k, bidirectional)
         for r in range(n):
             p = pos[r]
-            tb = prog.tb(r, ring[(p + d) % n], ring[(p - d) % n], k)
+            tb = prog.threadblock(r, send_peer=ring[(p + d) % n], recv_peer=ring[(p - d) % n], channel=k)
             prog.op(r, tb, OpKind.SEND, (I, k), (O, r * c + k))
             prog.op(r, tb, OpKind.COPY, (I, k), (O, r * c + k))
             for s in range(1, n):
                 origin = ring[(p - d * s) % n]
                 loc = (O, origin * c + k)
                 prog.op(r, tb, OpKind.RECV_COPY_SEND if s < n - 1 else OpKind.RECV, loc, loc)
-    return prog.build(
-        Collective.ALL_GATHER, c, name="ring_allgather", info=_ring_info(ring, c, bidirectional, algorithm="ring")
-    )
+    return prog.build(name="ring_allgather", info=_ring_info(ring, c, bidirectional, algorithm="ring"))
 
 
 @_fast
@@ -242,26 +188,24 @@ def recursive_doubling_allgather(n_or_topo: Any) -> Schedule:
     if n & (n - 1):
         raise ScheduleError(f"recursive doubling needs a power-of-two number of ranks, got N={n}")
     steps = n.bit_length() - 1
-    prog = _Programs(n)
+    prog = ScheduleBuilder(Collective.ALL_GATHER, n, 1)
     for r in range(n):
         if n == 1:
-            prog.op(r, prog.tb(r), OpKind.COPY, (I, 0), (O, 0))
+            prog.op(r, prog.threadblock(r), OpKind.COPY, (I, 0), (O, 0))
             continue
         last = None
         for j in range(steps):
             peer = r ^ (1 << j)
-            tb = prog.tb(r, peer, peer, 0)
+            tb = prog.threadblock(r, send_peer=peer, recv_peer=peer, channel=0)
             mine, theirs = (r >> j) << j, (peer >> j) << j
             size = 1 << j
             if j == 0:
                 prog.op(r, tb, OpKind.SEND, (I, 0), (O, r))
                 prog.op(r, tb, OpKind.COPY, (I, 0), (O, r))
             else:
-                prog.op(r, tb, OpKind.SEND, (O, mine), (O, mine), size, deps=[last])
+                prog.op(r, tb, OpKind.SEND, (O, mine), (O, mine), size, after=[last])
             last = prog.op(r, tb, OpKind.RECV, (O, theirs), (O, theirs), size)
-    return prog.build(
-        Collective.ALL_GATHER, 1, name="recursive_doubling_allgather", info={"algorithm": "recursive_doubling"}
-    )
+    return prog.build(name="recursive_doubling_allgather", info={"algorithm": "recursive_doubling"})
 
 
 # ------------------------------------------------------------------------ all_to_all
@@ -277,25 +221,25 @@ def direct_alltoall(n_or_topo: Any) -> Schedule:
     28
     """
     n, _ = _ranks_of(n_or_topo)
-    prog = _Programs(n)
+    prog = ScheduleBuilder(Collective.ALL_TO_ALL, n, 1)
     for r in range(n):
         first = True
         for i in range(1, n):
             peer = (r + i) % n
-            tb = prog.tb(r, peer, peer, 0)
+            tb = prog.threadblock(r, send_peer=peer, recv_peer=peer, channel=0)
             prog.op(r, tb, OpKind.SEND, (I, peer), (O, r))
             if first:
                 prog.op(r, tb, OpKind.COPY, (I, r), (O, r))
                 first = False
             prog.op(r, tb, OpKind.RECV, (I, r), (O, peer))
         if n == 1:
-            prog.op(r, prog.tb(r), OpKind.COPY, (I, 0), (O, 0))
-    return prog.build(Collective.ALL_TO_ALL, 1, name="direct_alltoall", info={"algorithm": "direct"})
+            prog.op(r, prog.threadblock(r), OpKind.COPY, (I, 0), (O, 0))
+    return prog.build(name="direct_alltoall", info={"algorithm": "direct"})
 
 
 # -------------------------------------------------------------------- reduce_scatter
 def _ring_rs_ops(
-    prog: _Programs,
+    prog: ScheduleBuilder,
     ring: list[int],
     p: int,
     tb: int,
@@ -341,29 +285,36 @@ def ring_reduce_scatter(
     n, topo = _ranks_of(n_or_topo)
     c = _check_channels(channels)
     ring = _ring_order(n, topo, order)
-    prog = _Programs(n)
+    prog = ScheduleBuilder(Collective.REDUCE_SCATTER, n, c)
     if n == 1:
-        prog.op(0, prog.tb(0), OpKind.COPY, (I, 0), (O, 0), c)
+        prog.op(0, prog.threadblock(0), OpKind.COPY, (I, 0), (O, 0), c)
     else:
         for k in range(c):
             d = _direction(k, bidirectional)
             for p, r in enumerate(ring):
-                tb = prog.tb(r, ring[(p + d) % n], ring[(p - d) % n], k)
+                tb = prog.threadblock(r, send_peer=ring[(p + d) % n], recv_peer=ring[(p - d) % n], channel=k)
                 _ring_rs_ops(prog, ring, p, tb, d, lambda q, k=k: q * c + k, k, False)
     info = _ring_info(ring, c, bidirectional, algorithm="ring", ordered_reduction=n <= 2)
-    return prog.build(Collective.REDUCE_SCATTER, c, name="ring_reduce_scatter", info=info)
+    return prog.build(name="ring_reduce_scatter", info=info)
 
 
-def _direct_sends(prog: _Programs, n: int, owner: int, in_off: int, out_off: int, count: int, chan: int) -> None:
+def _direct_sends(prog: ScheduleBuilder, n: int, owner: int, in_off: int, out_off: int, count: int, chan: int) -> None:
     """Every rank but ``owner`` sends its block ``in_off`` towards ``owner``'s ``out_off``."""
     for s in range(n):
         if s != owner:
-            prog.op(s, prog.tb(s, owner, owner, chan), OpKind.SEND, (I, in_off), (O, out_off), count)
+            prog.op(
+                s,
+                prog.threadblock(s, send_peer=owner, recv_peer=owner, channel=chan),
+                OpKind.SEND,
+                (I, in_off),
+                (O, out_off),
+                count,
+            )
 
 
 def _ordered_fold(
-    prog: _Programs, n: int, owner: int, in_off: int, out_off: int, count: int, chan: int
-) -> tuple[int, int]:
+    prog: ScheduleBuilder, n: int, owner: int, in_off: int, out_off: int, count: int, chan: int
+) -> Handle:
     """``owner`` folds block ``in_off`` of every rank into ``out_off`` in ascending rank order.
 
     ``((x0 + x1) + x2) + ...``: the first term arrives by ``r`` (or ``cpy`` when
@@ -371,19 +322,19 @@ def _ordered_fold(
     (``re`` for the owner's own block), each step depending on the previous.
     Returns the handle of the last step. Pair with :func:`_direct_sends`.
     """
-    last: tuple[int, int] | None = None
+    last: Handle | None = None
     acc = (O, out_off)
     for s in range(n):
         if s == owner:
-            tb = prog.tb(owner)
+            tb = prog.threadblock(owner)
             kind = OpKind.COPY if last is None else OpKind.REDUCE
-            last = prog.op(owner, tb, kind, (I, in_off), acc, count, deps=[last])
+            last = prog.op(owner, tb, kind, (I, in_off), acc, count, after=[last])
         else:
-            tb = prog.tb(owner, s, s, chan)
+            tb = prog.threadblock(owner, send_peer=s, recv_peer=s, channel=chan)
             if last is None:
                 last = prog.op(owner, tb, OpKind.RECV, (I, in_off), acc, count)
             else:
-                last = prog.op(owner, tb, OpKind.RECV_REDUCE_COPY, acc, acc, count, deps=[last])
+                last = prog.op(owner, tb, OpKind.RECV_REDUCE_COPY, acc, acc, count, after=[last])
     assert last is not None
     return last
 
@@ -402,7 +353,7 @@ def direct_reduce_scatter(n_or_topo: Any) -> Schedule:
     16
     """
     n, _ = _ranks_of(n_or_topo)
-    prog = _Programs(n)
+    prog = ScheduleBuilder(Collective.REDUCE_SCATTER, n, 1)
     # All sends first, so every threadblock towards a peer is [s, r|rrc]: a send never
     # waits behind a fold.
     for owner in range(n):
@@ -410,8 +361,6 @@ def direct_reduce_scatter(n_or_topo: Any) -> Schedule:
     for owner in range(n):
         _ordered_fold(prog, n, owner, owner, 0, 1, 0)
     return prog.build(
-        Collective.REDUCE_SCATTER,
-        1,
         name="direct_reduce_scatter",
         info={"algorithm": "direct", "ordered_reduction": True},
     )
@@ -442,21 +391,21 @@ def ring_allreduce(
     k_ch = _check_channels(channels)
     ring = _ring_order(n, topo, order)
     c = n * k_ch
-    prog = _Programs(n)
+    prog = ScheduleBuilder(Collective.ALL_REDUCE, n, c)
     if n == 1:
-        prog.op(0, prog.tb(0), OpKind.COPY, (I, 0), (O, 0), c)
+        prog.op(0, prog.threadblock(0), OpKind.COPY, (I, 0), (O, 0), c)
     else:
         for k in range(k_ch):
             d = _direction(k, bidirectional)
             for p, r in enumerate(ring):
-                tb = prog.tb(r, ring[(p + d) % n], ring[(p - d) % n], k)
+                tb = prog.threadblock(r, send_peer=ring[(p + d) % n], recv_peer=ring[(p - d) % n], channel=k)
                 off = lambda q, k=k: q * k_ch + k  # noqa: E731
                 _ring_rs_ops(prog, ring, p, tb, d, off, off(r), True)
                 for s in range(1, n):
                     loc = (O, off(ring[(p - d * s) % n]))
                     prog.op(r, tb, OpKind.RECV_COPY_SEND if s < n - 1 else OpKind.RECV, loc, loc)
     info = _ring_info(ring, k_ch, bidirectional, algorithm="ring", ordered_reduction=n <= 2)
-    return prog.build(Collective.ALL_REDUCE, c, name="ring_allreduce", info=info)
+    return prog.build(name="ring_allreduce", info=info)
 
 
 @_fast
@@ -474,20 +423,20 @@ def ordered_allreduce(n_or_topo: Any, *, order: Sequence[int] | None = None) -> 
     """
     n, topo = _ranks_of(n_or_topo)
     ring = _ring_order(n, topo, order)
-    prog = _Programs(n)
+    prog = ScheduleBuilder(Collective.ALL_REDUCE, n, n)
     for b in range(n):
         _direct_sends(prog, n, b, b, b, 1, 0)
     lasts = [_ordered_fold(prog, n, b, b, b, 1, 0) for b in range(n)]
     if n > 1:
         for p, r in enumerate(ring):
             nxt, prv = ring[(p + 1) % n], ring[(p - 1) % n]
-            tb = prog.tb(r, nxt, prv, 1)
-            prog.op(r, tb, OpKind.SEND, (O, r), (O, r), deps=[lasts[r]])
+            tb = prog.threadblock(r, send_peer=nxt, recv_peer=prv, channel=1)
+            prog.op(r, tb, OpKind.SEND, (O, r), (O, r), after=[lasts[r]])
             for s in range(1, n):
                 loc = (O, ring[(p - s) % n])
                 prog.op(r, tb, OpKind.RECV_COPY_SEND if s < n - 1 else OpKind.RECV, loc, loc)
     info = {"algorithm": "direct+ring", "order": ring, "ordered_reduction": True}
-    return prog.build(Collective.ALL_REDUCE, n, name="ordered_allreduce", info=info)
+    return prog.build(name="ordered_allreduce", info=info)
 
 
 # ---------------------------------------------------------------------- tree all_reduce
@@ -543,7 +492,7 @@ def _tree_sums_in_rank_order(tree: dict[int, tuple[int, list[int]]]) -> bool:
 
 
 def _tree_allreduce_ops(
-    prog: _Programs, tree: dict[int, tuple[int, list[int]]], off: int, count: int, chan: int
+    prog: ScheduleBuilder, tree: dict[int, tuple[int, list[int]]], off: int, count: int, chan: int
 ) -> None:
     """Reduce up the tree into ``off`` of each node's output, then broadcast down.
 
@@ -553,18 +502,18 @@ def _tree_allreduce_ops(
     (peer, channel) with ``send = recv = peer``.
     """
     for r, (parent, children) in tree.items():
-        local = prog.tb(r)
+        local = prog.threadblock(r)
         last = prog.op(r, local, OpKind.COPY, (I, off), (O, off), count)
         for ch in children:
-            tb = prog.tb(r, ch, ch, chan)
-            last = prog.op(r, tb, OpKind.RECV_REDUCE_COPY, (O, off), (O, off), count, deps=[last])
+            tb = prog.threadblock(r, send_peer=ch, recv_peer=ch, channel=chan)
+            last = prog.op(r, tb, OpKind.RECV_REDUCE_COPY, (O, off), (O, off), count, after=[last])
         if parent >= 0:
-            tb = prog.tb(r, parent, parent, chan)
-            prog.op(r, tb, OpKind.SEND, (O, off), (O, off), count, deps=[last])
+            tb = prog.threadblock(r, send_peer=parent, recv_peer=parent, channel=chan)
+            prog.op(r, tb, OpKind.SEND, (O, off), (O, off), count, after=[last])
             last = prog.op(r, tb, OpKind.RECV, (O, off), (O, off), count)
         for ch in children:
-            tb = prog.tb(r, ch, ch, chan)
-            prog.op(r, tb, OpKind.SEND, (O, off), (O, off), count, deps=[last])
+            tb = prog.threadblock(r, send_peer=ch, recv_peer=ch, channel=chan)
+            prog.op(r, tb, OpKind.SEND, (O, off), (O, off), count, after=[last])
 
 
 @_fast
@@ -582,7 +531,7 @@ def binary_tree_allreduce(n_or_topo: Any, *, order: Sequence[int] | None = None)
     n, topo = _ranks_of(n_or_topo)
     ranks = _ring_order(n, topo, order)
     tree = _binary_tree(ranks)
-    prog = _Programs(n)
+    prog = ScheduleBuilder(Collective.ALL_REDUCE, n, 1)
     _tree_allreduce_ops(prog, tree, 0, 1, 0)
     info = {
         "algorithm": "tree",
@@ -590,7 +539,7 @@ def binary_tree_allreduce(n_or_topo: Any, *, order: Sequence[int] | None = None)
         "tree": {str(r): [p, ch] for r, (p, ch) in sorted(tree.items())},
         "ordered_reduction": _tree_sums_in_rank_order(tree),
     }
-    return prog.build(Collective.ALL_REDUCE, 1, name="binary_tree_allreduce", info=info)
+    return prog.build(name="binary_tree_allreduce", info=info)
 
 
 @_fast
@@ -610,7 +559,7 @@ def double_binary_tree_allreduce(n_or_topo: Any, *, order: Sequence[int] | None 
     ranks = _ring_order(n, topo, order)
     other = ranks[1:] + ranks[:1] if n % 2 else ranks[::-1]
     trees = [_binary_tree(ranks), _binary_tree(other)]
-    prog = _Programs(n)
+    prog = ScheduleBuilder(Collective.ALL_REDUCE, n, 2)
     for t, tree in enumerate(trees):
         _tree_allreduce_ops(prog, tree, t, 1, t)
     info = {
@@ -619,4 +568,4 @@ def double_binary_tree_allreduce(n_or_topo: Any, *, order: Sequence[int] | None 
         "trees": [{str(r): [p, ch] for r, (p, ch) in sorted(tree.items())} for tree in trees],
         "ordered_reduction": all(_tree_sums_in_rank_order(tree) for tree in trees),
     }
-    return prog.build(Collective.ALL_REDUCE, 2, name="double_binary_tree_allreduce", info=info)
+    return prog.build(name="double_binary_tree_allreduce", info=info)

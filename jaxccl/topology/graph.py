@@ -16,6 +16,7 @@ from typing import Any
 
 import networkx as nx
 
+from jaxccl import strict
 from jaxccl.errors import TopologyError
 
 Node = int | str
@@ -272,17 +273,22 @@ class Topology:
                         raise TopologyError(f"edge {u!r} -> {v!r} names unknown node {n!r}")
                 attrs = {k: val for k, val in ed.items() if k not in ("u", "v")}
                 g.add_edge(u, v, **attrs)
-        except (KeyError, TypeError) as e:
-            raise TopologyError(f"malformed topology JSON: missing or bad field {e}") from e
-        return cls(g, name=str(data.get("name", "")), meta=data.get("meta") or {})
+        except (KeyError, TypeError, AttributeError) as e:
+            raise TopologyError(f"malformed topology JSON: missing or bad field ({type(e).__name__}: {e})") from e
+        name, meta = data.get("name", ""), data.get("meta") or {}
+        if not isinstance(name, str):
+            raise TopologyError(f"topology JSON: 'name' must be a string, got {name!r}")
+        if not isinstance(meta, Mapping):
+            raise TopologyError(f"topology JSON: 'meta' must be an object, got {type(meta).__name__}")
+        return cls(g, name=name, meta=meta)
 
     @classmethod
     def from_json(cls, text: str) -> Topology:
         """Parses :meth:`to_json` output; malformed input raises ``TopologyError``."""
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise TopologyError(f"malformed topology JSON: {e}") from e
+        except (json.JSONDecodeError, TypeError, RecursionError) as e:
+            raise TopologyError(f"malformed topology JSON: {type(e).__name__}: {e}") from None
         return cls.from_dict(data)
 
     @classmethod
@@ -366,10 +372,9 @@ def _validate(g: nx.DiGraph) -> None:
         if u == v:
             raise TopologyError(f"self-loop on {u!r}")
         cap, lat = d.get("capacity"), d.get("latency")
-        if not isinstance(cap, (int, float)) or not cap > 0 or cap == float("inf"):
-            raise TopologyError(f"link {u!r} -> {v!r} has non-positive or invalid capacity {cap!r}")
-        if not isinstance(lat, (int, float)) or not lat >= 0 or lat == float("inf"):
-            raise TopologyError(f"link {u!r} -> {v!r} has invalid latency {lat!r}")
+        strict.real(cap, f"link {u!r} -> {v!r}: capacity (bytes/s)", TopologyError, positive=True)
+        if strict.real(lat, f"link {u!r} -> {v!r}: latency (s)", TopologyError) < 0:
+            raise TopologyError(f"link {u!r} -> {v!r}: latency (s) must be >= 0, got {lat!r}")
         d.setdefault("kind", "link")
     if len(gpus) > 1:
         # Every GPU must reach every other GPU: one strongly connected component holds them all.

@@ -29,7 +29,7 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxccl.errors import JaxcclError
+from jaxccl.errors import TuneError
 from jaxccl.schedule.builder import ScheduleBuilder
 from jaxccl.schedule.ir import Buffer, Collective, Schedule
 
@@ -46,10 +46,6 @@ __all__ = [
 #: The collectives the tuner has arm catalogues for.
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 _CONTEXT_FIELDS = ("collective", "num_ranks", "nbytes")
-
-
-class TuneError(JaxcclError, ValueError):
-    """Bad input to the tuner: a malformed context, an empty arm set, a negative latency, bad state JSON."""
 
 
 def _positive_int(value: Any, what: str, *, minimum: int = 1) -> int:

@@ -10,8 +10,10 @@ Modules: :mod:`.network` (the topology as arrays), :mod:`.pricing`
 :mod:`.columns` (the column pool), :mod:`.master` (the RMP on HiGHS),
 :mod:`.cg` (the column-generation loop), :mod:`.repair` (warm start by
 certified local repair), :mod:`.rounding` (deep-dive
-rounding), :mod:`.compile` (the schedule IR, incremental for warm starts)
-with :mod:`.layout` (where each op goes, computed incrementally),
+rounding), :mod:`.planning` (messages, class ranges and scratch of the
+rounded routes, incremental for warm starts), :mod:`.emission` (the
+schedule IR of a plan, incremental for warm starts) with :mod:`.layout`
+(where each op goes, computed incrementally),
 :mod:`.routes` (the stored routes), :mod:`.state` (what a returned schedule
 leaves for the next warm start), :mod:`.cflp` (the check). The benchmark is
 :mod:`jaxccl.cli.synth_alltoall`.

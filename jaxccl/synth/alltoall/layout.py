@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:  # pragma: no cover
-    from jaxccl.synth.alltoall.compile import Plan
+    from jaxccl.synth.alltoall.planning import Plan
 
 # A delta layout is compacted when its arrays hold more than this many entries per op.
 MAX_SLACK = 2.0

@@ -38,7 +38,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxccl.errors import SynthesisError
+from jaxccl.errors import OptionError, SynthesisError
 from jaxccl.synth.alltoall.network import HeadGroup, Network
 
 # Sources per sweep block: bounds the per-step predecessor arrays (steps x block x nodes).
@@ -120,8 +120,7 @@ def shortest_path_trees(
         want = np.asarray(extract, dtype=bool).copy()
     if method is None:
         method = DEFAULT_METHOD if m_s >= n else "dag"
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    OptionError.check("method", method, METHODS)
     if method == "dijkstra":
         if m_s < n:
             raise SynthesisError(f"method='dijkstra' ignores the step bound; it needs m_s >= N = {n}, got {m_s}")

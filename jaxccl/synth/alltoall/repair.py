@@ -6,7 +6,7 @@ that is taken literally, with a certificate that keeps it exact:
 
 1. The previous chunk routes are split into the commodities whose routes
    still fit (all their chunks routed over existing links, none over a link
-   the previous routes now overload, see :attr:`.driver._Warm.overloaded`)
+   the previous routes now overload, see :attr:`.warm.PreviousRoutes.overloaded`)
    and the *affected* ones (the others, including pairs whose links are gone).
 2. The kept commodities stay on their routes as fixed loads; the affected
    ones get a path-level concurrent-flow LP (``min chi`` with every affected

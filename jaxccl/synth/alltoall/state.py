@@ -23,7 +23,8 @@ import numpy as np
 
 from jaxccl.schedule import Schedule
 from jaxccl.synth.alltoall.cg import Certificate
-from jaxccl.synth.alltoall.compile import Emitted, Plan
+from jaxccl.synth.alltoall.emission import Emitted
+from jaxccl.synth.alltoall.planning import Plan
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

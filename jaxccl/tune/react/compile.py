@@ -37,9 +37,9 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from jaxccl.schedule.ir import Buffer, Collective, Op, OpKind, Schedule, Threadblock
+from jaxccl.schedule.builder import Handle, ScheduleBuilder
+from jaxccl.schedule.ir import Buffer, Collective, OpKind, Schedule
 from jaxccl.tune.react.pattern import FlowKind, Pattern
 
 __all__ = ["CompiledPattern", "compile_pattern"]
@@ -65,67 +65,52 @@ class CompiledPattern:
     flow_ops: tuple[tuple[OpKey, ...], ...]
 
 
-class _Programs:
+class _Hazards:
+    """Per rank, the op that last wrote each output chunk and those that read it since.
+
+    :meth:`after` names the ops a new op must wait for: the last writer of
+    every chunk it reads or writes and, if it writes a chunk, the readers of
+    that chunk since (read-after-write, write-after-write, write-after-read).
+    """
+
     def __init__(self, n: int):
-        self.tbs: list[list[tuple[int, int, int, list[Op]]]] = [[] for _ in range(n)]
-        self.keys: list[dict[tuple[int, int, int], int]] = [{} for _ in range(n)]
-        self.writer: list[dict[int, tuple[int, int]]] = [{} for _ in range(n)]
-        self.readers: list[dict[int, list[tuple[int, int]]]] = [{} for _ in range(n)]
+        self.writer: list[dict[int, Handle]] = [{} for _ in range(n)]
+        self.readers: list[dict[int, list[Handle]]] = [{} for _ in range(n)]
 
-    def tb(self, rank: int, send: int = -1, recv: int = -1, chan: int = 0) -> int:
-        key = (send, recv, chan)
-        idx = self.keys[rank].get(key)
-        if idx is None:
-            idx = len(self.tbs[rank])
-            self.keys[rank][key] = idx
-            self.tbs[rank].append((send, recv, chan, []))
-        return idx
-
-    def op(
-        self,
-        rank: int,
-        tb: int,
-        kind: OpKind,
-        src: tuple[Buffer, int] | None,
-        dst: tuple[Buffer, int] | None,
-        count: int,
-        reads: range,
-        writes: range,
-    ) -> OpKey:
-        """Appends an op reading/writing output chunks ``reads``/``writes``, with the deps that order it."""
+    def after(self, rank: int, reads: range, writes: range) -> list[Handle]:
         writer, readers = self.writer[rank], self.readers[rank]
-        deps: set[tuple[int, int]] = set()
-        for c in reads:
-            w = writer.get(c)
-            if w is not None:
-                deps.add(w)
+        deps = [writer[c] for c in reads if c in writer]
         for c in writes:
-            w = writer.get(c)
-            if w is not None:
-                deps.add(w)
-            deps.update(readers.get(c, ()))
-        ops = self.tbs[rank][tb][3]
-        op = Op(
-            kind,
-            None if src is None else src[0],
-            0 if src is None else src[1],
-            None if dst is None else dst[0],
-            0 if dst is None else dst[1],
-            count,
-            tuple(sorted(d for d in deps if d[0] != tb)),
-        )
-        ops.append(op)
-        me = (tb, len(ops) - 1)
-        for c in reads:
-            readers.setdefault(c, []).append(me)
-        for c in writes:
-            writer[c] = me
-            readers[c] = []
-        return (rank, tb, len(ops) - 1)
+            if c in writer:
+                deps.append(writer[c])
+            deps.extend(readers.get(c, ()))
+        return deps
 
-    def build(self, collective: Collective, n: int, c: int, **kwargs: Any) -> Schedule:
-        ranks = tuple(tuple(Threadblock(tuple(ops), s, r, ch) for s, r, ch, ops in tbs) for tbs in self.tbs)
-        return Schedule(collective=collective, num_ranks=n, chunks_per_period=c, ranks=ranks, **kwargs)
+    def record(self, op: Handle, reads: range, writes: range) -> None:
+        writer, readers = self.writer[op.rank], self.readers[op.rank]
+        for c in reads:
+            readers.setdefault(c, []).append(op)
+        for c in writes:
+            writer[c] = op
+            readers[c] = []
+
+
+def _emit(
+    builder: ScheduleBuilder,
+    hazards: _Hazards,
+    rank: int,
+    tb: int,
+    kind: OpKind,
+    src: tuple[Buffer, int],
+    dst: tuple[Buffer, int],
+    count: int,
+    reads: range,
+    writes: range,
+) -> OpKey:
+    """Appends an op reading/writing output chunks ``reads``/``writes``, with the deps that order it."""
+    handle = builder.op(rank, tb, kind, src, dst, count, after=hazards.after(rank, reads, writes))
+    hazards.record(handle, reads, writes)
+    return (handle.rank, handle.tb, handle.op)
 
 
 def _runs(mask: int) -> list[tuple[int, int]]:
@@ -153,13 +138,14 @@ def compile_pattern(pattern: Pattern) -> CompiledPattern:
     n = pattern.num_ranks
     gather = pattern.collective is Collective.ALL_GATHER
     c = pattern.chunks_per_period
-    prog = _Programs(n)
+    prog = ScheduleBuilder(pattern.collective, n, c)
+    hazards = _Hazards(n)
     for r in range(n):
-        local = prog.tb(r)
+        local = prog.threadblock(r)
         if gather:
-            prog.op(r, local, OpKind.COPY, (I, 0), (O, r), 1, range(0), range(r, r + 1))
+            _emit(prog, hazards, r, local, OpKind.COPY, (I, 0), (O, r), 1, range(0), range(r, r + 1))
         else:
-            prog.op(r, local, OpKind.COPY, (I, 0), (O, 0), c, range(0), range(c))
+            _emit(prog, hazards, r, local, OpKind.COPY, (I, 0), (O, 0), c, range(0), range(c))
     sem = pattern.semantics
     src_dev, dst_dev = pattern.src_device, pattern.dst_device
     flow_ops: list[list[OpKey]] = [[] for _ in range(pattern.num_flows)]
@@ -178,19 +164,20 @@ def compile_pattern(pattern: Pattern) -> CompiledPattern:
             runs = _runs(sem.message[f.index]) if gather else [(f.chunk_graph, 1)]
             plan.append((f, a, b, chan, runs))
         for f, a, b, chan, runs in plan:
-            tb = prog.tb(a, b, -1, chan)
+            tb = prog.threadblock(a, send_peer=b, channel=chan)
             for off, cnt in runs:
-                key = prog.op(a, tb, OpKind.SEND, (O, off), (O, off), cnt, range(off, off + cnt), range(0))
+                span = range(off, off + cnt)
+                key = _emit(prog, hazards, a, tb, OpKind.SEND, (O, off), (O, off), cnt, span, range(0))
                 flow_ops[f.index].append(key)
                 send_ops[key] = f.index
         for f, a, b, chan, runs in plan:
-            tb = prog.tb(b, -1, a, chan)
+            tb = prog.threadblock(b, recv_peer=a, channel=chan)
             for off, cnt in runs:
                 span = range(off, off + cnt)
                 if f.kind is FlowKind.REDUCE:
-                    prog.op(b, tb, OpKind.RECV_REDUCE_COPY, (O, off), (O, off), cnt, span, span)
+                    _emit(prog, hazards, b, tb, OpKind.RECV_REDUCE_COPY, (O, off), (O, off), cnt, span, span)
                 else:
-                    prog.op(b, tb, OpKind.RECV, (O, off), (O, off), cnt, range(0), span)
+                    _emit(prog, hazards, b, tb, OpKind.RECV, (O, off), (O, off), cnt, range(0), span)
         i = j
     info = {
         "algorithm": pattern.info.get("algorithm", pattern.name),
@@ -198,5 +185,5 @@ def compile_pattern(pattern: Pattern) -> CompiledPattern:
         "transformed": not pattern.is_identity(),
         "ordered_reduction": False,
     }
-    schedule = prog.build(pattern.collective, n, c, name=f"react_{pattern.name}", info=info)
+    schedule = prog.build(name=f"react_{pattern.name}", info=info)
     return CompiledPattern(pattern, schedule, send_ops, tuple(tuple(x) for x in flow_ops))
