@@ -94,6 +94,28 @@ def test_persistent_degradation_on_the_cut_is_resynthesized_and_swapped(ag):
     comm.schedule("all_gather").validate()
 
 
+def test_one_persistent_failure_gives_one_resynthesis_for_the_settled_capacity(ag):
+    """The EWMA falls towards the new capacity over several samples; acting on it half-way would synthesize
+    for a capacity the link does not have and swap again at every later sample (one failure, several swaps)."""
+    comm, f, ref = _setup()
+    comm.install("all_gather", ag)
+    ctl = Controller(comm, gamma=0.15)
+    _drive(comm, ctl, f, ref, 3)
+    _drive(comm, ctl, f, ref, 20, on_step=lambda k: k == 0 and comm.inject(TOPO.degrade(*NIC, gbps=200)), seed=50)
+    kinds = [e.kind for e in ctl.events]
+    assert kinds.count("detected") == kinds.count("confirmed") == kinds.count("synthesized") == 1, kinds
+    assert kinds.count("staged") == 1 and kinds.count("activated") == 1, kinds
+    assert kinds.index("detected") < kinds.index("confirmed") < kinds.index("synthesized")
+    nic = f"{NIC[0]}->{NIC[1]}"
+    detected, confirmed = (next(e for e in ctl.events if e.kind == k) for k in ("detected", "confirmed"))
+    assert nic in detected.detail["degraded"]  # the first sample already blames GPU 0's NIC
+    blamed = confirmed.detail["degraded"]
+    assert blamed[nic] == pytest.approx(0.5, abs=0.05)  # re-synthesized for the capacity the link now has
+    assert all(link.startswith(("0->", "4->")) or link.endswith(("->0", "->4")) for link in blamed), blamed
+    staged = next(e for e in ctl.events if e.kind == "staged")
+    assert staged.detail["predicted_algbw"] > staged.detail["stale_algbw"]
+
+
 def test_no_resynthesis_for_a_burst_shorter_than_the_ewma_window(ag):
     comm, f, ref = _setup(alpha=0.2)
     comm.install("all_gather", ag)

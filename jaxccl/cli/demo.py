@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+from jaxccl.cli.args import UsageError, positive_float, positive_int, require_matplotlib
+from jaxccl.demo import DemoConfig
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``demo`` to ``jaxccl``."""
     p = subparsers.add_parser(
         "demo",
         help="the closed loop on 8 emulated CPU devices: a gray failure, detected and routed around",
@@ -15,9 +19,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "and hot-swaps it. Prints per-step progress, the reaction times and algbw before/after."
         ),
     )
-    p.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
-    p.add_argument("--fail-step", type=int, default=15, help="step at which the failure is injected (default 15)")
-    p.add_argument("--time-scale", type=float, default=3e-4, help="emulated link capacities x this (default 3e-4)")
+    p.add_argument(
+        "--steps", type=positive_int, default=DemoConfig.steps, help=f"training steps (default {DemoConfig.steps})"
+    )
+    p.add_argument(
+        "--fail-step",
+        type=positive_int,
+        default=DemoConfig.fail_step,
+        help=f"step at which the failure is injected (default {DemoConfig.fail_step})",
+    )
+    p.add_argument(
+        "--time-scale",
+        type=positive_float,
+        default=DemoConfig.time_scale,
+        help=f"emulated link capacities x this (default {DemoConfig.time_scale:g})",
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--png", default=None, metavar="PATH", help="write the algbw timeline as PNG")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
@@ -25,10 +41,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from jaxccl.demo import DemoConfig, run
-
+    if args.steps < 4:
+        raise UsageError(f"--steps must be at least 4, got {args.steps}")
     if not 0 < args.fail_step < args.steps - 2:
-        raise SystemExit(f"jaxccl demo: --fail-step must be in 1..{args.steps - 3}, got {args.fail_step}")
+        raise UsageError(f"--fail-step must be in 1..{args.steps - 3} for --steps {args.steps}, got {args.fail_step}")
+    if args.png:
+        require_matplotlib()
+    from jaxccl.demo import run
+
     cfg = DemoConfig(
         steps=args.steps,
         fail_step=args.fail_step,

@@ -14,49 +14,23 @@ Subcommands:
 from __future__ import annotations
 
 import argparse
-import re
 from typing import Any
 
+from jaxccl.cli.args import UsageError, parse_size, positive_int, require_matplotlib, topology
+from jaxccl.cli.text import plain
 from jaxccl.report import format_bytes, print_table, write_json
 
-_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
+def parse_topology(spec: str) -> Any:
+    """``rail:SxHxN`` / ``rail:HxN``, ``single:N``, ``ring:N``, ``fattree:LxG`` or a topology JSON file -> Topology.
 
-def parse_size(text: str) -> int:
-    """``"128M"``, ``"1GiB"``, ``"4096"`` -> bytes (binary units).
-
-    >>> parse_size("128M"), parse_size("1GiB")
-    (134217728, 1073741824)
+    Kept for callers of the earlier name; the rule lives in :func:`jaxccl.cli.args.topology`.
     """
-    m = _SIZE.match(text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 128M, 1G, 4096)")
-    unit = (m.group(2) or "").lower().rstrip("b").rstrip("i")
-    return int(float(m.group(1)) * _UNITS[unit])
+    return topology(spec)
 
 
-def parse_topology(spec: str):
-    """``rail:SxHxN`` / ``rail:HxN``, ``single:N``, ``ring:N``, ``fattree:LxG`` -> Topology."""
-    from jaxccl import topology
-
-    kind, _, arg = spec.partition(":")
-    try:
-        dims = [int(x) for x in arg.lower().split("x")] if arg else []
-        if kind == "rail":
-            if len(dims) == 3:
-                return topology.rail(hosts=dims[1], gpus_per_host=dims[2], segments=dims[0])
-            if len(dims) == 2:
-                return topology.rail(hosts=dims[0], gpus_per_host=dims[1])
-        elif kind == "single" and len(dims) == 1:
-            return topology.single_node(dims[0])
-        elif kind == "ring" and len(dims) == 1:
-            return topology.ring(dims[0])
-        elif kind == "fattree" and len(dims) == 2:
-            return topology.fat_tree(dims[0], dims[1])
-    except ValueError:
-        pass
-    raise argparse.ArgumentTypeError(f"bad topology {spec!r}; use rail:1x2x8, rail:2x8, single:8, ring:8, fattree:4x4")
+def _iterations(text: str) -> int | str:
+    return "auto" if text == "auto" else positive_int(text)
 
 
 def _schedule(args: argparse.Namespace, topo: Any, healthy: Any):
@@ -83,7 +57,7 @@ def _schedule(args: argparse.Namespace, topo: Any, healthy: Any):
         base = synth.synth(col, healthy) if topo is not healthy else None
         s = synth.synth(col, topo, previous=base)
     if s is None:
-        raise SystemExit(f"jaxccl sim run: no synthesized schedule: {synth.missing}")
+        raise UsageError(f"no synthesized schedule: {synth.missing}")
     return s
 
 
@@ -92,12 +66,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from jaxccl.sim.plots import plot_links
     from jaxccl.topology import scenario
 
-    healthy = parse_topology(args.topology)
+    if args.png:
+        require_matplotlib()
+    healthy = args.topology
     topo = healthy if args.scenario == "none" else scenario(healthy, args.scenario)
     s = _schedule(args, topo, healthy)
     print(f"simulating {s} on {topo} with {format_bytes(args.bytes)} per rank")
-    iters = args.iterations if args.iterations == "auto" else int(args.iterations)
-    res = sim.run(topo, s, args.bytes, pipeline_bytes=None if args.no_pipeline else args.pipeline, iterations=iters)
+    res = sim.run(
+        topo, s, args.bytes, pipeline_bytes=None if args.no_pipeline else args.pipeline, iterations=args.iterations
+    )
     row = {
         "schedule": s.name,
         "ranks": s.num_ranks,
@@ -122,6 +99,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _experiment(name: str):
     def cmd(args: argparse.Namespace) -> int:
+        if args.png:
+            require_matplotlib()
         from jaxccl.sim import experiments, plots
 
         kwargs: dict[str, Any] = {"quick": args.quick}
@@ -176,8 +155,19 @@ def _table(name: str, result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``run``, ``fig1``, ``fig8`` and ``fig11`` under ``jaxccl sim``."""
-    p = subparsers.add_parser("run", help="simulate one collective on one topology")
-    p.add_argument("--topology", default="rail:1x2x8", help="rail:SxHxN, rail:HxN, single:N, ring:N, fattree:LxG")
+    p = subparsers.add_parser(
+        "run",
+        help="simulate one collective on one topology",
+        description=plain(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--topology",
+        type=topology,
+        default="rail:1x2x8",
+        metavar="SPEC|FILE",
+        help="rail:SxHxN, rail:HxN, single:N, ring:N, fattree:LxG or a topology JSON file (default rail:1x2x8)",
+    )
     p.add_argument("--scenario", default="none", choices=("none", "fail1", "fail2", "fail3"))
     p.add_argument(
         "--collective", default="all_gather", choices=("all_gather", "all_to_all", "reduce_scatter", "all_reduce")
@@ -193,7 +183,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--pipeline", type=parse_size, default=512 << 10, help="pipeline piece size (default 512K)")
     p.add_argument("--no-pipeline", action="store_true", help="store-and-forward")
     p.add_argument(
-        "--iterations", default="1", help="MSCCL loop iterations (tiles of the buffer); 'auto': one piece per chunk"
+        "--iterations",
+        type=_iterations,
+        default=1,
+        help="MSCCL loop iterations (tiles of the buffer); 'auto': one piece per chunk",
     )
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--png", metavar="PATH", help="per-link utilization plot")
@@ -204,12 +197,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "fig11": "MCCL Fig. 11 / App. E: Llama 405B and DeepSeek 671B training steps",
     }
     for name, text in helps.items():
-        q = subparsers.add_parser(name, help=text)
+        q = subparsers.add_parser(name, help=text, description=text)
         q.add_argument("--quick", action="store_true", help="a small configuration that runs in seconds")
         q.add_argument("--json", metavar="PATH")
         q.add_argument("--png", metavar="PATH")
         if name == "fig8":
-            q.add_argument("--hosts", type=int, nargs="+", help="hosts per segment (default 2 4 8 16 32)")
+            q.add_argument("--hosts", type=positive_int, nargs="+", help="hosts per segment (default 2 4 8 16 32)")
             q.add_argument("--collective", nargs="+", choices=("all_gather", "all_to_all"))
             q.add_argument(
                 "--model",
@@ -218,7 +211,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                 help="threadblock: jaxccl's executor (default); dataflow: every transfer as soon as its data allows",
             )
         if name == "fig11":
-            q.add_argument("--gpus", type=int, nargs="+", help="cluster sizes (default 128 ... 2048)")
+            q.add_argument("--gpus", type=positive_int, nargs="+", help="cluster sizes (default 128 ... 2048)")
             q.add_argument("--workload", nargs="+", choices=("llama405b", "deepseek671b"))
         if name in ("fig8", "fig11"):
             q.add_argument("--scenario", nargs="+", choices=("none", "fail1", "fail2", "fail3"))

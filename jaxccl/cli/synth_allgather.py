@@ -1,9 +1,15 @@
 """``jaxccl synth allgather``: synthesize one AllGather schedule, or benchmark the synthesizer.
 
-With ``--topology FILE`` (a topology JSON) it synthesizes one schedule and
-writes it with ``--out``. Without, it runs the benchmark of
-``benchmarks/synth_allgather.py``: rail-optimized ``1 x H x 8`` topologies
-(MCCL Sec. 6.1) for ``H = 2, 4, ..., 64`` in the states base, fail1, fail2
+By default it synthesizes one schedule (ForestColl tree packing) for
+``--topology`` (a preset such as ``rail:1x2x8`` or a topology JSON file) or
+for the rail ``1 x --hosts x --gpus-per-host`` (default ``1 x 2 x 8``),
+optionally under ``--scenario`` and warm-started from ``--previous``, checks
+it with the reference interpreter, prints its algbw and bound, and writes it
+with ``--out``. This takes about a second.
+
+With ``--benchmark`` it runs the benchmark of ``benchmarks/synth_allgather.py``
+(minutes): rail-optimized ``1 x H x 8`` topologies (MCCL Sec. 6.1) for
+``H = 2, 4, ..., 64`` (or ``--hosts 2,4,8``) in the states base, fail1, fail2
 and fail3; per (size, state, method) the cold solve time, the warm solve
 time (``previous=`` the base schedule of the same method), algbw, bound,
 number of distinct trees and max tree depth; medians over ``--runs`` runs
@@ -27,6 +33,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxccl import report
+from jaxccl.cli.args import UsageError, positive_int
+from jaxccl.cli.synth_args import add_mode_arguments, add_topology_arguments, single_topology, wants_benchmark
+from jaxccl.cli.text import plain
 
 HOSTS = (2, 4, 8, 16, 32, 64)
 STATES = ("base", "fail1", "fail2", "fail3")
@@ -155,76 +164,103 @@ def acceptance(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def main(args: argparse.Namespace) -> int:
+BENCHMARK_OPTIONS = ("max_hosts", "states", "methods", "runs", "latency_max_hosts", "segments")
 
-    if args.topology:
-        return _single(args)
-    hosts = [int(h) for h in args.hosts.split(",")] if args.hosts else [h for h in HOSTS if h <= args.max_hosts]
-    states = [s for s in args.states.split(",") if s]
-    methods = [m for m in args.methods.split(",") if m]
-    for s in states:
-        if s not in STATES:
-            raise SystemExit(f"unknown state {s!r}; choose from {STATES}")
-    for m in methods:
-        if m not in METHODS:
-            raise SystemExit(f"unknown method {m!r}; choose from {METHODS}")
+
+def main(args: argparse.Namespace) -> int:
+    """Runs ``jaxccl synth allgather`` with parsed ``args``: one synthesis, or the benchmark."""
+    if wants_benchmark(args, "jaxccl synth allgather", BENCHMARK_OPTIONS):
+        return _benchmark(args)
+    return _single(args)
+
+
+def _choices(text: str | None, allowed: Sequence[str], option: str) -> list[str]:
+    chosen = [s for s in (text or ",".join(allowed)).split(",") if s]
+    for s in chosen:
+        if s not in allowed:
+            raise UsageError(f"{option}: unknown value {s!r}; choose from {', '.join(allowed)}")
+    return chosen
+
+
+def _benchmark(args: argparse.Namespace) -> int:
+    if args.topology is not None or args.scenario or args.previous or args.out:
+        raise UsageError("--benchmark runs its own rail topologies: drop --topology, --scenario, --previous, --out")
+    max_hosts = args.max_hosts if args.max_hosts is not None else HOSTS[-1]
+    hosts = list(args.hosts) if args.hosts else [h for h in HOSTS if h <= max_hosts]
+    states = _choices(args.states, STATES, "--states")
+    methods = _choices(args.methods, METHODS, "--methods")
+    latency_max_hosts = 16 if args.latency_max_hosts is None else args.latency_max_hosts
+    print(f"benchmarking the AllGather synthesizer on rail 1 x H x 8, H = {hosts}, states {states}, methods {methods}")
     rows = run_benchmark(
-        hosts, states, methods, runs=args.runs, latency_max_hosts=args.latency_max_hosts, segments=args.segments
+        hosts, states, methods, runs=args.runs, latency_max_hosts=latency_max_hosts, segments=args.segments or 1
     )
     report.print_table(rows, COLUMNS)
     lines = acceptance(rows)
     print("\n".join(lines))
     if args.json:
         report.write_json(args.json, {"rows": rows, "acceptance": lines})
+        print(f"wrote {args.json}")
     return 0
 
 
 def _single(args: argparse.Namespace) -> int:
+    from jaxccl.schedule import Schedule
     from jaxccl.synth.allgather import allgather, reduce_scatter
-    from jaxccl.topology import Topology
 
-    with open(args.topology) as f:
-        topo = Topology.from_json(f.read())
+    topo = single_topology(args)
+    previous = None
+    if args.previous:
+        with open(args.previous) as f:
+            previous = Schedule.from_json(f.read())
     fn = reduce_scatter if args.collective == "reduce_scatter" else allgather
-    s = fn(topo, method=args.method.split(",")[0])
+    print(f"synthesizing {args.collective} ({args.method}) for {topo.name or 'the topology'} ({topo.num_gpus} GPUs)")
+    s = fn(topo, previous=previous, method=args.method)
     s.validate()
     info = s.info
     print(
-        f"{s!r}\n  bound {s.bound / 1e9:.3f} GB/s, k = {s.chunks_per_period}, {info['num_trees']} trees, "
-        f"max depth {info['max_depth']}, solve {info['solve_time_s']:.3f} s, total {info['total_time_s']:.3f} s"
+        f"{s!r}\n  algbw {s.algbw / 1e9:.3f} GB/s, bound {s.bound / 1e9:.3f} GB/s, k = {s.chunks_per_period}, "
+        f"{info['num_trees']} trees, max depth {info['max_depth']}, solve {info['solve_time_s']:.3f} s, "
+        f"total {info['total_time_s']:.3f} s; checked by the reference interpreter"
     )
     if args.out:
         with open(args.out, "w") as f:
             f.write(s.to_json())
-        print(f"  wrote {args.out}")
+        print(f"wrote {args.out}")
     if args.json:
-        report.write_json(args.json, {"algbw": s.algbw, "bound": s.bound, "info": dict(info)})
+        report.write_json(args.json, {"topology": topo.name, "algbw": s.algbw, "bound": s.bound, "info": dict(info)})
+        print(f"wrote {args.json}")
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-hosts", type=int, default=64, help="largest H of the 1 x H x 8 rail topologies (default 64)")
-    p.add_argument("--hosts", default=None, help="comma-separated H values instead of 2, 4, ... --max-hosts")
-    p.add_argument("--states", default=",".join(STATES), help="comma-separated states (default all)")
-    p.add_argument("--methods", default=",".join(METHODS), help="forestcoll, latency or both (default)")
-    p.add_argument("--runs", type=int, default=None, help="runs per point (default: 3 up to 8 hosts, 1 above)")
-    p.add_argument("--latency-max-hosts", type=int, default=16, help="largest H for method=latency (slow LP)")
-    p.add_argument("--segments", type=int, default=1, help="segments of the rail topologies (default 1)")
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--topology", metavar="FILE", help="synthesize for this topology JSON instead of benchmarking")
+    """The options of ``jaxccl synth allgather`` (also used by ``benchmarks/synth_allgather.py``)."""
+    add_topology_arguments(p)
     p.add_argument("--collective", choices=("all_gather", "reduce_scatter"), default="all_gather")
-    p.add_argument("--method", default="forestcoll", help="method for --topology")
-    p.add_argument("--out", metavar="PATH", help="with --topology: write the schedule JSON here")
+    p.add_argument("--method", choices=METHODS, default="forestcoll", help="synthesis method (default forestcoll)")
+    add_mode_arguments(p)
+    g = p.add_argument_group("benchmark options (with --benchmark)")
+    g.add_argument("--max-hosts", type=positive_int, help="largest H of the rail topologies (default 64)")
+    g.add_argument("--states", help="comma-separated states (default all: " + ",".join(STATES) + ")")
+    g.add_argument("--methods", help="forestcoll, latency or both (default both)")
+    g.add_argument("--runs", type=positive_int, help="runs per point (default: 3 up to 8 hosts, 1 above)")
+    g.add_argument("--latency-max-hosts", type=positive_int, help="largest H for method=latency (slow LP; default 16)")
+    g.add_argument("--segments", type=positive_int, help="segments of the rail topologies (default 1)")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``allgather`` to ``jaxccl synth``."""
-    p = subparsers.add_parser("allgather", help="synthesize or benchmark throughput-optimal AllGather schedules")
+    p = subparsers.add_parser(
+        "allgather",
+        help="synthesize a throughput-optimal AllGather schedule (or benchmark the synthesizer)",
+        description=plain(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     p.set_defaults(func=main)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=plain(__doc__.splitlines()[0]))
     add_arguments(ap)
+    ap.set_defaults(benchmark=True)
     sys.exit(main(ap.parse_args()))

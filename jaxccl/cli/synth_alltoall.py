@@ -1,16 +1,21 @@
 """``jaxccl synth alltoall``: synthesize one AllToAll schedule, or benchmark the synthesizer.
 
-With ``--topology FILE`` (a topology JSON) or ``--hosts H`` it synthesizes one
-schedule (column generation + deep-dive rounding, MCCL Sec. 4.2), optionally
-warm-started from ``--previous SCHEDULE.json``, and writes it with ``--out``.
-Without, it runs the benchmark of ``benchmarks/synth_alltoall.py``:
-rail-optimized ``1 x H x 8`` topologies (MCCL Sec. 6.1) for ``H = 2, 4, ...,
-64`` (16-512 GPUs) in the states base, fail1, fail2 and fail3; per (size,
-state) the cold time, the warm time (``previous=`` the base schedule),
-iterations, columns generated and reused, LP bound, rounded algbw, gap and
-chunk count; medians over ``--runs`` runs (7 up to 16 hosts, 3 above). Cold
-and warm runs alternate, and the speedups are the medians of the cold/warm
-ratios of adjacent runs (the machines are shared: their speed drifts).
+By default it synthesizes one schedule (column generation + deep-dive
+rounding, MCCL Sec. 4.2) for ``--topology`` (a preset such as ``rail:1x2x8``
+or a topology JSON file) or for the rail ``1 x --hosts x --gpus-per-host``
+(default ``1 x 2 x 8``), optionally under ``--scenario`` and warm-started from
+``--previous SCHEDULE.json``, checks it with the reference interpreter and
+writes it with ``--out``.
+
+With ``--benchmark`` it runs the benchmark of ``benchmarks/synth_alltoall.py``
+(minutes): rail-optimized ``1 x H x 8`` topologies (MCCL Sec. 6.1) for
+``H = 2, 4, ..., 64`` (16-512 GPUs; or ``--hosts 2,4,8``) in the states base,
+fail1, fail2 and fail3; per (size, state) the cold time, the warm time
+(``previous=`` the base schedule), iterations, columns generated and reused,
+LP bound, rounded algbw, gap and chunk count; medians over ``--runs`` runs
+(7 up to 16 hosts, 3 above). Cold and warm runs alternate, and the speedups
+are the medians of the cold/warm ratios of adjacent runs (the machines are
+shared: their speed drifts).
 
 Times are reported twice: *solve* (topology arrays, LP by column generation,
 rounding -- the optimizer, what MCCL's warm-start figure compares) and
@@ -39,6 +44,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxccl import report
+from jaxccl.cli.args import UsageError, positive_float, positive_int
+from jaxccl.cli.synth_args import add_mode_arguments, add_topology_arguments, single_topology, wants_benchmark
+from jaxccl.cli.text import plain
 
 HOSTS = (2, 4, 8, 16, 32, 64)
 STATES = ("base", "fail1", "fail2", "fail3")
@@ -221,21 +229,35 @@ def acceptance(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def main(args: argparse.Namespace) -> int:
+BENCHMARK_OPTIONS = ("min_hosts", "max_hosts", "states", "runs", "validate_max_gpus")
 
-    if args.topology or args.hosts:
-        return _single(args)
-    hosts = [h for h in HOSTS if args.min_hosts <= h <= args.max_hosts]
-    states = [s for s in args.states.split(",") if s]
+
+def main(args: argparse.Namespace) -> int:
+    """Runs ``jaxccl synth alltoall`` with parsed ``args``: one synthesis, or the benchmark."""
+    if wants_benchmark(args, "jaxccl synth alltoall", BENCHMARK_OPTIONS):
+        return _benchmark(args)
+    return _single(args)
+
+
+def _benchmark(args: argparse.Namespace) -> int:
+    if args.topology is not None or args.scenario or args.previous or args.out:
+        raise UsageError("--benchmark runs its own rail topologies: drop --topology, --scenario, --previous, --out")
+    if args.gpus_per_host != 8:
+        raise UsageError("--benchmark runs rail 1 x H x 8 topologies: drop --gpus-per-host")
+    lo = 2 if args.min_hosts is None else args.min_hosts
+    hi = HOSTS[-1] if args.max_hosts is None else args.max_hosts
+    hosts = list(args.hosts) if args.hosts else [h for h in HOSTS if lo <= h <= hi]
+    states = [s for s in (args.states or ",".join(STATES)).split(",") if s]
     for s in states:
         if s not in STATES:
-            raise SystemExit(f"unknown state {s!r}; choose from {STATES}")
+            raise UsageError(f"--states: unknown value {s!r}; choose from {', '.join(STATES)}")
+    print(f"benchmarking the AllToAll synthesizer on rail 1 x H x 8, H = {hosts}, states {states}")
     rows = run_benchmark(
         hosts,
         states,
         runs=args.runs,
         max_chunks=args.max_chunks,
-        validate_max_gpus=args.validate_max_gpus,
+        validate_max_gpus=256 if args.validate_max_gpus is None else args.validate_max_gpus,
         reuse_tolerance=args.reuse_tolerance,
     )
     report.print_table(rows, COLUMNS)
@@ -243,25 +265,20 @@ def main(args: argparse.Namespace) -> int:
     print("\n".join(lines))
     if args.json:
         report.write_json(args.json, {"rows": rows, "acceptance": lines})
+        print(f"wrote {args.json}")
     return 0
 
 
 def _single(args: argparse.Namespace) -> int:
     from jaxccl.schedule import Schedule
     from jaxccl.synth.alltoall import alltoall
-    from jaxccl.topology import Topology, scenario
 
-    if args.topology:
-        with open(args.topology) as f:
-            topo = Topology.from_json(f.read())
-    else:
-        topo = rail_1xhx8(args.hosts, args.gpus_per_host)
-    if args.scenario:
-        topo = scenario(topo, args.scenario)
+    topo = single_topology(args)
     previous = None
     if args.previous:
         with open(args.previous) as f:
             previous = Schedule.from_json(f.read())
+    print(f"synthesizing all_to_all for {topo.name or 'the topology'} ({topo.num_gpus} GPUs)")
     s = alltoall(
         topo,
         previous=previous,
@@ -277,52 +294,57 @@ def _single(args: argparse.Namespace) -> int:
         f"{s!r}\n  LP bound {s.bound / 1e9:.4f} GB/s, rounded {s.algbw / 1e9:.4f} GB/s (gap {i['gap_pct']:.3f} %), "
         f"K = {i['chunks']}, {i['iterations']} iterations, {i['columns_generated']} columns generated, "
         f"{i['reused_columns']} reused, solve {_solve_time(s):.3f} s, total {i['solve_time_s']:.3f} s"
+        + ("" if args.no_validate else "; checked by the reference interpreter")
     )
     if args.out:
         with open(args.out, "w") as f:
             f.write(s.to_json())
-        print(f"  wrote {args.out}")
+        print(f"wrote {args.out}")
     if args.json:
         summary = {k: v for k, v in i.items() if k not in ("paths", "link_chunks")}
-        report.write_json(args.json, {"algbw": s.algbw, "bound": s.bound, "info": summary})
+        report.write_json(args.json, {"topology": topo.name, "algbw": s.algbw, "bound": s.bound, "info": summary})
+        print(f"wrote {args.json}")
     return 0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-hosts", type=int, default=64, help="largest H of the 1 x H x 8 rail topologies (default 64)")
-    p.add_argument("--min-hosts", type=int, default=2, help="smallest H of the benchmark (default 2)")
-    p.add_argument("--states", default=",".join(STATES), help="comma-separated states (default all)")
-    p.add_argument("--runs", type=int, default=None, help="runs per point (default: 3 up to 8 hosts, 1 above)")
-    p.add_argument("--max-chunks", type=int, default=10, help="most chunks per commodity (default 10)")
+    """The options of ``jaxccl synth alltoall`` (also used by ``benchmarks/synth_alltoall.py``)."""
+    add_topology_arguments(p)
+    p.add_argument("--max-chunks", type=positive_int, default=10, help="most chunks per commodity (default 10)")
     p.add_argument(
         "--reuse-tolerance",
         type=float,
         default=None,
         help="warm starts keep the previous chunk count within this fraction of the LP bound (default 0.0025)",
     )
-    p.add_argument(
-        "--validate-max-gpus", type=int, default=256, help="check schedules up to this size with the interpreter"
-    )
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--topology", metavar="FILE", help="synthesize for this topology JSON instead of benchmarking")
-    p.add_argument("--hosts", type=int, help="synthesize for the rail 1 x HOSTS x --gpus-per-host")
-    p.add_argument("--gpus-per-host", type=int, default=8)
-    p.add_argument("--scenario", choices=("fail1", "fail2", "fail3"), help="apply an MCCL failure scenario")
-    p.add_argument("--previous", metavar="FILE", help="warm start from this schedule JSON")
-    p.add_argument("--time-budget", type=float, default=None, help="seconds for the LP phase")
+    p.add_argument("--time-budget", type=positive_float, default=None, help="seconds for the LP phase")
     p.add_argument("--minimize-steps", action="store_true", help="MCCL App. D: smallest step bound at the optimum")
     p.add_argument("--no-validate", action="store_true", help="skip the reference interpreter")
-    p.add_argument("--out", metavar="PATH", help="write the schedule JSON here")
+    add_mode_arguments(p)
+    g = p.add_argument_group("benchmark options (with --benchmark)")
+    g.add_argument("--min-hosts", type=positive_int, help="smallest H of the benchmark (default 2)")
+    g.add_argument("--max-hosts", type=positive_int, help="largest H of the rail topologies (default 64)")
+    g.add_argument("--states", help="comma-separated states (default all: " + ",".join(STATES) + ")")
+    g.add_argument("--runs", type=positive_int, help="runs per point (default: 7 up to 16 hosts, 3 above)")
+    g.add_argument(
+        "--validate-max-gpus", type=positive_int, help="check schedules up to this size with the interpreter (256)"
+    )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``alltoall`` to ``jaxccl synth``."""
-    p = subparsers.add_parser("alltoall", help="synthesize or benchmark AllToAll schedules (column generation)")
+    p = subparsers.add_parser(
+        "alltoall",
+        help="synthesize an AllToAll schedule by column generation (or benchmark the synthesizer)",
+        description=plain(__doc__),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(p)
     p.set_defaults(func=main)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=plain(__doc__.splitlines()[0]))
     add_arguments(ap)
+    ap.set_defaults(benchmark=True)
     sys.exit(main(ap.parse_args()))

@@ -2,7 +2,10 @@
 
 Every ``interval_s`` it drains the communicator's telemetry (EWMA link matrix
 ``M``), runs Algorithm 1 (:mod:`jaxccl.control.algorithm1`) for every active
-schedule it manages, and for a flagged one re-synthesizes warm-started from
+schedule it manages. A flagged schedule is ``"detected"`` at its first
+flagged measurement; once it stayed flagged over ``confirm`` fresh samples
+and the EWMA has settled (``"confirmed"``; a flag that goes away first is
+``"cleared"``), the controller re-synthesizes it warm-started from
 the running schedule (AllGather: tree packing, AllToAll: column generation) on
 the topology as measured, validates the result with the reference
 interpreter, drains once more and aborts if the degradation cleared
@@ -18,7 +21,7 @@ Example:
     >>> with ctl:                                          # doctest: +SKIP
     ...     train()                                        # the thread runs meanwhile
     >>> [e.kind for e in ctl.events]                       # doctest: +SKIP
-    ['detected', 'synthesized', 'staged', 'activated']
+    ['detected', 'confirmed', 'synthesized', 'staged', 'activated']
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from jaxccl.control.algorithm1 import CheckResult, ScheduleProfile, check, nominal_capacities, profile
 
@@ -45,7 +50,7 @@ Synthesizer = Callable[[Any, Any], Any]  # (measured topology, running schedule)
 class Event:
     """One step of the loop. ``time_ns`` is ``time.monotonic_ns()`` (the executor's clock)."""
 
-    kind: str  # detected | synthesized | aborted | rejected | staged | activated | error
+    kind: str  # detected | cleared | confirmed | synthesized | aborted | rejected | staged | activated | error
     time_ns: int
     collective: str | None
     detail: Mapping[str, Any]
@@ -86,6 +91,23 @@ def measured_topology(base: Any, estimates: Mapping[tuple, float], *, tolerance:
     return base.with_edges({e: {"capacity": f * base.capacity(*e)} for e, f in factors.items()})
 
 
+def _samples_of(samples: np.ndarray, pairs: frozenset[tuple[int, int]]) -> int:
+    """Measurements of the schedule: the fewest samples of its inter-node pairs (all entries' if it has none)."""
+    if not pairs:
+        return int(samples.sum())
+    return int(min(samples[i, j] for i, j in pairs))
+
+
+def _degraded_links(caps: Mapping[tuple, float], belief: Any, tolerance: float) -> dict[str, float]:
+    """``"u->v": measured / believed`` for the links measured more than ``tolerance`` below what was believed."""
+    out = {}
+    for (u, v), c in nominal_capacities(belief).items():
+        m = caps.get((u, v), c)
+        if m < c * (1 - tolerance):
+            out[f"{u}->{v}"] = round(m / c, 4)
+    return out
+
+
 @dataclasses.dataclass
 class _Managed:
     collective: str
@@ -95,7 +117,19 @@ class _Managed:
     staged_version: int = 0
     staged_ns: int = 0
     flagged_in_a_row: int = 0
+    detected_ns: int = 0
+    samples_seen: int = -1
     last: CheckResult | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Checked:
+    """One Algorithm-1 check against the telemetry, and whether that telemetry can be acted on."""
+
+    result: CheckResult
+    caps: dict[tuple, float]  # M_a from the EWMA (nominal where unmeasured)
+    settled: bool  # the EWMA agrees with the latest raw samples on every link of the schedule
+    fresh: bool  # new samples arrived since the previous check
 
 
 class Controller:
@@ -108,10 +142,17 @@ class Controller:
         interval_s: period of the background loop.
         tolerance: estimates within this fraction of nominal count as healthy when
             building the measured topology.
-        confirm: consecutive iterations a schedule must be flagged before it is
-            re-synthesized (1 = MCCL as written; 2 filters a single noisy sample,
-            e.g. the first measurement after a swap; our addition against thrashing,
-            which MCCL leaves to future work).
+        confirm: consecutive iterations with new measurements a schedule must be
+            flagged before it is re-synthesized (1 = MCCL as written; 2 filters a
+            single noisy sample, e.g. the first measurement after a swap; our
+            addition against thrashing, which MCCL leaves to future work).
+            Iterations that drained no new measurement neither confirm nor clear.
+            A flagged schedule is re-synthesized only once the EWMA has settled:
+            on every link of the schedule, the estimate from the EWMA and the one
+            from the latest raw samples agree within ``tolerance`` of nominal.
+            Acting on an EWMA still on its way down would synthesize for a
+            capacity the link does not have, and the next samples would flag
+            the new schedule again (one failure, several swaps).
         intra_min_drop: a GPU's intra-node injection throughput counts against its
             NVSwitch uplink only when it is this far below nominal (injection is
             also limited by the receivers; our choice, MCCL does not say).
@@ -220,17 +261,26 @@ class Controller:
             caps[e] = v
         return caps
 
-    def _check(self, m: _Managed) -> tuple[CheckResult, dict[tuple, float]] | None:
+    def _settled(self, tel: Any, m: _Managed, caps: Mapping[tuple, float]) -> bool:
+        latest = dataclasses.replace(tel, matrix=np.where(np.isnan(tel.last), tel.matrix, tel.last))
+        raw = self._estimates(latest, m)
+        base = self.comm.topology
+        return all(abs(caps[a] - raw[a]) <= self.tolerance * base.capacity(*a) for a in m.profile.link_chunks)
+
+    def _check(self, m: _Managed) -> _Checked | None:
         schedule = self.comm.schedule(m.collective)
         if schedule is None:
             return None
         if schedule.digest != m.digest:
             m.profile = profile(schedule, m.belief)
             m.digest = schedule.digest
-        caps = self._estimates(self.comm.telemetry(), m)
+        tel = self.comm.telemetry()
+        caps = self._estimates(tel, m)
         result = check(m.profile, caps, gamma=self.gamma)
         m.last = result
-        return result, caps
+        seen = _samples_of(tel.samples, m.profile.inter_pairs)
+        fresh, m.samples_seen = seen != m.samples_seen, seen
+        return _Checked(result, caps, self._settled(tel, m, caps) if result.flagged else True, fresh)
 
     def _step(self) -> None:
         for m in self._managed.values():
@@ -238,13 +288,37 @@ class Controller:
             if m.staged_version:
                 continue  # wait until the staged schedule runs before judging again
             checked = self._check(m)
-            if checked is None or not checked[0].flagged:
+            if checked is None or not checked.result.flagged:
+                if m.flagged_in_a_row:
+                    self._emit("cleared", m.collective, flagged_samples=m.flagged_in_a_row)
                 m.flagged_in_a_row = 0
                 continue
+            if not checked.fresh:
+                continue  # the same data again: neither confirms nor clears
             m.flagged_in_a_row += 1
-            if m.flagged_in_a_row >= self.confirm:
+            if m.flagged_in_a_row == 1:
+                m.detected_ns = self._detected(m, checked).time_ns
+            if m.flagged_in_a_row >= self.confirm and checked.settled:
+                self._emit(
+                    "confirmed",
+                    m.collective,
+                    flagged_samples=m.flagged_in_a_row,
+                    confirm_ms=(time.monotonic_ns() - m.detected_ns) / 1e6,
+                    degraded=_degraded_links(checked.caps, m.belief, self.tolerance),
+                )
                 m.flagged_in_a_row = 0
-                self._resynthesize(m, *checked)
+                self._resynthesize(m, checked.result, checked.caps)
+
+    def _detected(self, m: _Managed, checked: _Checked) -> Event:
+        r = checked.result
+        return self._emit(
+            "detected",
+            m.collective,
+            max_delta=r.max_delta,
+            worst_link=str(r.worst),
+            x_min=r.x_min,
+            degraded=_degraded_links(checked.caps, m.belief, self.tolerance),
+        )
 
     def _note_activation(self, m: _Managed) -> None:
         if not m.staged_version or self.comm.backend not in ("cpu", "cuda"):
@@ -267,7 +341,6 @@ class Controller:
 
         coll = m.collective
         running = self.comm.schedule(coll)
-        self._emit("detected", coll, max_delta=result.max_delta, worst_link=str(result.worst), x_min=result.x_min)
         target = measured_topology(self.comm.topology, caps, tolerance=self.tolerance)
         t0 = time.perf_counter()
         new = self.synthesizers[coll](target, running)
@@ -275,7 +348,7 @@ class Controller:
         self.resyntheses += 1
         self._emit("synthesized", coll, synth_ms=synth_s * 1e3, predicted_algbw=new.algbw, name=new.name)
         again = self._check(m)
-        if again is None or not again[0].flagged:
+        if again is None or not again.result.flagged:
             self._emit("aborted", coll, reason="the degradation cleared during re-synthesis")
             return
         stale = (
