@@ -32,7 +32,7 @@ from jaxccl.topology import Topology, fat_tree, rail, ring  # noqa: E402
 settings.register_profile(
     "ci", max_examples=150, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-settings.register_profile("long", max_examples=20_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("long", max_examples=5_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 PROFILE = os.environ.get("JAXCCL_FUZZ", "ci")
 
 SCHEDULES = [
