@@ -132,10 +132,8 @@ def _set(obj, path, value):
     return obj
 
 
-@settings.get_profile(PROFILE)
-@given(st.sampled_from(SCHEDULES), st.data())
-def test_schedule_json_values(schedule, data):
-    doc = schedule.to_dict()
+def _mutated_json(doc: dict, data) -> str | None:
+    """``doc`` with one to three values replaced by random JSON, as text (``None`` if not representable)."""
     paths = list(_paths(doc))
     for _ in range(data.draw(st.integers(1, 3))):
         path = data.draw(st.sampled_from(paths))
@@ -144,9 +142,15 @@ def test_schedule_json_values(schedule, data):
         except (KeyError, IndexError, TypeError):
             continue  # an earlier edit removed the path
     try:
-        text = json.dumps(doc)
+        return json.dumps(doc)
     except ValueError:
-        return
+        return None
+
+
+@settings.get_profile(PROFILE)
+@given(st.sampled_from(SCHEDULES), st.data())
+def test_schedule_json_values(schedule, data):
+    text = _mutated_json(schedule.to_dict(), data)
     try:
         s = Schedule.from_json(text)
         s.validate()
@@ -158,18 +162,7 @@ def test_schedule_json_values(schedule, data):
 @settings.get_profile(PROFILE)
 @given(st.sampled_from(TOPOLOGIES), st.data())
 def test_topology_json_values(topology, data):
-    doc = topology.to_dict()
-    paths = list(_paths(doc))
-    for _ in range(data.draw(st.integers(1, 3))):
-        path = data.draw(st.sampled_from(paths))
-        try:
-            doc = _set(copy.deepcopy(doc), path, data.draw(JSON_VALUES))
-        except (KeyError, IndexError, TypeError):
-            continue
-    try:
-        text = json.dumps(doc)
-    except ValueError:
-        return
+    text = _mutated_json(topology.to_dict(), data)
     try:
         t = Topology.from_json(text)
     except TopologyError:
