@@ -35,6 +35,7 @@ so this only trades search time for solve size.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import time as _time
@@ -105,6 +106,11 @@ class _Sim:
         self.fp_t = np.full(n_msgs, np.nan)  # when the first piece was out (NaN: not yet / unknown)
         self.sv, self.rv, self.remv = memoryview(self.state), memoryview(self.rate), memoryview(self.rem)
         self.ftv, self.verv, self.fpv = memoryview(self.ft), memoryview(self.ver), memoryview(self.fp_t)
+        self.conn = memoryview(prog.msg_conn)
+        self.num_slots = prog.num_slots
+        self.in_slots: dict[int, int] = {}  # connection -> its messages launched and not yet consumed
+        self.slot_queue: dict[int, collections.deque[int]] = {}  # connection -> launched messages without a slot
+        self.handed: set[int] = set()  # messages handed a freed slot, about to start
         self.links: dict[int, tuple[int, ...]] = {}  # active flow -> its links
         self.bott: dict[int, float] = {}  # active flow -> smallest capacity on its route
         self.on_link: dict[int, set[int]] = {}  # link -> active flows
@@ -204,11 +210,27 @@ class _Sim:
             else:
                 self.push(t, _E_LAUNCH, m)
 
+    def consumed(self, m: int) -> None:
+        """The receiving op of message ``m`` has it (GOT resolved): its slot goes to the next waiting message."""
+        if self.num_slots is None:
+            return
+        c = self.conn[m]
+        q = self.slot_queue.get(c)
+        if q:
+            nxt = q.popleft()
+            if not q:
+                del self.slot_queue[c]
+            self.tv[self.b_launch + nxt] = self.tv[self.b_got + m]
+            self.handed.add(nxt)  # it takes the slot over
+            self._launched.append(nxt)
+        else:
+            self.in_slots[c] -= 1
+
     # ------------------------------------------------------------- propagation
     def propagate(self, frontier: list[int], launched: list[int]) -> None:
         """Resolves the successors of ``frontier`` (whose times are final); collects launches."""
         tv, pv, ptr, sidx, lat = self.tv, self.pv, self.ptr, self.sidx, self.lat
-        b_launch, b_end, b_arr, b_got = self.b_launch, self.b_end, self.b_arr, self.b_got
+        b_launch, b_end, b_arr, b_got, b_start = self.b_launch, self.b_end, self.b_arr, self.b_got, self.b_start
         stack = frontier
         while stack:
             if len(stack) > _BIG_FRONTIER:
@@ -225,6 +247,8 @@ class _Sim:
                     continue
                 if s < b_launch or s >= b_got:
                     stack.append(s)
+                    if b_got <= s < b_start:
+                        self.consumed(s - b_got)
                 elif s < b_end:
                     self.gate(s - b_launch, launched)
                 elif s >= b_arr:  # ARR: END + latency
@@ -257,6 +281,8 @@ class _Sim:
             is_launch = (cand >= self.b_launch) & (cand < self.b_end)
             is_arr = (cand >= self.b_arr) & (cand < self.b_got)
             nxt = cand[~is_launch & ~is_arr]
+            for g in nxt[(nxt >= self.b_got) & (nxt < self.b_start)].tolist():
+                self.consumed(g - self.b_got)
             for m in (cand[is_launch] - self.b_launch).tolist():
                 self.gate(m, launched)
             if is_arr.any():
@@ -276,7 +302,21 @@ class _Sim:
         tv, sv, size = self.tv, self.sv, self.size
         ppv, plv, sp, si = self.ppv, self.plv, self.src_ptr, self.src_idx
         on_link, capl = self.on_link, self.capl
+        in_slots, conn, num_slots = self.in_slots, self.conn, self.num_slots
         for m in launched:
+            if m in self.handed:
+                self.handed.discard(m)
+            elif num_slots is not None:
+                c = conn[m]
+                used = in_slots.get(c, 0)
+                if used >= num_slots:  # every slot holds an unconsumed message: m waits, first come first served
+                    q = self.slot_queue.get(c)
+                    if q is None:
+                        self.slot_queue[c] = collections.deque((m,))
+                    else:
+                        q.append(m)
+                    continue
+                in_slots[c] = used + 1
             t = tv[self.b_launch + m]
             if size[m] <= 0:
                 sv[m] = _RUN
