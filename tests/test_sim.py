@@ -455,3 +455,12 @@ def test_synthesized_allgather_reaches_its_prediction_under_fail2():
 def test_unknown_execution_is_refused():
     with pytest.raises(ValueError, match="execution"):
         sim.run(star(2), ring_allgather(2), 1e6, execution="eager")
+
+
+@pytest.mark.parametrize("module", ["jaxccl.sim", "jaxccl.sim.model", "jaxccl.sim.ordering"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -14,7 +14,9 @@ One iteration takes every event within a relative tolerance of the earliest one
 2. The resolved nodes propagate through the DAG: successors lose a pending
    predecessor and take the max time; a node left with none resolves. A LAUNCH
    whose gates are open (each source's first piece out + its latency, see
-   :mod:`jaxccl.sim.model`) starts a flow; ARR is queued at ``time + latency``.
+   :mod:`jaxccl.sim.model`) starts a flow if its connection has a free slot,
+   else it queues for one (a resolved GOT frees its message's slot and hands
+   it to the first queued message); ARR is queued at ``time + latency``.
 3. Rates are recomputed max-min fairly only in the connected components (flows
    linked by shared links) of the flows that started or ended: allocations of
    disjoint components are independent. A forward's rate is capped by the
