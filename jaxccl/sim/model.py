@@ -22,14 +22,13 @@ The model is MSCCL's (``docs/schedule-ir.md``) seen at flow level:
   fused op (``rcs``, ``rrs``, ``rrcs``) completes when both halves have. Local
   ops (``cpy``, ``re``, ``nop``) take no time; reductions are free (no compute
   model), as in SimAI's network-only runs.
-* **Slots.** A connection holds at most ``num_slots`` messages that were
-  launched and not yet consumed (``None``: unbounded): a message that could
-  launch while all slots are taken waits for the next consumption (its
-  receiving op has the whole message); waiting messages take the freed slots
-  first come, first served. Slots are not bound to sequence numbers, so a
-  late message does not hold back later ones (under in-order execution,
-  messages launch and are consumed in sequence order, and this is MSCCL's
-  rule: the k-th send waits for the consumption of message ``k - num_slots``).
+* **Slots.** A message streams into its receiving op when that op is
+  running; until then it waits in one of its connection's ``num_slots``
+  slots (``None``: unbounded). A message whose receiving op is not running
+  and whose connection has no free slot waits for one: a slot frees when the
+  receiving op of the message in it starts, and waiting messages take freed
+  slots first come, first served. Slots are not bound to sequence numbers,
+  so a late message does not hold back later ones.
 * **Data dependencies and pipelining.** A rank forwards only data it has: a
   sending op whose data comes from a receive (its own fused receive, a
   ``dep`` on a receiving op, or under dataflow execution an earlier receiving
