@@ -70,24 +70,31 @@ def fig1(d: dict[str, Any]) -> str:
 
 
 def fig8(d: dict[str, Any]) -> str:
-    """Per collective: topologies x scenarios, cells ``no reopt / reopt (predicted)``."""
+    """Per collective: topologies x scenarios, cells ``no reopt / reopt (predicted)``; then simulated / predicted."""
     out = []
     rows = d["rows"]
     nccl = {(r["hosts"], r["collective"], r["scenario"]): r["algbw"] for r in rows if r["schedule"] == "nccl"}
     for coll in d["config"]["collectives"]:
-        body = []
+        body, fractions = [], []
         for h in d["config"]["hosts"]:
-            line = [f"1x{h}x8"]
+            line, frac = [f"1x{h}x8"], [f"1x{h}x8"]
             for sc in d["config"]["scenarios"]:
                 got = {r["schedule"]: r for r in rows if (r["hosts"], r["collective"], r["scenario"]) == (h, coll, sc)}
                 if "reopt" not in got:
                     line.append("-")
+                    frac.append("-")
                     continue
                 re = got["reopt"]
                 pred = re["predicted_algbw"] / nccl[(h, coll, sc)] if re.get("predicted_algbw") else None
                 line.append(f"{_x(got['orig']['ratio'])} / **{_x(re['ratio'])}** ({_x(pred)})")
+                frac.append(_x(re["algbw"] / re["predicted_algbw"]) if re.get("predicted_algbw") else "-")
             body.append(line)
+            fractions.append(frac)
         out.append(f"**{coll}**\n\n" + _table(["topology", *d["config"]["scenarios"]], body))
+        out.append(
+            f"**{coll}, reopt: simulated / predicted algbw**\n\n"
+            + _table(["topology", *d["config"]["scenarios"]], fractions)
+        )
     return "\n\n".join(out)
 
 

@@ -212,13 +212,20 @@ def test_tree_allreduce_hand_computed():
 
     0 and 2 share 1's downlink: both partials are in at 2S/B + 2L; 1 sends the sum to 3
     (S/B + 2L), 3 sends the result back (S/B + 2L); 1 forwards it to 0 and 2 over its
-    uplink at B/2 each (2S/B + 2L): 6S/B + 8L store-and-forward. Pipelined, 1's forwards
-    start once the first piece from 3 is in and run coupled to it: 5S/B + q/B + 8L.
+    uplink at B/2 each (2S/B + 2L): 6S/B + 8L store-and-forward. Pipelined and in
+    order, 1's forwards start once the first piece from 3 is in and run coupled to it:
+    5S/B + q/B + 8L. Dataflow also streams 3's send behind its own receive (a send
+    reading what a receive of its threadblock writes streams, as a dependency does).
     """
     size, piece = 8e6, 1e6
     s = binary_tree_allreduce(4)
-    assert close(sim.run(star(4), s, size, pipeline_bytes=None).time_s, 6 * size / GB + 8 * LAT)
-    assert close(sim.run(star(4), s, size, pipeline_bytes=piece).time_s, 5 * size / GB + piece / GB + 8 * LAT)
+    for execution in sim.EXECUTIONS:
+        assert close(
+            sim.run(star(4), s, size, pipeline_bytes=None, execution=execution).time_s, 6 * size / GB + 8 * LAT
+        )
+    in_order = sim.run(star(4), s, size, pipeline_bytes=piece, execution="in_order").time_s
+    assert close(in_order, 5 * size / GB + piece / GB + 8 * LAT)
+    assert sim.run(star(4), s, size, pipeline_bytes=piece).time_s < in_order
 
 
 def test_concurrent_jobs_share_links():
@@ -271,11 +278,18 @@ def test_iterations_tile_the_buffer():
 
 # ----------------------------------------------------------------------------- model errors
 def test_deadlock_is_reported():
-    # each rank receives before it sends, on one threadblock: nobody ever sends
+    # each rank receives before it sends what it received, on one threadblock: nobody ever sends
+    tb = lambda peer: Threadblock((Op(OpKind.RECV, O, 0, O, 0), Op(OpKind.SEND, O, 0, O, 0)), peer, peer)  # noqa: E731
+    s = make_schedule("all_gather", 2, 1, [[tb(1)], [tb(0)]])
+    for execution in sim.EXECUTIONS:
+        with pytest.raises(ScheduleError, match="deadlock"):
+            sim.run(star(2), s, 1e6, execution=execution)
+    # with unrelated data, only in-order execution blocks: the send waits behind the receive
     tb = lambda peer: Threadblock((Op(OpKind.RECV, O, 0, O, 0), Op(OpKind.SEND, I, 0, O, 0)), peer, peer)  # noqa: E731
     s = make_schedule("all_gather", 2, 1, [[tb(1)], [tb(0)]])
     with pytest.raises(ScheduleError, match="deadlock"):
-        sim.run(star(2), s, 1e6)
+        sim.run(star(2), s, 1e6, execution="in_order")
+    assert close(sim.run(star(2), s, 1e6).time_s, 1e6 / GB + 2 * LAT)
 
 
 def test_unmatched_send_is_reported():
@@ -342,8 +356,8 @@ def test_analytic_ring_model_matches_simulator(sc):
     topo = base if sc == "none" else scenario(base, sc)
     orders = rail_channel_orders(topo)
     n, k, m = topo.num_gpus, len(orders), 32 << 20
-    ag = sim.run(topo, nccl_allgather(topo), m).time_s
-    rs = sim.run(topo, nccl_reduce_scatter(topo), m).time_s
+    ag = sim.run(topo, nccl_allgather(topo), m, execution="in_order").time_s  # NCCL's rings run in order
+    rs = sim.run(topo, nccl_reduce_scatter(topo), m, execution="in_order").time_s
     assert close(ring_time(topo, orders, m / k, steps=n - 1), ag)
     assert close(ring_time(topo, orders, m / n / k, steps=n - 1), rs)
 
@@ -377,7 +391,8 @@ def test_sim_run_cli(tmp_path):
     assert data["time_s"] > 0 and math.isfinite(data["algbw"]) and png.exists()
 
 
-def test_program_order_versus_dataflow():
+# ----------------------------------------------------------------------------- execution: no head-of-line blocking
+def test_dataflow_does_not_block_behind_a_waiting_op_and_in_order_does():
     # rank 0's threadblock towards 1 forwards X (from rank 2) and then sends its own data
     size = 4e6
     b = ScheduleBuilder("all_gather", 3, 1)
@@ -385,7 +400,67 @@ def test_program_order_versus_dataflow():
     b.transfer(0, 1, (O, 2), (O, 2), after=[h])
     b.transfer(0, 1, (I, 0), (O, 0))
     s = b.build()
-    ordered = sim.run(star(3), s, size, pipeline_bytes=None).time_s
-    dataflow = sim.run(star(3), s, size, pipeline_bytes=None, program_order=False, num_slots=None).time_s
-    assert close(ordered, 3 * size / GB + 4 * LAT)  # the own send waits behind the forward
+    in_order = sim.run(star(3), s, size, pipeline_bytes=None, execution="in_order").time_s
+    dataflow = sim.run(star(3), s, size, pipeline_bytes=None).time_s
+    assert close(in_order, 3 * size / GB + 4 * LAT)  # the own send waits behind the forward
     assert close(dataflow, 2 * size / GB + 4 * LAT)  # it goes first, while X is on its way
+    assert sim.run(star(3), s, size, pipeline_bytes=None, execution="dataflow").time_s == dataflow  # the default
+
+
+def test_dataflow_keeps_the_order_the_data_needs():
+    # one threadblock of rank 0 receives X into O[2] and sends O[2] on, with no explicit dependency:
+    # the send reads what the receive writes, so it waits for it (store-and-forward without pipelining)
+    size = 4e6
+    relay = Threadblock((Op(OpKind.RECV, O, 2, O, 2), Op(OpKind.SEND, O, 2, O, 2)), send_peer=1, recv_peer=2)
+    progs = [
+        [relay],
+        [Threadblock((Op(OpKind.RECV, O, 2, O, 2),), recv_peer=0)],
+        [Threadblock((Op(OpKind.SEND, I, 0, O, 2),), send_peer=0)],
+    ]
+    s = make_schedule("all_gather", 3, 1, progs)
+    assert close(sim.run(star(3), s, size, pipeline_bytes=None).time_s, 2 * (size / GB + 2 * LAT))
+    piece = 1e6  # pipelined, the forward streams behind the receive, as a cross-threadblock dependency would
+    assert close(sim.run(star(3), s, size, pipeline_bytes=piece).time_s, size / GB + piece / GB + 4 * LAT)
+
+
+def test_threadblock_order_hazards_and_nop_barriers():
+    from jaxccl.sim.ordering import threadblock_order
+
+    ops = (
+        Op(OpKind.SEND, O, 0, O, 0),  # 0 reads O[0]
+        Op(OpKind.RECV, O, 1, O, 1),  # 1 writes O[1]
+        Op(OpKind.RECV, O, 0, O, 0),  # 2 writes O[0]: after the read (0)
+        Op(OpKind.SEND, O, 0, O, 0, count=2),  # 3 reads O[0..1]: after its writers (1, 2)
+        Op(OpKind.NOP),  # 4: after 0..3
+        Op(OpKind.SEND, I, 0, O, 0),  # 5: after the nop
+    )
+    assert threadblock_order(Threadblock(ops, send_peer=1, recv_peer=1)) == [
+        (0, 2), (0, 4), (1, 3), (1, 4), (2, 3), (2, 4), (3, 4), (4, 5),
+    ]  # fmt: skip
+
+
+def test_synthesized_allgather_reaches_its_prediction_under_fail2():
+    from jaxccl.synth.allgather import allgather
+
+    healthy = rail(hosts=2, gpus_per_host=4)
+    topo = scenario(healthy, "fail2")
+    s = allgather(topo, previous=allgather(healthy))
+    nbytes = 32 << 20
+    dataflow = sim.run(topo, s, nbytes).algbw
+    in_order = sim.run(topo, s, nbytes, execution="in_order").algbw
+    assert dataflow >= 0.97 * s.algbw, (dataflow / s.algbw, in_order / s.algbw)
+    assert in_order < dataflow
+
+
+def test_unknown_execution_is_refused():
+    with pytest.raises(ValueError, match="execution"):
+        sim.run(star(2), ring_allgather(2), 1e6, execution="eager")
+
+
+@pytest.mark.parametrize("module", ["jaxccl.sim", "jaxccl.sim.model", "jaxccl.sim.ordering"])
+def test_docstring_examples(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0

@@ -206,9 +206,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             q.add_argument("--collective", nargs="+", choices=("all_gather", "all_to_all"))
             q.add_argument(
                 "--model",
-                default="threadblock",
-                choices=("threadblock", "dataflow"),
-                help="threadblock: jaxccl's executor (default); dataflow: every transfer as soon as its data allows",
+                default="dataflow",
+                choices=("dataflow", "in_order"),
+                help="dataflow: jaxccl's executors, no head-of-line blocking (default); in_order: MSCCL's runtime",
             )
         if name == "fig11":
             q.add_argument("--gpus", type=positive_int, nargs="+", help="cluster sizes (default 128 ... 2048)")

@@ -3,7 +3,8 @@
 Messages of a schedule become flows over the topology's routes; concurrent
 flows share link capacity max-min fairly (progressive filling, recomputed
 whenever a flow starts or ends); every route adds its latency; threadblocks run
-their ops in order, a rank forwards only data it has received, and forwarded
+their ops by readiness (an op whose data is ready never waits behind an unrelated
+op of its threadblock), a rank forwards only data it has received, and forwarded
 chunks are pipelined in pieces (see :mod:`jaxccl.sim.model` for the exact
 model and :mod:`jaxccl.sim.engine` for the event loop).
 
@@ -29,13 +30,22 @@ import numpy as np
 from jaxccl.schedule.ir import Schedule
 from jaxccl.sim.engine import EngineStats, simulate
 from jaxccl.sim.fairness import max_min_rates
-from jaxccl.sim.model import DEFAULT_PIPELINE_BYTES, DEFAULT_SLOTS, Job, Program, auto_iterations, compile_jobs
+from jaxccl.sim.model import (
+    DEFAULT_PIPELINE_BYTES,
+    DEFAULT_SLOTS,
+    EXECUTIONS,
+    Job,
+    Program,
+    auto_iterations,
+    compile_jobs,
+)
 from jaxccl.sim.routes import ROUTING_METHODS, Router
 from jaxccl.topology import Topology
 
 __all__ = [
     "DEFAULT_PIPELINE_BYTES",
     "DEFAULT_SLOTS",
+    "EXECUTIONS",
     "ROUTING_METHODS",
     "EngineStats",
     "Job",
@@ -138,7 +148,7 @@ def run_jobs(
     pipeline_bytes: float | None = DEFAULT_PIPELINE_BYTES,
     num_slots: int | None = DEFAULT_SLOTS,
     routing: str = "primary",
-    program_order: bool = True,
+    execution: str = "dataflow",
     progress: Callable[[float], None] | None = None,
     max_wall_s: float | None = None,
 ) -> SimResult:
@@ -153,8 +163,11 @@ def run_jobs(
         routing: ``"primary"`` (the topology's primary route, computed fast),
             ``"topology"`` (ask ``topo.paths``) or ``"ecmp"`` (one of the
             equal-cost routes per connection, by a stable hash).
-        program_order: ``False`` lets ops ignore their threadblock's order (a
-            dataflow execution; see :func:`jaxccl.sim.model.compile_jobs`).
+        execution: ``"dataflow"`` (an op waits only for its dependencies,
+            the earlier ops of its threadblock that its data needs, its data
+            and its slot: jaxccl's executors) or ``"in_order"`` (MSCCL's
+            runtime: also the previous op of its threadblock); see
+            :mod:`jaxccl.sim.model`.
         progress: called with the fraction of messages done.
         max_wall_s: give up (``RuntimeError``) after this much wall time.
 
@@ -164,7 +177,7 @@ def run_jobs(
     """
     t0 = time.perf_counter()
     router = _router(topo, routing)
-    prog = compile_jobs(jobs, router, pipeline_bytes=pipeline_bytes, num_slots=num_slots, program_order=program_order)
+    prog = compile_jobs(jobs, router, pipeline_bytes=pipeline_bytes, num_slots=num_slots, execution=execution)
     t1 = time.perf_counter()
     tnode, stats = simulate(prog, progress=progress, max_wall_s=max_wall_s)
     return _result(prog, router, jobs, tnode, stats, t0, t1)

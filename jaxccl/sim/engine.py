@@ -14,7 +14,11 @@ One iteration takes every event within a relative tolerance of the earliest one
 2. The resolved nodes propagate through the DAG: successors lose a pending
    predecessor and take the max time; a node left with none resolves. A LAUNCH
    whose gates are open (each source's first piece out + its latency, see
-   :mod:`jaxccl.sim.model`) starts a flow; ARR is queued at ``time + latency``.
+   :mod:`jaxccl.sim.model`) starts a flow unless it needs a slot (its
+   receiving op is not running) and its connection has none free: then it
+   queues for one (a receiving op that starts frees the slot of the message
+   waiting for it and hands it to the first queued message); ARR is queued
+   at ``time + latency``.
 3. Rates are recomputed max-min fairly only in the connected components (flows
    linked by shared links) of the flows that started or ended: allocations of
    disjoint components are independent. A forward's rate is capped by the
@@ -35,6 +39,7 @@ so this only trades search time for solve size.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import time as _time
@@ -105,6 +110,14 @@ class _Sim:
         self.fp_t = np.full(n_msgs, np.nan)  # when the first piece was out (NaN: not yet / unknown)
         self.sv, self.rv, self.remv = memoryview(self.state), memoryview(self.rate), memoryview(self.rem)
         self.ftv, self.verv, self.fpv = memoryview(self.ft), memoryview(self.ver), memoryview(self.fp_t)
+        self.conn = memoryview(prog.msg_conn)
+        self.num_slots = prog.num_slots
+        self.receiver = memoryview(prog.msg_receiver)
+        self.n_ops = prog.num_ops
+        self.in_slots: dict[int, int] = {}  # connection -> its messages in slots (their receiving ops not running)
+        self.slot_queue: dict[int, collections.deque[int]] = {}  # connection -> launched messages without a slot
+        self.handed: set[int] = set()  # messages handed a freed slot, about to start
+        self.held: dict[int, int] = {}  # receiving op not running yet -> the message waiting in a slot for it
         self.links: dict[int, tuple[int, ...]] = {}  # active flow -> its links
         self.bott: dict[int, float] = {}  # active flow -> smallest capacity on its route
         self.on_link: dict[int, set[int]] = {}  # link -> active flows
@@ -204,11 +217,60 @@ class _Sim:
             else:
                 self.push(t, _E_LAUNCH, m)
 
+    def take_slot(self, m: int) -> bool:
+        """Whether launched message ``m`` may start now (see the slot rule of :mod:`jaxccl.sim.model`).
+
+        A message whose receiving op is running streams into it and needs no
+        slot; otherwise it waits in one of its connection's slots until that op
+        starts, or, all slots taken, queues for a slot (first come, first served).
+        """
+        c = self.conn[m]
+        r = self.receiver[m]
+        handed = m in self.handed
+        if handed:
+            self.handed.discard(m)
+        if self.pv[r] == 0:  # the receiving op is running
+            if handed:
+                self.free_slot(c, self.tv[self.b_launch + m])
+            return True
+        if not handed:
+            used = self.in_slots.get(c, 0)
+            if used >= self.num_slots:
+                q = self.slot_queue.get(c)
+                if q is None:
+                    self.slot_queue[c] = collections.deque((m,))
+                else:
+                    q.append(m)
+                return False
+            self.in_slots[c] = used + 1
+        self.held[r] = m
+        return True
+
+    def free_slot(self, c: int, t: float) -> None:
+        """A slot of connection ``c`` is free at ``t``: the first queued message takes it, or it stays free."""
+        q = self.slot_queue.get(c)
+        if q:
+            nxt = q.popleft()
+            if not q:
+                del self.slot_queue[c]
+            self.tv[self.b_launch + nxt] = t
+            self.handed.add(nxt)
+            self._launched.append(nxt)
+        else:
+            self.in_slots[c] -= 1
+
+    def receiver_ready(self, op: int) -> None:
+        """Op ``op`` starts: a message waiting in a slot for it streams into it, and its slot is free."""
+        m = self.held.pop(op, None)
+        if m is not None:
+            self.free_slot(self.conn[m], self.tv[op])
+
     # ------------------------------------------------------------- propagation
     def propagate(self, frontier: list[int], launched: list[int]) -> None:
         """Resolves the successors of ``frontier`` (whose times are final); collects launches."""
         tv, pv, ptr, sidx, lat = self.tv, self.pv, self.ptr, self.sidx, self.lat
         b_launch, b_end, b_arr, b_got = self.b_launch, self.b_end, self.b_arr, self.b_got
+        n_ops, held = self.n_ops, self.held
         stack = frontier
         while stack:
             if len(stack) > _BIG_FRONTIER:
@@ -225,6 +287,8 @@ class _Sim:
                     continue
                 if s < b_launch or s >= b_got:
                     stack.append(s)
+                    if s < n_ops and held:
+                        self.receiver_ready(s)
                 elif s < b_end:
                     self.gate(s - b_launch, launched)
                 elif s >= b_arr:  # ARR: END + latency
@@ -257,6 +321,9 @@ class _Sim:
             is_launch = (cand >= self.b_launch) & (cand < self.b_end)
             is_arr = (cand >= self.b_arr) & (cand < self.b_got)
             nxt = cand[~is_launch & ~is_arr]
+            if self.held:
+                for op in nxt[nxt < self.n_ops].tolist():
+                    self.receiver_ready(op)
             for m in (cand[is_launch] - self.b_launch).tolist():
                 self.gate(m, launched)
             if is_arr.any():
@@ -276,7 +343,10 @@ class _Sim:
         tv, sv, size = self.tv, self.sv, self.size
         ppv, plv, sp, si = self.ppv, self.plv, self.src_ptr, self.src_idx
         on_link, capl = self.on_link, self.capl
+        slots = self.num_slots is not None
         for m in launched:
+            if slots and not self.take_slot(m):
+                continue
             t = tv[self.b_launch + m]
             if size[m] <= 0:
                 sv[m] = _RUN

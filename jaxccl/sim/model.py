@@ -8,20 +8,31 @@ The model is MSCCL's (``docs/schedule-ir.md``) seen at flow level:
   one flow over the route ``a -> b`` of the topology (its primary route; see
   :class:`jaxccl.sim.routes.Router` for ECMP). Chunk bytes are
   ``bytes_per_rank / input chunks`` (fluid: no rounding to elements).
-* **Threadblocks** run their ops in order: an op is *ready* when the previous op
-  of its threadblock has completed and its ``deps`` have completed. A sending op
+* **Threadblocks** run their ops by readiness (``execution="dataflow"``, the
+  default, the rule of jaxccl's executors): an op is *ready* when its ``deps``
+  have completed and so have the earlier ops of its threadblock that its data
+  needs (:mod:`jaxccl.sim.ordering`: overlapping chunks with a write, and
+  ``nop`` barriers); an op whose data is ready never waits behind an unrelated
+  op of its threadblock (no head-of-line blocking). ``execution="in_order"``
+  is MSCCL's original runtime: an op also waits for the previous op of its
+  threadblock. A sending op
   completes when its flow has pushed the last byte (sends are eager: the sender
   does not wait for the receiving op); a receiving op completes when it is ready
   and the whole message has arrived (last byte sent + the route's latency); a
   fused op (``rcs``, ``rrs``, ``rrcs``) completes when both halves have. Local
   ops (``cpy``, ``re``, ``nop``) take no time; reductions are free (no compute
   model), as in SimAI's network-only runs.
-* **Slots.** A connection holds at most ``num_slots`` unconsumed messages: the
-  k-th send waits until the receiver has consumed message ``k - num_slots``
-  (``None``: unbounded).
+* **Slots.** A message streams into its receiving op when that op is
+  running; until then it waits in one of its connection's ``num_slots``
+  slots (``None``: unbounded). A message whose receiving op is not running
+  and whose connection has no free slot waits for one: a slot frees when the
+  receiving op of the message in it starts, and waiting messages take freed
+  slots first come, first served. Slots are not bound to sequence numbers,
+  so a late message does not hold back later ones.
 * **Data dependencies and pipelining.** A rank forwards only data it has: a
-  sending op whose data comes from a receive (its own fused receive, or a
-  ``dep`` on a receiving op of another threadblock) starts only once that
+  sending op whose data comes from a receive (its own fused receive, a
+  ``dep`` on a receiving op, or under dataflow execution an earlier receiving
+  op of its threadblock that writes what it reads) starts only once that
   receiving op is ready and the first *pipeline piece* (``pipeline_bytes``) of
   the incoming message has arrived; while the incoming flow is still running,
   the outgoing flow is rate-coupled to it (it cannot send faster than data
@@ -36,8 +47,8 @@ The model is MSCCL's (``docs/schedule-ir.md``) seen at flow level:
   once per iteration, so a threadblock stalled on one op of iteration ``p``
   does not hold back the data of iteration ``p - 1``;
   :func:`auto_iterations` picks MSCCL's count, one protocol step per chunk and
-  iteration. The default is one iteration: the op-by-op execution of jaxccl's
-  own executors.
+  iteration. Tiling matters for in-order execution; dataflow execution needs
+  none, and the default is one iteration.
 * **Rates.** Concurrent flows share every link max-min fairly; a forward's rate
   is also capped by its sources' (see :mod:`jaxccl.sim.engine`).
 
@@ -62,12 +73,14 @@ import numpy as np
 
 from jaxccl.errors import ScheduleError, TopologyError
 from jaxccl.schedule.ir import Schedule, Threadblock
+from jaxccl.sim.ordering import threadblock_order
 from jaxccl.sim.routes import Router
 
 __all__ = [
     "DEFAULT_FLOW_BUDGET",
     "DEFAULT_PIPELINE_BYTES",
     "DEFAULT_SLOTS",
+    "EXECUTIONS",
     "Job",
     "Program",
     "auto_iterations",
@@ -78,6 +91,7 @@ DEFAULT_PIPELINE_BYTES = 512 * 1024  # NCCL's Simple protocol: 4 MiB buffer / 8 
 DEFAULT_SLOTS = 8  # MSCCL's slots per connection
 DEFAULT_FLOW_BUDGET = 400_000  # messages x iterations that iterations="auto" allows
 MAX_AUTO_ITERATIONS = 16
+EXECUTIONS = ("dataflow", "in_order")  # how a threadblock runs its ops; see the module docstring
 
 # Message node kinds, in block order after the 2 * num_ops op nodes.
 LAUNCH, END, ARR, GOT = range(4)
@@ -129,6 +143,8 @@ class Program:
     msg_src_ptr: np.ndarray  # int64 [num_msgs + 1]: stream sources (launch gates and rate coupling)
     msg_src_idx: np.ndarray  # int64
     msg_streamed: np.ndarray  # bool: some forwarding op streams from this message (its FP matters)
+    msg_conn: np.ndarray  # int64 connection per message
+    num_slots: int | None  # unconsumed messages a connection holds (None: any)
     msg_sender: np.ndarray  # int64 op index per message
     msg_receiver: np.ndarray  # int64 op index per message
     op_job: np.ndarray  # int32 per op
@@ -211,14 +227,14 @@ def compile_jobs(
     *,
     pipeline_bytes: float | None = DEFAULT_PIPELINE_BYTES,
     num_slots: int | None = DEFAULT_SLOTS,
-    program_order: bool = True,
+    execution: str = "dataflow",
 ) -> Program:
     """Builds the event DAG of ``jobs`` on ``router``'s topology.
 
-    With ``program_order=False`` ops wait only for their ``deps``, their data
-    and their slots, not for the previous op of their threadblock: a dataflow
-    execution in which every transfer is a flow that starts as soon as its
-    data allows (an idealized executor, for comparison).
+    ``execution`` is one of :data:`EXECUTIONS`: ``"dataflow"`` (ops wait for
+    their ``deps``, the earlier ops of their threadblock that their data needs,
+    their data and their slots) or ``"in_order"`` (also for the previous op of
+    their threadblock); see the module docstring.
 
     Raises:
         ScheduleError: an op names a missing dependency, a send has no receive
@@ -229,6 +245,9 @@ def compile_jobs(
         raise ValueError(f"pipeline_bytes must be positive or None, got {pipeline_bytes!r}")
     if num_slots is not None and (not isinstance(num_slots, int) or num_slots < 1):
         raise ValueError(f"num_slots must be a positive integer or None, got {num_slots!r}")
+    if execution not in EXECUTIONS:
+        raise ValueError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
+    in_order = execution == "in_order"
     num_gpus = router.topo.num_gpus
 
     # ---- pass 1: flatten ops (one Python step per op; everything else is numpy)
@@ -282,7 +301,12 @@ def compile_jobs(
                 if sc < 0 or rc < 0:
                     _check_peers(tb, sc >= 0, rc >= 0, f"job {j}: rank {r} threadblock {t}")
                 n_tb_ops = len(tb.ops)
+                kept = () if in_order else threadblock_order(tb)
                 for rep in range(reps):
+                    first_op = len(op_job)
+                    for i, k in kept:
+                        dep_of.append(first_op + k)
+                        dep_op.append(first_op + i)
                     for i, op in enumerate(tb.ops):
                         kind = op.kind
                         o = len(op_job)
@@ -344,8 +368,7 @@ def compile_jobs(
             f"{_describe(op_job_a, op_rank_a, op_tb_a, op_pos_a, int(msg_receiver[m]))} "
             f"receives {int(op_count_a[msg_receiver[m]])}"
         )
-    conn_first = np.concatenate([[0], np.cumsum(ns)])
-    msg_seq = np.arange(n_msgs) - conn_first[msg_conn]
+        chunk_a = np.asarray(job_chunk_bytes, dtype=np.float64)
     chunk_a = np.asarray(job_chunk_bytes, dtype=np.float64)
     msg_bytes = op_count_a[msg_sender] * chunk_a[op_job_a[msg_sender]] if n_msgs else np.zeros(0)
     msg_fp = msg_bytes.copy() if pipeline_bytes is None else np.minimum(msg_bytes, float(pipeline_bytes))
@@ -405,7 +428,7 @@ def compile_jobs(
         preds.append(np.asarray(p, dtype=idx_dtype))
         succs.append(np.asarray(s, dtype=idx_dtype))
 
-    first = op_pos_a == 0 if program_order else np.ones(n_ops, dtype=bool)
+    first = op_pos_a == 0 if in_order else np.ones(n_ops, dtype=bool)
     edge(complete[:-1][~first[1:]], ready[1:][~first[1:]])  # program order
     edge(base + MSG_KINDS * n_msgs + op_job_a[first].astype(np.int64), ready[first])  # job start
     stream = sends[dep_of_a] & recvs[deps] if deps.size else np.zeros(0, dtype=bool)
@@ -431,9 +454,6 @@ def compile_jobs(
     msg_streamed[f_src] = True
     local = ~sends & ~recvs
     edge(ready[local], complete[local])
-    if num_slots is not None:
-        late = msg_seq >= num_slots
-        edge(mnode(GOT, m_all[late] - num_slots), mnode(LAUNCH, m_all[late]))
     pred = np.concatenate(preds)
     succ = np.concatenate(succs)
     preds.clear()
@@ -466,6 +486,8 @@ def compile_jobs(
         msg_src_ptr=msg_src_ptr,
         msg_src_idx=msg_src_idx,
         msg_streamed=msg_streamed,
+        msg_conn=msg_conn,
+        num_slots=num_slots,
         msg_sender=msg_sender,
         msg_receiver=msg_receiver,
         op_job=op_job_a,
