@@ -219,7 +219,7 @@ NB_MODULE(_native, m) {
         c.pace = false;
         c.min_window_bytes = 0;
         auto net = Unwrap(Network::Create(c));
-        MeasurementCache cache;
+        MeasurementCache cache{};
         const auto t0 = Clock::now();
         for (int64_t k = 0; k < iterations; ++k) {
           const int64_t now = NowNs();
@@ -227,7 +227,7 @@ NB_MODULE(_native, m) {
           net->OnDelivered(0, 1, 1 << 17, NowNs(), k % 8 == 7, &cache);
           if (k % 64 == 63) {
             net->Flush(1, 1, 0, cache);
-            cache = MeasurementCache();
+            cache.Clear();
             (void)net->Drain();
           }
         }
