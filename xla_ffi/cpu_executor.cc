@@ -178,9 +178,15 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
     if (launch->measure_) launch->caches_.resize(t.tbs.size());
   }
   const size_t scratch_bytes = static_cast<size_t>(ChunkStart(t.scratch_chunks, t.chunks_per_period, *period)) * esize;
-  int32_t max_ops = 0;
-  for (const auto& prog : t.programs) max_ops = std::max(max_ops, ProgramView(prog.data()).num_ops());
-  launch->layout_ = RegionLayout{max_ops, t.num_conns(), t.num_slots};
+  // With link emulation the program runs in tiles, so that relayed messages pipeline as on a GPU.
+  size_t largest = 0;
+  for (const TableOp& op : t.ops) {
+    if (OpSends(op.kind)) largest = std::max(largest, RangeBytes(t.chunks_per_period, *period, esize, op.send_offset(), op.count));
+  }
+  const bool tileable = !t.programs.empty() && ProgramView(t.programs[0].data()).tileable();
+  launch->tiles_ = ChooseTiles(tileable, launch->pace_, largest);
+  launch->op_stride_ = t.programs.empty() ? 0 : ProgramView(t.programs[0].data()).max_ops();
+  launch->layout_ = RegionLayout{launch->op_stride_ * launch->tiles_, t.num_conns(), t.num_slots};
   if (!launch->ctx_->Reset(t, launch->layout_, scratch_bytes)) {
     return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kResourceExhausted,
                                      StrCat("jaxccl: cannot allocate ", scratch_bytes, " bytes of scratch per rank")));
@@ -191,7 +197,7 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   for (int32_t r = 0; r < axis_size; ++r) {
     launch->buffers_[r] = RankBuffers{static_cast<const char*>(arrivals[r].in), static_cast<char*>(arrivals[r].out),
                                       launch->ctx_->scratch[r]->data(), *period, t.chunks_per_period,
-                                      static_cast<int32_t>(esize)};
+                                      static_cast<int32_t>(esize), launch->tiles_};
     launch->rank_first_op_[r] = t.RankFirstOp(r);
   }
   launch->deadline_ = DeadlineAfter(launch->timeout_s_);
@@ -255,8 +261,9 @@ struct CpuProbe {
   int64_t now_ns = 0;
   int64_t wake_ns = INT64_MAX;
 
-  bool Done(int32_t o) const {
-    return l->Flag(rank, l->layout_.op_done(), o)->load(std::memory_order_acquire) >= Tag(l->epoch_, 1);
+  bool Done(int32_t tile, int32_t o) const {
+    return l->Flag(rank, l->layout_.op_done(), static_cast<size_t>(tile) * l->op_stride_ + o)
+               ->load(std::memory_order_acquire) >= Tag(l->epoch_, 1);
   }
   bool Posted(int32_t conn, int32_t m) {
     const size_t cell = l->layout_.cell(conn, m);
@@ -290,14 +297,14 @@ void CpuLaunch::RunThreadblock(int32_t g) {
   const ProgramView p(table_->programs[rank].data());
   const ProgTb tb = p.tb(g - table_->rank_first_tb[rank]);
   TbWait& w = *ctx_->waits[g];
-  int32_t first = tb.first_op;
+  int32_t first = 0;
   while (!aborted_.load(std::memory_order_relaxed)) {
     const uint64_t seen = w.events.load(std::memory_order_seq_cst);
     CpuProbe probe{this, rank};
-    const int32_t o = NextReadyOp(p, tb, &first, probe);
-    if (o == kAllDone) break;
-    if (o >= 0) {
-      if (!Execute(g, tb, o, p.op(o))) break;
+    const int32_t v = NextReadyUnit(p, tb, tiles_, &first, probe);
+    if (v == kAllDone) break;
+    if (v >= 0) {
+      if (!Execute(g, p, tb, UnitOf(p, tb, v))) break;
       continue;
     }
     if (!Sleep(g, seen, probe.wake_ns)) {
@@ -337,21 +344,22 @@ void CpuLaunch::FailStuck(int32_t g, const ProgramView& p, const ProgTb& tb, int
   if (aborted_.load()) return;
   const int32_t rank = table_->tbs[g].rank;
   CpuProbe probe{this, rank};
-  const ProgOp op = p.op(first);
+  const Unit u = UnitOf(p, tb, first);
+  const ProgOp op = p.op(u.op);
   std::string what;
-  if (op.dep >= 0 && !probe.Done(op.dep)) {
+  if (op.dep >= 0 && !probe.Done(u.tile, op.dep)) {
     const int32_t dg = table_->op_tb[rank_first_op_[rank] + op.dep];
     what = StrCat("for op ", rank_first_op_[rank] + op.dep - table_->tbs[dg].first_op, " of threadblock ",
                   dg - table_->rank_first_tb[rank], " of its rank, which did not complete");
-  } else if (op.receives() && !probe.Posted(tb.recv_conn, op.recv_msg)) {
-    what = StrCat("for message ", op.recv_msg, " of its connection, which never arrived (deadlock or a failed peer)");
-  } else if (op.sends() && op.send_msg >= p.num_slots() && !probe.SlotFree(tb.send_conn, op.send_msg)) {
+  } else if (op.receives() && !probe.Posted(tb.recv_conn, u.recv_msg)) {
+    what = StrCat("for message ", u.recv_msg, " of its connection, which never arrived (deadlock or a failed peer)");
+  } else if (u.send_msg >= p.num_slots() && !probe.SlotFree(tb.send_conn, u.send_msg)) {
     what = StrCat("for a free slot: all ", p.num_slots(),
                   " slots of its connection stayed full (deadlock or a failed peer)");
   } else {
     what = "for earlier ops of its rank that touch its chunks, which did not complete";
   }
-  Fail(StrCat("jaxccl: deadline exceeded: ", Where(g, first), " waited ", Seconds(timeout_s_), " ", what));
+  Fail(StrCat("jaxccl: deadline exceeded: ", Where(g, u.op), " waited ", Seconds(timeout_s_), " ", what));
 }
 
 void CpuLaunch::FinishThreadblock(int32_t g) {
@@ -370,28 +378,30 @@ void CpuLaunch::FinishThreadblock(int32_t g) {
   }
 }
 
-bool CpuLaunch::Execute(int32_t g, const ProgTb& tb, int32_t o, const ProgOp& op) {
+bool CpuLaunch::Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u) {
   const int32_t rank = table_->tbs[g].rank;
+  const ProgOp op = p.op(u.op);
+  const int32_t o = u.op;
   const RankBuffers& rb = buffers_[rank];
   const char* msg = nullptr;
   size_t msg_bytes = 0;
   MessageTiming timing;
   if (op.receives()) {
-    const size_t cell = layout_.cell(tb.recv_conn, op.recv_msg);
+    const size_t cell = layout_.cell(tb.recv_conn, u.recv_msg);
     const MsgDesc d = *Desc(rank, cell);
     msg = reinterpret_cast<const char*>(d.ptr);
     msg_bytes = d.bytes;
     timing = ctx_->timing[cell];
-    if (msg_bytes != rb.RecvBytes(op)) {
-      Fail(StrCat("jaxccl: ", Where(g, o), " received ", msg_bytes, " bytes but expects ", rb.RecvBytes(op)),
+    if (msg_bytes != rb.RecvBytes(op, u.tile)) {
+      Fail(StrCat("jaxccl: ", Where(g, o), " received ", msg_bytes, " bytes but expects ", rb.RecvBytes(op, u.tile)),
            ffi::ErrorCode::kInternal);
       return false;
     }
   }
   char* stage = nullptr;
   if (op.sends() && !op.direct()) {
-    const size_t bytes = op.kind == OpCode::kRecvReduceSend ? msg_bytes : rb.SendBytes(op);
-    AlignedBuffer& buf = *ctx_->staging[layout_.cell(tb.send_conn, op.send_msg)];
+    const size_t bytes = op.kind == OpCode::kRecvReduceSend ? msg_bytes : rb.SendBytes(op, u.tile);
+    AlignedBuffer& buf = *ctx_->staging[layout_.cell(tb.send_conn, u.send_msg)];
     if (!buf.Reserve(bytes)) {
       Fail(StrCat("jaxccl: cannot allocate ", bytes, " bytes of staging memory at ", Where(g, o)),
            ffi::ErrorCode::kResourceExhausted);
@@ -400,16 +410,16 @@ bool CpuLaunch::Execute(int32_t g, const ProgTb& tb, int32_t o, const ProgOp& op
     stage = buf.data();
   }
   CpuMover mover;
-  const Outgoing out = RunOpData(op, rb, sum_, msg, msg_bytes, stage, mover);
-  if (op.receives()) Consume(g, tb, o, op, timing, msg_bytes);
-  if (op.sends()) Post(g, tb, o, op, out);
-  Flag(rank, layout_.op_done(), o)->store(Tag(epoch_, 1), std::memory_order_release);
+  const Outgoing out = RunOpData(op, u.tile, rb, sum_, msg, msg_bytes, stage, mover);
+  if (op.receives()) Consume(g, tb, u, timing, msg_bytes);
+  if (op.sends()) Post(g, tb, u, op, out);
+  Flag(rank, layout_.op_done(), static_cast<size_t>(u.tile) * op_stride_ + o)->store(Tag(epoch_, 1), std::memory_order_release);
   for (int32_t w : table_->watchers[rank_first_op_[rank] + o]) Wake(w);
   return true;
 }
 
-void CpuLaunch::Consume(int32_t g, const ProgTb& tb, int32_t o, const ProgOp& op, const MessageTiming& timing,
-                        size_t bytes) {
+void CpuLaunch::Consume(int32_t g, const ProgTb& tb, const Unit& u, const MessageTiming& timing, size_t bytes) {
+  const int32_t o = u.op;
   const int32_t rank = table_->tbs[g].rank;
   if (measure_ || (net_ && net_->tracing())) {
     const int64_t now = NowNs();
@@ -430,8 +440,8 @@ void CpuLaunch::Consume(int32_t g, const ProgTb& tb, int32_t o, const ProgOp& op
                               pace_ ? timing.tx_end_ns : 0, now});
     }
   }
-  const size_t cell = layout_.cell(tb.recv_conn, op.recv_msg);
-  Flag(tb.recv_peer, layout_.consumed(), cell)->store(Tag(epoch_, op.recv_msg + 1), std::memory_order_release);
+  const size_t cell = layout_.cell(tb.recv_conn, u.recv_msg);
+  Flag(tb.recv_peer, layout_.consumed(), cell)->store(Tag(epoch_, u.recv_msg + 1), std::memory_order_release);
   Wake(table_->conns[tb.recv_conn].send_tb);
   if (timing.direct) {
     RankState& sender = *ctx_->ranks[tb.recv_peer];
@@ -440,14 +450,15 @@ void CpuLaunch::Consume(int32_t g, const ProgTb& tb, int32_t o, const ProgOp& op
   }
 }
 
-void CpuLaunch::Post(int32_t g, const ProgTb& tb, int32_t o, const ProgOp& op, const Outgoing& out) {
+void CpuLaunch::Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& op, const Outgoing& out) {
   const int32_t rank = table_->tbs[g].rank;
+  const int32_t o = u.op;
   if (op.direct()) {
     RankState& me = *ctx_->ranks[rank];
     std::lock_guard<std::mutex> lock(me.mu);
     ++me.pending_direct;
   }
-  const size_t cell = layout_.cell(tb.send_conn, op.send_msg);
+  const size_t cell = layout_.cell(tb.send_conn, u.send_msg);
   MessageTiming& timing = ctx_->timing[cell];
   timing = MessageTiming{};
   timing.direct = op.direct();
@@ -469,7 +480,7 @@ void CpuLaunch::Post(int32_t g, const ProgTb& tb, int32_t o, const ProgOp& op, c
     }
   }
   *Desc(tb.send_peer, cell) = MsgDesc{reinterpret_cast<unsigned long long>(out.ptr), out.bytes};
-  Flag(tb.send_peer, layout_.posted(), cell)->store(Tag(epoch_, op.send_msg + 1), std::memory_order_release);
+  Flag(tb.send_peer, layout_.posted(), cell)->store(Tag(epoch_, u.send_msg + 1), std::memory_order_release);
   Wake(table_->conns[tb.send_conn].recv_tb);
 }
 

@@ -131,10 +131,10 @@ class CpuLaunch {
   CpuLaunch() = default;
 
   void RunThreadblock(int32_t g);
-  // Runs rank-local op `o` of global threadblock `g` (it is ready); false after Fail.
-  bool Execute(int32_t g, const ProgTb& tb, int32_t o, const ProgOp& op);
-  void Post(int32_t g, const ProgTb& tb, int32_t o, const ProgOp& op, const Outgoing& out);
-  void Consume(int32_t g, const ProgTb& tb, int32_t o, const ProgOp& op, const MessageTiming& timing, size_t bytes);
+  // Runs unit `u` of global threadblock `g` (it is ready); false after Fail.
+  bool Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u);
+  void Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& op, const Outgoing& out);
+  void Consume(int32_t g, const ProgTb& tb, const Unit& u, const MessageTiming& timing, size_t bytes);
   // Sleeps until a flag threadblock g may need changes, `wake_ns` passes or the deadline; false at the deadline.
   bool Sleep(int32_t g, uint64_t seen, int64_t wake_ns);
   void Wake(int32_t g);
@@ -155,6 +155,8 @@ class CpuLaunch {
   std::vector<RankBuffers> buffers_;  // per rank
   std::vector<int32_t> rank_first_op_;
   RegionLayout layout_{};
+  int32_t tiles_ = 1;      // tiles of this launch (core/protocol.h)
+  int32_t op_stride_ = 0;  // op_done entries per tile
   uint64_t epoch_ = 0;
   SumType sum_ = SumType::kNone;
   Clock::time_point deadline_;

@@ -31,8 +31,18 @@ T Unwrap(ffi::ErrorOr<T> v) {
   return std::move(*v);
 }
 
-bool CoreAcquire(int64_t slot, TableSnapshot* out, std::string* error) {
-  auto s = Registry::Get().Acquire(slot);
+bool CoreNoteIssued(int64_t slot, int32_t rank, int64_t* seq, std::string* error) {
+  auto s = Registry::Get().NoteIssued(slot, rank);
+  if (!s.has_value()) {
+    *error = s.error().message();
+    return false;
+  }
+  *seq = *s;
+  return true;
+}
+
+bool CoreAcquire(int64_t slot, int64_t seq, TableSnapshot* out, std::string* error) {
+  auto s = Registry::Get().Acquire(slot, seq);
   if (!s.has_value()) {
     *error = s.error().message();
     return false;
@@ -81,7 +91,7 @@ Rendezvous<int32_t, int32_t>& ProbeRendezvous() {
 }  // namespace
 
 const CoreApi* GetCoreApi() {
-  static const CoreApi api{kCoreApiVersion, sizeof(CoreApi), &CoreAcquire, &CoreTimeout};
+  static const CoreApi api{kCoreApiVersion, sizeof(CoreApi), &CoreNoteIssued, &CoreAcquire, &CoreTimeout};
   return &api;
 }
 

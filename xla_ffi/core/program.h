@@ -3,12 +3,15 @@
 //
 // int32 words:
 //   header  [kProgHeader]  num_tbs, num_ops, num_conns, num_slots, num_staged_conns, num_sends,
-//                          num_waits, max_ops (largest num_ops of any rank: the flag region's size)
+//                          num_waits, max_ops (largest num_ops of any rank: the flag region's size),
+//                          tileable (1: every op's chunk range lies in one period, so the program
+//                          may run in tiles, protocol.h), 0
 //   tbs     [num_tbs][kProgTb]  first_op, num_ops, send_conn, recv_conn, send_peer, recv_peer,
 //                               num_sends, first_send
 //   ops     [num_ops][kProgOp]  kind, src_buf, src_off, dst_buf, dst_off, count, dep, flags,
 //                               send_msg, recv_msg, first_wait, num_waits
 //   staged_index [num_conns]  position of the connection among those that stage (-1: stages nothing)
+//   conn_msgs    [num_conns]  messages the connection carries (per tile)
 //   send_ops     [num_sends]  for threadblock t, send_ops[first_send + m] is the op posting message m
 //   waits        [num_waits]  the ops (rank-local indices) an op waits for besides its dependency
 // `dep` and `waits` are rank-local op indices; `first_op` is rank-local too.
@@ -22,7 +25,7 @@
 
 namespace jaxccl {
 
-inline constexpr int kProgHeader = 8;
+inline constexpr int kProgHeader = 10;
 inline constexpr int kProgTb = 8;
 inline constexpr int kProgOp = 12;
 
@@ -61,6 +64,7 @@ class ProgramView {
   JAXCCL_HD int32_t num_sends() const { return w_[5]; }
   JAXCCL_HD int32_t num_waits() const { return w_[6]; }
   JAXCCL_HD int32_t max_ops() const { return w_[7]; }
+  JAXCCL_HD bool tileable() const { return w_[8] != 0; }
   JAXCCL_HD ProgTb tb(int32_t t) const {
     const int32_t* r = w_ + kProgHeader + t * kProgTb;
     return ProgTb{r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7]};
@@ -71,11 +75,14 @@ class ProgramView {
                   r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11]};
   }
   JAXCCL_HD int32_t staged_index(int32_t conn) const { return ops_base()[num_ops() * kProgOp + conn]; }
-  // The rank-local op that posts message m of threadblock t.
+  JAXCCL_HD int32_t conn_msgs(int32_t conn) const { return ops_base()[num_ops() * kProgOp + num_conns() + conn]; }
+  // The rank-local op that posts message m (of one tile) of threadblock t.
   JAXCCL_HD int32_t send_op(const ProgTb& t, int32_t m) const {
-    return t.first_op + ops_base()[num_ops() * kProgOp + num_conns() + t.first_send + m];
+    return t.first_op + ops_base()[num_ops() * kProgOp + 2 * num_conns() + t.first_send + m];
   }
-  JAXCCL_HD int32_t wait(int32_t k) const { return ops_base()[num_ops() * kProgOp + num_conns() + num_sends() + k]; }
+  JAXCCL_HD int32_t wait(int32_t k) const {
+    return ops_base()[num_ops() * kProgOp + 2 * num_conns() + num_sends() + k];
+  }
 
  private:
   JAXCCL_HD const int32_t* ops_base() const { return w_ + kProgHeader + num_tbs() * kProgTb; }

@@ -120,6 +120,13 @@ inline void BuildPrograms(Table* t) {
   std::vector<std::vector<int32_t>> waits;
   t->in_order = !program_detail::InOrderHazards(*t, &waits);
   int32_t max_ops = 0, staged = 0;
+  // Tiles split every chunk; an op's range must then be one contiguous span per tile: one period.
+  int32_t tileable = t->in_order ? 0 : 1;
+  const int32_t c = t->chunks_per_period;
+  for (const TableOp& op : t->ops) {
+    if (op.src_buf != BufferId::kNone && op.src_off % c + op.count > c) tileable = 0;
+    if (op.dst_buf != BufferId::kNone && op.dst_off % c + op.count > c) tileable = 0;
+  }
   std::vector<int32_t> staged_index(t->conns.size(), -1);
   for (size_t k = 0; k < t->conns.size(); ++k) staged_index[k] = t->conns[k].num_staged > 0 ? staged++ : -1;
   for (int32_t r = 0; r < t->num_ranks; ++r) {
@@ -147,12 +154,15 @@ inline void BuildPrograms(Table* t) {
       }
     }
     std::vector<int32_t>& p = t->programs[r];
-    p.assign(kProgHeader + ntb * kProgTb + nops * kProgOp + t->num_conns() + nsends + nwaits, 0);
-    const int32_t header[kProgHeader] = {ntb, nops, t->num_conns(), t->num_slots, staged, nsends, nwaits, max_ops};
+    p.assign(kProgHeader + ntb * kProgTb + nops * kProgOp + 2 * t->num_conns() + nsends + nwaits, 0);
+    const int32_t header[kProgHeader] = {ntb,    nops,    t->num_conns(), t->num_slots, staged,
+                                         nsends, nwaits,  max_ops,        tileable,     0};
     std::copy(header, header + kProgHeader, p.begin());
     int32_t* ops = p.data() + kProgHeader + ntb * kProgTb;
     int32_t* staged_out = ops + nops * kProgOp;
-    int32_t* send_ops = staged_out + t->num_conns();
+    int32_t* conn_msgs = staged_out + t->num_conns();
+    for (int32_t k = 0; k < t->num_conns(); ++k) conn_msgs[k] = t->conns[k].num_msgs;
+    int32_t* send_ops = conn_msgs + t->num_conns();
     int32_t* wait_out = send_ops + nsends;
     std::copy(staged_index.begin(), staged_index.end(), staged_out);
     int32_t first_send = 0, next_wait = 0;
