@@ -347,17 +347,20 @@ void CpuLaunch::FailStuck(int32_t g, const ProgramView& p, const ProgTb& tb, int
   const Unit u = UnitOf(p, tb, first);
   const ProgOp op = p.op(u.op);
   std::string what;
-  if (op.dep >= 0 && !probe.Done(u.tile, op.dep)) {
-    const int32_t dg = table_->op_tb[rank_first_op_[rank] + op.dep];
-    what = StrCat("for op ", rank_first_op_[rank] + op.dep - table_->tbs[dg].first_op, " of threadblock ",
-                  dg - table_->rank_first_tb[rank], " of its rank, which did not complete");
-  } else if (op.receives() && !probe.Posted(tb.recv_conn, u.recv_msg)) {
-    what = StrCat("for message ", u.recv_msg, " of its connection, which never arrived (deadlock or a failed peer)");
-  } else if (u.send_msg >= p.num_slots() && !probe.SlotFree(tb.send_conn, u.send_msg)) {
-    what = StrCat("for a free slot: all ", p.num_slots(),
-                  " slots of its connection stayed full (deadlock or a failed peer)");
-  } else {
-    what = "for earlier ops of its rank that touch its chunks, which did not complete";
+  switch (StuckReason(p, tb, u, op, probe)) {
+    case kTimeoutDependency:
+      what = op.dep >= 0 && !probe.Done(u.tile, op.dep)
+                 ? StrCat("for op ", rank_first_op_[rank] + op.dep - table_->tbs[table_->op_tb[rank_first_op_[rank] + op.dep]].first_op,
+                          " of threadblock ", table_->op_tb[rank_first_op_[rank] + op.dep] - table_->rank_first_tb[rank],
+                          " of its rank, which did not complete")
+                 : "for earlier ops of its rank that touch its chunks, which did not complete";
+      break;
+    case kTimeoutMessage:
+      what = StrCat("for message ", u.recv_msg, " of its connection, which never arrived (deadlock or a failed peer)");
+      break;
+    default:
+      what = StrCat("for a free slot: all ", p.num_slots(),
+                    " slots of its connection stayed full (deadlock or a failed peer)");
   }
   Fail(StrCat("jaxccl: deadline exceeded: ", Where(g, u.op), " waited ", Seconds(timeout_s_), " ", what));
 }

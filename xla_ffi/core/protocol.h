@@ -168,6 +168,23 @@ JAXCCL_HD int32_t NextReadyUnit(const ProgramView& p, const ProgTb& tb, int32_t 
   return kNoneReady;
 }
 
+// Why a unit that stays unready waits (for error reports): the first unmet condition of UnitReady.
+template <class Probe>
+JAXCCL_HD int32_t StuckReason(const ProgramView& p, const ProgTb& tb, const Unit& u, const ProgOp& op, Probe& probe) {
+  if (op.dep >= 0 && !probe.Done(u.tile, op.dep)) return kTimeoutDependency;
+  for (int32_t k = 0; k < op.num_waits; ++k) {
+    if (!probe.Done(u.tile, p.wait(op.first_wait + k))) return kTimeoutDependency;
+  }
+  if (u.recv_msg >= 0 && !probe.Posted(tb.recv_conn, u.recv_msg)) return kTimeoutMessage;
+  return kTimeoutSlot;
+}
+
+// The last message of a threadblock's connection that uses slot `slot`, of `total` (-1: none); a sender
+// drains by waiting until each of them was consumed.
+JAXCCL_HD int32_t LastMessageOfSlot(int32_t slot, int32_t total, int32_t num_slots) {
+  return slot >= total ? -1 : slot + ((total - 1 - slot) / num_slots) * num_slots;
+}
+
 // What an op does to memory once it is ready. `msg`/`msg_bytes`: the received message (receives);
 // `stage`: the outgoing slot's staging memory (staged sends). Returns where the outgoing message is
 // (sends). Mover is the backend's: Copy(dst, src, bytes), Sum(type, dst, a, b, n), Barrier().
