@@ -177,10 +177,10 @@ def _flat_collective(
             # rounds differently from lax (whose collective reads a materialized operand).
             flat = lax.ppermute(flat, axis_name, perm=[(i, i) for i in range(axis_size)])
         return ppermute_backend.run_schedule(comm.schedule(coll), flat, axis_name)
-    from jaxccl.runtime import cpu_backend
+    from jaxccl.runtime import native_backend
 
     kind, group_axes = backend
-    return cpu_backend.flat_collective(
+    return native_backend.flat_collective(
         coll,
         flat,
         axis_name=axis_name,
