@@ -35,7 +35,7 @@ namespace jaxccl {
 // is always among them, so dataflow order can never make less progress than program order).
 inline constexpr int32_t kLookahead = 256;
 // Most tiles a launch runs, and the smallest message a tile should still carry.
-inline constexpr int32_t kMaxTiles = 16;
+inline constexpr int32_t kMaxTiles = 32;
 inline constexpr size_t kMinTileBytes = 64 << 10;
 
 // Tiles of a launch: one unless the program is tileable and the executor pipelines (a GPU always, the
