@@ -3,12 +3,10 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <map>
 #include <thread>
 
 #include "dtype.h"
-#include "worker_pool.h"
 
 namespace jaxccl {
 
@@ -37,7 +35,7 @@ bool ExecContext::Reset(const Table& t, const RegionLayout& layout, size_t scrat
                 "flag regions are arrays of lock-free 64-bit atomics");
   ResizeStates(regions, t.num_ranks);
   ResizeStates(scratch, t.num_ranks);
-  ResizeStates(waits, t.tbs.size());
+  ResizeStates(waits, t.num_ranks);
   ResizeStates(meters, t.conns.size());
   ResizeStates(ranks, t.num_ranks);
   ResizeStates(staging, layout.cells());
@@ -50,7 +48,6 @@ bool ExecContext::Reset(const Table& t, const RegionLayout& layout, size_t scrat
     if (region.capacity() != had) std::memset(region.data(), 0, region.capacity());
     if (!scratch[r]->Reserve(scratch_bytes)) return false;
     RankState& rs = *ranks[r];
-    rs.tbs_left = t.rank_num_tbs[r];
     rs.pending_direct = 0;
     rs.waiting = false;
   }
@@ -202,13 +199,7 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   }
   launch->deadline_ = DeadlineAfter(launch->timeout_s_);
   launch->deadline_ns_ = NowNs() + static_cast<int64_t>(launch->timeout_s_ * 1e9);
-  launch->tbs_running_.store(t.num_tbs());
-  std::vector<std::function<void()>> tasks;
-  tasks.reserve(t.tbs.size());
-  for (int32_t g = 0; g < t.num_tbs(); ++g) tasks.emplace_back([launch, g] { launch->RunThreadblock(g); });
-  if (ffi::Error e = WorkerPool::Get().Run(tasks); e.failure()) {
-    launch->Fail(e.message(), ffi::ErrorCode::kResourceExhausted);  // queued threadblocks see the abort and leave at once
-  }
+  launch->ranks_running_.store(axis_size);
   return launch;
 }
 
@@ -245,7 +236,7 @@ void CpuLaunch::Fail(const std::string& message, ffi::ErrorCode code) {
   }
   aborted_.store(true);
   // Wake every sleeper; each re-checks aborted_, so no wakeup is lost.
-  for (int32_t g = 0; g < table_->num_tbs(); ++g) Wake(g);
+  for (int32_t r = 0; r < table_->num_ranks; ++r) Wake(r);
   for (auto& r : ctx_->ranks) {
     std::lock_guard<std::mutex> lock(r->mu);
     r->cv.notify_all();
@@ -291,33 +282,44 @@ struct CpuMover {
   void Barrier() const {}
 };
 
-void CpuLaunch::RunThreadblock(int32_t g) {
-  const TableTb& ttb = table_->tbs[g];
-  const int32_t rank = ttb.rank;
+void CpuLaunch::RunRank(int32_t rank) {
   const ProgramView p(table_->programs[rank].data());
-  const ProgTb tb = p.tb(g - table_->rank_first_tb[rank]);
-  TbWait& w = *ctx_->waits[g];
-  int32_t first = 0;
+  const int32_t first_tb = table_->rank_first_tb[rank], ntb = p.num_tbs();
+  std::vector<ProgTb> tbs(ntb);
+  std::vector<int32_t> first(ntb, 0);
+  for (int32_t j = 0; j < ntb; ++j) tbs[j] = p.tb(j);
+  TbWait& w = *ctx_->waits[rank];
   while (!aborted_.load(std::memory_order_relaxed)) {
     const uint64_t seen = w.events.load(std::memory_order_seq_cst);
     CpuProbe probe{this, rank};
-    const int32_t v = NextReadyUnit(p, tb, tiles_, &first, probe);
-    if (v == kAllDone) break;
-    if (v >= 0) {
-      if (!Execute(g, p, tb, UnitOf(p, tb, v))) break;
-      continue;
+    bool progress = false, all_done = true;
+    int32_t stuck = -1;
+    for (int32_t j = 0; j < ntb && !aborted_.load(std::memory_order_relaxed); ++j) {
+      const int32_t v = NextReadyUnit(p, tbs[j], tiles_, &first[j], probe);
+      if (v == kAllDone) continue;
+      all_done = false;
+      if (v == kNoneReady) {
+        if (stuck < 0) stuck = j;
+        continue;
+      }
+      if (!Execute(first_tb + j, p, tbs[j], UnitOf(p, tbs[j], v))) break;
+      progress = true;
     }
-    if (!Sleep(g, seen, probe.wake_ns)) {
-      FailStuck(g, p, tb, first);
+    if (all_done) break;
+    if (progress) continue;
+    if (!Sleep(rank, seen, probe.wake_ns)) {
+      FailStuck(first_tb + stuck, p, tbs[stuck], first[stuck]);
       break;
     }
   }
-  if (measure_) net_->Flush(slot_, rank, g - table_->rank_first_tb[rank], caches_[g]);
-  FinishThreadblock(g);
+  if (measure_) {
+    for (int32_t j = 0; j < ntb; ++j) net_->Flush(slot_, rank, j, caches_[first_tb + j]);
+  }
+  FinishRank(rank);
 }
 
-bool CpuLaunch::Sleep(int32_t g, uint64_t seen, int64_t wake_ns) {
-  TbWait& w = *ctx_->waits[g];
+bool CpuLaunch::Sleep(int32_t rank, uint64_t seen, int64_t wake_ns) {
+  TbWait& w = *ctx_->waits[rank];
   const int64_t until_ns = std::min(wake_ns, deadline_ns_);
   std::unique_lock<std::mutex> lock(w.mu);
   w.sleeping.store(true, std::memory_order_seq_cst);
@@ -331,8 +333,8 @@ bool CpuLaunch::Sleep(int32_t g, uint64_t seen, int64_t wake_ns) {
   return changed() || NowNs() < deadline_ns_;
 }
 
-void CpuLaunch::Wake(int32_t g) {
-  TbWait& w = *ctx_->waits[g];
+void CpuLaunch::Wake(int32_t rank) {
+  TbWait& w = *ctx_->waits[rank];
   w.events.fetch_add(1, std::memory_order_seq_cst);
   if (w.sleeping.load(std::memory_order_seq_cst)) {
     std::lock_guard<std::mutex> lock(w.mu);
@@ -365,16 +367,10 @@ void CpuLaunch::FailStuck(int32_t g, const ProgramView& p, const ProgTb& tb, int
   Fail(StrCat("jaxccl: deadline exceeded: ", Where(g, u.op), " waited ", Seconds(timeout_s_), " ", what));
 }
 
-void CpuLaunch::FinishThreadblock(int32_t g) {
+void CpuLaunch::FinishRank(int32_t rank) {
   // The launch time is recorded before the last rank is released, so it is there when the call returns.
-  const bool last = tbs_running_.fetch_sub(1) == 1;
+  const bool last = ranks_running_.fetch_sub(1) == 1;
   if (last && !aborted_.load()) Registry::Get().RecordLaunchTime(slot_, NowNs() - start_ns_);
-  RankState& rs = *ctx_->ranks[table_->tbs[g].rank];
-  {
-    std::lock_guard<std::mutex> lock(rs.mu);
-    --rs.tbs_left;
-    if (rs.waiting) rs.cv.notify_all();
-  }
   if (last) {
     std::lock_guard<std::mutex> lock(done_mu_);
     done_cv_.notify_all();
@@ -417,7 +413,6 @@ bool CpuLaunch::Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const
   if (op.receives()) Consume(g, tb, u, timing, msg_bytes);
   if (op.sends()) Post(g, tb, u, op, out);
   Flag(rank, layout_.op_done(), static_cast<size_t>(u.tile) * op_stride_ + o)->store(Tag(epoch_, 1), std::memory_order_release);
-  for (int32_t w : table_->watchers[rank_first_op_[rank] + o]) Wake(w);
   return true;
 }
 
@@ -445,7 +440,7 @@ void CpuLaunch::Consume(int32_t g, const ProgTb& tb, const Unit& u, const Messag
   }
   const size_t cell = layout_.cell(tb.recv_conn, u.recv_msg);
   Flag(tb.recv_peer, layout_.consumed(), cell)->store(Tag(epoch_, u.recv_msg + 1), std::memory_order_release);
-  Wake(table_->conns[tb.recv_conn].send_tb);
+  Wake(tb.recv_peer);
   if (timing.direct) {
     RankState& sender = *ctx_->ranks[tb.recv_peer];
     std::lock_guard<std::mutex> lock(sender.mu);
@@ -484,26 +479,24 @@ void CpuLaunch::Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& o
   }
   *Desc(tb.send_peer, cell) = MsgDesc{reinterpret_cast<unsigned long long>(out.ptr), out.bytes};
   Flag(tb.send_peer, layout_.posted(), cell)->store(Tag(epoch_, u.send_msg + 1), std::memory_order_release);
-  Wake(table_->conns[tb.send_conn].recv_tb);
+  Wake(tb.send_peer);
 }
 
 ffi::Error CpuLaunch::WaitRank(int32_t rank) {
+  RunRank(rank);
   RankState& rs = *ctx_->ranks[rank];
-  // The threadblocks' own waits expire at deadline_; the grace lets them report which op was stuck.
-  const Clock::time_point latch_deadline = deadline_ + std::chrono::seconds(1);
+  // A rank returns once its direct messages were consumed: receivers read its buffers in place.
   {
     std::unique_lock<std::mutex> lock(rs.mu);
     rs.waiting = true;
-    const bool ok = rs.cv.wait_until(lock, latch_deadline, [&] {
-      return (rs.tbs_left == 0 && rs.pending_direct == 0) || aborted_.load();
-    });
+    const bool ok = rs.cv.wait_until(lock, deadline_ + std::chrono::seconds(1),
+                                     [&] { return rs.pending_direct == 0 || aborted_.load(); });
     rs.waiting = false;
     if (!ok) {
-      const std::string what = rs.tbs_left > 0 ? StrCat(rs.tbs_left, " threadblock(s) still running")
-                                               : StrCat(rs.pending_direct, " direct message(s) never consumed");
+      const int64_t pending = rs.pending_direct;
       lock.unlock();
       Fail(StrCat("jaxccl: deadline exceeded: rank ", rank, " did not finish within ", Seconds(timeout_s_), ": ",
-                  what));
+                  pending, " direct message(s) never consumed"));
     }
   }
   if (!aborted_.load()) return ffi::Error::Success();
@@ -511,7 +504,7 @@ ffi::Error CpuLaunch::WaitRank(int32_t rank) {
   // threadblock of the launch has left (they all see the abort promptly; the bound is a last resort).
   {
     std::unique_lock<std::mutex> lock(done_mu_);
-    done_cv_.wait_until(lock, DeadlineAfter(10.0), [&] { return tbs_running_.load() == 0; });
+    done_cv_.wait_until(lock, DeadlineAfter(10.0), [&] { return ranks_running_.load() == 0; });
   }
   std::lock_guard<std::mutex> lock(error_mu_);
   return ffi::Error(error_code_, error_);

@@ -1,11 +1,13 @@
 // The CPU emulation executor: runs one launch of a compiled table over the buffers of all ranks of a
-// group, each threadblock on a jaxccl worker thread.
+// group; each rank's XLA thread runs that rank's threadblocks (the GPU runs them as thread blocks).
 //
 // It runs the executor core (core/protocol.h) that the CUDA kernel runs: the per-rank programs, the
 // flag regions with their epoch tags (std::atomic here, device memory there), dataflow order within
-// each threadblock, the op data step and the meter (core/meter.h). What is the CPU's own: a
-// threadblock with no ready op sleeps on a condition variable until a flag it may need changes (or
-// until the emulated links deliver a message it waits for), byte moves are memcpy and vectorized
+// each threadblock, the op data step and the meter (core/meter.h). What is the CPU's own: one thread
+// per rank interleaves the rank's threadblocks (a unit never blocks once it runs, so this is the same
+// dataflow execution with no thread hand-off between them); a rank with no ready unit sleeps on a
+// condition variable until a flag it may need changes (or until the emulated links deliver a message
+// it waits for), byte moves are memcpy and vectorized
 // loops, and with a Network every message is paced over the emulated links. Every wait ends at the
 // launch deadline and then fails the launch with an error naming rank, threadblock and op. A rank
 // leaves only after its threadblocks finished and its direct messages were consumed.
@@ -66,7 +68,7 @@ struct MessageTiming {
   bool direct = false;
 };
 
-// A threadblock's sleep: `events` counts flag changes it may care about.
+// A rank's sleep: `events` counts flag changes it may care about.
 struct alignas(64) TbWait {
   std::mutex mu;
   std::condition_variable cv;
@@ -83,7 +85,6 @@ struct alignas(64) ConnMeter {
 struct alignas(64) RankState {
   std::mutex mu;
   std::condition_variable cv;
-  int32_t tbs_left = 0;
   int64_t pending_direct = 0;  // direct messages of this rank not yet consumed
   bool waiting = false;
 };
@@ -95,7 +96,7 @@ struct ExecContext {
   std::vector<std::unique_ptr<AlignedBuffer>> scratch;  // per rank
   std::vector<std::unique_ptr<AlignedBuffer>> staging;  // per (connection, slot) cell, grown on first use
   std::vector<MessageTiming> timing;                    // per (connection, slot) cell
-  std::vector<std::unique_ptr<TbWait>> waits;           // per global threadblock
+  std::vector<std::unique_ptr<TbWait>> waits;           // per rank
   std::vector<std::unique_ptr<ConnMeter>> meters;       // per connection
   std::vector<std::unique_ptr<RankState>> ranks;
   // Sizes everything for `t` and starts a new epoch; false if memory could not be allocated.
@@ -121,7 +122,7 @@ class CpuLaunch {
                                                         const std::vector<CpuArrival>& arrivals);
   ~CpuLaunch();
 
-  // Called by rank `rank`'s XLA thread: waits until that rank may return.
+  // Called by rank `rank`'s XLA thread: runs the rank's program, then waits until the rank may return.
   ffi::Error WaitRank(int32_t rank);
 
   int64_t version() const { return version_; }
@@ -130,17 +131,18 @@ class CpuLaunch {
   friend struct CpuProbe;
   CpuLaunch() = default;
 
-  void RunThreadblock(int32_t g);
+  // Runs rank `rank`'s threadblocks on the calling thread (its XLA thread), in dataflow order.
+  void RunRank(int32_t rank);
   // Runs unit `u` of global threadblock `g` (it is ready); false after Fail.
   bool Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u);
   void Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& op, const Outgoing& out);
   void Consume(int32_t g, const ProgTb& tb, const Unit& u, const MessageTiming& timing, size_t bytes);
-  // Sleeps until a flag threadblock g may need changes, `wake_ns` passes or the deadline; false at the deadline.
-  bool Sleep(int32_t g, uint64_t seen, int64_t wake_ns);
-  void Wake(int32_t g);
+  // Sleeps until a flag rank `rank` may need changes, `wake_ns` passes or the deadline; false at the deadline.
+  bool Sleep(int32_t rank, uint64_t seen, int64_t wake_ns);
+  void Wake(int32_t rank);
   void FailStuck(int32_t g, const ProgramView& p, const ProgTb& tb, int32_t first);
   void Fail(const std::string& message, ffi::ErrorCode code = ffi::ErrorCode::kDeadlineExceeded);
-  void FinishThreadblock(int32_t g);
+  void FinishRank(int32_t rank);
 
   std::atomic<uint64_t>* Flag(int32_t rank, size_t offset, size_t index) const;
   MsgDesc* Desc(int32_t rank, size_t cell) const;
@@ -173,7 +175,7 @@ class CpuLaunch {
   std::mutex error_mu_;
   std::string error_;
   ffi::ErrorCode error_code_ = ffi::ErrorCode::kOk;
-  std::atomic<int32_t> tbs_running_{0};
+  std::atomic<int32_t> ranks_running_{0};
   std::mutex done_mu_;
   std::condition_variable done_cv_;
 };

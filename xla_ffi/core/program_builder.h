@@ -135,7 +135,6 @@ inline void BuildPrograms(Table* t) {
     max_ops = std::max(max_ops, n);
   }
   t->programs.assign(t->num_ranks, {});
-  t->watchers.assign(t->ops.size(), {});
   t->op_tb.assign(t->ops.size(), 0);
   for (int32_t g = 0; g < t->num_tbs(); ++g) {
     for (int32_t i = 0; i < t->tbs[g].num_ops; ++i) t->op_tb[t->tbs[g].first_op + i] = g;
@@ -181,14 +180,6 @@ inline void BuildPrograms(Table* t) {
         } else {
           for (int32_t w : waits[o]) wait_out[next_wait++] = w;
         }
-        const int32_t g = first_tb + j;
-        auto watch = [&](int32_t local) {
-          const int32_t w = first_op + local;
-          std::vector<int32_t>& list = t->watchers[w];
-          if (t->op_tb[w] != g && std::find(list.begin(), list.end(), g) == list.end()) list.push_back(g);
-        };
-        if (dep >= 0) watch(dep);
-        for (int32_t k = fw; k < next_wait; ++k) watch(wait_out[k]);
         const int32_t row[kProgOp] = {static_cast<int32_t>(op.kind), static_cast<int32_t>(op.src_buf), op.src_off,
                                       static_cast<int32_t>(op.dst_buf), op.dst_off, op.count, dep, op.flags,
                                       op.send_msg, op.recv_msg, fw, next_wait - fw};

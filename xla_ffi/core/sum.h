@@ -92,13 +92,32 @@ JAXCCL_HD uint16_t FloatToF16(float f) {
 }
 
 // The one definition of each sum, per element.
-JAXCCL_HD float AddF32(float x, float y) { return x + y; }
-JAXCCL_HD uint32_t AddS32(uint32_t x, uint32_t y) { return x + y; }  // two's-complement wraparound
-JAXCCL_HD uint16_t AddBf16(uint16_t x, uint16_t y) { return FloatToBf16(Bf16ToFloat(x) + Bf16ToFloat(y)); }
-JAXCCL_HD uint16_t AddF16(uint16_t x, uint16_t y) { return FloatToF16(F16ToFloat(x) + F16ToFloat(y)); }
+struct AddF32 {
+  JAXCCL_HD float operator()(float x, float y) const { return x + y; }
+};
+struct AddS32 {
+  JAXCCL_HD uint32_t operator()(uint32_t x, uint32_t y) const { return x + y; }  // two's-complement wraparound
+};
+struct AddBf16 {
+  JAXCCL_HD uint16_t operator()(uint16_t x, uint16_t y) const { return FloatToBf16(Bf16ToFloat(x) + Bf16ToFloat(y)); }
+};
+struct AddF16 {
+  JAXCCL_HD uint16_t operator()(uint16_t x, uint16_t y) const { return FloatToF16(F16ToFloat(x) + F16ToFloat(y)); }
+};
 
-JAXCCL_HD size_t SumElementBytes(SumType t) {
-  return t == SumType::kBF16 || t == SumType::kF16 ? 2 : t == SumType::kNone ? 0 : 4;
+// Elements begin, begin + stride, ... < n of d = add(x, y); a unit stride is its own loop so that host
+// compilers vectorize it.
+template <typename T, typename Add>
+JAXCCL_HD void AddLanes(void* dst, const void* a, const void* b, size_t n, size_t begin, size_t stride) {
+  T* d = static_cast<T*>(dst);
+  const T* x = static_cast<const T*>(a);
+  const T* y = static_cast<const T*>(b);
+  const Add add;
+  if (stride == 1) {
+    for (size_t i = begin; i < n; ++i) d[i] = add(x[i], y[i]);
+  } else {
+    for (size_t i = begin; i < n; i += stride) d[i] = add(x[i], y[i]);
+  }
 }
 
 // Elements begin, begin + stride, ... < n of dst = a + b (dst may alias a or b element for element).
@@ -106,36 +125,11 @@ JAXCCL_HD size_t SumElementBytes(SumType t) {
 JAXCCL_HD void SumLanes(SumType t, void* dst, const void* a, const void* b, size_t n, size_t begin,
                         size_t stride) {
   switch (t) {
-    case SumType::kF32: {
-      float* d = static_cast<float*>(dst);
-      const float* x = static_cast<const float*>(a);
-      const float* y = static_cast<const float*>(b);
-      for (size_t i = begin; i < n; i += stride) d[i] = AddF32(x[i], y[i]);
-      break;
-    }
-    case SumType::kS32: {
-      uint32_t* d = static_cast<uint32_t*>(dst);
-      const uint32_t* x = static_cast<const uint32_t*>(a);
-      const uint32_t* y = static_cast<const uint32_t*>(b);
-      for (size_t i = begin; i < n; i += stride) d[i] = AddS32(x[i], y[i]);
-      break;
-    }
-    case SumType::kBF16: {
-      uint16_t* d = static_cast<uint16_t*>(dst);
-      const uint16_t* x = static_cast<const uint16_t*>(a);
-      const uint16_t* y = static_cast<const uint16_t*>(b);
-      for (size_t i = begin; i < n; i += stride) d[i] = AddBf16(x[i], y[i]);
-      break;
-    }
-    case SumType::kF16: {
-      uint16_t* d = static_cast<uint16_t*>(dst);
-      const uint16_t* x = static_cast<const uint16_t*>(a);
-      const uint16_t* y = static_cast<const uint16_t*>(b);
-      for (size_t i = begin; i < n; i += stride) d[i] = AddF16(x[i], y[i]);
-      break;
-    }
-    case SumType::kNone:
-      break;
+    case SumType::kF32: AddLanes<float, AddF32>(dst, a, b, n, begin, stride); break;
+    case SumType::kS32: AddLanes<uint32_t, AddS32>(dst, a, b, n, begin, stride); break;
+    case SumType::kBF16: AddLanes<uint16_t, AddBf16>(dst, a, b, n, begin, stride); break;
+    case SumType::kF16: AddLanes<uint16_t, AddF16>(dst, a, b, n, begin, stride); break;
+    case SumType::kNone: break;
   }
 }
 

@@ -174,9 +174,6 @@ struct Table {
   bool has_reduction = false;
   std::vector<std::vector<int32_t>> programs;  // per rank (program.h)
   bool in_order = false;  // the dataflow analysis found no in-order run: programs keep program order
-  // Per global op: the global threadblocks (other than its own) with an op that waits for it; an
-  // executor that sleeps wakes them when it completes.
-  std::vector<std::vector<int32_t>> watchers;
   std::vector<int32_t> op_tb;  // per global op: its global threadblock
 
   int32_t num_tbs() const { return static_cast<int32_t>(tbs.size()); }
