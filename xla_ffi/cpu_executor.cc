@@ -243,6 +243,8 @@ void CpuLaunch::Fail(const std::string& message, ffi::ErrorCode code) {
   }
 }
 
+constexpr int kYieldsBeforeSleep = 16;
+
 // The CPU's view of the flags for the core's readiness rule. A message is there once its posted tag is,
 // and, with link pacing, once the emulated links delivered it (the earliest such time is remembered, so
 // the threadblock sleeps exactly until then).
@@ -321,6 +323,12 @@ void CpuLaunch::RunRank(int32_t rank) {
 bool CpuLaunch::Sleep(int32_t rank, uint64_t seen, int64_t wake_ns) {
   TbWait& w = *ctx_->waits[rank];
   const int64_t until_ns = std::min(wake_ns, deadline_ns_);
+  // Yield a few times first: the flag usually comes from a peer that runs as soon as this thread lets it,
+  // and a yield costs less than a futex sleep and wake-up.
+  for (int k = 0; k < kYieldsBeforeSleep && NowNs() < until_ns; ++k) {
+    if (w.events.load(std::memory_order_seq_cst) != seen || aborted_.load()) return true;
+    std::this_thread::yield();
+  }
   std::unique_lock<std::mutex> lock(w.mu);
   w.sleeping.store(true, std::memory_order_seq_cst);
   auto changed = [&] { return w.events.load(std::memory_order_seq_cst) != seen || aborted_.load(); };
