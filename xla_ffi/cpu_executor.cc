@@ -306,6 +306,8 @@ void CpuLaunch::RunRank(int32_t rank) {
       }
       if (!Execute(first_tb + j, p, tbs[j], UnitOf(p, tbs[j], v))) break;
       progress = true;
+      break;  // rescan from the first threadblock: earlier threadblocks' work goes first (a fold before the
+              // copies that wait for other ranks' folds)
     }
     if (all_done) break;
     if (progress) continue;
