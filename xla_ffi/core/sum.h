@@ -1,5 +1,9 @@
 // Bit-exact element-wise sums of the reduction ops, dst[i] = a[i] + b[i], for both executors.
 //
+// Float sums start from the additive identity, as XLA's reductions do (((0 + x0) + x1) + ...): every
+// float sum adds +0 last, which turns -0 into +0 and changes nothing else, so a fold (x0 + x1) + ... in
+// the same order is bitwise equal to XLA's (a running sum that starts from +0 is never -0).
+//
 // F32 adds natively (one IEEE round to nearest even, the same on CPU and GPU); S32 wraps (unsigned
 // arithmetic); BF16 and F16 convert each pair to float, add, and round to nearest even. float has
 // more than 2p+2 bits of precision for both formats, so this equals the correctly rounded 16-bit sum.
@@ -93,16 +97,20 @@ JAXCCL_HD uint16_t FloatToF16(float f) {
 
 // The one definition of each sum, per element.
 struct AddF32 {
-  JAXCCL_HD float operator()(float x, float y) const { return x + y; }
+  JAXCCL_HD float operator()(float x, float y) const { return (x + y) + 0.0f; }
 };
 struct AddS32 {
   JAXCCL_HD uint32_t operator()(uint32_t x, uint32_t y) const { return x + y; }  // two's-complement wraparound
 };
 struct AddBf16 {
-  JAXCCL_HD uint16_t operator()(uint16_t x, uint16_t y) const { return FloatToBf16(Bf16ToFloat(x) + Bf16ToFloat(y)); }
+  JAXCCL_HD uint16_t operator()(uint16_t x, uint16_t y) const {
+    return FloatToBf16((Bf16ToFloat(x) + Bf16ToFloat(y)) + 0.0f);
+  }
 };
 struct AddF16 {
-  JAXCCL_HD uint16_t operator()(uint16_t x, uint16_t y) const { return FloatToF16(F16ToFloat(x) + F16ToFloat(y)); }
+  JAXCCL_HD uint16_t operator()(uint16_t x, uint16_t y) const {
+    return FloatToF16((F16ToFloat(x) + F16ToFloat(y)) + 0.0f);
+  }
 };
 
 // Elements begin, begin + stride, ... < n of d = add(x, y); a unit stride is its own loop so that host
