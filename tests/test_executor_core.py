@@ -113,3 +113,16 @@ def test_direct_allreduce_16_bit_sums_round_every_step(dtype):
     for k in range(1, n):
         want = (want.astype(np.float32) + blocks[k].astype(np.float32)).astype(dtype)
     assert_bitwise(run(direct_allreduce(n), x), np.tile(want, n))
+
+
+@pytest.mark.parametrize("collective", ["psum", "psum_scatter"])
+def test_sums_of_negative_zeros_are_positive_zero_like_lax(collective):
+    n = 8
+    x = random((n * n * 64,), np.float32, seed=11)
+    x.reshape(n, -1)[:, ::3] = -0.0  # every rank contributes -0 at these positions
+    lib_body = {
+        "psum": lambda lib: lambda v: lib.psum(v, AXIS),
+        "psum_scatter": lambda lib: lambda v: lib.psum_scatter(v, AXIS, scatter_dimension=0, tiled=True),
+    }[collective]
+    got = lax_ref(lib_body(jaxccl), n, x)
+    assert_bitwise(got, lax_ref(lib_body(lax), n, x))
