@@ -12,7 +12,6 @@
 #include "registry.h"
 #include "rendezvous.h"
 #include "table.h"
-#include "worker_pool.h"
 
 namespace nb = nanobind;
 
@@ -273,12 +272,10 @@ NB_MODULE(_native, m) {
     nb::dict d;
     d["pending_rendezvous"] = CpuPendingRendezvous();
     d["occurrence_entries"] = CpuOccurrenceEntries();
-    d["worker_threads"] = WorkerPool::Get().NumThreads();
-    d["idle_workers"] = WorkerPool::Get().NumIdle();
     d["slots"] = Registry::Get().NumSlots();
     d["context_pools"] = NumContextPools();
     return d;
-  }, "Executor bookkeeping (for tests): rendezvous entries, worker threads, slots.");
+  }, "Executor bookkeeping (for tests): rendezvous entries, slots.");
   m.def(
       "_test_arrive",
       [](int64_t run_id, int64_t site, int64_t group, int32_t rank, int32_t axis_size, double timeout_s) {
