@@ -50,6 +50,7 @@ struct CudaArrival {
   int64_t in_elems = 0, out_elems = 0;
   ffi::DataType in_dtype = ffi::DataType::INVALID, out_dtype = ffi::DataType::INVALID;
   int device = -1;
+  int64_t seq = 0;  // this rank's sequence number of the call on its slot (hot-swap transition point)
 };
 
 // The measurement settings one launch runs with (taken by the last rank to arrive, for everybody).
@@ -57,6 +58,7 @@ struct MeasureSnapshot {
   bool on = false;  // enabled and the table has no reduction
   std::vector<int32_t> host_of_rank;  // [num_ranks]
   int32_t intra_threshold = 1, inter_threshold = 1, slots_per_tb = 64;
+  int64_t min_window_bytes = 32 << 10;
 };
 
 // What the last rank decided for everybody, plus the second exchange (workspace addresses).
@@ -67,6 +69,8 @@ struct CudaLaunch {
   size_t esize = 0;
   SumType sum = SumType::kNone;
   size_t stage_bytes = 0;
+  int32_t tiles = 1;
+  RegionLayout layout{};
   std::vector<CudaArrival> arrivals;
   Clock::time_point deadline;
   MeasureSnapshot measure;
@@ -88,7 +92,7 @@ struct MeasureBuffers {
   int32_t num_ranks = 0, num_tbs = 0, slots_per_tb = 0;
 
   static size_t Round(size_t b) { return (b + 255) / 256 * 256; }
-  size_t acc_bytes() const { return sizeof(MeasurementAccumulator) * static_cast<size_t>(num_ranks + 1); }
+  size_t acc_bytes() const { return sizeof(MeterWindow) * static_cast<size_t>(num_ranks + 1); }
   size_t cursor_offset() const { return Round(acc_bytes()); }
   size_t dev_counters_offset() const { return cursor_offset() + Round(sizeof(unsigned int) * num_tbs); }
   size_t dev_bytes() const { return dev_counters_offset() + sizeof(MeasureCounters) * num_tbs; }
@@ -108,8 +112,8 @@ struct Workspace {
   const Table* program_of = nullptr;  // the table whose per-rank program is on the device
   int32_t program_rank = -1;
   std::shared_ptr<const Table> keep;  // keeps the host words alive while the copy is in flight
-  std::vector<int32_t> program;
   int32_t* program_dev = nullptr;
+  KernelArgs* args_dev = nullptr;
   size_t program_capacity = 0;
   int32_t* error_host = nullptr;  // pinned
   char* scratch = nullptr;
@@ -248,74 +252,15 @@ CudaRendezvous& TheRendezvous() {
   return *r;
 }
 
-std::vector<int32_t> BuildProgram(const Table& t, int32_t rank) {
-  const int32_t first_tb = t.rank_first_tb[rank], ntb = t.rank_num_tbs[rank];
-  const int32_t first_op = ntb > 0 ? t.tbs[first_tb].first_op : 0;
-  int32_t nops = 0, max_tbs = 0, staged = 0, total_sends = 0;
-  for (int32_t r = 0; r < t.num_ranks; ++r) max_tbs = std::max(max_tbs, t.rank_num_tbs[r]);
-  for (int32_t j = 0; j < ntb; ++j) {
-    const TableTb& tb = t.tbs[first_tb + j];
-    nops += tb.num_ops;
-    for (int32_t i = 0; i < tb.num_ops; ++i) total_sends += OpSends(t.ops[tb.first_op + i].kind) ? 1 : 0;
-  }
-  std::vector<int32_t> p(kProgHeader + ntb * kProgTb + nops * kProgOp + t.num_conns() + total_sends, 0);
-  int32_t* staged_index = p.data() + kProgHeader + ntb * kProgTb + nops * kProgOp;
-  int32_t* send_ops = staged_index + t.num_conns();
-  for (int32_t k = 0; k < t.num_conns(); ++k) staged_index[k] = t.conns[k].num_staged > 0 ? staged++ : -1;
-  p[0] = ntb;
-  p[1] = nops;
-  p[2] = t.num_conns();
-  p[3] = max_tbs;
-  p[4] = staged;
-  p[5] = total_sends;
-  int32_t first_send = 0;
-  for (int32_t j = 0; j < ntb; ++j) {
-    const TableTb& tb = t.tbs[first_tb + j];
-    int32_t* row = p.data() + kProgHeader + j * kProgTb;
-    int32_t sends = 0;
-    for (int32_t i = 0; i < tb.num_ops; ++i) {
-      // A threadblock is its connection's only sender, so its k-th sending op posts message k (send_msg == k).
-      if (OpSends(t.ops[tb.first_op + i].kind)) send_ops[first_send + sends++] = i;
-    }
-    const int32_t vals[kProgTb] = {tb.first_op - first_op, tb.num_ops,   tb.send_conn, tb.recv_conn,
-                                   tb.send_peer,           tb.recv_peer, sends,        first_send};
-    first_send += sends;
-    std::memcpy(row, vals, sizeof(vals));
-    for (int32_t i = 0; i < tb.num_ops; ++i) {
-      const TableOp& op = t.ops[tb.first_op + i];
-      int32_t* o = p.data() + kProgHeader + ntb * kProgTb + (tb.first_op - first_op + i) * kProgOp;
-      const int32_t ov[kProgOp] = {static_cast<int32_t>(op.kind), static_cast<int32_t>(op.src_buf), op.src_off,
-                                   static_cast<int32_t>(op.dst_buf), op.dst_off, op.count, op.dep_tb, op.dep_op,
-                                   op.flags, op.send_msg, op.recv_msg, 0};
-      std::memcpy(o, ov, sizeof(ov));
-    }
-  }
-  return p;
-}
-
-int32_t NumStagedConns(const Table& t) {
-  int32_t k = 0;
-  for (const TableConn& c : t.conns) k += c.num_staged > 0 ? 1 : 0;
-  return k;
-}
-
-// Largest staged message of the table for period length L.
-size_t MaxStagedBytes(const Table& t, int64_t period_elems, size_t esize) {
-  int64_t most = 0;
+// Largest message of the table for period length L (staged slots are sized for it).
+size_t LargestMessageBytes(const Table& t, int64_t period_elems, size_t esize, bool staged_only) {
+  size_t most = 0;
   for (const TableOp& op : t.ops) {
-    if (!OpSends(op.kind) || op.direct()) continue;
-    const int32_t off = (op.kind == OpCode::kRecvCopySend || op.kind == OpCode::kRecvReduceCopySend) ? op.dst_off
-                                                                                                     : op.src_off;
-    most = std::max(most, ChunkStart(off + op.count, t.chunks_per_period, period_elems) -
-                              ChunkStart(off, t.chunks_per_period, period_elems));
+    if (!OpSends(op.kind) || (staged_only && op.direct())) continue;
+    most = std::max(most, RangeBytes(t.chunks_per_period, period_elems, static_cast<int64_t>(esize), op.send_offset(),
+                                     op.count));
   }
-  return static_cast<size_t>(most) * esize;
-}
-
-RegionLayout LayoutOf(const Table& t) {
-  int32_t max_tbs = 0;
-  for (int32_t r = 0; r < t.num_ranks; ++r) max_tbs = std::max(max_tbs, t.rank_num_tbs[r]);
-  return RegionLayout{max_tbs, t.num_conns(), t.num_slots};
+  return most;
 }
 
 ffi::Error EnablePeerAccess(int device, int peer) {
@@ -344,7 +289,9 @@ ffi::ErrorOr<std::shared_ptr<CudaLaunch>> StartLaunch(int64_t slot, int64_t grou
   const CoreApi* core = g_core.load();
   auto launch = std::make_shared<CudaLaunch>();
   std::string error;
-  if (!core->acquire(slot, &launch->snap, &error)) return ErrorResult<R>(ffi::Error::InvalidArgument(error));
+  int64_t seq = 0;  // the launch's sequence number: the largest any rank issued (MCCL Sec. 6.2.2)
+  for (const CudaArrival& a : arrivals) seq = std::max(seq, a.seq);
+  if (!core->acquire(slot, seq, &launch->snap, &error)) return ErrorResult<R>(ffi::Error::InvalidArgument(error));
   const Table& t = *launch->snap.table;
   if (t.num_ranks != axis_size) {
     return ErrorResult<R>(ffi::Error::InvalidArgument(
@@ -386,14 +333,10 @@ ffi::ErrorOr<std::shared_ptr<CudaLaunch>> StartLaunch(int64_t slot, int64_t grou
     }
   }
   if (t.has_reduction) {
-    switch (a0.in_dtype) {
-      case ffi::DataType::F32: launch->sum = SumType::kF32; break;
-      case ffi::DataType::BF16: launch->sum = SumType::kBF16; break;
-      case ffi::DataType::F16: launch->sum = SumType::kF16; break;
-      case ffi::DataType::S32: launch->sum = SumType::kS32; break;
-      default:
-        return ErrorResult<R>(ffi::Error::InvalidArgument(
-            StrCat("jaxccl: reductions support F32, BF16, F16 and S32; got ", DTypeName(a0.in_dtype))));
+    launch->sum = SumTypeFor(a0.in_dtype);
+    if (launch->sum == SumType::kNone) {
+      return ErrorResult<R>(ffi::Error::InvalidArgument(
+          StrCat("jaxccl: reductions support F32, BF16, F16 and S32; got ", DTypeName(a0.in_dtype))));
     }
   }
   {
@@ -412,9 +355,13 @@ ffi::ErrorOr<std::shared_ptr<CudaLaunch>> StartLaunch(int64_t slot, int64_t grou
       m.intra_threshold = g_settings.intra_threshold;
       m.inter_threshold = g_settings.inter_threshold;
       m.slots_per_tb = g_settings.slots_per_tb;
+      m.min_window_bytes = g_settings.min_window_bytes;
     }
   }
-  launch->stage_bytes = (MaxStagedBytes(t, *period, launch->esize) + 255) / 256 * 256;
+  launch->stage_bytes = (LargestMessageBytes(t, *period, launch->esize, true) + 255) / 256 * 256;
+  const ProgramView p0(t.programs[0].data());
+  launch->tiles = ChooseTiles(p0.tileable(), true, LargestMessageBytes(t, *period, launch->esize, false));
+  launch->layout = RegionLayout{p0.max_ops() * launch->tiles, t.num_conns(), t.num_slots};
   launch->arrivals = arrivals;
   launch->regions.assign(axis_size, nullptr);
   launch->deadline = DeadlineAfter(core->timeout_s());
@@ -430,8 +377,10 @@ ffi::ErrorOr<char*> PrepareWorkspace(int64_t slot, int32_t rank, const CudaLaunc
                                      Workspace** out, MeasureArgs* measure) {
   const CudaArrival& me = l.arrivals[rank];
   const Table& t = *l.snap.table;
-  const RegionLayout layout = LayoutOf(t);
-  const size_t need = 2 * layout.bytes() + static_cast<size_t>(NumStagedConns(t)) * t.num_slots * l.stage_bytes;
+  const RegionLayout layout = l.layout;
+  const ProgramView program(t.programs[rank].data());
+  const size_t need =
+      2 * layout.bytes() + static_cast<size_t>(program.num_staged_conns()) * t.num_slots * l.stage_bytes;
   std::lock_guard<std::mutex> lock(g_mu);
   auto& ws = g_workspaces[{slot, me.device}];
   if (!ws) ws = std::make_unique<Workspace>();
@@ -465,16 +414,19 @@ ffi::ErrorOr<char*> PrepareWorkspace(int64_t slot, int32_t rank, const CudaLaunc
     if ((e = cudaMalloc(&ws->scratch, scratch_bytes)) != cudaSuccess) return fail(e, "cudaMalloc(scratch)");
     ws->scratch_bytes = scratch_bytes;
   }
+  if (ws->args_dev == nullptr && (e = cudaMalloc(&ws->args_dev, sizeof(KernelArgs))) != cudaSuccess) {
+    return fail(e, "cudaMalloc(kernel arguments)");
+  }
   if (ws->program_of != &t || ws->program_rank != rank) {
-    ws->program = BuildProgram(t, rank);
-    const size_t bytes = ws->program.size() * sizeof(int32_t);
+    const std::vector<int32_t>& words = t.programs[rank];
+    const size_t bytes = words.size() * sizeof(int32_t);
     if (ws->program_capacity < bytes) {
       if (ws->program_dev != nullptr && (e = cudaFree(ws->program_dev)) != cudaSuccess) return fail(e, "cudaFree");
       ws->program_dev = nullptr;
       if ((e = cudaMalloc(&ws->program_dev, bytes)) != cudaSuccess) return fail(e, "cudaMalloc(program)");
       ws->program_capacity = bytes;
     }
-    if ((e = cudaMemcpyAsync(ws->program_dev, ws->program.data(), bytes, cudaMemcpyHostToDevice, stream)) !=
+    if ((e = cudaMemcpyAsync(ws->program_dev, words.data(), bytes, cudaMemcpyHostToDevice, stream)) !=
         cudaSuccess) {
       return fail(e, "cudaMemcpyAsync(program)");
     }
@@ -495,7 +447,7 @@ ffi::ErrorOr<char*> PrepareWorkspace(int64_t slot, int32_t rank, const CudaLaunc
     if ((e = cudaMemsetAsync(b.dev, 0, b.acc_bytes(), stream)) != cudaSuccess) {
       return fail(e, "cudaMemsetAsync(measurement accumulators)");
     }
-    measure->acc = reinterpret_cast<MeasurementAccumulator*>(b.dev);
+    measure->acc = reinterpret_cast<MeterWindow*>(b.dev);
     measure->cursor = reinterpret_cast<unsigned int*>(b.dev + b.cursor_offset());
     measure->counters_dev = reinterpret_cast<MeasureCounters*>(b.dev + b.dev_counters_offset());
     measure->records = reinterpret_cast<MeasurementRecord*>(b.host_on_dev);
@@ -503,6 +455,7 @@ ffi::ErrorOr<char*> PrepareWorkspace(int64_t slot, int32_t rank, const CudaLaunc
     measure->slots_per_tb = b.slots_per_tb;
     measure->intra_threshold = m.intra_threshold;
     measure->inter_threshold = m.inter_threshold;
+    measure->min_window_bytes = m.min_window_bytes;
     for (int32_t p = 0; p < t.num_ranks; ++p) {
       if (m.host_of_rank[p] == m.host_of_rank[rank]) measure->intra_peers |= 1ull << p;
     }
@@ -558,6 +511,8 @@ ffi::Error CudaCollective(cudaStream_t stream, ffi::RunId run_id, ffi::AnyBuffer
   me.in_dtype = x.element_type();
   me.out_dtype = out->element_type();
   me.device = device;
+  std::string issue_error;
+  if (!core->note_issued(slot, rank, &me.seq, &issue_error)) return ffi::Error::InvalidArgument(issue_error);
   const int32_t n = static_cast<int32_t>(axis_size);
   auto started = TheRendezvous().Arrive(run_id.run_id, site, group, rank, n, me, core->timeout_s(),
                                         [&](const std::vector<CudaArrival>& all) {
@@ -603,24 +558,22 @@ ffi::Error CudaCollective(cudaStream_t stream, ffi::RunId run_id, ffi::AnyBuffer
   KernelArgs args{};
   args.prog = ws->program_dev;
   args.rank = rank;
-  args.chunks_per_period = t.chunks_per_period;
-  args.num_slots = t.num_slots;
-  args.esize = static_cast<int32_t>(l.esize);
-  args.period_elems = l.period_elems;
+  args.tiles = l.tiles;
   args.sum = l.sum;
+  args.buffers = RankBuffers{static_cast<const char*>(me.in), static_cast<char*>(me.out), ws->scratch, l.period_elems,
+                             t.chunks_per_period, static_cast<int32_t>(l.esize), l.tiles};
   args.epoch = l.epoch;
   args.timeout_ns = static_cast<unsigned long long>(core->timeout_s() * 1e9);
-  args.layout = LayoutOf(t);
-  args.in = static_cast<char*>(const_cast<void*>(me.in));
-  args.out = static_cast<char*>(me.out);
+  args.layout = l.layout;
   args.staging = *region + (2 - (l.epoch & 1)) * args.layout.bytes();
   args.stage_bytes = l.stage_bytes;
   for (int32_t r = 0; r < n; ++r) args.regions[r] = l.regions[r];
-  args.scratch = ws->scratch;
   args.measure = measure;
+  JAXCCL_CUDA_CHECK(cudaMemcpyAsync(ws->args_dev, &args, sizeof(args), cudaMemcpyHostToDevice, stream));
   char* error_dev = *region + args.layout.error();
   JAXCCL_CUDA_CHECK(cudaMemsetAsync(error_dev, 0, 16, stream));
-  JAXCCL_CUDA_CHECK(LaunchInterpreter(args, t.rank_num_tbs[rank], stream));
+  JAXCCL_CUDA_CHECK(LaunchInterpreter(ws->args_dev, t.rank_num_tbs[rank], 1, stream));
+  JAXCCL_CUDA_CHECK(cudaStreamSynchronize(stream));  // the arguments' host copy lives on this stack
   JAXCCL_CUDA_CHECK(cudaMemcpyAsync(ws->error_host, error_dev, 16, cudaMemcpyDeviceToHost, stream));
   JAXCCL_CUDA_CHECK(cudaStreamSynchronize(stream));
   const int32_t code = ws->error_host[0];
@@ -628,7 +581,7 @@ ffi::Error CudaCollective(cudaStream_t stream, ffi::RunId run_id, ffi::AnyBuffer
     return ffi::Error::Internal(StrCat("jaxccl (cuda): rank ", rank, ", threadblock ", ws->error_host[1], ", op ",
                                        ws->error_host[2], " ", ErrorWhat(code)));
   }
-  if (code != kOk) {
+  if (code != kProtocolOk) {
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                       StrCat("jaxccl (cuda): deadline exceeded: rank ", rank, ", threadblock ", ws->error_host[1],
                              ", op ", ws->error_host[2], " ", ErrorWhat(code), " within ", Seconds(core->timeout_s())));
@@ -674,6 +627,9 @@ std::string MeasureConfigure(const MeasureSettings& settings) {
   if (settings.intra_threshold < 1 || settings.inter_threshold < 1) {
     return StrCat("measure_configure: channel thresholds must be >= 1, got intra ", settings.intra_threshold,
                   ", inter ", settings.inter_threshold);
+  }
+  if (settings.min_window_bytes < 0) {
+    return StrCat("measure_configure: min_window_bytes must be >= 0, got ", settings.min_window_bytes);
   }
   if (settings.slots_per_tb < 1 || settings.slots_per_tb > kMaxSlotsPerTb) {
     return StrCat("measure_configure: slots_per_tb must be in 1..", kMaxSlotsPerTb, ", got ", settings.slots_per_tb);
@@ -727,7 +683,7 @@ MeasureStatsResult MeasureStats() {
     r.counter_bytes += static_cast<int64_t>(2 * sizeof(MeasureCounters) * b.num_tbs + sizeof(unsigned int) * b.num_tbs);
   }
   r.cache_entry_bytes = static_cast<int64_t>(sizeof(MeasurementCacheEntry));
-  r.cache_entries_per_tb = kMeasureCacheEntries;
+  r.cache_entries_per_tb = MeterCache::kMaxEntries;
   r.cache_bytes = r.regions * r.cache_entries_per_tb * r.cache_entry_bytes;
   return r;
 }
@@ -749,6 +705,201 @@ int DeviceCount() {
     return 0;
   }
   return n;
+}
+
+namespace {
+
+// Device memory of one test run, freed on every path.
+class DeviceAllocations {
+ public:
+  ~DeviceAllocations() {
+    for (void* p : device_) (void)cudaFree(p);
+    for (void* p : host_) (void)cudaFreeHost(p);
+  }
+  template <typename T>
+  cudaError_t Device(T** out, size_t bytes) {
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, bytes == 0 ? 1 : bytes);
+    if (e == cudaSuccess) {
+      device_.push_back(p);
+      *out = static_cast<T*>(p);
+      return cudaMemset(p, 0, bytes == 0 ? 1 : bytes);
+    }
+    return e;
+  }
+  template <typename T>
+  cudaError_t Mapped(T** host, T** dev, size_t bytes) {
+    void* p = nullptr;
+    cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocMapped);
+    if (e != cudaSuccess) return e;
+    host_.push_back(p);
+    std::memset(p, 0, bytes);
+    *host = static_cast<T*>(p);
+    return cudaHostGetDevicePointer(reinterpret_cast<void**>(dev), p, 0);
+  }
+
+ private:
+  std::vector<void*> device_, host_;
+};
+
+#define JAXCCL_TEST_CHECK(expr)                                                                    \
+  do {                                                                                             \
+    cudaError_t jaxccl_err_ = (expr);                                                              \
+    if (jaxccl_err_ != cudaSuccess) {                                                              \
+      r.error = StrCat("jaxccl (cuda test): ", #expr, " failed: ", cudaGetErrorString(jaxccl_err_)); \
+      return r;                                                                                    \
+    }                                                                                              \
+  } while (0)
+
+}  // namespace
+
+TestRunResult TestRunRanks(int64_t slot, const char* inputs, int32_t num_ranks, int64_t in_elems, int32_t esize,
+                           SumType sum, int32_t tiles, bool measure, const std::vector<int32_t>& host_of_rank) {
+  TestRunResult r;
+  const CoreApi* core = g_core.load();
+  if (core == nullptr) {
+    r.error = "jaxccl (cuda test): the CUDA module is not attached to jaxccl._native";
+    return r;
+  }
+  if (num_ranks < 1 || num_ranks > kMaxRanks) {
+    r.error = StrCat("jaxccl (cuda test): num_ranks must be in 1..", kMaxRanks);
+    return r;
+  }
+  for (int32_t k = 0; k < num_ranks; ++k) {
+    int64_t seq = 0;
+    if (!core->note_issued(slot, k, &seq, &r.error)) return r;
+    r.seq = std::max(r.seq, seq);
+  }
+  TableSnapshot snap;
+  if (!core->acquire(slot, r.seq, &snap, &r.error)) return r;
+  r.version = snap.version;
+  const Table& t = *snap.table;
+  if (t.num_ranks != num_ranks) {
+    r.error = StrCat("jaxccl (cuda test): schedule for N=", t.num_ranks, " run with ", num_ranks, " ranks");
+    return r;
+  }
+  auto period = PeriodElements(t, in_elems);
+  if (!period.has_value()) {
+    r.error = std::string(period.error().message());
+    return r;
+  }
+  if (t.has_reduction && sum == SumType::kNone) {
+    r.error = "jaxccl (cuda test): the table reduces; pass its element type";
+    return r;
+  }
+  const int64_t out_elems = OutputElements(t, *period);
+  const ProgramView p0(t.programs[0].data());
+  r.tiles = tiles > 0 && p0.tileable() ? std::min(tiles, kMaxTiles)
+                                       : ChooseTiles(p0.tileable(), true, LargestMessageBytes(t, *period, esize, false));
+  const RegionLayout layout{p0.max_ops() * r.tiles, t.num_conns(), t.num_slots};
+  const size_t stage_bytes = (LargestMessageBytes(t, *period, esize, true) + 255) / 256 * 256;
+  const size_t in_bytes = static_cast<size_t>(in_elems) * esize, out_bytes = static_cast<size_t>(out_elems) * esize;
+  const size_t scratch_bytes = static_cast<size_t>(ChunkStart(t.scratch_chunks, t.chunks_per_period, *period)) * esize;
+  int32_t max_tbs = 0;
+  for (int32_t k = 0; k < num_ranks; ++k) max_tbs = std::max(max_tbs, t.rank_num_tbs[k]);
+  int device = 0, resident = 0;
+  JAXCCL_TEST_CHECK(cudaGetDevice(&device));
+  JAXCCL_TEST_CHECK(MaxResidentBlocks(device, &resident));
+  if (resident < max_tbs * num_ranks) {
+    r.error = StrCat("jaxccl (cuda test): ", max_tbs * num_ranks, " blocks do not fit on GPU ", device, " at once (",
+                     resident, ")");
+    return r;
+  }
+  DeviceAllocations mem;
+  std::vector<KernelArgs> args(num_ranks);
+  std::vector<char*> outs(num_ranks);
+  const int32_t slots_per_tb = 8;
+  MeterWindow* acc = nullptr;
+  MeasurementRecord *records_host = nullptr, *records_dev = nullptr;
+  MeasureCounters *counters_host = nullptr, *counters_host_dev = nullptr, *counters_dev = nullptr;
+  unsigned int* cursor = nullptr;
+  const size_t tb_regions = static_cast<size_t>(num_ranks) * max_tbs;
+  if (measure) {
+    JAXCCL_TEST_CHECK(mem.Device(&acc, sizeof(MeterWindow) * num_ranks * (num_ranks + 1)));
+    JAXCCL_TEST_CHECK(mem.Mapped(&records_host, &records_dev, sizeof(MeasurementRecord) * tb_regions * slots_per_tb));
+    JAXCCL_TEST_CHECK(mem.Mapped(&counters_host, &counters_host_dev, sizeof(MeasureCounters) * tb_regions));
+    JAXCCL_TEST_CHECK(mem.Device(&counters_dev, sizeof(MeasureCounters) * tb_regions));
+    JAXCCL_TEST_CHECK(mem.Device(&cursor, sizeof(unsigned int) * tb_regions));
+  }
+  for (int32_t k = 0; k < num_ranks; ++k) {
+    KernelArgs& a = args[k];
+    char *in = nullptr, *scratch = nullptr, *region = nullptr, *staging = nullptr;
+    int32_t* prog = nullptr;
+    const ProgramView program(t.programs[k].data());
+    JAXCCL_TEST_CHECK(mem.Device(&in, in_bytes));
+    JAXCCL_TEST_CHECK(mem.Device(&outs[k], out_bytes));
+    JAXCCL_TEST_CHECK(mem.Device(&scratch, scratch_bytes));
+    JAXCCL_TEST_CHECK(mem.Device(&region, layout.bytes()));
+    JAXCCL_TEST_CHECK(mem.Device(&staging, program.num_staged_conns() * t.num_slots * stage_bytes));
+    JAXCCL_TEST_CHECK(mem.Device(&prog, t.programs[k].size() * sizeof(int32_t)));
+    JAXCCL_TEST_CHECK(cudaMemcpy(in, inputs + k * in_bytes, in_bytes, cudaMemcpyHostToDevice));
+    JAXCCL_TEST_CHECK(
+        cudaMemcpy(prog, t.programs[k].data(), t.programs[k].size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    a.prog = prog;
+    a.rank = k;
+    a.tiles = r.tiles;
+    a.sum = t.has_reduction ? sum : SumType::kNone;
+    a.buffers = RankBuffers{in, outs[k], scratch, *period, t.chunks_per_period, esize, r.tiles};
+    a.epoch = 1;
+    a.timeout_ns = static_cast<unsigned long long>(core->timeout_s() * 1e9);
+    a.layout = layout;
+    a.staging = staging;
+    a.stage_bytes = stage_bytes;
+    a.regions[k] = region;
+    if (measure && !t.has_reduction) {
+      MeasureArgs& m = a.measure;
+      const size_t first = static_cast<size_t>(k) * max_tbs;
+      m.acc = acc + static_cast<size_t>(k) * (num_ranks + 1);
+      m.records = records_dev + first * slots_per_tb;
+      m.counters_host = counters_host_dev + first;
+      m.counters_dev = counters_dev + first;
+      m.cursor = cursor + first;
+      m.slots_per_tb = slots_per_tb;
+      m.intra_threshold = 1;
+      m.inter_threshold = 1;
+      m.min_window_bytes = 0;
+      for (int32_t q = 0; q < num_ranks; ++q) {
+        const int32_t hk = host_of_rank.empty() ? 0 : host_of_rank[k], hq = host_of_rank.empty() ? 0 : host_of_rank[q];
+        if (hk == hq) m.intra_peers |= 1ull << q;
+      }
+    }
+  }
+  for (int32_t k = 0; k < num_ranks; ++k) {
+    for (int32_t q = 0; q < num_ranks; ++q) args[k].regions[q] = args[q].regions[q];
+  }
+  KernelArgs* args_dev = nullptr;
+  JAXCCL_TEST_CHECK(mem.Device(&args_dev, sizeof(KernelArgs) * num_ranks));
+  JAXCCL_TEST_CHECK(cudaMemcpy(args_dev, args.data(), sizeof(KernelArgs) * num_ranks, cudaMemcpyHostToDevice));
+  cudaEvent_t start, stop;
+  JAXCCL_TEST_CHECK(cudaEventCreate(&start));
+  JAXCCL_TEST_CHECK(cudaEventCreate(&stop));
+  JAXCCL_TEST_CHECK(cudaEventRecord(start));
+  JAXCCL_TEST_CHECK(LaunchInterpreter(args_dev, max_tbs, num_ranks, 0));
+  JAXCCL_TEST_CHECK(cudaEventRecord(stop));
+  JAXCCL_TEST_CHECK(cudaEventSynchronize(stop));
+  float ms = 0;
+  JAXCCL_TEST_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+  r.kernel_ms = ms;
+  for (int32_t k = 0; k < num_ranks; ++k) {
+    int32_t err[4];
+    JAXCCL_TEST_CHECK(cudaMemcpy(err, args[k].regions[k] + layout.error(), sizeof(err), cudaMemcpyDeviceToHost));
+    if (err[0] != kProtocolOk) {
+      r.error = StrCat("jaxccl (cuda test): rank ", k, ", threadblock ", err[1], ", op ", err[2], " ", ErrorWhat(err[0]));
+      return r;
+    }
+  }
+  r.outputs.resize(out_bytes * num_ranks);
+  for (int32_t k = 0; k < num_ranks; ++k) {
+    JAXCCL_TEST_CHECK(cudaMemcpy(r.outputs.data() + k * out_bytes, outs[k], out_bytes, cudaMemcpyDeviceToHost));
+  }
+  if (measure) {
+    for (size_t k = 0; k < tb_regions * slots_per_tb; ++k) {
+      if (records_host[k].flag == 1) r.records.push_back(records_host[k]);
+    }
+  }
+  return r;
 }
 
 }  // namespace cuda

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "core/sum.h"
 #include "measurement_format.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -36,6 +37,7 @@ struct MeasureSettings {
   int32_t intra_threshold = 1;        // active connections that open an intra-node window
   int32_t inter_threshold = 1;        // ... an inter-node window
   int32_t slots_per_tb = 64;          // Measurements Buffer slots per threadblock
+  int64_t min_window_bytes = 32 << 10;  // windows that carried fewer bytes are dropped (core/meter.h)
 };
 
 // Counters since the last MeasureReset and the memory footprint (MCCL Table 2) of every buffer.
@@ -67,6 +69,26 @@ void MeasureDrain(std::vector<MeasurementRecord>* records, int64_t* dropped);
 MeasureStatsResult MeasureStats();
 // Discards undrained records and restarts the counters (call it between collectives).
 void MeasureReset();
+
+// ---- test entry: every rank of a table on one GPU (tests/gpu/check_core.py)
+
+struct TestRunResult {
+  std::string error;         // empty on success
+  int64_t version = 0;       // the table version the launch ran (acquired at the agreed sequence number)
+  int64_t seq = 0;           // that sequence number
+  int32_t tiles = 1;
+  double kernel_ms = 0;      // the interpreter kernel's time (CUDA events)
+  std::vector<char> outputs;  // [num_ranks][output bytes]
+  std::vector<MeasurementRecord> records;
+};
+
+// Runs one call of schedule slot `slot` with all `num_ranks` ranks on the current GPU: each rank issues
+// the call (note_issued), the launch acquires the table for the largest sequence number, as the FFI
+// handler does, and one kernel runs every rank's program (grid y = rank). `inputs`: [num_ranks][in_elems]
+// elements of `esize` bytes; `sum`: the reduction type (kNone for collectives without reduction);
+// `tiles` 0 = the executor's choice. With `measure`, the meter runs with `host_of_rank` (empty: one host).
+TestRunResult TestRunRanks(int64_t slot, const char* inputs, int32_t num_ranks, int64_t in_elems, int32_t esize,
+                           SumType sum, int32_t tiles, bool measure, const std::vector<int32_t>& host_of_rank);
 
 }  // namespace cuda
 }  // namespace jaxccl

@@ -3,6 +3,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -36,21 +37,23 @@ NB_MODULE(_native_cuda, m) {
   m.def(
       "measure_configure",
       [](bool enabled, std::vector<int32_t> host_of_rank, int32_t intra_threshold, int32_t inter_threshold,
-         int32_t slots_per_tb) {
+         int32_t slots_per_tb, int64_t min_window_bytes) {
         cuda::MeasureSettings s;
         s.enabled = enabled;
         s.host_of_rank = std::move(host_of_rank);
         s.intra_threshold = intra_threshold;
         s.inter_threshold = inter_threshold;
         s.slots_per_tb = slots_per_tb;
+        s.min_window_bytes = min_window_bytes;
         const std::string error = cuda::MeasureConfigure(s);
         if (!error.empty()) throw nb::value_error(error.c_str());
       },
       nb::arg("enabled"), nb::arg("host_of_rank") = std::vector<int32_t>{}, nb::arg("intra_threshold") = 1,
-      nb::arg("inter_threshold") = 1, nb::arg("slots_per_tb") = 64,
+      nb::arg("inter_threshold") = 1, nb::arg("slots_per_tb") = 64, nb::arg("min_window_bytes") = 32 << 10,
       "Turns passive measurement on or off for the launches that start from now on. host_of_rank: host id of "
       "each rank of the axis (empty: one host); a window opens when at least `*_threshold` connections of an "
-      "accumulator are active; each threadblock owns `slots_per_tb` Measurements Buffer slots.");
+      "accumulator are active; each threadblock owns `slots_per_tb` Measurements Buffer slots; windows that "
+      "carried fewer than `min_window_bytes` are dropped.");
   m.def("measure_settings", [] {
     const cuda::MeasureSettings s = cuda::MeasureSettingsNow();
     nb::dict d;
@@ -59,6 +62,7 @@ NB_MODULE(_native_cuda, m) {
     d["intra_threshold"] = s.intra_threshold;
     d["inter_threshold"] = s.inter_threshold;
     d["slots_per_tb"] = s.slots_per_tb;
+    d["min_window_bytes"] = s.min_window_bytes;
     return d;
   }, "The settings measure_configure installed.");
   m.def(
@@ -103,5 +107,36 @@ NB_MODULE(_native_cuda, m) {
     nb::gil_scoped_release release;
     cuda::MeasureReset();
   }, "Discards undrained records and restarts the counters (call it between collectives).");
+  m.def(
+      "test_run",
+      [](int64_t slot, nb::bytes inputs, int32_t num_ranks, int32_t esize, int32_t sum, int32_t tiles, bool measure,
+         std::vector<int32_t> host_of_rank) {
+        if (num_ranks < 1 || esize < 1 || inputs.size() % (static_cast<size_t>(num_ranks) * esize) != 0) {
+          throw nb::value_error("test_run: inputs must hold num_ranks equal buffers of whole elements");
+        }
+        if (sum < -1 || sum > 3) throw nb::value_error("test_run: sum must be -1 (none), 0 f32, 1 bf16, 2 f16, 3 s32");
+        const int64_t in_elems = static_cast<int64_t>(inputs.size() / num_ranks / esize);
+        cuda::TestRunResult r;
+        {
+          nb::gil_scoped_release release;
+          r = cuda::TestRunRanks(slot, static_cast<const char*>(inputs.data()), num_ranks, in_elems, esize,
+                                 static_cast<SumType>(sum), tiles, measure, host_of_rank);
+        }
+        if (!r.error.empty()) throw std::runtime_error(r.error);
+        nb::dict d;
+        d["outputs"] = nb::bytes(r.outputs.data(), r.outputs.size());
+        d["records"] = nb::bytes(reinterpret_cast<const char*>(r.records.data()),
+                                 r.records.size() * sizeof(MeasurementRecord));
+        d["version"] = r.version;
+        d["seq"] = r.seq;
+        d["tiles"] = r.tiles;
+        d["kernel_ms"] = r.kernel_ms;
+        return d;
+      },
+      nb::arg("slot"), nb::arg("inputs"), nb::arg("num_ranks"), nb::arg("esize"), nb::arg("sum") = -1,
+      nb::arg("tiles") = 0, nb::arg("measure") = false, nb::arg("host_of_rank") = std::vector<int32_t>{},
+      "Test entry: one call of the slot's table with every rank on the current GPU (one kernel, grid y = rank). "
+      "inputs: num_ranks equal raw buffers; returns outputs (raw, rank-major), the version and sequence number "
+      "the launch ran, its tiles, the kernel time and the Measurements Buffer records.");
   m.attr("MEASUREMENT_VERSION") = kMeasurementVersion;
 }

@@ -124,10 +124,10 @@ def test_defaults_and_backend_resolution():
     assert comm.backend == "cpu"  # "auto" without CUDA support
     names = {c: comm.schedule(c).name for c in ("all_gather", "all_to_all", "reduce_scatter", "all_reduce")}
     assert names == {
-        "all_gather": "ring_allgather",
+        "all_gather": "direct_allgather",
         "all_to_all": "direct_alltoall",
         "reduce_scatter": "direct_reduce_scatter",
-        "all_reduce": "ordered_allreduce",
+        "all_reduce": "direct_allreduce",
     }
     assert comm.schedule("psum_scatter") is comm.schedule("reduce_scatter")
     default = comm_mod.default_communicator("d", N)
@@ -170,7 +170,7 @@ def test_install_validates():
         comm.install("all_gather", _broken_all_gather(N))
     with pytest.raises(ValueError, match="unknown collective"):
         comm.install("broadcast", baselines.ring_allgather(N))
-    assert comm.schedule("all_gather").name == "ring_allgather"  # nothing changed
+    assert comm.schedule("all_gather").name == "direct_allgather"  # nothing changed
 
 
 def test_constructor_errors():

@@ -263,7 +263,10 @@ def test_forwarding_all_to_all(n):
 
 
 def _np_sum(blocks, order, dtype):
+    """The blocks summed in `order` from the additive identity, as XLA and the executors do (-0 + -0 is +0)."""
     acc = blocks[order[0]].astype(dtype)
+    if len(order) > 1 and (np.issubdtype(np.dtype(dtype), np.floating) or dtype == ml_dtypes.bfloat16):
+        acc = (np.zeros((), dtype) + acc).astype(dtype)
     with np.errstate(over="ignore"):  # overflow to inf is part of what the f16 case checks
         for k in order[1:]:
             acc = (acc + blocks[k]).astype(dtype)

@@ -12,14 +12,20 @@
 
 namespace jaxccl {
 
-inline constexpr uint32_t kCoreApiVersion = 1;
+// Version 2: the CUDA path numbers each rank's call (note_issued) and acquires the table for the launch's
+// agreed sequence number (the largest any rank issued), so a staged table becomes current at the same
+// call on every backend (MCCL Sec. 6.2.2; docs/executor.md, "Hot-swap").
+inline constexpr uint32_t kCoreApiVersion = 2;
 inline constexpr const char* kCoreApiCapsuleName = "jaxccl.core_api";
 
 struct CoreApi {
   uint32_t version;
   uint32_t struct_size;
-  // The slot's current table for one launch (counts the launch). On failure returns false and sets *error.
-  bool (*acquire)(int64_t slot, TableSnapshot* out, std::string* error);
+  // Numbers rank `rank`'s call on the slot: *seq = its sequence number (1, 2, ...). False (with *error) on failure.
+  bool (*note_issued)(int64_t slot, int32_t rank, int64_t* seq, std::string* error);
+  // The slot's table for the launch whose sequence number is `seq` (counts the launch): a staged table
+  // becomes current once `seq` is past its transition point. On failure returns false and sets *error.
+  bool (*acquire)(int64_t slot, int64_t seq, TableSnapshot* out, std::string* error);
   // The deadline of every rendezvous and wait, in seconds.
   double (*timeout_s)();
 };

@@ -3,13 +3,10 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <map>
 #include <thread>
 
 #include "dtype.h"
-#include "reduce.h"
-#include "worker_pool.h"
 
 namespace jaxccl {
 
@@ -33,31 +30,29 @@ static void ResizeStates(std::vector<std::unique_ptr<T>>& v, size_t n) {
   while (v.size() < n) v.push_back(std::make_unique<T>());
 }
 
-bool ExecContext::Reset(const Table& t, size_t scratch_bytes) {
+bool ExecContext::Reset(const Table& t, const RegionLayout& layout, size_t scratch_bytes) {
+  static_assert(sizeof(std::atomic<uint64_t>) == 8 && std::atomic<uint64_t>::is_always_lock_free,
+                "flag regions are arrays of lock-free 64-bit atomics");
+  ResizeStates(regions, t.num_ranks);
   ResizeStates(scratch, t.num_ranks);
-  ResizeStates(conns, t.conns.size());
-  ResizeStates(tbs, t.tbs.size());
+  ResizeStates(waits, t.num_ranks);
+  ResizeStates(meters, t.conns.size());
   ResizeStates(ranks, t.num_ranks);
+  ResizeStates(staging, layout.cells());
+  if (timing.size() < layout.cells()) timing.resize(layout.cells());
   for (int32_t r = 0; r < t.num_ranks; ++r) {
+    AlignedBuffer& region = *regions[r];
+    const size_t had = region.capacity();
+    if (!region.Reserve(layout.bytes())) return false;
+    // Fresh memory holds no tag of any epoch; kept memory holds only tags of older epochs.
+    if (region.capacity() != had) std::memset(region.data(), 0, region.capacity());
     if (!scratch[r]->Reserve(scratch_bytes)) return false;
     RankState& rs = *ranks[r];
-    rs.tbs_left = t.rank_num_tbs[r];
     rs.pending_direct = 0;
     rs.waiting = false;
   }
-  for (size_t k = 0; k < t.conns.size(); ++k) {
-    ConnState& c = *conns[k];
-    c.posted = c.consumed = 0;
-    c.send_waiting = c.recv_waiting = false;
-    c.ring.assign(t.num_slots, Message{});
-    // Staged message m lives in buffer m % num_slots (at most num_slots messages are in flight); buffers
-    // are allocated on first use, so only the slots staged messages actually hit take memory.
-    if (t.conns[k].num_staged > 0) ResizeStates(c.staging, t.num_slots);
-  }
-  for (size_t g = 0; g < t.tbs.size(); ++g) {
-    tbs[g]->done = 0;
-    tbs[g]->waiters = 0;
-  }
+  for (auto& m : meters) m->in_flight = 0;
+  ++epoch;
   return true;
 }
 
@@ -148,10 +143,10 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
           " of ", a0.in_elems, " input elements over ", axis_size, " ranks produces ", expected_out)));
     }
   }
-  SumFn sum = nullptr;
+  SumType sum = SumType::kNone;
   if (t.has_reduction) {
-    sum = SumFor(dtype);
-    if (sum == nullptr) {
+    sum = SumTypeFor(dtype);
+    if (sum == SumType::kNone) {
       return ErrorResult<R>(ffi::Error::InvalidArgument(StrCat(
           "jaxccl: reductions support F32, BF16, F16 and S32; got ", DTypeName(dtype), " (", CollectiveName(t.collective),
           ")")));
@@ -164,8 +159,6 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   launch->pool_ = ContextPoolFor(slot);
   launch->ctx_ = launch->pool_->Acquire();
   launch->io_ = arrivals;
-  launch->esize_ = esize;
-  launch->period_elems_ = *period;
   launch->sum_ = sum;
   launch->timeout_s_ = Registry::Get().timeout_s();
   launch->slot_ = slot;
@@ -182,18 +175,31 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
     if (launch->measure_) launch->caches_.resize(t.tbs.size());
   }
   const size_t scratch_bytes = static_cast<size_t>(ChunkStart(t.scratch_chunks, t.chunks_per_period, *period)) * esize;
-  if (!launch->ctx_->Reset(t, scratch_bytes)) {
+  // With link emulation the program runs in tiles, so that relayed messages pipeline as on a GPU.
+  size_t largest = 0;
+  for (const TableOp& op : t.ops) {
+    if (OpSends(op.kind)) largest = std::max(largest, RangeBytes(t.chunks_per_period, *period, esize, op.send_offset(), op.count));
+  }
+  const bool tileable = !t.programs.empty() && ProgramView(t.programs[0].data()).tileable();
+  launch->tiles_ = ChooseTiles(tileable, launch->pace_, largest);
+  launch->op_stride_ = t.programs.empty() ? 0 : ProgramView(t.programs[0].data()).max_ops();
+  launch->layout_ = RegionLayout{launch->op_stride_ * launch->tiles_, t.num_conns(), t.num_slots};
+  if (!launch->ctx_->Reset(t, launch->layout_, scratch_bytes)) {
     return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kResourceExhausted,
                                      StrCat("jaxccl: cannot allocate ", scratch_bytes, " bytes of scratch per rank")));
   }
-  launch->deadline_ = DeadlineAfter(launch->timeout_s_);
-  launch->tbs_running_.store(t.num_tbs());
-  std::vector<std::function<void()>> tasks;
-  tasks.reserve(t.tbs.size());
-  for (int32_t g = 0; g < t.num_tbs(); ++g) tasks.emplace_back([launch, g] { launch->RunThreadblock(g); });
-  if (ffi::Error e = WorkerPool::Get().Run(tasks); e.failure()) {
-    launch->Fail(e.message(), ffi::ErrorCode::kResourceExhausted);  // queued threadblocks see the abort and leave at once
+  launch->epoch_ = launch->ctx_->epoch;
+  launch->buffers_.resize(axis_size);
+  launch->rank_first_op_.resize(axis_size);
+  for (int32_t r = 0; r < axis_size; ++r) {
+    launch->buffers_[r] = RankBuffers{static_cast<const char*>(arrivals[r].in), static_cast<char*>(arrivals[r].out),
+                                      launch->ctx_->scratch[r]->data(), *period, t.chunks_per_period,
+                                      static_cast<int32_t>(esize), launch->tiles_};
+    launch->rank_first_op_[r] = t.RankFirstOp(r);
   }
+  launch->deadline_ = DeadlineAfter(launch->timeout_s_);
+  launch->deadline_ns_ = NowNs() + static_cast<int64_t>(launch->timeout_s_ * 1e9);
+  launch->ranks_running_.store(axis_size);
   return launch;
 }
 
@@ -201,30 +207,23 @@ CpuLaunch::~CpuLaunch() {
   if (pool_ && ctx_) pool_->Release(std::move(ctx_));
 }
 
-char* CpuLaunch::Ptr(int32_t rank, BufferId buf, int32_t chunk) const {
-  const int64_t elem = ChunkStart(chunk, table_->chunks_per_period, period_elems_);
-  char* base = nullptr;
-  switch (buf) {
-    case BufferId::kInput: base = const_cast<char*>(static_cast<const char*>(io_[rank].in)); break;
-    case BufferId::kOutput: base = static_cast<char*>(io_[rank].out); break;
-    case BufferId::kScratch: base = ctx_->scratch[rank]->data(); break;
-    case BufferId::kNone: return nullptr;
-  }
-  return base == nullptr ? nullptr : base + static_cast<size_t>(elem) * esize_;
+std::atomic<uint64_t>* CpuLaunch::Flag(int32_t rank, size_t offset, size_t index) const {
+  return reinterpret_cast<std::atomic<uint64_t>*>(ctx_->regions[rank]->data() + offset) + index;
 }
 
-size_t CpuLaunch::Bytes(int32_t off, int32_t count) const {
-  const int64_t c = table_->chunks_per_period;
-  return static_cast<size_t>(ChunkStart(off + count, c, period_elems_) - ChunkStart(off, c, period_elems_)) * esize_;
+MsgDesc* CpuLaunch::Desc(int32_t rank, size_t cell) const {
+  return reinterpret_cast<MsgDesc*>(ctx_->regions[rank]->data() + layout_.msgs()) + cell;
 }
 
-std::string CpuLaunch::Where(int32_t g, int32_t i, const TableOp& op) const {
+std::string CpuLaunch::Where(int32_t g, int32_t o) const {
   const TableTb& tb = table_->tbs[g];
+  const int32_t i = o - (tb.first_op - rank_first_op_[tb.rank]);
+  const OpCode kind = table_->ops[tb.first_op + i].kind;
   std::string peers;
-  if (OpReceives(op.kind)) peers += StrCat(" from rank ", tb.recv_peer);
-  if (OpSends(op.kind)) peers += StrCat(" to rank ", tb.send_peer);
+  if (OpReceives(kind)) peers += StrCat(" from rank ", tb.recv_peer);
+  if (OpSends(kind)) peers += StrCat(" to rank ", tb.send_peer);
   return StrCat("rank ", tb.rank, ", threadblock ", g - table_->rank_first_tb[tb.rank], ", op ", i, " ('",
-                OpName(op.kind), "'", peers, ", channel ", tb.channel, ")");
+                OpName(kind), "'", peers, ", channel ", tb.channel, ")");
 }
 
 void CpuLaunch::Fail(const std::string& message, ffi::ErrorCode code) {
@@ -236,293 +235,278 @@ void CpuLaunch::Fail(const std::string& message, ffi::ErrorCode code) {
     }
   }
   aborted_.store(true);
-  // Wake every waiter; each re-checks aborted_ under its mutex, so no wakeup is lost.
-  for (auto& c : ctx_->conns) {
-    std::lock_guard<std::mutex> lock(c->mu);
-    c->cv_send.notify_all();
-    c->cv_recv.notify_all();
-  }
-  for (auto& tb : ctx_->tbs) {
-    std::lock_guard<std::mutex> lock(tb->mu);
-    tb->cv.notify_all();
-  }
+  // Wake every sleeper; each re-checks aborted_, so no wakeup is lost.
+  for (int32_t r = 0; r < table_->num_ranks; ++r) Wake(r);
   for (auto& r : ctx_->ranks) {
     std::lock_guard<std::mutex> lock(r->mu);
     r->cv.notify_all();
   }
 }
 
-void CpuLaunch::RunThreadblock(int32_t g) {
-  const TableTb& tb = table_->tbs[g];
-  TbState& st = *ctx_->tbs[g];
-  for (int32_t i = 0; i < tb.num_ops && !aborted_.load(std::memory_order_relaxed); ++i) {
-    const TableOp& op = table_->ops[tb.first_op + i];
-    if (!WaitDependency(g, i, op) || !Execute(g, i, op)) break;
-    std::lock_guard<std::mutex> lock(st.mu);
-    st.done = i + 1;
-    if (st.waiters > 0) st.cv.notify_all();
+constexpr int kYieldsBeforeSleep = 16;
+
+// The CPU's view of the flags for the core's readiness rule. A message is there once its posted tag is,
+// and, with link pacing, once the emulated links delivered it (the earliest such time is remembered, so
+// the threadblock sleeps exactly until then).
+struct CpuProbe {
+  const CpuLaunch* l;
+  int32_t rank;
+  int64_t now_ns = 0;
+  int64_t wake_ns = INT64_MAX;
+
+  bool Done(int32_t tile, int32_t o) const {
+    return l->Flag(rank, l->layout_.op_done(), static_cast<size_t>(tile) * l->op_stride_ + o)
+               ->load(std::memory_order_acquire) >= Tag(l->epoch_, 1);
   }
-  if (measure_) net_->Flush(slot_, tb.rank, g - table_->rank_first_tb[tb.rank], caches_[g]);
-  FinishThreadblock(g);
+  bool Posted(int32_t conn, int32_t m) {
+    const size_t cell = l->layout_.cell(conn, m);
+    if (l->Flag(rank, l->layout_.posted(), cell)->load(std::memory_order_acquire) < Tag(l->epoch_, m + 1)) return false;
+    if (!l->pace_) return true;
+    const int64_t ready = l->ctx_->timing[cell].ready_ns;
+    if (now_ns == 0) now_ns = NowNs();
+    if (ready <= now_ns) return true;
+    wake_ns = std::min(wake_ns, ready);
+    return false;
+  }
+  bool SlotFree(int32_t conn, int32_t m) const {
+    const size_t cell = l->layout_.cell(conn, m);
+    const int32_t slots = l->layout_.num_slots;
+    return l->Flag(rank, l->layout_.consumed(), cell)->load(std::memory_order_acquire) >= Tag(l->epoch_, m - slots + 1);
+  }
+};
+
+// Byte moves of the CPU: memmove (ranges of one buffer may coincide) and the core's sums, contiguous.
+struct CpuMover {
+  void Copy(char* dst, const char* src, size_t bytes) const {
+    if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
+  }
+  void Sum(SumType t, char* dst, const char* a, const char* b, size_t n) const { SumLanes(t, dst, a, b, n, 0, 1); }
+  void Barrier() const {}
+};
+
+void CpuLaunch::RunRank(int32_t rank) {
+  const ProgramView p(table_->programs[rank].data());
+  const int32_t first_tb = table_->rank_first_tb[rank], ntb = p.num_tbs();
+  std::vector<ProgTb> tbs(ntb);
+  std::vector<int32_t> first(ntb, 0);
+  for (int32_t j = 0; j < ntb; ++j) tbs[j] = p.tb(j);
+  TbWait& w = *ctx_->waits[rank];
+  while (!aborted_.load(std::memory_order_relaxed)) {
+    const uint64_t seen = w.events.load(std::memory_order_seq_cst);
+    CpuProbe probe{this, rank};
+    bool progress = false, all_done = true;
+    int32_t stuck = -1;
+    for (int32_t j = 0; j < ntb && !aborted_.load(std::memory_order_relaxed); ++j) {
+      const int32_t v = NextReadyUnit(p, tbs[j], tiles_, &first[j], probe);
+      if (v == kAllDone) continue;
+      all_done = false;
+      if (v == kNoneReady) {
+        if (stuck < 0) stuck = j;
+        continue;
+      }
+      if (!Execute(first_tb + j, p, tbs[j], UnitOf(p, tbs[j], v))) break;
+      progress = true;
+      break;  // rescan from the first threadblock: earlier threadblocks' work goes first (a fold before the
+              // copies that wait for other ranks' folds)
+    }
+    if (all_done) break;
+    if (progress) continue;
+    if (!Sleep(rank, seen, probe.wake_ns)) {
+      FailStuck(first_tb + stuck, p, tbs[stuck], first[stuck]);
+      break;
+    }
+  }
+  if (measure_) {
+    for (int32_t j = 0; j < ntb; ++j) net_->Flush(slot_, rank, j, caches_[first_tb + j]);
+  }
+  FinishRank(rank);
 }
 
-void CpuLaunch::FinishThreadblock(int32_t g) {
-  // The launch time is recorded before the last rank is released, so it is there when the call returns.
-  const bool last = tbs_running_.fetch_sub(1) == 1;
-  if (last && !aborted_.load()) Registry::Get().RecordLaunchTime(slot_, NowNs() - start_ns_);
-  RankState& rs = *ctx_->ranks[table_->tbs[g].rank];
-  {
-    std::lock_guard<std::mutex> lock(rs.mu);
-    --rs.tbs_left;
-    if (rs.waiting) rs.cv.notify_all();
+bool CpuLaunch::Sleep(int32_t rank, uint64_t seen, int64_t wake_ns) {
+  TbWait& w = *ctx_->waits[rank];
+  const int64_t until_ns = std::min(wake_ns, deadline_ns_);
+  // Yield a few times first: the flag usually comes from a peer that runs as soon as this thread lets it,
+  // and a yield costs less than a futex sleep and wake-up.
+  for (int k = 0; k < kYieldsBeforeSleep && NowNs() < until_ns; ++k) {
+    if (w.events.load(std::memory_order_seq_cst) != seen || aborted_.load()) return true;
+    std::this_thread::yield();
   }
+  std::unique_lock<std::mutex> lock(w.mu);
+  w.sleeping.store(true, std::memory_order_seq_cst);
+  auto changed = [&] { return w.events.load(std::memory_order_seq_cst) != seen || aborted_.load(); };
+  while (!changed()) {
+    const int64_t now = NowNs();
+    if (now >= until_ns) break;
+    w.cv.wait_for(lock, std::chrono::nanoseconds(until_ns - now));
+  }
+  w.sleeping.store(false, std::memory_order_relaxed);
+  return changed() || NowNs() < deadline_ns_;
+}
+
+void CpuLaunch::Wake(int32_t rank) {
+  TbWait& w = *ctx_->waits[rank];
+  w.events.fetch_add(1, std::memory_order_seq_cst);
+  if (w.sleeping.load(std::memory_order_seq_cst)) {
+    std::lock_guard<std::mutex> lock(w.mu);
+    w.cv.notify_one();
+  }
+}
+
+void CpuLaunch::FailStuck(int32_t g, const ProgramView& p, const ProgTb& tb, int32_t first) {
+  if (aborted_.load()) return;
+  const int32_t rank = table_->tbs[g].rank;
+  CpuProbe probe{this, rank};
+  const Unit u = UnitOf(p, tb, first);
+  const ProgOp op = p.op(u.op);
+  std::string what;
+  switch (StuckReason(p, tb, u, op, probe)) {
+    case kTimeoutDependency:
+      what = op.dep >= 0 && !probe.Done(u.tile, op.dep)
+                 ? StrCat("for op ", rank_first_op_[rank] + op.dep - table_->tbs[table_->op_tb[rank_first_op_[rank] + op.dep]].first_op,
+                          " of threadblock ", table_->op_tb[rank_first_op_[rank] + op.dep] - table_->rank_first_tb[rank],
+                          " of its rank, which did not complete")
+                 : "for earlier ops of its rank that touch its chunks, which did not complete";
+      break;
+    case kTimeoutMessage:
+      what = StrCat("for message ", u.recv_msg, " of its connection, which never arrived (deadlock or a failed peer)");
+      break;
+    default:
+      what = StrCat("for a free slot: all ", p.num_slots(),
+                    " slots of its connection stayed full (deadlock or a failed peer)");
+  }
+  Fail(StrCat("jaxccl: deadline exceeded: ", Where(g, u.op), " waited ", Seconds(timeout_s_), " ", what));
+}
+
+void CpuLaunch::FinishRank(int32_t rank) {
+  // The launch time is recorded before the last rank is released, so it is there when the call returns.
+  const bool last = ranks_running_.fetch_sub(1) == 1;
+  if (last && !aborted_.load()) Registry::Get().RecordLaunchTime(slot_, NowNs() - start_ns_);
   if (last) {
     std::lock_guard<std::mutex> lock(done_mu_);
     done_cv_.notify_all();
   }
 }
 
-bool CpuLaunch::WaitDependency(int32_t g, int32_t i, const TableOp& op) {
-  if (op.dep_tb < 0) return true;
+bool CpuLaunch::Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u) {
   const int32_t rank = table_->tbs[g].rank;
-  const int32_t dg = table_->GlobalTb(rank, op.dep_tb);
-  if (dg == g) return true;  // an earlier op of the same threadblock: program order
-  TbState& dep = *ctx_->tbs[dg];
-  std::unique_lock<std::mutex> lock(dep.mu);
-  ++dep.waiters;
-  const bool ok = dep.cv.wait_until(lock, deadline_, [&] { return dep.done > op.dep_op || aborted_.load(); });
-  --dep.waiters;
-  if (aborted_.load()) return false;
-  if (!ok) {
-    lock.unlock();
-    Fail(StrCat("jaxccl: deadline exceeded: ", Where(g, i, op), " waited ", Seconds(timeout_s_), " for op ",
-                op.dep_op, " of threadblock ", op.dep_tb, " of its rank, which did not complete"));
-    return false;
-  }
-  return true;
-}
-
-bool CpuLaunch::WaitMessage(int32_t g, int32_t i, const TableOp& op, Message* msg) {
-  ConnState& c = *ctx_->conns[table_->tbs[g].recv_conn];
-  std::unique_lock<std::mutex> lock(c.mu);
-  c.recv_waiting = true;
-  const bool ok = c.cv_recv.wait_until(lock, deadline_, [&] { return c.posted > op.recv_msg || aborted_.load(); });
-  c.recv_waiting = false;
-  if (aborted_.load()) return false;
-  if (!ok) {
-    lock.unlock();
-    Fail(StrCat("jaxccl: deadline exceeded: ", Where(g, i, op), " waited ", Seconds(timeout_s_), " for message ",
-                op.recv_msg, " of its connection, which never arrived (deadlock or a failed peer)"));
-    return false;
-  }
-  *msg = c.ring[op.recv_msg % table_->num_slots];
-  return true;
-}
-
-bool CpuLaunch::WaitDelivered(int32_t g, int32_t i, const TableOp& op, const Message& msg) {
-  if (!pace_) return true;
-  // Sleep in bounded steps so an abort elsewhere is seen promptly.
-  constexpr int64_t kStepNs = 5'000'000;
-  for (int64_t now = NowNs(); now < msg.ready_ns; now = NowNs()) {
-    if (aborted_.load(std::memory_order_relaxed)) return false;
-    if (Clock::now() >= deadline_) {
-      Fail(StrCat("jaxccl: deadline exceeded: ", Where(g, i, op), " waited ", Seconds(timeout_s_),
-                  " for the emulated links to carry ", msg.bytes, " bytes (a link capacity far too low?)"));
+  const ProgOp op = p.op(u.op);
+  const int32_t o = u.op;
+  const RankBuffers& rb = buffers_[rank];
+  const char* msg = nullptr;
+  size_t msg_bytes = 0;
+  MessageTiming timing;
+  if (op.receives()) {
+    const size_t cell = layout_.cell(tb.recv_conn, u.recv_msg);
+    const MsgDesc d = *Desc(rank, cell);
+    msg = reinterpret_cast<const char*>(d.ptr);
+    msg_bytes = d.bytes;
+    timing = ctx_->timing[cell];
+    if (msg_bytes != rb.RecvBytes(op, u.tile)) {
+      Fail(StrCat("jaxccl: ", Where(g, o), " received ", msg_bytes, " bytes but expects ", rb.RecvBytes(op, u.tile)),
+           ffi::ErrorCode::kInternal);
       return false;
     }
-    std::this_thread::sleep_for(std::chrono::nanoseconds(std::min(kStepNs, msg.ready_ns - now)));
   }
+  char* stage = nullptr;
+  if (op.sends() && !op.direct()) {
+    const size_t bytes = op.kind == OpCode::kRecvReduceSend ? msg_bytes : rb.SendBytes(op, u.tile);
+    AlignedBuffer& buf = *ctx_->staging[layout_.cell(tb.send_conn, u.send_msg)];
+    if (!buf.Reserve(bytes)) {
+      Fail(StrCat("jaxccl: cannot allocate ", bytes, " bytes of staging memory at ", Where(g, o)),
+           ffi::ErrorCode::kResourceExhausted);
+      return false;
+    }
+    stage = buf.data();
+  }
+  CpuMover mover;
+  const Outgoing out = RunOpData(op, u.tile, rb, sum_, msg, msg_bytes, stage, mover);
+  if (op.receives()) Consume(g, tb, u, timing, msg_bytes);
+  if (op.sends()) Post(g, tb, u, op, out);
+  Flag(rank, layout_.op_done(), static_cast<size_t>(u.tile) * op_stride_ + o)->store(Tag(epoch_, 1), std::memory_order_release);
   return true;
 }
 
-void CpuLaunch::ConsumeMessage(int32_t g, const Message& msg, int64_t delivered_ns) {
-  const TableTb& tb = table_->tbs[g];
-  ConnState& c = *ctx_->conns[tb.recv_conn];
-  {
-    std::lock_guard<std::mutex> lock(c.mu);
-    ++c.consumed;
-    if (measure_) net_->OnDelivered(tb.recv_peer, tb.rank, msg.bytes, delivered_ns, c.posted == c.consumed, &caches_[g]);
-    if (c.send_waiting) c.cv_send.notify_one();
+void CpuLaunch::Consume(int32_t g, const ProgTb& tb, const Unit& u, const MessageTiming& timing, size_t bytes) {
+  const int32_t o = u.op;
+  const int32_t rank = table_->tbs[g].rank;
+  if (measure_ || (net_ && net_->tracing())) {
+    const int64_t now = NowNs();
+    if (measure_) {
+      // Done = when the last byte left the bottleneck link (propagation is not throughput): the link's own
+      // time, or the time this thread observed the message less the route's latency.
+      const int64_t delivered_ns = !pace_                    ? now
+                                   : net_->link_timestamps() ? timing.tx_end_ns
+                                                             : now - (timing.ready_ns - timing.tx_end_ns);
+      ConnMeter& cm = *ctx_->meters[tb.recv_conn];
+      std::lock_guard<std::mutex> lock(cm.mu);
+      const bool now_idle = --cm.in_flight == 0;
+      net_->OnDelivered(tb.recv_peer, rank, bytes, delivered_ns, now_idle, &caches_[g]);
+    }
+    if (net_->tracing()) {
+      net_->Trace(TraceRecord{tb.recv_peer, rank, timing.src_tb, timing.src_op, g - table_->rank_first_tb[rank],
+                              o - (table_->tbs[g].first_op - rank_first_op_[rank]), static_cast<int64_t>(bytes), timing.post_ns,
+                              pace_ ? timing.tx_end_ns : 0, now});
+    }
   }
-  if (msg.direct) {
+  const size_t cell = layout_.cell(tb.recv_conn, u.recv_msg);
+  Flag(tb.recv_peer, layout_.consumed(), cell)->store(Tag(epoch_, u.recv_msg + 1), std::memory_order_release);
+  Wake(tb.recv_peer);
+  if (timing.direct) {
     RankState& sender = *ctx_->ranks[tb.recv_peer];
     std::lock_guard<std::mutex> lock(sender.mu);
     if (--sender.pending_direct == 0 && sender.waiting) sender.cv.notify_all();
   }
 }
 
-bool CpuLaunch::WaitSlot(int32_t g, int32_t i, const TableOp& op) {
-  ConnState& c = *ctx_->conns[table_->tbs[g].send_conn];
-  const int64_t slots = table_->num_slots;
-  std::unique_lock<std::mutex> lock(c.mu);
-  c.send_waiting = true;
-  const bool ok = c.cv_send.wait_until(lock, deadline_, [&] { return c.posted - c.consumed < slots || aborted_.load(); });
-  c.send_waiting = false;
-  if (aborted_.load()) return false;
-  if (!ok) {
-    lock.unlock();
-    Fail(StrCat("jaxccl: deadline exceeded: ", Where(g, i, op), " waited ", Seconds(timeout_s_),
-                " for a free slot: all ", slots, " slots of its connection stayed full (deadlock or a failed peer)"));
-    return false;
-  }
-  return true;
-}
-
-void CpuLaunch::PostMessage(int32_t g, int32_t i, const TableOp& op, Message msg) {
-  const TableTb& tb = table_->tbs[g];
-  if (msg.direct) {
-    RankState& me = *ctx_->ranks[tb.rank];
+void CpuLaunch::Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& op, const Outgoing& out) {
+  const int32_t rank = table_->tbs[g].rank;
+  const int32_t o = u.op;
+  if (op.direct()) {
+    RankState& me = *ctx_->ranks[rank];
     std::lock_guard<std::mutex> lock(me.mu);
     ++me.pending_direct;
   }
-  const int64_t post_ns = net_ ? NowNs() : 0;
-  Transfer t;
-  msg.post_ns = post_ns;
-  msg.src_tb = g - table_->rank_first_tb[tb.rank];
-  msg.src_op = i;
-  if (pace_) {
-    t = net_->Reserve(tb.rank, tb.send_peer, msg.bytes, post_ns);
-    msg.ready_ns = t.ready_ns;
-    msg.tx_end_ns = t.tx_end_ns;
-  }
-  ConnState& c = *ctx_->conns[tb.send_conn];
-  std::lock_guard<std::mutex> lock(c.mu);
-  if (measure_) net_->OnPost(tb.rank, tb.send_peer, post_ns, c.posted == c.consumed, pace_ ? &t : nullptr);
-  c.ring[op.send_msg % table_->num_slots] = msg;
-  c.posted = op.send_msg + 1;
-  if (c.recv_waiting) c.cv_recv.notify_one();
-}
-
-bool CpuLaunch::Send(int32_t g, int32_t i, const TableOp& op, BufferId buf, int32_t off) {
-  return WaitSlot(g, i, op) && Post(g, i, op, buf, off);
-}
-
-AlignedBuffer* CpuLaunch::Staging(int32_t g, int32_t i, const TableOp& op, size_t bytes) {
-  ConnState& c = *ctx_->conns[table_->tbs[g].send_conn];
-  AlignedBuffer* stage = c.staging[op.send_msg % table_->num_slots].get();
-  if (!stage->Reserve(bytes)) {
-    Fail(StrCat("jaxccl: cannot allocate ", bytes, " bytes of staging memory at ", Where(g, i, op)),
-         ffi::ErrorCode::kResourceExhausted);
-    return nullptr;
-  }
-  return stage;
-}
-
-bool CpuLaunch::Post(int32_t g, int32_t i, const TableOp& op, BufferId buf, int32_t off) {
-  const size_t bytes = Bytes(off, op.count);
-  const char* src = Ptr(table_->tbs[g].rank, buf, off);
-  if (op.direct()) {
-    PostMessage(g, i, op, Message{src, bytes, true});
-    return true;
-  }
-  AlignedBuffer* stage = Staging(g, i, op, bytes);
-  if (stage == nullptr) return false;
-  if (bytes > 0) std::memcpy(stage->data(), src, bytes);
-  PostMessage(g, i, op, Message{stage->data(), bytes, false});
-  return true;
-}
-
-bool CpuLaunch::Deliver(int32_t g, int32_t i, const TableOp& op, void* dst, const void* local, const Message& msg) {
-  if (!WaitDelivered(g, i, op, msg)) return false;
-  // Done = when the last byte left the bottleneck link (propagation is not throughput): the link's own
-  // time, or the time this thread observed the message less the route's latency.
-  int64_t delivered_ns = 0;
-  if (measure_) {
-    delivered_ns = !pace_ ? NowNs() : net_->link_timestamps() ? msg.tx_end_ns : NowNs() - (msg.ready_ns - msg.tx_end_ns);
-  }
-  if (net_ && net_->tracing()) {
-    const TableTb& tb = table_->tbs[g];
-    net_->Trace(TraceRecord{tb.recv_peer, tb.rank, msg.src_tb, msg.src_op, g - table_->rank_first_tb[tb.rank], i,
-                            static_cast<int64_t>(msg.bytes), msg.post_ns, pace_ ? msg.tx_end_ns : 0, NowNs()});
-  }
-  if (msg.bytes > 0) {
-    if (local == nullptr) {
-      std::memcpy(dst, msg.data, msg.bytes);
-    } else {
-      sum_(dst, local, msg.data, msg.bytes / esize_);
+  const size_t cell = layout_.cell(tb.send_conn, u.send_msg);
+  MessageTiming& timing = ctx_->timing[cell];
+  timing = MessageTiming{};
+  timing.direct = op.direct();
+  if (net_) {
+    timing.post_ns = NowNs();
+    timing.src_tb = g - table_->rank_first_tb[rank];
+    timing.src_op = o - (table_->tbs[g].first_op - rank_first_op_[rank]);
+    Transfer t;
+    if (pace_) {
+      t = net_->Reserve(rank, tb.send_peer, out.bytes, timing.post_ns);
+      timing.ready_ns = t.ready_ns;
+      timing.tx_end_ns = t.tx_end_ns;
+    }
+    if (measure_) {
+      ConnMeter& cm = *ctx_->meters[tb.send_conn];
+      std::lock_guard<std::mutex> lock(cm.mu);
+      const bool became_busy = cm.in_flight++ == 0;
+      net_->OnPost(rank, tb.send_peer, timing.post_ns, became_busy, pace_ ? &t : nullptr);
     }
   }
-  ConsumeMessage(g, msg, delivered_ns);
-  return true;
-}
-
-bool CpuLaunch::Execute(int32_t g, int32_t i, const TableOp& op) {
-  const int32_t rank = table_->tbs[g].rank;
-  Message msg;
-  switch (op.kind) {
-    case OpCode::kNop: return true;
-    case OpCode::kCopy: {
-      const size_t bytes = Bytes(op.src_off, op.count);
-      char* dst = Ptr(rank, op.dst_buf, op.dst_off);
-      const char* src = Ptr(rank, op.src_buf, op.src_off);
-      if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
-      return true;
-    }
-    case OpCode::kReduce: {
-      const size_t bytes = Bytes(op.src_off, op.count);
-      char* dst = Ptr(rank, op.dst_buf, op.dst_off);
-      if (bytes > 0) sum_(dst, dst, Ptr(rank, op.src_buf, op.src_off), bytes / esize_);
-      return true;
-    }
-    case OpCode::kSend: return Send(g, i, op, op.src_buf, op.src_off);
-    case OpCode::kRecv:
-    case OpCode::kRecvCopySend:
-    case OpCode::kRecvReduceCopy:
-    case OpCode::kRecvReduceCopySend: {
-      // A receive that forwards starts only when its message is there AND its outgoing slot is free, as
-      // MSCCL's primitives, the CUDA kernel and the reference interpreter do (both conditions only ever
-      // become true, so waiting for them in turn is the same as waiting for both).
-      const bool forwards = op.kind == OpCode::kRecvCopySend || op.kind == OpCode::kRecvReduceCopySend;
-      if (!WaitMessage(g, i, op, &msg) || (forwards && !WaitSlot(g, i, op))) return false;
-      if (msg.bytes != Bytes(op.dst_off, op.count)) {
-        Fail(StrCat("jaxccl: ", Where(g, i, op), " received ", msg.bytes, " bytes but expects ",
-                    Bytes(op.dst_off, op.count)),
-             ffi::ErrorCode::kInternal);
-        return false;
-      }
-      const bool reduce = op.kind == OpCode::kRecvReduceCopy || op.kind == OpCode::kRecvReduceCopySend;
-      if (!Deliver(g, i, op, Ptr(rank, op.dst_buf, op.dst_off), reduce ? Ptr(rank, op.src_buf, op.src_off) : nullptr,
-                   msg)) {
-        return false;
-      }
-      return forwards ? Post(g, i, op, op.dst_buf, op.dst_off) : true;
-    }
-    case OpCode::kRecvReduceSend: {
-      // The sum exists only in the outgoing staging slot: take the slot first, then reduce into it.
-      if (!WaitMessage(g, i, op, &msg) || !WaitSlot(g, i, op)) return false;
-      const size_t bytes = Bytes(op.src_off, op.count);
-      if (msg.bytes != bytes) {
-        Fail(StrCat("jaxccl: ", Where(g, i, op), " received ", msg.bytes, " bytes but expects ", bytes),
-             ffi::ErrorCode::kInternal);
-        return false;
-      }
-      AlignedBuffer* stage = Staging(g, i, op, bytes);
-      if (stage == nullptr) return false;
-      if (!Deliver(g, i, op, stage->data(), Ptr(rank, op.src_buf, op.src_off), msg)) return false;
-      PostMessage(g, i, op, Message{stage->data(), bytes, false});
-      return true;
-    }
-  }
-  return true;
+  *Desc(tb.send_peer, cell) = MsgDesc{reinterpret_cast<unsigned long long>(out.ptr), out.bytes};
+  Flag(tb.send_peer, layout_.posted(), cell)->store(Tag(epoch_, u.send_msg + 1), std::memory_order_release);
+  Wake(tb.send_peer);
 }
 
 ffi::Error CpuLaunch::WaitRank(int32_t rank) {
+  RunRank(rank);
   RankState& rs = *ctx_->ranks[rank];
-  // The threadblocks' own waits expire at deadline_; the grace lets them report which op was stuck.
-  const Clock::time_point latch_deadline = deadline_ + std::chrono::seconds(1);
+  // A rank returns once its direct messages were consumed: receivers read its buffers in place.
   {
     std::unique_lock<std::mutex> lock(rs.mu);
     rs.waiting = true;
-    const bool ok = rs.cv.wait_until(lock, latch_deadline, [&] {
-      return (rs.tbs_left == 0 && rs.pending_direct == 0) || aborted_.load();
-    });
+    const bool ok = rs.cv.wait_until(lock, deadline_ + std::chrono::seconds(1),
+                                     [&] { return rs.pending_direct == 0 || aborted_.load(); });
     rs.waiting = false;
     if (!ok) {
-      const std::string what = rs.tbs_left > 0 ? StrCat(rs.tbs_left, " threadblock(s) still running")
-                                               : StrCat(rs.pending_direct, " direct message(s) never consumed");
+      const int64_t pending = rs.pending_direct;
       lock.unlock();
       Fail(StrCat("jaxccl: deadline exceeded: rank ", rank, " did not finish within ", Seconds(timeout_s_), ": ",
-                  what));
+                  pending, " direct message(s) never consumed"));
     }
   }
   if (!aborted_.load()) return ffi::Error::Success();
@@ -530,7 +514,7 @@ ffi::Error CpuLaunch::WaitRank(int32_t rank) {
   // threadblock of the launch has left (they all see the abort promptly; the bound is a last resort).
   {
     std::unique_lock<std::mutex> lock(done_mu_);
-    done_cv_.wait_until(lock, DeadlineAfter(10.0), [&] { return tbs_running_.load() == 0; });
+    done_cv_.wait_until(lock, DeadlineAfter(10.0), [&] { return ranks_running_.load() == 0; });
   }
   std::lock_guard<std::mutex> lock(error_mu_);
   return ffi::Error(error_code_, error_);

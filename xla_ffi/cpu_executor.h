@@ -1,15 +1,16 @@
-// The CPU emulation executor: runs one launch of a compiled table over the
-// buffers of all ranks of a group, each threadblock on a jaxccl worker thread.
+// The CPU emulation executor: runs one launch of a compiled table over the buffers of all ranks of a
+// group; each rank's XLA thread runs that rank's threadblocks (the GPU runs them as thread blocks).
 //
-// Protocol (docs/schedule-ir.md, "Op semantics"): a connection (sender, receiver,
-// channel) is a FIFO ring of `num_slots` message slots. A send waits while the
-// ring is full, then posts either a pointer into its own buffer (a *direct*
-// send: the receiver copies straight from there, one copy per chunk) or a copy
-// in a staging buffer owned by the slot. A receive waits for its message,
-// copies or reduces it into place, and frees the slot. A rank leaves only after
-// its threadblocks finished and its direct messages were consumed. Every wait
-// blocks on a condition variable with the launch deadline and, on expiry,
-// fails the launch with an error naming rank, threadblock and op.
+// It runs the executor core (core/protocol.h) that the CUDA kernel runs: the per-rank programs, the
+// flag regions with their epoch tags (std::atomic here, device memory there), dataflow order within
+// each threadblock, the op data step and the meter (core/meter.h). What is the CPU's own: one thread
+// per rank interleaves the rank's threadblocks (a unit never blocks once it runs, so this is the same
+// dataflow execution with no thread hand-off between them); a rank with no ready unit sleeps on a
+// condition variable until a flag it may need changes (or until the emulated links deliver a message
+// it waits for), byte moves are memcpy and vectorized
+// loops, and with a Network every message is paced over the emulated links. Every wait ends at the
+// launch deadline and then fails the launch with an error naming rank, threadblock and op. A rank
+// leaves only after its threadblocks finished and its direct messages were consumed.
 #ifndef JAXCCL_XLA_FFI_CPU_EXECUTOR_H_
 #define JAXCCL_XLA_FFI_CPU_EXECUTOR_H_
 
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "common.h"
+#include "core/protocol.h"
 #include "network.h"
 #include "registry.h"
 #include "table.h"
@@ -39,7 +41,7 @@ struct CpuArrival {
   int64_t seq = 0;  // this rank's sequence number of the call on its slot (hot-swap transition point)
 };
 
-// 64-byte aligned, grow-only byte buffer (scratch and staging memory is reused across launches).
+// 64-byte aligned, grow-only byte buffer (scratch, staging and flag memory is reused across launches).
 class AlignedBuffer {
  public:
   AlignedBuffer() = default;
@@ -48,58 +50,57 @@ class AlignedBuffer {
   ~AlignedBuffer();
   bool Reserve(size_t bytes);  // false if the allocation failed
   char* data() const { return data_; }
+  size_t capacity() const { return capacity_; }
 
  private:
   char* data_ = nullptr;
   size_t capacity_ = 0;
 };
 
-struct Message {
-  const char* data = nullptr;
-  size_t bytes = 0;
-  bool direct = false;
-  int64_t ready_ns = 0;  // with link pacing: when the emulated links have carried it (steady clock)
+// What the CPU adds to a posted message (MsgDesc holds pointer and bytes): its passage through the
+// emulated links and who sent it, for pacing, the meter and traces. Written before the posted tag.
+struct MessageTiming {
+  int64_t ready_ns = 0;   // with link pacing: when the emulated links have carried it (steady clock)
   int64_t tx_end_ns = 0;  // with link pacing: when its last byte left the bottleneck link
   int64_t post_ns = 0;    // with a network: when the sender posted it
   int32_t src_tb = 0;     // the sending threadblock (within its rank) and op, for traces
   int32_t src_op = 0;
+  bool direct = false;
 };
 
-struct alignas(64) ConnState {
-  std::mutex mu;
-  std::condition_variable cv_send;  // the sender waits for a free slot
-  std::condition_variable cv_recv;  // the receiver waits for a message
-  int64_t posted = 0;
-  int64_t consumed = 0;
-  bool send_waiting = false;
-  bool recv_waiting = false;
-  std::vector<Message> ring;
-  std::vector<std::unique_ptr<AlignedBuffer>> staging;  // one per slot, grown on first use
-};
-
-struct alignas(64) TbState {
+// A rank's sleep: `events` counts flag changes it may care about.
+struct alignas(64) TbWait {
   std::mutex mu;
   std::condition_variable cv;
-  int32_t done = 0;  // ops completed
-  int32_t waiters = 0;
+  std::atomic<uint64_t> events{0};
+  std::atomic<bool> sleeping{false};
+};
+
+// Messages of a connection in flight, for the meter (a connection is active while it has any).
+struct alignas(64) ConnMeter {
+  std::mutex mu;
+  int32_t in_flight = 0;
 };
 
 struct alignas(64) RankState {
   std::mutex mu;
   std::condition_variable cv;
-  int32_t tbs_left = 0;
   int64_t pending_direct = 0;  // direct messages of this rank not yet consumed
   bool waiting = false;
 };
 
 // Reusable per-launch memory and synchronization state of one schedule slot.
 struct ExecContext {
+  uint64_t epoch = 0;  // tags of this launch (core/protocol.h)
+  std::vector<std::unique_ptr<AlignedBuffer>> regions;  // per rank, RegionLayout bytes of 64-bit atomics
   std::vector<std::unique_ptr<AlignedBuffer>> scratch;  // per rank
-  std::vector<std::unique_ptr<ConnState>> conns;
-  std::vector<std::unique_ptr<TbState>> tbs;
+  std::vector<std::unique_ptr<AlignedBuffer>> staging;  // per (connection, slot) cell, grown on first use
+  std::vector<MessageTiming> timing;                    // per (connection, slot) cell
+  std::vector<std::unique_ptr<TbWait>> waits;           // per rank
+  std::vector<std::unique_ptr<ConnMeter>> meters;       // per connection
   std::vector<std::unique_ptr<RankState>> ranks;
-  // Sizes everything for `t` and resets counters; false if scratch memory could not be allocated.
-  bool Reset(const Table& t, size_t scratch_bytes);
+  // Sizes everything for `t` and starts a new epoch; false if memory could not be allocated.
+  bool Reset(const Table& t, const RegionLayout& layout, size_t scratch_bytes);
 };
 
 class ExecContextPool {
@@ -121,50 +122,47 @@ class CpuLaunch {
                                                         const std::vector<CpuArrival>& arrivals);
   ~CpuLaunch();
 
-  // Called by rank `rank`'s XLA thread: waits until that rank may return.
+  // Called by rank `rank`'s XLA thread: runs the rank's program, then waits until the rank may return.
   ffi::Error WaitRank(int32_t rank);
 
   int64_t version() const { return version_; }
 
  private:
+  friend struct CpuProbe;
   CpuLaunch() = default;
 
-  void RunThreadblock(int32_t g);
-  bool Execute(int32_t g, int32_t i, const TableOp& op);
-  bool WaitDependency(int32_t g, int32_t i, const TableOp& op);
-  bool WaitMessage(int32_t g, int32_t i, const TableOp& op, Message* msg);
-  // Sleeps until the emulated links delivered msg (no-op without pacing); false (after Fail) on abort/deadline.
-  bool WaitDelivered(int32_t g, int32_t i, const TableOp& op, const Message& msg);
-  // Frees msg's slot; `delivered_ns` (when its bytes became visible) feeds the measurement accumulators.
-  void ConsumeMessage(int32_t g, const Message& msg, int64_t delivered_ns);
-  bool WaitSlot(int32_t g, int32_t i, const TableOp& op);
-  void PostMessage(int32_t g, int32_t i, const TableOp& op, Message msg);
-  // Send waits for a free slot, then Post stages (unless direct) and posts the message.
-  bool Send(int32_t g, int32_t i, const TableOp& op, BufferId buf, int32_t off);
-  bool Post(int32_t g, int32_t i, const TableOp& op, BufferId buf, int32_t off);
-  // The outgoing staging slot of op's message, grown to `bytes`; nullptr (after Fail) if allocation fails.
-  AlignedBuffer* Staging(int32_t g, int32_t i, const TableOp& op, size_t bytes);
-  // Every message that reaches a rank passes through Deliver: it waits for the emulated links
-  // (WaitDelivered), then the receiving threadblock copies it (local == nullptr) or sums it with `local`
-  // into dst and frees its slot. False (after Fail) if the wait failed.
-  bool Deliver(int32_t g, int32_t i, const TableOp& op, void* dst, const void* local, const Message& msg);
+  // Runs rank `rank`'s threadblocks on the calling thread (its XLA thread), in dataflow order.
+  void RunRank(int32_t rank);
+  // Runs unit `u` of global threadblock `g` (it is ready); false after Fail.
+  bool Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u);
+  void Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& op, const Outgoing& out);
+  void Consume(int32_t g, const ProgTb& tb, const Unit& u, const MessageTiming& timing, size_t bytes);
+  // Sleeps until a flag rank `rank` may need changes, `wake_ns` passes or the deadline; false at the deadline.
+  bool Sleep(int32_t rank, uint64_t seen, int64_t wake_ns);
+  void Wake(int32_t rank);
+  void FailStuck(int32_t g, const ProgramView& p, const ProgTb& tb, int32_t first);
   void Fail(const std::string& message, ffi::ErrorCode code = ffi::ErrorCode::kDeadlineExceeded);
-  void FinishThreadblock(int32_t g);
+  void FinishRank(int32_t rank);
 
-  char* Ptr(int32_t rank, BufferId buf, int32_t chunk) const;
-  size_t Bytes(int32_t off, int32_t count) const;
-  std::string Where(int32_t g, int32_t i, const TableOp& op) const;
+  std::atomic<uint64_t>* Flag(int32_t rank, size_t offset, size_t index) const;
+  MsgDesc* Desc(int32_t rank, size_t cell) const;
+  // Where(global threadblock, rank-local op): "rank R, threadblock T, op I ('kind' from rank P, channel C)".
+  std::string Where(int32_t g, int32_t o) const;
 
   std::shared_ptr<const Table> table_;
   int64_t version_ = 0;
   std::shared_ptr<ExecContextPool> pool_;
   std::unique_ptr<ExecContext> ctx_;
   std::vector<CpuArrival> io_;
-  size_t esize_ = 0;
-  int64_t period_elems_ = 0;
-  using SumFnPtr = void (*)(void*, const void*, const void*, size_t);
-  SumFnPtr sum_ = nullptr;
+  std::vector<RankBuffers> buffers_;  // per rank
+  std::vector<int32_t> rank_first_op_;
+  RegionLayout layout_{};
+  int32_t tiles_ = 1;      // tiles of this launch (core/protocol.h)
+  int32_t op_stride_ = 0;  // op_done entries per tile
+  uint64_t epoch_ = 0;
+  SumType sum_ = SumType::kNone;
   Clock::time_point deadline_;
+  int64_t deadline_ns_ = 0;
   double timeout_s_ = 0;
   int64_t slot_ = 0;
   int64_t start_ns_ = 0;
@@ -177,7 +175,7 @@ class CpuLaunch {
   std::mutex error_mu_;
   std::string error_;
   ffi::ErrorCode error_code_ = ffi::ErrorCode::kOk;
-  std::atomic<int32_t> tbs_running_{0};
+  std::atomic<int32_t> ranks_running_{0};
   std::mutex done_mu_;
   std::condition_variable done_cv_;
 };

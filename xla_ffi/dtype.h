@@ -4,6 +4,7 @@
 
 #include <cstddef>
 
+#include "core/sum.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxccl {
@@ -61,6 +62,18 @@ inline size_t CopyableByteWidth(xla::ffi::DataType t) {
       return 0;
     default:
       return xla::ffi::ByteWidth(t);
+  }
+}
+
+// The reduction element type of a dtype (core/sum.h); kNone for dtypes the reductions do not support.
+inline SumType SumTypeFor(xla::ffi::DataType t) {
+  using D = xla::ffi::DataType;
+  switch (t) {
+    case D::F32: return SumType::kF32;
+    case D::BF16: return SumType::kBF16;
+    case D::F16: return SumType::kF16;
+    case D::S32: return SumType::kS32;
+    default: return SumType::kNone;
   }
 }
 

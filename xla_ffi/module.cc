@@ -12,7 +12,6 @@
 #include "registry.h"
 #include "rendezvous.h"
 #include "table.h"
-#include "worker_pool.h"
 
 namespace nb = nanobind;
 
@@ -31,8 +30,18 @@ T Unwrap(ffi::ErrorOr<T> v) {
   return std::move(*v);
 }
 
-bool CoreAcquire(int64_t slot, TableSnapshot* out, std::string* error) {
-  auto s = Registry::Get().Acquire(slot);
+bool CoreNoteIssued(int64_t slot, int32_t rank, int64_t* seq, std::string* error) {
+  auto s = Registry::Get().NoteIssued(slot, rank);
+  if (!s.has_value()) {
+    *error = s.error().message();
+    return false;
+  }
+  *seq = *s;
+  return true;
+}
+
+bool CoreAcquire(int64_t slot, int64_t seq, TableSnapshot* out, std::string* error) {
+  auto s = Registry::Get().Acquire(slot, seq);
   if (!s.has_value()) {
     *error = s.error().message();
     return false;
@@ -81,7 +90,7 @@ Rendezvous<int32_t, int32_t>& ProbeRendezvous() {
 }  // namespace
 
 const CoreApi* GetCoreApi() {
-  static const CoreApi api{kCoreApiVersion, sizeof(CoreApi), &CoreAcquire, &CoreTimeout};
+  static const CoreApi api{kCoreApiVersion, sizeof(CoreApi), &CoreNoteIssued, &CoreAcquire, &CoreTimeout};
   return &api;
 }
 
@@ -219,7 +228,7 @@ NB_MODULE(_native, m) {
         c.pace = false;
         c.min_window_bytes = 0;
         auto net = Unwrap(Network::Create(c));
-        MeasurementCache cache;
+        MeasurementCache cache{};
         const auto t0 = Clock::now();
         for (int64_t k = 0; k < iterations; ++k) {
           const int64_t now = NowNs();
@@ -227,7 +236,7 @@ NB_MODULE(_native, m) {
           net->OnDelivered(0, 1, 1 << 17, NowNs(), k % 8 == 7, &cache);
           if (k % 64 == 63) {
             net->Flush(1, 1, 0, cache);
-            cache = MeasurementCache();
+            cache.Clear();
             (void)net->Drain();
           }
         }
@@ -263,12 +272,10 @@ NB_MODULE(_native, m) {
     nb::dict d;
     d["pending_rendezvous"] = CpuPendingRendezvous();
     d["occurrence_entries"] = CpuOccurrenceEntries();
-    d["worker_threads"] = WorkerPool::Get().NumThreads();
-    d["idle_workers"] = WorkerPool::Get().NumIdle();
     d["slots"] = Registry::Get().NumSlots();
     d["context_pools"] = NumContextPools();
     return d;
-  }, "Executor bookkeeping (for tests): rendezvous entries, worker threads, slots.");
+  }, "Executor bookkeeping (for tests): rendezvous entries, slots.");
   m.def(
       "_test_arrive",
       [](int64_t run_id, int64_t site, int64_t group, int32_t rank, int32_t axis_size, double timeout_s) {

@@ -64,21 +64,6 @@ ffi::Error NetworkConfig::Validate() const {
 
 // ------------------------------------------------------------------ cache
 
-void MeasurementCache::Add(int32_t src, int32_t dst, LinkKind kind, double bw) {
-  const int32_t k = static_cast<int32_t>(kind);
-  for (auto& e : entries_) {
-    if (e.src == src && e.dst == dst && e.kind == k) {
-      ++e.count;
-      e.sum_bw += bw;
-      return;
-    }
-  }
-  if (entries_.size() >= kMaxEntries) {
-    ++overflow_;
-    return;
-  }
-  entries_.push_back(MeasurementCacheEntry{src, dst, k, 1, bw});
-}
 
 // ------------------------------------------------------------------ network
 
@@ -159,23 +144,9 @@ Network::Accumulator& Network::AccumulatorFor(int32_t src, int32_t dst) {
 
 void Network::OnPost(int32_t src, int32_t dst, int64_t post_ns, bool became_busy, const Transfer* t) {
   const int32_t threshold = (Intra(src, dst) ? intra_threshold_ : inter_threshold_).load(std::memory_order_relaxed);
-  const int64_t tx_start = t ? t->tx_start_ns : post_ns;
   Accumulator& acc = AccumulatorFor(src, dst);
   std::lock_guard<std::mutex> lock(acc.mu);
-  MeasurementAccumulator& a = acc.a;
-  if (became_busy) ++a.active;
-  if (a.state == static_cast<int32_t>(WindowState::kMeasuring)) {
-    if (t != nullptr) {
-      if (tx_start > acc.busy_until_ns) acc.idle_ns += tx_start - acc.busy_until_ns;
-      acc.busy_until_ns = std::max(acc.busy_until_ns, t->tx_end_ns);
-    }
-  } else if (a.state == static_cast<int32_t>(WindowState::kIdle) && a.active >= threshold) {
-    a.state = static_cast<int32_t>(WindowState::kMeasuring);
-    a.start_ns = tx_start;
-    a.start_size = a.bytes_sent;
-    acc.busy_until_ns = t ? t->tx_end_ns : post_ns;
-    acc.idle_ns = 0;
-  }
+  MeterOnPost(&acc.w, threshold, became_busy, t != nullptr, t ? t->tx_start_ns : post_ns, t ? t->tx_end_ns : post_ns);
 }
 
 void Network::OnDelivered(int32_t src, int32_t dst, size_t bytes, int64_t done_ns, bool now_idle,
@@ -186,16 +157,8 @@ void Network::OnDelivered(int32_t src, int32_t dst, size_t bytes, int64_t done_n
   double bw = -1;
   {
     std::lock_guard<std::mutex> lock(acc.mu);
-    MeasurementAccumulator& a = acc.a;
-    a.bytes_sent += static_cast<int64_t>(bytes);
-    if (now_idle) --a.active;
-    if (a.state == static_cast<int32_t>(WindowState::kMeasuring) && a.active < threshold) {
-      a.state = static_cast<int32_t>(WindowState::kFinalizing);
-      const int64_t dbytes = a.bytes_sent - a.start_size;
-      const int64_t dt = done_ns - a.start_ns - acc.idle_ns;
-      if (dbytes > 0 && dbytes >= min_window_bytes_.load(std::memory_order_relaxed) && dt > 0) bw = static_cast<double>(dbytes) / (static_cast<double>(dt) * 1e-9);
-      a.state = static_cast<int32_t>(WindowState::kIdle);
-    }
+    bw = MeterOnDelivered(&acc.w, threshold, min_window_bytes_.load(std::memory_order_relaxed),
+                          static_cast<int64_t>(bytes), now_idle, done_ns);
   }
   if (bw > 0) {
     windows_.fetch_add(1, std::memory_order_relaxed);
@@ -217,12 +180,13 @@ Network::Region& Network::RegionFor(int64_t slot, int32_t rank, int32_t tb) {
 
 void Network::Flush(int64_t slot, int32_t rank, int32_t tb, const MeasurementCache& cache) {
   if (cache.empty()) return;
-  dropped_.fetch_add(cache.overflow(), std::memory_order_relaxed);
-  if (cache.entries().empty()) return;
+  dropped_.fetch_add(cache.overflow, std::memory_order_relaxed);
+  if (cache.size == 0) return;
   Region& r = RegionFor(slot, rank, tb);
   std::lock_guard<std::mutex> lock(r.writer);
   const size_t n = r.slots.size();
-  for (const MeasurementCacheEntry& e : cache.entries()) {
+  for (int32_t j = 0; j < cache.size; ++j) {
+    const MeasurementCacheEntry& e = cache.entries[j];
     const size_t k = r.write % n;
     if (r.flags[k].load(std::memory_order_acquire) != 0) {  // the host has not drained it: drop, never wait
       dropped_.fetch_add(1, std::memory_order_relaxed);
@@ -271,9 +235,9 @@ void Network::ResetMeasurements() {
   for (auto* accs : {&intra_acc_, &inter_acc_}) {
     for (auto& acc : *accs) {
       std::lock_guard<std::mutex> lock(acc->mu);
-      const int32_t active = acc->a.active;  // connections in flight right now stay counted
-      acc->a = MeasurementAccumulator{};
-      acc->a.active = active;
+      const int32_t active = acc->w.a.active;  // connections in flight right now stay counted
+      acc->w = MeterWindow{};
+      acc->w.a.active = active;
     }
   }
   {

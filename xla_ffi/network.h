@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "common.h"
+#include "core/meter.h"
 #include "measurement_format.h"
 
 namespace jaxccl {
@@ -74,19 +75,8 @@ struct TraceRecord {
 };
 static_assert(sizeof(TraceRecord) == 56, "trace record layout (jaxccl/runtime/emulated.py)");
 
-// Per-threadblock Measurements Cache (lives for one threadblock run; flushed at its end).
-class MeasurementCache {
- public:
-  static constexpr size_t kMaxEntries = 32;
-  void Add(int32_t src, int32_t dst, LinkKind kind, double bw);
-  const std::vector<MeasurementCacheEntry>& entries() const { return entries_; }
-  int64_t overflow() const { return overflow_; }
-  bool empty() const { return entries_.empty() && overflow_ == 0; }
-
- private:
-  std::vector<MeasurementCacheEntry> entries_;
-  int64_t overflow_ = 0;  // windows that found the cache full (counted as drops at flush)
-};
+// Per-threadblock Measurements Cache (core/meter.h; lives for one threadblock run, flushed at its end).
+using MeasurementCache = MeterCache;
 
 struct MeasurementStats {
   int64_t windows = 0;   // windows closed with a bandwidth
@@ -143,9 +133,7 @@ class Network {
   Network() = default;
   struct Accumulator {
     std::mutex mu;
-    MeasurementAccumulator a{};
-    int64_t busy_until_ns = 0;  // latest transmission end of the open window's messages
-    int64_t idle_ns = 0;        // gaps inside the open window with nothing on the wire
+    MeterWindow w{};  // the window state machine of core/meter.h
   };
   struct Region {
     std::mutex writer;  // two launches of one slot never share a (rank, threadblock), but be safe

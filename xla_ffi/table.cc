@@ -1,5 +1,7 @@
 #include "table.h"
 
+#include "core/program_builder.h"
+
 #include <map>
 #include <set>
 #include <sstream>
@@ -218,12 +220,8 @@ ffi::Error Parser::Ops() {
       const OpCode kind = static_cast<OpCode>(f[0]);
       TableOp& op = t_.ops[o];
       op.kind = kind;
-      const bool uses_src = kind == OpCode::kSend || kind == OpCode::kRecvReduceCopy ||
-                            kind == OpCode::kRecvReduceSend || kind == OpCode::kRecvReduceCopySend ||
-                            kind == OpCode::kCopy || kind == OpCode::kReduce;
-      const bool uses_dst = kind == OpCode::kRecv || kind == OpCode::kRecvCopySend ||
-                            kind == OpCode::kRecvReduceCopy || kind == OpCode::kRecvReduceCopySend ||
-                            kind == OpCode::kCopy || kind == OpCode::kReduce;
+      const bool uses_src = OpReadsSrc(kind);
+      const bool uses_dst = OpWritesDst(kind);
       if (OpSends(kind) && tb.send_peer < 0) {
         return Bad(OpWord(o, 0), "'", OpName(kind), "' sends but its threadblock has no send peer");
       }
@@ -290,12 +288,6 @@ ffi::Error Parser::Ops() {
   return ffi::Error::Success();
 }
 
-// The chunk offset of the message an op sends / the offset whose class an incoming message must match.
-int32_t SendOffset(const TableOp& op) {
-  return (op.kind == OpCode::kRecvCopySend || op.kind == OpCode::kRecvReduceCopySend) ? op.dst_off : op.src_off;
-}
-int32_t RecvOffset(const TableOp& op) { return op.kind == OpCode::kRecvReduceSend ? op.src_off : op.dst_off; }
-
 ffi::Error Parser::Connections() {
   t_.conns.assign(num_conns_, TableConn{});
   for (int32_t g = 0; g < num_tbs_; ++g) {
@@ -357,9 +349,9 @@ ffi::Error Parser::Connections() {
         return Bad(OpWord(recvs[m], 5), "message ", m, " of connection ", k, " is sent with ", so.count,
                    " chunk(s) but received with ", ro.count);
       }
-      if ((SendOffset(so) - RecvOffset(ro)) % t_.chunks_per_period != 0) {
+      if ((so.send_offset() - ro.recv_offset()) % t_.chunks_per_period != 0) {
         return Bad(OpWord(recvs[m], ro.kind == OpCode::kRecvReduceSend ? 2 : 4), "message ", m, " of connection ", k,
-                   " is sent from chunk ", SendOffset(so), ", another chunk class mod ", t_.chunks_per_period);
+                   " is sent from chunk ", so.send_offset(), ", another chunk class mod ", t_.chunks_per_period);
       }
     }
   }
@@ -371,61 +363,11 @@ ffi::ErrorOr<std::shared_ptr<const Table>> Parser::Run() {
     if (ffi::Error e = (this->*step)(); e.failure()) return ffi::Unexpected<ffi::Error>(std::move(e));
   }
   t_.words.assign(w_, w_ + n_);
+  BuildPrograms(&t_);
   return std::shared_ptr<const Table>(std::make_shared<Table>(std::move(t_)));
 }
 
 }  // namespace
-
-const char* OpName(OpCode kind) {
-  static constexpr const char* kNames[] = {"s", "r", "rcs", "rrc", "rrs", "rrcs", "cpy", "re", "nop"};
-  const int k = static_cast<int>(kind);
-  return k >= 0 && k <= 8 ? kNames[k] : "?";
-}
-
-const char* CollectiveName(CollectiveCode c) {
-  switch (c) {
-    case CollectiveCode::kAllGather: return "all_gather";
-    case CollectiveCode::kAllToAll: return "all_to_all";
-    case CollectiveCode::kReduceScatter: return "reduce_scatter";
-    case CollectiveCode::kAllReduce: return "all_reduce";
-  }
-  return "?";
-}
-
-const char* BufferName(BufferId b) {
-  switch (b) {
-    case BufferId::kInput: return "INPUT";
-    case BufferId::kOutput: return "OUTPUT";
-    case BufferId::kScratch: return "SCRATCH";
-    case BufferId::kNone: break;
-  }
-  return "none";
-}
-
-bool OpSends(OpCode k) {
-  return k == OpCode::kSend || k == OpCode::kRecvCopySend || k == OpCode::kRecvReduceSend ||
-         k == OpCode::kRecvReduceCopySend;
-}
-
-bool OpReceives(OpCode k) {
-  return k == OpCode::kRecv || k == OpCode::kRecvCopySend || k == OpCode::kRecvReduceCopy ||
-         k == OpCode::kRecvReduceSend || k == OpCode::kRecvReduceCopySend;
-}
-
-bool OpReduces(OpCode k) {
-  return k == OpCode::kRecvReduceCopy || k == OpCode::kRecvReduceSend || k == OpCode::kRecvReduceCopySend ||
-         k == OpCode::kReduce;
-}
-
-int32_t Table::BufferChunks(BufferId b) const {
-  switch (b) {
-    case BufferId::kInput: return input_chunks;
-    case BufferId::kOutput: return output_chunks;
-    case BufferId::kScratch: return scratch_chunks;
-    case BufferId::kNone: break;
-  }
-  return 0;
-}
 
 ffi::ErrorOr<std::shared_ptr<const Table>> ParseTable(const int32_t* words, size_t num_words) {
   return Parser(words, num_words).Run();

@@ -3,8 +3,8 @@
 A :class:`Communicator` owns one schedule per collective (``all_gather``,
 ``all_to_all``, ``reduce_scatter``, ``all_reduce``). ``with comm:`` makes the
 jaxccl collectives over ``comm.axis_name`` use it; outside any ``with``, a
-default communicator per ``(axis name, axis size)`` is used (ring AllGather,
-direct AllToAll, rank-ordered direct ReduceScatter, rank-ordered AllReduce).
+default communicator per ``(axis name, axis size)`` is used (direct AllGather,
+direct AllToAll, rank-ordered direct ReduceScatter, rank-ordered direct AllReduce).
 
 Hot-swap. On the native backends (``cpu``, ``cuda``) every collective of a
 communicator has a registry *slot* in the native module; the compiled program
@@ -106,15 +106,16 @@ def native_available() -> bool:
 
 
 def _default_schedule(collective: Collective, n: int, with_all_reduce: bool) -> Schedule | None:
+    from jaxccl.runtime import default_schedules
     from jaxccl.synth import baselines
 
     if collective is Collective.ALL_GATHER:
-        return baselines.ring_allgather(n)
+        return default_schedules.direct_allgather(n)
     if collective is Collective.ALL_TO_ALL:
         return baselines.direct_alltoall(n)
     if collective is Collective.REDUCE_SCATTER:
         return baselines.direct_reduce_scatter(n)
-    return baselines.ordered_allreduce(n) if with_all_reduce else None
+    return default_schedules.direct_allreduce(n) if with_all_reduce else None
 
 
 class Communicator:

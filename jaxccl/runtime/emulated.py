@@ -69,9 +69,9 @@ class LinkEmulation:
         timestamps: when a transfer counts as done for the measurement:
             ``"link"`` (default) when the emulated links delivered it, as a
             NIC's completion timestamp would say; ``"observed"`` when the
-            receiving worker thread woke up, which adds this host's scheduling
+            receiving rank's thread took it, which adds this host's scheduling
             latency (accurate on an idle machine, biased low on a loaded one:
-            2 cores running 8 ranks' threadblocks and the training step).
+            2 cores running 8 ranks and the training step).
         trace: record every delivered message (sender/receiver threadblock and
             op, bytes, post / transmission-end / observed times) for offline
             analysis (:meth:`EmulatedNetwork.take_trace`); off by default.

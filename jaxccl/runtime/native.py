@@ -179,7 +179,7 @@ def get_timeout() -> float:
 
 
 def stats() -> dict[str, int]:
-    """Executor bookkeeping: pending rendezvous entries, occurrence counters, worker threads, slots."""
+    """Executor bookkeeping: pending rendezvous entries, occurrence counters, slots."""
     return {k: int(v) for k, v in _native.stats().items()}
 
 

@@ -178,10 +178,10 @@ def _flat_collective(
             # rounds differently from lax (whose collective reads a materialized operand).
             flat = lax.ppermute(flat, axis_name, perm=[(i, i) for i in range(axis_size)])
         return ppermute_backend.run_schedule(comm.schedule(coll), flat, axis_name)
-    from jaxccl.runtime import cpu_backend
+    from jaxccl.runtime import native_backend
 
     kind, group_axes = backend
-    return cpu_backend.flat_collective(
+    return native_backend.flat_collective(
         coll,
         flat,
         axis_name=axis_name,
@@ -210,7 +210,10 @@ def _reduce(coll: Collective, flat: jax.Array, **kw) -> jax.Array:
     dtype = flat.dtype
     if np.dtype(dtype) in _PROMOTE:
         flat = flat.astype(jnp.float32)
-    return _signed_zero_fix(_flat_collective(coll, flat, **kw)).astype(dtype)
+    y = _flat_collective(coll, flat, **kw)
+    if kw["backend"] == "ppermute":  # the native executors' sums start from +0 themselves (xla_ffi/core/sum.h)
+        y = _signed_zero_fix(y)
+    return y.astype(dtype)
 
 
 def _kw(axis_name, axis_size, comm, site, backend, dep=None, sub: int = 0) -> dict:

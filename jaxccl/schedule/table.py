@@ -13,9 +13,9 @@ Two things happen here beyond copying fields:
 * **Direct sends.** A sending op is marked *direct* (the receiver reads the
   sender's buffer in place instead of a staged copy) when its source range is
   never written after the send: the source is ``INPUT`` (read-only for the
-  executors), or every chunk of the range is written at most once in the whole
-  rank program and that write happens-before the send (program order plus
-  dependencies). ``rrs`` sends a sum that exists nowhere else, so it is never
+  executors), or every write of every chunk of the range in the whole rank
+  program happens-before the send (program order plus dependencies), so none
+  comes after it. ``rrs`` sends a sum that exists nowhere else, so it is never
   direct.
 
 Example:
@@ -336,13 +336,12 @@ def _direct_sends(s: Schedule, r: int) -> set[tuple[int, int]]:
     candidates = [(t, i, op) for t, i, op in ops if op.kind.sends and op.kind is not OpKind.RECV_REDUCE_SEND]
     if not candidates:
         return set()
-    # Per buffer chunk: how many ops write it, and (where that is one) which op.
-    writes = {b: np.zeros(s.buffer_chunks(b), np.int64) for b in (Buffer.OUTPUT, Buffer.SCRATCH)}
-    writer = {b: np.full(s.buffer_chunks(b), -1, np.int64) for b in (Buffer.OUTPUT, Buffer.SCRATCH)}
+    # Per buffer chunk: the ops that write it.
+    writers = {b: [[] for _ in range(s.buffer_chunks(b))] for b in (Buffer.OUTPUT, Buffer.SCRATCH)}
     for k, (_, _, op) in enumerate(ops):
         if op.kind in _USES_DST:
-            writes[op.dst][op.dst_off : op.dst_off + op.count] += 1
-            writer[op.dst][op.dst_off : op.dst_off + op.count] = k
+            for c in range(op.dst_off, op.dst_off + op.count):
+                writers[op.dst][c].append(k)
     need = {(t, i) for t, i, _ in candidates}
     for tb in tbs:
         for op in tb.ops:
@@ -361,11 +360,8 @@ def _direct_sends(s: Schedule, r: int) -> set[tuple[int, int]]:
         if buf is Buffer.INPUT:
             direct.add((t, i))
             continue
-        count = writes[buf][off : off + op.count]
-        if count.max(initial=0) > 1:
-            continue
-        ws = set(writer[buf][off : off + op.count][count == 1].tolist())
-        if all(happens_before(ops[k][:2], (t, i)) for k in ws):
+        ws = {k for c in range(off, off + op.count) for k in writers[buf][c]}
+        if all(happens_before(ops[k][:2], (t, i)) for k in ws):  # every write is before: none after
             direct.add((t, i))
     return direct
 

@@ -40,6 +40,7 @@ def test_measure_api_checks_settings_and_starts_empty():
             "intra_threshold": 2,
             "inter_threshold": 1,
             "slots_per_tb": 8,
+            "min_window_bytes": 32 << 10,
         }
         for bad, match in [
             ({"host_of_rank": [0, -1]}, r"host_of_rank\[1\] = -1"),
@@ -47,6 +48,7 @@ def test_measure_api_checks_settings_and_starts_empty():
             ({"inter_threshold": -2}, "thresholds must be >= 1"),
             ({"slots_per_tb": 0}, "slots_per_tb must be in 1..65536"),
             ({"host_of_rank": list(range(65))}, "at most 64 ranks"),
+            ({"min_window_bytes": -1}, "min_window_bytes must be >= 0"),
         ]:
             with pytest.raises(ValueError, match=match):
                 cu.measure_configure(True, **bad)
@@ -65,6 +67,7 @@ def test_measure_api_checks_settings_and_starts_empty():
             before["intra_threshold"],
             before["inter_threshold"],
             before["slots_per_tb"],
+            before["min_window_bytes"],
         )
 
 

@@ -1,0 +1,128 @@
+"""The executor core through the CPU executor: dataflow order, tiles and the default schedules.
+
+Every result is compared bitwise with jax.lax on random data.
+"""
+
+from __future__ import annotations
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+from test_native_executor import AXIS, assert_bitwise, ffi_collective, lax_ref, mesh_of, random, run, sharded
+
+import jaxccl
+from jaxccl.runtime import native
+from jaxccl.runtime.default_schedules import direct_allgather, direct_allreduce
+from jaxccl.runtime.emulated import EmulatedNetwork, LinkEmulation
+from jaxccl.schedule import Buffer, ScheduleBuilder
+from jaxccl.schedule.table import compile_table
+from jaxccl.topology import rail, single_node
+
+I, O = Buffer.INPUT, Buffer.OUTPUT
+
+
+def overtaking_all_gather():
+    """3-rank AllGather in which rank 0 relays rank 2's block to rank 1 before sending its own block.
+
+    In program order rank 0's send of its own block (ready at once) waits behind the relay, which waits
+    for rank 2's message; in dataflow order it goes first.
+    """
+    b = ScheduleBuilder("all_gather", num_ranks=3, chunks_per_period=1)
+    for r in range(3):
+        b.copy(r, (I, 0), (O, r))
+    from_2 = b.transfer(2, 0, (I, 0), (O, 2))
+    b.transfer(0, 1, (O, 2), (O, 2), after=[from_2])
+    b.transfer(0, 1, (I, 0), (O, 0))
+    b.transfer(0, 2, (I, 0), (O, 0))
+    b.transfer(1, 0, (I, 0), (O, 1))
+    b.transfer(1, 2, (I, 0), (O, 1))
+    return b.build(name="overtaking")
+
+
+def _run_on_network(schedule, x, network):
+    n = schedule.num_ranks
+    slot = native.new_slot()
+    try:
+        native.install(slot, compile_table(schedule))
+        network.attach(slot)
+        body = lambda v: ffi_collective(v, slot=slot, n=n, coll=schedule.collective.value)  # noqa: E731
+        f = jax.jit(jax.shard_map(body, mesh=mesh_of(n), in_specs=jax.P(AXIS), out_specs=jax.P(AXIS)))
+        return np.asarray(f(sharded(mesh_of(n), x)))
+    finally:
+        native.remove(slot)
+
+
+def test_a_ready_send_overtakes_one_that_waits():
+    s = overtaking_all_gather().validate()
+    # GPU 2's links are slow: its message to rank 0 arrives long after rank 0 could send its own block.
+    topo = single_node(3).degrade(2, "nvs:h0", gbps=1)
+    net = EmulatedNetwork(topo, LinkEmulation(time_scale=1e-2, trace=True, measure=False))
+    try:
+        x = random((3 * 4096,), np.float32)
+        got = _run_on_network(s, x, net)
+        assert_bitwise(got, lax_ref(lambda v: lax.all_gather(v, AXIS, tiled=True), 3, x))
+        trace = net.take_trace()
+    finally:
+        net.close()
+    to_1 = trace[(trace["src"] == 0) & (trace["dst"] == 1)]
+    posted = {int(r["src_op"]): int(r["post_ns"]) for r in to_1}
+    assert set(posted) == {0, 1}
+    assert posted[1] < posted[0], "rank 0's own block waited behind the relay (head-of-line blocking)"
+
+
+def test_tiled_synthesized_all_gather_on_emulated_links():
+    topo = rail(hosts=2, gpus_per_host=4)
+    s = jaxccl.synth.allgather(jaxccl.topology.scenario(topo, "fail2")).validate()
+    net = EmulatedNetwork(topo, LinkEmulation(time_scale=1e-2, trace=True, measure=False))
+    try:
+        x = random((8 * (1 << 16),), np.float32)  # 256 KiB per rank: several tiles
+        got = _run_on_network(s, x, net)
+        messages = len(net.take_trace())
+    finally:
+        net.close()
+    assert_bitwise(got, lax_ref(lambda v: lax.all_gather(v, AXIS, tiled=True), 8, x))
+    sends = sum(op.kind.value in ("s", "rcs", "rrs", "rrcs") for rank in s.ranks for tb in rank for op in tb.ops)
+    assert messages > sends and messages % sends == 0, "the relays did not run in tiles"
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 8])
+def test_direct_allgather(n):
+    x = random((n * 1031,), np.float32, seed=n)
+    assert_bitwise(run(direct_allgather(n), x), lax_ref(lambda v: lax.all_gather(v, AXIS, tiled=True), n, x))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_direct_allreduce_is_bitwise_psum(n, dtype):
+    s = direct_allreduce(n)
+    s.validate(ordered_reduction=True)
+    x = random((n * n * 257,), dtype, seed=n)
+    assert_bitwise(run(s, x), lax_ref(lambda v: lax.psum(v, AXIS), n, x))
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float16])
+def test_direct_allreduce_16_bit_sums_round_every_step(dtype):
+    """jax.lax sums 16-bit floats in f32 (jaxccl's front end promotes too); the table sums in the dtype,
+    rounding each step to nearest even, in rank order."""
+    n = 5
+    x = random((n * n * 129,), dtype, seed=3)
+    blocks = x.reshape(n, -1)
+    want = blocks[0]
+    for k in range(1, n):
+        want = (want.astype(np.float32) + blocks[k].astype(np.float32)).astype(dtype)
+    assert_bitwise(run(direct_allreduce(n), x), np.tile(want, n))
+
+
+@pytest.mark.parametrize("collective", ["psum", "psum_scatter"])
+def test_sums_of_negative_zeros_are_positive_zero_like_lax(collective):
+    n = 8
+    x = random((n * n * 64,), np.float32, seed=11)
+    x.reshape(n, -1)[:, ::3] = -0.0  # every rank contributes -0 at these positions
+    lib_body = {
+        "psum": lambda lib: lambda v: lib.psum(v, AXIS),
+        "psum_scatter": lambda lib: lambda v: lib.psum_scatter(v, AXIS, scatter_dimension=0, tiled=True),
+    }[collective]
+    got = lax_ref(lib_body(jaxccl), n, x)
+    assert_bitwise(got, lax_ref(lib_body(lax), n, x))
