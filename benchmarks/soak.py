@@ -8,7 +8,7 @@ Meanwhile, at random points, a collective's schedule is hot-swapped (another
 synthesized or baseline schedule, staged without recompiling), a link fault is
 injected or healed (``comm.inject``), and a throwaway Communicator is created,
 used and dropped. Resources are read before and after: resident memory,
-threads, open file descriptors and the native executor's slots and workers;
+threads, open file descriptors and the native executor's slots and pending rendezvous;
 and once more after ``jax.clear_caches()``, since a program traced with a
 communicator keeps that communicator's native slots while JAX caches it.
 
@@ -49,7 +49,7 @@ def resources() -> dict[str, float]:
         "python_threads": threading.active_count(),
         "fds": len(os.listdir("/proc/self/fd")),
         "native_slots": int(stats["slots"]),
-        "native_workers": int(stats["worker_threads"]),
+        "native_pending_rendezvous": int(stats["pending_rendezvous"]),
     }
 
 
