@@ -5,6 +5,13 @@
 #include <utility>
 
 namespace jaxccl {
+namespace {
+
+// The latest time a transfer can be scheduled for (ns since the steady clock's epoch), far below
+// INT64_MAX so that adding a route's latency cannot overflow.
+constexpr double kHorizonNs = 4e18;
+
+}  // namespace
 
 // ------------------------------------------------------------------ config
 
@@ -20,13 +27,14 @@ ffi::Error NetworkConfig::Validate() const {
                                               latency_ns.size(), " latencies"));
   }
   for (size_t l = 0; l < capacity.size(); ++l) {
-    if (!(capacity[l] > 0) || !std::isfinite(capacity[l])) {
-      return ffi::Error::InvalidArgument(
-          StrCat("jaxccl network: link ", l, " has capacity ", capacity[l], " bytes/ns; it must be > 0 and finite"));
+    if (!(capacity[l] >= kMinCapacity) || !std::isfinite(capacity[l])) {
+      return ffi::Error::InvalidArgument(StrCat("jaxccl network: link ", l, " has a real capacity of ", capacity[l],
+                                                " bytes/ns; it must be finite and >= ", kMinCapacity,
+                                                " (one byte per ", 1e-9 / kMinCapacity, " s)"));
     }
-    if (!(latency_ns[l] >= 0) || !std::isfinite(latency_ns[l])) {
-      return ffi::Error::InvalidArgument(
-          StrCat("jaxccl network: link ", l, " has latency ", latency_ns[l], " ns; it must be >= 0 and finite"));
+    if (!(latency_ns[l] >= 0) || !(latency_ns[l] <= kMaxLatencyNs)) {
+      return ffi::Error::InvalidArgument(StrCat("jaxccl network: link ", l, " has a real latency of ", latency_ns[l],
+                                                " ns; it must be between 0 and ", kMaxLatencyNs, " ns"));
     }
   }
   if (static_cast<int64_t>(route_offsets.size()) != n * n + 1 || route_offsets.front() != 0 ||
@@ -56,8 +64,9 @@ ffi::Error NetworkConfig::Validate() const {
   if (min_window_bytes < 0) {
     return ffi::Error::InvalidArgument(StrCat("jaxccl network: min_window_bytes must be >= 0, got ", min_window_bytes));
   }
-  if (slots_per_tb < 1) {
-    return ffi::Error::InvalidArgument(StrCat("jaxccl network: slots_per_tb must be >= 1, got ", slots_per_tb));
+  if (slots_per_tb < 1 || slots_per_tb > kMaxSlotsPerTb) {
+    return ffi::Error::InvalidArgument(
+        StrCat("jaxccl network: slots_per_tb must be in [1, ", kMaxSlotsPerTb, "], got ", slots_per_tb));
   }
   return ffi::Error::Success();
 }
@@ -90,7 +99,18 @@ ffi::Error Network::Update(NetworkConfig config) {
   }
   {
     std::lock_guard<std::mutex> lock(links_mu_);
-    if (config.capacity.size() != free_at_ns_.size()) free_at_ns_.assign(config.capacity.size(), 0.0);
+    if (config.capacity.size() != free_at_ns_.size()) {
+      free_at_ns_.assign(config.capacity.size(), 0.0);
+    } else {
+      // A link whose capacity changes carries the bytes still queued on it at its new speed: a backlog
+      // reserved on a nearly dead link drains at once when the link heals, instead of blocking it for good.
+      const double now = static_cast<double>(NowNs());
+      for (size_t l = 0; l < free_at_ns_.size(); ++l) {
+        if (free_at_ns_[l] > now && config.capacity[l] != capacity_[l]) {
+          free_at_ns_[l] = now + (free_at_ns_[l] - now) * capacity_[l] / config.capacity[l];
+        }
+      }
+    }
     capacity_ = std::move(config.capacity);
     latency_ns_ = std::move(config.latency_ns);
     route_offsets_ = std::move(config.route_offsets);
@@ -131,10 +151,12 @@ Transfer Network::Reserve(int32_t src, int32_t dst, size_t bytes, int64_t now_ns
       start_of_bottleneck = start;
     }
   }
+  // Saturate instead of overflowing int64: a transfer that would end beyond the horizon just never ends
+  // in time, and the wait for it misses its deadline.
   Transfer t;
-  t.tx_start_ns = static_cast<int64_t>(start_of_bottleneck);
-  t.tx_end_ns = static_cast<int64_t>(std::ceil(done));
-  t.ready_ns = t.tx_end_ns + route_latency_ns_[p];
+  t.tx_start_ns = static_cast<int64_t>(std::min(start_of_bottleneck, kHorizonNs));
+  t.tx_end_ns = static_cast<int64_t>(std::ceil(std::min(done, kHorizonNs)));
+  t.ready_ns = std::min<int64_t>(t.tx_end_ns, static_cast<int64_t>(kHorizonNs)) + route_latency_ns_[p];
   return t;
 }
 

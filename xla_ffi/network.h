@@ -52,6 +52,11 @@ struct NetworkConfig {
   int32_t inter_threshold = 1;
   int64_t min_window_bytes = 32 << 10;  // windows that carried fewer bytes are discarded (not saturating)
   int32_t slots_per_tb = 8;             // Measurements Buffer slots owned by each threadblock (MCCL: SRV)
+
+  // Bounds that keep every emulated time representable in int64 nanoseconds.
+  static constexpr double kMinCapacity = 1e-12;    // real bytes/ns: one byte per 1000 s
+  static constexpr double kMaxLatencyNs = 1e15;    // real ns per link: about 11.6 days
+  static constexpr int32_t kMaxSlotsPerTb = 1 << 16;
   // Checks sizes and values; the error names the first bad field.
   ffi::Error Validate() const;
 };

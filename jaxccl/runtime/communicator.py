@@ -152,7 +152,7 @@ class Communicator:
         >>> with comm:
         ...     y = f(np.arange(2.0 * len(jax.devices()), dtype=np.float32))
         >>> comm.schedule("all_gather").name
-        'ring_allgather'
+        'direct_allgather'
     """
 
     def __init__(
@@ -513,9 +513,10 @@ def default_communicator(axis_name: Hashable, axis_size: int) -> Communicator:
     A collective over ``axis_name`` traced outside any ``with comm:`` for that
     axis runs here. There is one per ``(axis_name, axis_size)`` in the
     process, created on first use and shared by every later call. It has no
-    topology, link emulation or telemetry, and runs the ring AllGather, the
-    direct AllToAll, the rank-ordered direct ReduceScatter and the
-    rank-ordered AllReduce (``psum``) of :mod:`jaxccl.synth.baselines`;
+    topology, link emulation or telemetry, and runs the direct AllGather and
+    the rank-ordered direct AllReduce (``psum``) of
+    :mod:`jaxccl.runtime.default_schedules`, and the direct AllToAll and the
+    rank-ordered direct ReduceScatter of :mod:`jaxccl.synth.baselines`;
     :meth:`Communicator.install` on it changes what those later calls run.
 
     Its backend is ``"auto"`` in a wider sense than :class:`Communicator`'s:
@@ -526,7 +527,7 @@ def default_communicator(axis_name: Hashable, axis_size: int) -> Communicator:
     Example:
         >>> comm = default_communicator("data", 8)
         >>> comm is default_communicator("data", 8), comm.topology, comm.schedule("all_gather").name
-        (True, None, 'ring_allgather')
+        (True, None, 'direct_allgather')
     """
     key = (axis_name, int(axis_size))
     with _LOCK:

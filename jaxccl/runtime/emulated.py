@@ -53,6 +53,14 @@ TRACE_DTYPE = np.dtype(
 )
 
 
+# Bounds of the settings (the native network refuses links outside its own: a real capacity of at least
+# one byte per 1000 s and a real latency of at most 1e15 ns, so that emulated times never overflow).
+MIN_TIME_SCALE = 1e-9
+MAX_SLOTS_PER_TB = 1 << 16
+MIN_REAL_RATE = 1e-3  # real bytes/s
+MAX_REAL_LATENCY = 1e6  # real seconds
+
+
 @dataclasses.dataclass(frozen=True)
 class LinkEmulation:
     """How the CPU executor emulates a Topology's links.
@@ -100,11 +108,13 @@ class LinkEmulation:
     def __post_init__(self) -> None:
         if self.timestamps not in ("link", "observed"):
             raise ValueError(f"LinkEmulation: timestamps must be 'link' or 'observed', got {self.timestamps!r}")
-        if not (0 < self.time_scale <= 1):
-            raise ValueError(f"LinkEmulation: time_scale must be in (0, 1], got {self.time_scale}")
+        if not (MIN_TIME_SCALE <= self.time_scale <= 1):
+            raise ValueError(f"LinkEmulation: time_scale must be in [{MIN_TIME_SCALE}, 1], got {self.time_scale}")
         for name in ("intra_threshold", "inter_threshold", "slots_per_tb"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"LinkEmulation: {name} must be >= 1, got {getattr(self, name)}")
+        if int(self.slots_per_tb) > MAX_SLOTS_PER_TB:
+            raise ValueError(f"LinkEmulation: slots_per_tb must be <= {MAX_SLOTS_PER_TB}, got {self.slots_per_tb}")
 
     def real_rate(self, capacity: float) -> float:
         """Real bytes/s the executor moves for a link of ``capacity`` emulated bytes/s."""
@@ -117,6 +127,18 @@ class LinkEmulation:
 
 def _network_arrays(topology: Any, cfg: LinkEmulation) -> dict[str, Any]:
     edges = list(topology.edges())
+    for u, v, cap, lat in edges:
+        if cfg.real_rate(cap) < MIN_REAL_RATE:
+            raise TopologyError(
+                f"link emulation: link {u!r} -> {v!r} at {cap:g} bytes/s is {cfg.real_rate(cap):g} real bytes/s at "
+                f"time_scale={cfg.time_scale:g}, below the emulator's {MIN_REAL_RATE:g}; treat the link as cut "
+                "(Topology.cut) or raise time_scale"
+            )
+        if lat / cfg.time_scale > MAX_REAL_LATENCY:
+            raise TopologyError(
+                f"link emulation: link {u!r} -> {v!r} has latency {lat:g} s, {lat / cfg.time_scale:g} real seconds "
+                f"at time_scale={cfg.time_scale:g}, above the emulator's {MAX_REAL_LATENCY:g}"
+            )
     index = {(u, v): k for k, (u, v, _, _) in enumerate(edges)}
     n = topology.num_gpus
     offsets = [0]

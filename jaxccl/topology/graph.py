@@ -273,7 +273,7 @@ class Topology:
                         raise TopologyError(f"edge {u!r} -> {v!r} names unknown node {n!r}")
                 attrs = {k: val for k, val in ed.items() if k not in ("u", "v")}
                 g.add_edge(u, v, **attrs)
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError) as e:  # networkx: ValueError for a None node
             raise TopologyError(f"malformed topology JSON: missing or bad field ({type(e).__name__}: {e})") from e
         name, meta = data.get("name", ""), data.get("meta") or {}
         if not isinstance(name, str):
