@@ -10,6 +10,7 @@ types and the subpackages that hold the real code: ``topology``,
 from jaxccl import schedule, synth, topology
 from jaxccl.devices import emulate
 from jaxccl.errors import (
+    DeadlineError,
     ExecutorError,
     JaxcclError,
     OptionError,
@@ -63,6 +64,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Communicator",
+    "DeadlineError",
     "ExecutorError",
     "JaxcclError",
     "OptionError",

@@ -34,7 +34,27 @@ class SynthesisError(JaxcclError, RuntimeError):
 
 
 class ExecutorError(JaxcclError, RuntimeError):
-    """The native executor reported a failure (deadline, bad table, missing schedule)."""
+    """The native executor reported a failure (deadline, bad table, missing schedule).
+
+    Attributes:
+        rank: the rank that reported it, when the executor said (else ``None``).
+        threadblock: that rank's threadblock, when known.
+        op: the op of that threadblock, when known.
+
+    A failure inside a running collective reaches Python as XLA's runtime
+    error; :func:`jaxccl.runtime.failures.executor_errors` (also applied when
+    it propagates out of ``with comm:``) re-raises it as this type.
+    """
+
+    def __init__(
+        self, message: str = "", *, rank: int | None = None, threadblock: int | None = None, op: int | None = None
+    ):
+        super().__init__(message)
+        self.rank, self.threadblock, self.op = rank, threadblock, op
+
+
+class DeadlineError(ExecutorError, TimeoutError):
+    """A wait of the executor (rendezvous, message, slot) missed its deadline; the communicator stays usable."""
 
 
 class TuneError(JaxcclError, ValueError):

@@ -10,6 +10,7 @@ import jaxccl
 from jaxccl.errors import TopologyError
 from jaxccl.runtime import native
 from jaxccl.runtime.emulated import LinkEmulation
+from jaxccl.runtime.failures import executor_errors
 from jaxccl.topology import rail
 
 TOPO = rail(hosts=2, gpus_per_host=4)
@@ -62,11 +63,29 @@ def test_a_missed_deadline_leaves_the_communicator_usable():
         with comm:
             np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(ref(x)))
             comm.inject(TOPO.degrade(*NIC, capacity=1.0))  # 1 B/s: the next call cannot finish in 2 s
-            with pytest.raises(Exception, match="deadline|timed out|timeout"):
+            with pytest.raises(jaxccl.DeadlineError, match="deadline exceeded") as e, executor_errors():
                 np.asarray(f(x))
+            assert isinstance(e.value, jaxccl.ExecutorError) and isinstance(e.value, TimeoutError)
+            assert e.value.rank is not None and e.value.threadblock is not None and e.value.op is not None
             comm.inject(TOPO)
             for k in range(3):  # healed: the same schedule runs again, at once and later
                 y = x + k
                 np.testing.assert_array_equal(np.asarray(f(y)), np.asarray(ref(y)))
     finally:
+        native.set_timeout(timeout)
+
+
+def test_an_executor_failure_leaving_with_comm_is_an_executor_error():
+    mesh, comm = _comm(time_scale=1e-3)
+    f, _ = all_gather_pair(mesh)
+    x = np.ones(8 * 1024, np.float32)
+    timeout = native.get_timeout()
+    native.set_timeout(1.0)
+    try:
+        with pytest.raises(jaxccl.DeadlineError) as e, comm:
+            comm.inject(TOPO.degrade(*NIC, capacity=1.0))
+            np.asarray(f(x))
+        assert "jaxccl: deadline exceeded" in str(e.value) and e.value.__cause__ is not None
+    finally:
+        comm.inject(TOPO)
         native.set_timeout(timeout)

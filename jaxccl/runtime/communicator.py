@@ -431,8 +431,14 @@ class Communicator:
         self._cms.append(cm)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self._cms.pop().__exit__(*exc)
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._cms.pop().__exit__(exc_type, exc, tb)
+        if exc is not None:
+            from jaxccl.runtime.failures import as_executor_error
+
+            converted = as_executor_error(exc)
+            if converted is not None and converted is not exc:
+                raise converted from exc
 
     def __repr__(self) -> str:
         kind = "default " if self._is_default else ""
