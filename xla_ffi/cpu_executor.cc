@@ -82,6 +82,13 @@ std::map<int64_t, std::shared_ptr<ExecContextPool>>& Pools() {
 }
 }  // namespace
 
+namespace {
+std::atomic<bool> g_program_order{false};
+}  // namespace
+
+void SetProgramOrder(bool on) { g_program_order.store(on); }
+bool ProgramOrder() { return g_program_order.load(); }
+
 std::shared_ptr<ExecContextPool> ContextPoolFor(int64_t slot) {
   std::lock_guard<std::mutex> lock(pools_mu);
   auto& p = Pools()[slot];
@@ -181,7 +188,8 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
     if (OpSends(op.kind)) largest = std::max(largest, RangeBytes(t.chunks_per_period, *period, esize, op.send_offset(), op.count));
   }
   const bool tileable = !t.programs.empty() && ProgramView(t.programs[0].data()).tileable();
-  launch->tiles_ = ChooseTiles(tileable, launch->pace_, largest);
+  launch->tiles_ = ProgramOrder() ? 1 : ChooseTiles(tileable, launch->pace_, largest);
+  launch->lookahead_ = ProgramOrder() ? 1 : kLookahead;
   launch->op_stride_ = t.programs.empty() ? 0 : ProgramView(t.programs[0].data()).max_ops();
   launch->layout_ = RegionLayout{launch->op_stride_ * launch->tiles_, t.num_conns(), t.num_slots};
   if (!launch->ctx_->Reset(t, launch->layout_, scratch_bytes)) {
@@ -297,7 +305,7 @@ void CpuLaunch::RunRank(int32_t rank) {
     bool progress = false, all_done = true;
     int32_t stuck = -1;
     for (int32_t j = 0; j < ntb && !aborted_.load(std::memory_order_relaxed); ++j) {
-      const int32_t v = NextReadyUnit(p, tbs[j], tiles_, &first[j], probe);
+      const int32_t v = NextReadyUnit(p, tbs[j], tiles_, &first[j], probe, lookahead_);
       if (v == kAllDone) continue;
       all_done = false;
       if (v == kNoneReady) {

@@ -158,6 +158,7 @@ class CpuLaunch {
   std::vector<int32_t> rank_first_op_;
   RegionLayout layout_{};
   int32_t tiles_ = 1;      // tiles of this launch (core/protocol.h)
+  int32_t lookahead_ = kLookahead;
   int32_t op_stride_ = 0;  // op_done entries per tile
   uint64_t epoch_ = 0;
   SumType sum_ = SumType::kNone;
@@ -179,6 +180,10 @@ class CpuLaunch {
   std::mutex done_mu_;
   std::condition_variable done_cv_;
 };
+
+// Program order (for comparisons): every threadblock runs its ops in order, untiled. Off by default.
+void SetProgramOrder(bool on);
+bool ProgramOrder();
 
 // The context pool of a schedule slot (created on first use, dropped with remove()).
 std::shared_ptr<ExecContextPool> ContextPoolFor(int64_t slot);
