@@ -135,6 +135,9 @@ class CpuLaunch {
   void RunRank(int32_t rank);
   // Runs unit `u` of global threadblock `g` (it is ready); false after Fail.
   bool Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u);
+  // Runs unit `u` and the ready units that continue its fold (program.h, next_fold) as one pass over the
+  // range, in blocks that stay in the cache; *handled is false when there is nothing to fuse.
+  bool ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* handled);
   void Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& op, const Outgoing& out);
   void Consume(int32_t g, const ProgTb& tb, const Unit& u, const MessageTiming& timing, size_t bytes);
   // Sleeps until a flag rank `rank` may need changes, `wake_ns` passes or the deadline; false at the deadline.
