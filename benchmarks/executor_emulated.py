@@ -3,8 +3,9 @@
 8 emulated devices on a rail fabric of 2 hosts x 4 GPUs with link emulation (every
 message paced over its route's links), healthy and under MCCL's fail2. For each
 scenario the AllGather is synthesized for that fabric and run through jaxccl, and
-for comparison the ring baseline on the same fabric, interleaved, in the same
-run; algbw (emulated bytes/s: one rank's output bytes over the real time divided
+for comparison the same schedule in program order (every threadblock in order,
+untiled: the executor before dataflow order) and the ring baseline on the same
+fabric, interleaved, in the same run; algbw (emulated bytes/s: one rank's output bytes over the real time divided
 by the time scale) is the median over repetitions. The default time scale (1e-4) keeps the
 host's own work (copies, thread wake-ups) small against the emulated transfers. The acceptance ratio is
 measured / predicted (the synthesizer's large-message algbw).
@@ -33,6 +34,7 @@ def _run(args: argparse.Namespace) -> dict:
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
+    from jaxccl.runtime import native
     from jaxccl.runtime.emulated import LinkEmulation
     from jaxccl.synth import baselines
     from jaxccl.topology import rail, scenario
@@ -47,7 +49,13 @@ def _run(args: argparse.Namespace) -> dict:
     for name in SCENARIOS:
         topo = base if name == "none" else scenario(base, name)
         emulation = LinkEmulation(time_scale=args.time_scale)
-        schedules = {"synthesized": jaxccl.synth.allgather(topo), "ring": baselines.ring_allgather(8)}
+        synthesized = jaxccl.synth.allgather(topo)
+        schedules = {
+            "synthesized": synthesized,
+            "synthesized, program order": synthesized,
+            "ring": baselines.ring_allgather(8),
+        }
+        in_order = {"synthesized, program order"}
         comms, fns = {}, {}
         for key, s in schedules.items():
             comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu", link_emulation=emulation)
@@ -57,6 +65,7 @@ def _run(args: argparse.Namespace) -> dict:
                     lambda v: jaxccl.all_gather(v, "d", tiled=True), mesh=mesh, in_specs=P("d"), out_specs=P("d")
                 )
             )
+            native.set_program_order(key in in_order)
             with comm:
                 out = np.asarray(f(x)).reshape(8, -1)
             if not all(np.array_equal(row, x) for row in out):
@@ -65,6 +74,7 @@ def _run(args: argparse.Namespace) -> dict:
         times = {k: [] for k in schedules}
         for _ in range(args.reps):
             for key in schedules:  # interleaved
+                native.set_program_order(key in in_order)
                 with comms[key]:
                     t0 = time.perf_counter()
                     fns[key](x).block_until_ready()
@@ -78,10 +88,11 @@ def _run(args: argparse.Namespace) -> dict:
                     "bytes_per_rank_out": out_bytes,
                     "time_ms": report.median(times[key]) * 1e3,
                     "algbw_GBps": algbw / 1e9,
-                    "predicted_GBps": s.algbw / 1e9 if key == "synthesized" else float("nan"),
-                    "measured/predicted": algbw / s.algbw if key == "synthesized" else float("nan"),
+                    "predicted_GBps": s.algbw / 1e9 if s is synthesized else float("nan"),
+                    "measured/predicted": algbw / s.algbw if s is synthesized else float("nan"),
                 }
             )
+    native.set_program_order(False)
     return {"time_scale": args.time_scale, "reps": args.reps, "rows": rows}
 
 

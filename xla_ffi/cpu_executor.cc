@@ -82,6 +82,13 @@ std::map<int64_t, std::shared_ptr<ExecContextPool>>& Pools() {
 }
 }  // namespace
 
+namespace {
+std::atomic<bool> g_program_order{false};
+}  // namespace
+
+void SetProgramOrder(bool on) { g_program_order.store(on); }
+bool ProgramOrder() { return g_program_order.load(); }
+
 std::shared_ptr<ExecContextPool> ContextPoolFor(int64_t slot) {
   std::lock_guard<std::mutex> lock(pools_mu);
   auto& p = Pools()[slot];
@@ -181,7 +188,8 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
     if (OpSends(op.kind)) largest = std::max(largest, RangeBytes(t.chunks_per_period, *period, esize, op.send_offset(), op.count));
   }
   const bool tileable = !t.programs.empty() && ProgramView(t.programs[0].data()).tileable();
-  launch->tiles_ = ChooseTiles(tileable, launch->pace_, largest);
+  launch->tiles_ = ProgramOrder() ? 1 : ChooseTiles(tileable, launch->pace_, largest);
+  launch->lookahead_ = ProgramOrder() ? 1 : kLookahead;
   launch->op_stride_ = t.programs.empty() ? 0 : ProgramView(t.programs[0].data()).max_ops();
   launch->layout_ = RegionLayout{launch->op_stride_ * launch->tiles_, t.num_conns(), t.num_slots};
   if (!launch->ctx_->Reset(t, launch->layout_, scratch_bytes)) {
@@ -297,7 +305,7 @@ void CpuLaunch::RunRank(int32_t rank) {
     bool progress = false, all_done = true;
     int32_t stuck = -1;
     for (int32_t j = 0; j < ntb && !aborted_.load(std::memory_order_relaxed); ++j) {
-      const int32_t v = NextReadyUnit(p, tbs[j], tiles_, &first[j], probe);
+      const int32_t v = NextReadyUnit(p, tbs[j], tiles_, &first[j], probe, lookahead_);
       if (v == kAllDone) continue;
       all_done = false;
       if (v == kNoneReady) {
@@ -387,10 +395,108 @@ void CpuLaunch::FinishRank(int32_t rank) {
   }
 }
 
+bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* handled) {
+  constexpr int kMaxChain = 64;
+  constexpr size_t kBlockBytes = 16 << 10;
+  *handled = false;
+  const int32_t rank = table_->tbs[g].rank;
+  const RankBuffers& rb = buffers_[rank];
+  struct Link {
+    int32_t g;
+    ProgTb tb;
+    Unit u;
+    ProgOp op;
+  };
+  Link chain[kMaxChain];
+  int32_t n = 0;
+  chain[n++] = Link{g, tb, u, p.op(u.op)};
+  // A continuation is ready when everything but the chain's own ops is: its probe counts them done.
+  struct ChainProbe {
+    CpuProbe base;
+    const Link* chain;
+    int32_t n;
+    bool Done(int32_t tile, int32_t o) {
+      for (int32_t k = 0; k < n; ++k) {
+        if (chain[k].u.op == o && chain[k].u.tile == tile) return true;
+      }
+      return base.Done(tile, o);
+    }
+    bool Posted(int32_t conn, int32_t m) { return base.Posted(conn, m); }
+    bool SlotFree(int32_t conn, int32_t m) { return base.SlotFree(conn, m); }
+  };
+  for (int32_t y = chain[0].op.next_fold; y >= 0 && n < kMaxChain;) {
+    const int32_t gy = table_->op_tb[rank_first_op_[rank] + y];
+    const ProgTb tby = p.tb(gy - table_->rank_first_tb[rank]);
+    const Unit uy = UnitOf(p, tby, u.tile * tby.num_ops + (y - tby.first_op));
+    const ProgOp opy = p.op(y);
+    ChainProbe probe{CpuProbe{this, rank}, chain, n};
+    if (probe.base.Done(uy.tile, y) || !UnitReady(p, tby, uy, opy, probe)) break;
+    chain[n++] = Link{gy, tby, uy, opy};
+    y = opy.next_fold;
+  }
+  if (n < 2) return true;
+  *handled = true;
+  // The terms of the fold, in order: the first op's value (a message, its src, or dst + src), then one
+  // term per continuation (its message, or its src for `re`).
+  const char* terms[kMaxChain + 1];
+  size_t bytes[kMaxChain];
+  MessageTiming timing[kMaxChain];
+  int32_t num_terms = 0;
+  for (int32_t k = 0; k < n; ++k) {
+    const Link& l = chain[k];
+    const char* msg = nullptr;
+    if (l.op.receives()) {
+      const size_t cell = layout_.cell(l.tb.recv_conn, l.u.recv_msg);
+      const MsgDesc d = *Desc(rank, cell);
+      msg = reinterpret_cast<const char*>(d.ptr);
+      bytes[k] = d.bytes;
+      timing[k] = ctx_->timing[cell];
+      if (d.bytes != rb.RecvBytes(l.op, l.u.tile)) {
+        Fail(StrCat("jaxccl: ", Where(l.g, l.u.op), " received ", d.bytes, " bytes but expects ",
+                    rb.RecvBytes(l.op, l.u.tile)),
+             ffi::ErrorCode::kInternal);
+        return false;
+      }
+    }
+    switch (l.op.kind) {
+      case OpCode::kRecv: terms[num_terms++] = msg; break;
+      case OpCode::kCopy: terms[num_terms++] = rb.Addr(l.op.src_buf, l.op.src_off, l.u.tile); break;
+      case OpCode::kRecvReduceCopy:
+        if (k == 0) terms[num_terms++] = rb.Addr(l.op.src_buf, l.op.src_off, l.u.tile);
+        terms[num_terms++] = msg;
+        break;
+      default:  // kReduce
+        if (k == 0) terms[num_terms++] = rb.Addr(l.op.dst_buf, l.op.dst_off, l.u.tile);
+        terms[num_terms++] = rb.Addr(l.op.src_buf, l.op.src_off, l.u.tile);
+    }
+  }
+  char* dst = rb.Addr(chain[0].op.dst_buf, chain[0].op.dst_off, u.tile);
+  const size_t total = rb.Bytes(chain[0].op.dst_off, chain[0].op.count, u.tile);
+  const size_t esize = static_cast<size_t>(rb.esize);
+  const size_t block = kBlockBytes / esize * esize;
+  for (size_t at = 0; at < total; at += block) {
+    const size_t len = std::min(block, total - at);
+    SumLanes(sum_, dst + at, terms[0] + at, terms[1] + at, len / esize, 0, 1);
+    for (int32_t k = 2; k < num_terms; ++k) SumLanes(sum_, dst + at, dst + at, terms[k] + at, len / esize, 0, 1);
+  }
+  for (int32_t k = 0; k < n; ++k) {
+    const Link& l = chain[k];
+    if (l.op.receives()) Consume(l.g, l.tb, l.u, timing[k], bytes[k]);
+    Flag(rank, layout_.op_done(), static_cast<size_t>(l.u.tile) * op_stride_ + l.u.op)
+        ->store(Tag(epoch_, 1), std::memory_order_release);
+  }
+  return true;
+}
+
 bool CpuLaunch::Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u) {
   const int32_t rank = table_->tbs[g].rank;
   const ProgOp op = p.op(u.op);
   const int32_t o = u.op;
+  if (sum_ != SumType::kNone && lookahead_ > 1 && op.next_fold >= 0) {
+    bool handled = false;
+    if (!ExecuteFold(g, p, tb, u, &handled)) return false;
+    if (handled) return true;
+  }
   const RankBuffers& rb = buffers_[rank];
   const char* msg = nullptr;
   size_t msg_bytes = 0;

@@ -135,6 +135,9 @@ class CpuLaunch {
   void RunRank(int32_t rank);
   // Runs unit `u` of global threadblock `g` (it is ready); false after Fail.
   bool Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u);
+  // Runs unit `u` and the ready units that continue its fold (program.h, next_fold) as one pass over the
+  // range, in blocks that stay in the cache; *handled is false when there is nothing to fuse.
+  bool ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* handled);
   void Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& op, const Outgoing& out);
   void Consume(int32_t g, const ProgTb& tb, const Unit& u, const MessageTiming& timing, size_t bytes);
   // Sleeps until a flag rank `rank` may need changes, `wake_ns` passes or the deadline; false at the deadline.
@@ -158,6 +161,7 @@ class CpuLaunch {
   std::vector<int32_t> rank_first_op_;
   RegionLayout layout_{};
   int32_t tiles_ = 1;      // tiles of this launch (core/protocol.h)
+  int32_t lookahead_ = kLookahead;
   int32_t op_stride_ = 0;  // op_done entries per tile
   uint64_t epoch_ = 0;
   SumType sum_ = SumType::kNone;
@@ -179,6 +183,10 @@ class CpuLaunch {
   std::mutex done_mu_;
   std::condition_variable done_cv_;
 };
+
+// Program order (for comparisons): every threadblock runs its ops in order, untiled. Off by default.
+void SetProgramOrder(bool on);
+bool ProgramOrder();
 
 // The context pool of a schedule slot (created on first use, dropped with remove()).
 std::shared_ptr<ExecContextPool> ContextPoolFor(int64_t slot);

@@ -268,6 +268,10 @@ NB_MODULE(_native, m) {
       },
       nb::arg("seconds"), "Deadline of every rendezvous and executor wait.");
   m.def("get_timeout", [] { return Registry::Get().timeout_s(); });
+  m.def("set_program_order", &SetProgramOrder, nb::arg("on"),
+        "Comparisons only: the CPU executor runs every threadblock in program order, untiled (default off: "
+        "dataflow order, tiles under link emulation).");
+  m.def("program_order", &ProgramOrder);
   m.def("stats", [] {
     nb::dict d;
     d["pending_rendezvous"] = CpuPendingRendezvous();

@@ -173,6 +173,16 @@ def set_timeout(seconds: float) -> None:
     _wrap(_native.set_timeout, float(seconds))
 
 
+def set_program_order(on: bool) -> None:
+    """For comparisons: run every threadblock in program order, untiled (the executor before dataflow order).
+
+    Off by default (docs/executor.md, "No head-of-line blocking"); launches that start afterwards use it.
+
+    >>> set_program_order(False)
+    """
+    _native.set_program_order(bool(on))
+
+
 def get_timeout() -> float:
     """The current deadline of rendezvous and executor waits, in seconds."""
     return float(_native.get_timeout())

@@ -9,7 +9,8 @@
 //   tbs     [num_tbs][kProgTb]  first_op, num_ops, send_conn, recv_conn, send_peer, recv_peer,
 //                               num_sends, first_send
 //   ops     [num_ops][kProgOp]  kind, src_buf, src_off, dst_buf, dst_off, count, dep, flags,
-//                               send_msg, recv_msg, first_wait, num_waits
+//                               send_msg, recv_msg, first_wait, num_waits, next_fold (the op that
+//                               depends on this one and adds into the range it wrote, -1: none)
 //   staged_index [num_conns]  position of the connection among those that stage (-1: stages nothing)
 //   conn_msgs    [num_conns]  messages the connection carries (per tile)
 //   send_ops     [num_sends]  for threadblock t, send_ops[first_send + m] is the op posting message m
@@ -27,7 +28,7 @@ namespace jaxccl {
 
 inline constexpr int kProgHeader = 10;
 inline constexpr int kProgTb = 8;
-inline constexpr int kProgOp = 12;
+inline constexpr int kProgOp = 13;
 
 struct ProgOp {
   OpCode kind;
@@ -42,6 +43,7 @@ struct ProgOp {
   int32_t recv_msg;
   int32_t first_wait;
   int32_t num_waits;
+  int32_t next_fold;
   JAXCCL_HD bool direct() const { return (flags & kOpFlagDirect) != 0; }
   JAXCCL_HD bool sends() const { return OpSends(kind); }
   JAXCCL_HD bool receives() const { return OpReceives(kind); }
@@ -72,7 +74,7 @@ class ProgramView {
   JAXCCL_HD ProgOp op(int32_t o) const {
     const int32_t* r = ops_base() + o * kProgOp;
     return ProgOp{static_cast<OpCode>(r[0]), static_cast<BufferId>(r[1]), r[2], static_cast<BufferId>(r[3]),
-                  r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11]};
+                  r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12]};
   }
   JAXCCL_HD int32_t staged_index(int32_t conn) const { return ops_base()[num_ops() * kProgOp + conn]; }
   JAXCCL_HD int32_t conn_msgs(int32_t conn) const { return ops_base()[num_ops() * kProgOp + num_conns() + conn]; }

@@ -182,13 +182,31 @@ inline void BuildPrograms(Table* t) {
         }
         const int32_t row[kProgOp] = {static_cast<int32_t>(op.kind), static_cast<int32_t>(op.src_buf), op.src_off,
                                       static_cast<int32_t>(op.dst_buf), op.dst_off, op.count, dep, op.flags,
-                                      op.send_msg, op.recv_msg, fw, next_wait - fw};
+                                      op.send_msg, op.recv_msg, fw, next_wait - fw, -1};
         std::copy(row, row + kProgOp, ops + (o - first_op) * kProgOp);
       }
       const int32_t tbrow[kProgTb] = {tb.first_op - first_op, tb.num_ops, tb.send_conn, tb.recv_conn,
                                       tb.send_peer,           tb.recv_peer, sends,      first_send};
       std::copy(tbrow, tbrow + kProgTb, p.begin() + kProgHeader + j * kProgTb);
       first_send += sends;
+    }
+    // Folds: an op that depends on the op that last wrote its range and adds into it in place
+    // (`rrc` with src = dst, or `re`) continues that op's fold; a backend may run a ready chain of
+    // them as one pass (the same sums in the same order).
+    if (!t->in_order) {
+      for (int32_t y = 0; y < nops; ++y) {
+        int32_t* row = ops + y * kProgOp;
+        const OpCode kind = static_cast<OpCode>(row[0]);
+        const int32_t x = row[6];
+        const bool in_place = kind == OpCode::kReduce ||
+                              (kind == OpCode::kRecvReduceCopy && row[1] == row[3] && row[2] == row[4]);
+        if (x < 0 || !in_place) continue;
+        int32_t* prev = ops + x * kProgOp;
+        const OpCode pk = static_cast<OpCode>(prev[0]);
+        const bool writes = pk == OpCode::kRecv || pk == OpCode::kCopy || pk == OpCode::kRecvReduceCopy ||
+                            pk == OpCode::kReduce;
+        if (writes && prev[3] == row[3] && prev[4] == row[4] && prev[5] == row[5] && prev[12] < 0) prev[12] = y;
+      }
     }
   }
 }

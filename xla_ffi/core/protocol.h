@@ -148,17 +148,18 @@ JAXCCL_HD bool UnitReady(const ProgramView& p, const ProgTb& tb, const Unit& u, 
   return true;
 }
 
-// The threadblock's next unit in dataflow order: the first ready one among kLookahead from its first
-// unfinished one (`*first`, advanced past finished units). Returns the unit index, kAllDone, or
-// kNoneReady (the backend waits for a flag to change and asks again).
+// The threadblock's next unit in dataflow order: the first ready one among `lookahead` (kLookahead;
+// 1 is program order) from its first unfinished one (`*first`, advanced past finished units). Returns
+// the unit index, kAllDone, or kNoneReady (the backend waits for a flag to change and asks again).
 inline constexpr int32_t kAllDone = -1;
 inline constexpr int32_t kNoneReady = -2;
 template <class Probe>
-JAXCCL_HD int32_t NextReadyUnit(const ProgramView& p, const ProgTb& tb, int32_t tiles, int32_t* first, Probe& probe) {
+JAXCCL_HD int32_t NextReadyUnit(const ProgramView& p, const ProgTb& tb, int32_t tiles, int32_t* first, Probe& probe,
+                                int32_t lookahead = kLookahead) {
   const int32_t n = tb.num_ops, end = n * tiles;
   while (*first < end && probe.Done(*first / n, tb.first_op + *first % n)) ++*first;
   if (*first == end) return kAllDone;
-  const int32_t last = *first + kLookahead < end ? *first + kLookahead : end;
+  const int32_t last = *first + lookahead < end ? *first + lookahead : end;
   for (int32_t v = *first; v < last; ++v) {
     const int32_t tile = v / n, o = tb.first_op + v % n;
     if (v != *first && probe.Done(tile, o)) continue;
