@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxccl.cli.args import UsageError, parse_size, positive_float, positive_int, topology
+from jaxccl.cli.bench_schedules import NAMES, load_file
 from jaxccl.cli.bench_sweep import COLLECTIVES, print_table, summary, sweep
 
 __all__ = ["BACKENDS", "DTYPES", "register"]
@@ -56,9 +57,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--collectives",
-        default=",".join(COLLECTIVES),
         metavar="LIST",
-        help=f"comma-separated, from {', '.join(COLLECTIVES)} (default: all)",
+        help=f"comma-separated, from {', '.join(COLLECTIVES)} (default: all; with a schedule file, its collective)",
     )
     p.add_argument("-b", "--min-bytes", type=parse_size, default=4 << 10, metavar="SIZE", help="smallest size (4K)")
     p.add_argument("-e", "--max-bytes", type=parse_size, default=16 << 20, metavar="SIZE", help="largest size (16M)")
@@ -189,8 +189,21 @@ def _check(args: argparse.Namespace, processes: int) -> None:
         raise UsageError(f"--time-scale must be in [{MIN_TIME_SCALE:g}, 1], got {args.time_scale:g}")
     if args.devices is not None and args.backend == "cuda":
         raise UsageError("--devices emulates CPU devices; --backend cuda runs on the GPUs it finds")
-    if args.no_validate and args.schedule in ("direct", "ring", "nccl", "synth", "static"):
+    if args.no_validate and args.schedule in NAMES:
         raise UsageError("--no-validate applies to a schedule file (--schedule PATH)")
+
+
+def _collectives_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--collectives``; with a schedule file, by default the collective it implements (and it must be listed)."""
+    if args.schedule in NAMES:
+        return _collectives(args.collectives or ",".join(COLLECTIVES))
+    collective, _ = load_file(args.schedule)  # fails early, before JAX starts, on a bad file
+    if args.collectives is None:
+        return (collective,)
+    chosen = _collectives(args.collectives)
+    if collective not in chosen:
+        raise UsageError(f"--schedule {args.schedule!r} implements {collective}, which --collectives leaves out")
+    return chosen
 
 
 def _start_jax(args: argparse.Namespace, coordinator: str | None, processes: int, pid: int) -> None:
@@ -228,7 +241,7 @@ def _header(cfg: Any, bench: Any, processes: int) -> list[str]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    collectives = _collectives(args.collectives)
+    collectives = _collectives_of(args)
     try:
         sizes = sweep(args.min_bytes, args.max_bytes, args.step_factor)
     except ValueError as e:

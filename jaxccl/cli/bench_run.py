@@ -161,10 +161,12 @@ def setup(cfg: BenchConfig) -> Bench:
         collective, schedule = load_file(cfg.schedule)
         plan = {collective: schedule}
     for schedule in plan.values():
-        if not cfg.validate:
-            # --no-validate exists to test the checker: run the file as it is, the interpreter skipped.
+        if cfg.validate:
+            comm.install(schedule.collective.value, schedule)
+        else:
+            # --no-validate exists to test the checker: the file runs as it is, the interpreter skipped.
             schedule.__dict__["_passed_default_check"] = True
-        comm.install(schedule.collective.value, schedule)
+            comm.stage_validated(schedule.collective.value, schedule)
     names = {}
     for c in cfg.collectives:
         active = comm.schedule(_schedule_collective(c))
