@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxccl import report
-from jaxccl.cli.bench_sweep import REDUCTIONS, buffer_elements, bus_factor, input_elements
+from jaxccl.cli.bench_sweep import REDUCTIONS, SCHEDULE_COLLECTIVE, buffer_elements, bus_factor, input_elements
 
 __all__ = ["BenchConfig", "run"]
 
@@ -169,15 +169,9 @@ def setup(cfg: BenchConfig) -> Bench:
             comm.stage_validated(schedule.collective.value, schedule)
     names = {}
     for c in cfg.collectives:
-        active = comm.schedule(_schedule_collective(c))
+        active = comm.schedule(SCHEDULE_COLLECTIVE[c])
         names[c] = active.name if active is not None else "reduce_scatter + all_gather"
     return Bench(comm=comm, mesh=mesh, num_ranks=n, schedule_names=names)
-
-
-def _schedule_collective(collective: str) -> str:
-    from jaxccl.cli.bench_sweep import SCHEDULE_COLLECTIVE
-
-    return SCHEDULE_COLLECTIVE[collective]
 
 
 def _timed(fn: Callable[[Any], Any], x: Any) -> float:
@@ -218,11 +212,11 @@ def measure(bench: Bench, cfg: BenchConfig, collective: str, size: int) -> dict[
     t_ours, t_lax, wrong = float(everyone[:, 0].max()), float(everyone[:, 1].max()), int(everyone[:, 2].sum())
     del x
     factor = bus_factor(collective, n)
-    algbw = size_bytes(count, itemsize) / t_ours / 1e9
-    lax_algbw = size_bytes(count, itemsize) / t_lax / 1e9
+    nbytes = count * itemsize  # the size column: one rank's larger buffer
+    algbw, lax_algbw = nbytes / t_ours / 1e9, nbytes / t_lax / 1e9
     return {
         "collective": collective,
-        "size": size_bytes(count, itemsize),
+        "size": nbytes,
         "count": count,
         "type": cfg.dtype,
         "redop": "sum" if collective in REDUCTIONS else "none",
@@ -237,22 +231,20 @@ def measure(bench: Bench, cfg: BenchConfig, collective: str, size: int) -> dict[
     }
 
 
-def size_bytes(count: int, itemsize: int) -> int:
-    """The ``size`` column: bytes of one rank's larger buffer."""
-    return count * itemsize
-
-
 def run(cfg: BenchConfig) -> tuple[Bench, list[dict[str, Any]]]:
     """Sets up the communicator and measures every (collective, size) of ``cfg``."""
     bench = setup(cfg)
     rows = []
     points = [(c, s) for c in cfg.collectives for s in cfg.sizes]
     walk = report.progress(points, label="jaxccl bench") if cfg.show_progress else points
-    with bench.comm:
-        for collective, size in walk:
-            row = measure(bench, cfg, collective, size)
-            if row is None:
-                bench.skipped.append((collective, size))
-            else:
-                rows.append(row)
+    try:
+        with bench.comm:
+            for collective, size in walk:
+                row = measure(bench, cfg, collective, size)
+                if row is None:
+                    bench.skipped.append((collective, size))
+                else:
+                    rows.append(row)
+    finally:
+        bench.comm.close()
     return bench, rows
