@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import jaxccl
 from jaxccl.cli import main
 from jaxccl.cli.bench_sweep import COLLECTIVES, bus_factor, sweep
 from jaxccl.runtime.default_schedules import direct_allgather
@@ -129,6 +130,13 @@ def test_synthesized_schedules_on_degraded_emulated_links_and_other_dtypes(tmp_p
     assert rc == 0, capsys.readouterr().out
     assert data["emulate_links"] and data["schedules"]["psum"] == "reduce_scatter + all_gather"
     assert all(r["wrong"] == 0 and r["type"] == "bfloat16" for r in data["rows"])
+
+
+@pytest.mark.skipif(jaxccl.has_cuda_support(), reason="this machine has CUDA")
+def test_the_cuda_backend_without_cuda_is_one_line(capsys):
+    assert main(["bench", *QUICK, "--backend", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "without CUDA" in err
 
 
 BAD = [

@@ -187,8 +187,13 @@ def _check(args: argparse.Namespace, processes: int) -> None:
         raise UsageError("--scenario is injected into the emulated links: add --emulate-links")
     if not MIN_TIME_SCALE <= args.time_scale <= 1:
         raise UsageError(f"--time-scale must be in [{MIN_TIME_SCALE:g}, 1], got {args.time_scale:g}")
-    if args.devices is not None and args.backend == "cuda":
-        raise UsageError("--devices emulates CPU devices; --backend cuda runs on the GPUs it finds")
+    if args.backend == "cuda":
+        import jaxccl
+
+        if args.devices is not None:
+            raise UsageError("--devices emulates CPU devices; --backend cuda runs on the GPUs it finds")
+        if not jaxccl.has_cuda_support():
+            raise UsageError("--backend cuda: jaxccl was built without CUDA or no CUDA device is visible")
     if args.no_validate and args.schedule in NAMES:
         raise UsageError("--no-validate applies to a schedule file (--schedule PATH)")
 
