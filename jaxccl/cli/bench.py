@@ -230,7 +230,7 @@ def _start_jax(args: argparse.Namespace, coordinator: str | None, processes: int
 
 
 def _header(cfg: Any, bench: Any, processes: int) -> list[str]:
-    topo = cfg.topology
+    topo = bench.topology
     links = "not emulated"
     if cfg.emulate_links:
         links = f"emulated at time scale {cfg.time_scale:g}" + (" with --scenario injected" if cfg.scenario else "")
@@ -320,7 +320,7 @@ def _bench(
                 "warmup": cfg.warmup,
                 "interleaved": True,
                 "in_place": False,
-                "topology": cfg.topology.name if cfg.topology is not None else None,
+                "topology": bench.topology.name if bench.topology is not None else None,
                 "emulate_links": cfg.emulate_links,
                 "time_scale": cfg.time_scale if cfg.emulate_links else None,
                 "scenario": args.scenario,

@@ -53,12 +53,13 @@ class BenchConfig:
 
 @dataclasses.dataclass
 class Bench:
-    """The communicator and what the header lines say about it."""
+    """The communicator and what the header lines say about it (``topology``: the one it has, if any)."""
 
     comm: Any
     mesh: Any
     num_ranks: int
     schedule_names: dict[str, str]
+    topology: Any = None
     skipped: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
 
@@ -171,7 +172,7 @@ def setup(cfg: BenchConfig) -> Bench:
     for c in cfg.collectives:
         active = comm.schedule(SCHEDULE_COLLECTIVE[c])
         names[c] = active.name if active is not None else "reduce_scatter + all_gather"
-    return Bench(comm=comm, mesh=mesh, num_ranks=n, schedule_names=names)
+    return Bench(comm=comm, mesh=mesh, num_ranks=n, schedule_names=names, topology=topo)
 
 
 def _timed(fn: Callable[[Any], Any], x: Any) -> float:
