@@ -34,6 +34,7 @@ COMMAND_MODULES: tuple[tuple[str | None, str], ...] = (
     ("synth", "jaxccl.cli.synth_allgather"),
     ("synth", "jaxccl.cli.synth_alltoall"),
     ("sim", "jaxccl.cli.sim"),
+    (None, "jaxccl.cli.bench"),
 )
 
 GROUP_HELP = {
