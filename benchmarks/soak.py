@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
     counts = {"collectives": 0, "mismatches": 0, "swaps": 0, "faults": 0, "throwaway_communicators": 0}
     per_kind = {k: 0 for k in KINDS}
+    rss_curve: list[tuple[int, float]] = []  # (collectives done, resident MiB): a leak grows, a plateau does not
     t0 = time.perf_counter()
     with comm:
         for i in report.progress(range(args.collectives), label="soak"):
@@ -153,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
                 counts["mismatches"] += 1
             counts["collectives"] += 1
             per_kind[kind] += 1
+            if (i + 1) % max(1, args.collectives // 10) == 0:
+                rss_curve.append((i + 1, resources()["rss_mib"]))
     elapsed = time.perf_counter() - t0
     comm.inject(topo)
     gc.collect()
@@ -177,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     report.print_table([{**counts, "seconds": elapsed}])
     print()
     report.print_table(rows, floatfmt=".1f")
+    print()
+    report.print_table([{"collectives": n, "rss_mib": r} for n, r in rss_curve], floatfmt=".1f")
     report.write_json(
         args.json,
         {
@@ -188,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             "before": before,
             "after": after,
             "delta": {k: after[k] - before[k] for k in before},
+            "rss_curve": rss_curve,
             "after_clear_caches": after_clear,
             "delta_after_clear_caches": {k: after_clear[k] - before[k] for k in before},
         },
