@@ -207,6 +207,7 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   }
   launch->deadline_ = DeadlineAfter(launch->timeout_s_);
   launch->deadline_ns_ = NowNs() + static_cast<int64_t>(launch->timeout_s_ * 1e9);
+  launch->fold_patience_until_.assign(axis_size, 0);
   launch->ranks_running_.store(axis_size);
   return launch;
 }
@@ -283,12 +284,21 @@ struct CpuProbe {
   }
 };
 
+// The core's sums (core/sum.h), contiguous, compiled for the widest vector unit this CPU has: the
+// module is built for baseline x86-64, whose SSE2 loops are a half or a quarter as wide.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+__attribute__((target_clones("avx512f", "avx2", "default"), flatten))
+#endif
+void CpuSum(SumType t, char* dst, const char* a, const char* b, size_t n) {
+  SumLanes(t, dst, a, b, n, 0, 1);
+}
+
 // Byte moves of the CPU: memmove (ranges of one buffer may coincide) and the core's sums, contiguous.
 struct CpuMover {
   void Copy(char* dst, const char* src, size_t bytes) const {
     if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
   }
-  void Sum(SumType t, char* dst, const char* a, const char* b, size_t n) const { SumLanes(t, dst, a, b, n, 0, 1); }
+  void Sum(SumType t, char* dst, const char* a, const char* b, size_t n) const { CpuSum(t, dst, a, b, n); }
   void Barrier() const {}
 };
 
@@ -312,7 +322,13 @@ void CpuLaunch::RunRank(int32_t rank) {
         if (stuck < 0) stuck = j;
         continue;
       }
-      if (!Execute(first_tb + j, p, tbs[j], UnitOf(p, tbs[j], v))) break;
+      bool deferred = false;
+      if (!Execute(first_tb + j, p, tbs[j], UnitOf(p, tbs[j], v), &deferred)) break;
+      if (deferred) {  // a fold waiting for its other terms: the threadblock waits too
+        if (stuck < 0) stuck = j;
+        probe.wake_ns = std::min(probe.wake_ns, fold_patience_until_[rank]);
+        continue;
+      }
       progress = true;
       break;  // rescan from the first threadblock: earlier threadblocks' work goes first (a fold before the
               // copies that wait for other ranks' folds)
@@ -395,10 +411,12 @@ void CpuLaunch::FinishRank(int32_t rank) {
   }
 }
 
-bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* handled) {
+bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* handled,
+                            bool* deferred) {
   constexpr int kMaxChain = 64;
   constexpr size_t kBlockBytes = 16 << 10;
   *handled = false;
+  *deferred = false;
   const int32_t rank = table_->tbs[g].rank;
   const RankBuffers& rb = buffers_[rank];
   struct Link {
@@ -424,16 +442,38 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
     bool Posted(int32_t conn, int32_t m) { return base.Posted(conn, m); }
     bool SlotFree(int32_t conn, int32_t m) { return base.SlotFree(conn, m); }
   };
+  bool complete = true;  // every step of the fold is in the chain
   for (int32_t y = chain[0].op.next_fold; y >= 0 && n < kMaxChain;) {
     const int32_t gy = table_->op_tb[rank_first_op_[rank] + y];
     const ProgTb tby = p.tb(gy - table_->rank_first_tb[rank]);
     const Unit uy = UnitOf(p, tby, u.tile * tby.num_ops + (y - tby.first_op));
     const ProgOp opy = p.op(y);
     ChainProbe probe{CpuProbe{this, rank}, chain, n};
-    if (probe.base.Done(uy.tile, y) || !UnitReady(p, tby, uy, opy, probe)) break;
+    if (probe.base.Done(uy.tile, y)) break;
+    if (!UnitReady(p, tby, uy, opy, probe)) {
+      complete = false;
+      break;
+    }
     chain[n++] = Link{gy, tby, uy, opy};
     y = opy.next_fold;
   }
+  // A fold whose later terms are not there yet waits for them (its rank sleeps, and the other ranks use
+  // the cores), so that it runs as one pass instead of one pass per late term. The wait is bounded: a
+  // term may depend on this rank's progress, and then the ready part runs after the patience.
+  int64_t& patience_until = fold_patience_until_[rank];
+  if (!complete) {
+    const int64_t now = NowNs();
+    if (patience_until == 0) {
+      const size_t range = rb.Bytes(chain[0].op.dst_off, chain[0].op.count, u.tile);
+      patience_until = now + std::clamp<int64_t>(static_cast<int64_t>(range), kFoldPatienceMinNs, kFoldPatienceMaxNs);
+    }
+    if (now < patience_until) {
+      *handled = true;
+      *deferred = true;
+      return true;
+    }
+  }
+  patience_until = 0;
   if (n < 2) return true;
   *handled = true;
   // The terms of the fold, in order: the first op's value (a message, its src, or dst + src), then one
@@ -476,8 +516,8 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
   const size_t block = kBlockBytes / esize * esize;
   for (size_t at = 0; at < total; at += block) {
     const size_t len = std::min(block, total - at);
-    SumLanes(sum_, dst + at, terms[0] + at, terms[1] + at, len / esize, 0, 1);
-    for (int32_t k = 2; k < num_terms; ++k) SumLanes(sum_, dst + at, dst + at, terms[k] + at, len / esize, 0, 1);
+    CpuSum(sum_, dst + at, terms[0] + at, terms[1] + at, len / esize);
+    for (int32_t k = 2; k < num_terms; ++k) CpuSum(sum_, dst + at, dst + at, terms[k] + at, len / esize);
   }
   for (int32_t k = 0; k < n; ++k) {
     const Link& l = chain[k];
@@ -488,13 +528,14 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
   return true;
 }
 
-bool CpuLaunch::Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u) {
+bool CpuLaunch::Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* deferred) {
   const int32_t rank = table_->tbs[g].rank;
   const ProgOp op = p.op(u.op);
   const int32_t o = u.op;
+  *deferred = false;
   if (sum_ != SumType::kNone && lookahead_ > 1 && op.next_fold >= 0) {
     bool handled = false;
-    if (!ExecuteFold(g, p, tb, u, &handled)) return false;
+    if (!ExecuteFold(g, p, tb, u, &handled, deferred)) return false;
     if (handled) return true;
   }
   const RankBuffers& rb = buffers_[rank];

@@ -115,6 +115,11 @@ class ExecContextPool {
   std::vector<std::unique_ptr<ExecContext>> free_;
 };
 
+// How long a fold waits for its late terms before it runs the ready ones: 1 ns per byte of its range
+// (about the time of the extra pass it saves), within these bounds.
+inline constexpr int64_t kFoldPatienceMinNs = 20'000;
+inline constexpr int64_t kFoldPatienceMaxNs = 2'000'000;
+
 class CpuLaunch {
  public:
   // Starts the launch: checks the arrivals against the table and runs its threadblocks.
@@ -133,11 +138,14 @@ class CpuLaunch {
 
   // Runs rank `rank`'s threadblocks on the calling thread (its XLA thread), in dataflow order.
   void RunRank(int32_t rank);
-  // Runs unit `u` of global threadblock `g` (it is ready); false after Fail.
-  bool Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u);
+  // Runs unit `u` of global threadblock `g` (it is ready), or *deferred: it starts a fold whose later
+  // terms are not there yet (ExecuteFold); false after Fail.
+  bool Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* deferred);
   // Runs unit `u` and the ready units that continue its fold (program.h, next_fold) as one pass over the
-  // range, in blocks that stay in the cache; *handled is false when there is nothing to fuse.
-  bool ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* handled);
+  // range, in blocks that stay in the cache; *handled is false when there is nothing to fuse. While a
+  // later step of the fold is not ready and the rank's fold patience lasts, it runs nothing: *deferred.
+  bool ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* handled,
+                   bool* deferred);
   void Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& op, const Outgoing& out);
   void Consume(int32_t g, const ProgTb& tb, const Unit& u, const MessageTiming& timing, size_t bytes);
   // Sleeps until a flag rank `rank` may need changes, `wake_ns` passes or the deadline; false at the deadline.
@@ -174,6 +182,8 @@ class CpuLaunch {
   bool pace_ = false;
   bool measure_ = false;                     // measuring this launch (never for reductions)
   std::vector<MeasurementCache> caches_;     // per threadblock, when measuring
+  // Per rank (its own thread's): until when a fold may wait for its late terms (0: none is waiting).
+  std::vector<int64_t> fold_patience_until_;
 
   std::atomic<bool> aborted_{false};
   std::mutex error_mu_;
