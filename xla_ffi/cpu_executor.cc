@@ -307,31 +307,41 @@ void CpuLaunch::RunRank(int32_t rank) {
   const int32_t first_tb = table_->rank_first_tb[rank], ntb = p.num_tbs();
   std::vector<ProgTb> tbs(ntb);
   std::vector<int32_t> first(ntb, 0);
+  std::vector<int32_t> ready(ntb, kAllDone);  // per threadblock: its next ready unit in this round
   for (int32_t j = 0; j < ntb; ++j) tbs[j] = p.tb(j);
   TbWait& w = *ctx_->waits[rank];
   while (!aborted_.load(std::memory_order_relaxed)) {
     const uint64_t seen = w.events.load(std::memory_order_seq_cst);
     CpuProbe probe{this, rank};
-    bool progress = false, all_done = true;
+    bool progress = false, all_done = true, failed = false;
     int32_t stuck = -1;
-    for (int32_t j = 0; j < ntb && !aborted_.load(std::memory_order_relaxed); ++j) {
-      const int32_t v = NextReadyUnit(p, tbs[j], tiles_, &first[j], probe, lookahead_);
-      if (v == kAllDone) continue;
-      all_done = false;
-      if (v == kNoneReady) {
-        if (stuck < 0) stuck = j;
-        continue;
-      }
+    // Runs threadblock j's ready unit; true when that ends the round (it ran, or Fail), false when it is a
+    // fold that waits for its other terms (and its threadblock with it).
+    auto run = [&](int32_t j) {
       bool deferred = false;
-      if (!Execute(first_tb + j, p, tbs[j], UnitOf(p, tbs[j], v), &deferred)) break;
-      if (deferred) {  // a fold waiting for its other terms: the threadblock waits too
+      failed = !Execute(first_tb + j, p, tbs[j], UnitOf(p, tbs[j], ready[j]), &deferred);
+      if (deferred) {
         if (stuck < 0) stuck = j;
         probe.wake_ns = std::min(probe.wake_ns, fold_patience_until_[rank]);
+      }
+      progress = !failed && !deferred;
+      return progress || failed;
+    };
+    // Sends go first: a posted message lets a peer go on, and a direct one costs only its flags.
+    for (int32_t j = 0; j < ntb && !aborted_.load(std::memory_order_relaxed); ++j) {
+      ready[j] = NextReadyUnit(p, tbs[j], tiles_, &first[j], probe, lookahead_);
+      if (ready[j] == kAllDone) continue;
+      all_done = false;
+      if (ready[j] == kNoneReady) {
+        if (stuck < 0) stuck = j;
         continue;
       }
-      progress = true;
-      break;  // rescan from the first threadblock: earlier threadblocks' work goes first (a fold before the
-              // copies that wait for other ranks' folds)
+      if (p.op(UnitOf(p, tbs[j], ready[j]).op).sends() && run(j)) break;
+    }
+    // Then the first other ready unit, in threadblock order: earlier threadblocks' work goes first (a fold
+    // before the copies that wait for other ranks' folds); the next round rescans from the first.
+    for (int32_t j = 0; j < ntb && !progress && !failed && !aborted_.load(std::memory_order_relaxed); ++j) {
+      if (ready[j] >= 0 && !p.op(UnitOf(p, tbs[j], ready[j]).op).sends() && run(j)) break;
     }
     if (all_done) break;
     if (progress) continue;
@@ -597,7 +607,9 @@ void CpuLaunch::Consume(int32_t g, const ProgTb& tb, const Unit& u, const Messag
   }
   const size_t cell = layout_.cell(tb.recv_conn, u.recv_msg);
   Flag(tb.recv_peer, layout_.consumed(), cell)->store(Tag(epoch_, u.recv_msg + 1), std::memory_order_release);
-  Wake(tb.recv_peer);
+  // The sender waits for this consumption only to reuse the slot for message recv_msg + num_slots.
+  const ProgramView p(table_->programs[rank].data());
+  if (u.recv_msg + layout_.num_slots < tiles_ * p.conn_msgs(tb.recv_conn)) Wake(tb.recv_peer);
   if (timing.direct) {
     RankState& sender = *ctx_->ranks[tb.recv_peer];
     std::lock_guard<std::mutex> lock(sender.mu);
