@@ -208,6 +208,15 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   launch->deadline_ = DeadlineAfter(launch->timeout_s_);
   launch->deadline_ns_ = NowNs() + static_cast<int64_t>(launch->timeout_s_ * 1e9);
   launch->fold_patience_until_.assign(axis_size, 0);
+  launch->direct_sends_.resize(axis_size);
+  for (int32_t r = 0; r < axis_size; ++r) {
+    const ProgramView p(t.programs[r].data());
+    for (int32_t o = 0; o < p.num_ops(); ++o) {
+      const ProgOp op = p.op(o);
+      if (op.kind == OpCode::kSend && op.direct() && op.dep >= 0) launch->direct_sends_[r].emplace_back(op.dep, o);
+    }
+    std::sort(launch->direct_sends_[r].begin(), launch->direct_sends_[r].end());
+  }
   launch->ranks_running_.store(axis_size);
   return launch;
 }
@@ -524,10 +533,20 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
   const size_t total = rb.Bytes(chain[0].op.dst_off, chain[0].op.count, u.tile);
   const size_t esize = static_cast<size_t>(rb.esize);
   const size_t block = kBlockBytes / esize * esize;
+  // Direct sends of the finished fold whose receivers only copy it: the fold writes their copies too,
+  // from the cache, and the message is never posted (its send and receive are done with the fold).
+  Push pushes[kMaxPushes];
+  int32_t num_pushes = 0;
+  if (complete && !net_) {
+    Unit units[kMaxChain];
+    for (int32_t k = 0; k < n; ++k) units[k] = chain[k].u;
+    num_pushes = FindPushes(rank, p, units, n, chain[0].op, total, pushes);
+  }
   for (size_t at = 0; at < total; at += block) {
     const size_t len = std::min(block, total - at);
     CpuSum(sum_, dst + at, terms[0] + at, terms[1] + at, len / esize);
     for (int32_t k = 2; k < num_terms; ++k) CpuSum(sum_, dst + at, dst + at, terms[k] + at, len / esize);
+    for (int32_t k = 0; k < num_pushes; ++k) std::memcpy(pushes[k].dst + at, dst + at, len);
   }
   for (int32_t k = 0; k < n; ++k) {
     const Link& l = chain[k];
@@ -535,7 +554,73 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
     Flag(rank, layout_.op_done(), static_cast<size_t>(l.u.tile) * op_stride_ + l.u.op)
         ->store(Tag(epoch_, 1), std::memory_order_release);
   }
+  for (int32_t k = 0; k < num_pushes; ++k) {
+    const Push& x = pushes[k];
+    const size_t cell = layout_.cell(x.conn, x.msg);
+    Flag(rank, layout_.consumed(), cell)->store(Tag(epoch_, x.msg + 1), std::memory_order_release);
+    Flag(rank, layout_.op_done(), static_cast<size_t>(x.tile) * op_stride_ + x.send_op)
+        ->store(Tag(epoch_, 1), std::memory_order_release);
+    Flag(x.peer, layout_.op_done(), static_cast<size_t>(x.tile) * op_stride_ + x.recv_op)
+        ->store(Tag(epoch_, 1), std::memory_order_release);
+    Wake(x.peer);
+  }
   return true;
+}
+
+int32_t CpuLaunch::FindPushes(int32_t rank, const ProgramView& p, const Unit* chain, int32_t n, const ProgOp& head,
+                              size_t bytes, Push* out) {
+  struct ChainDoneProbe {  // the fold's own ops count as done
+    CpuProbe base;
+    const Unit* chain;
+    int32_t n;
+    bool Done(int32_t tile, int32_t o) {
+      for (int32_t k = 0; k < n; ++k) {
+        if (chain[k].op == o && chain[k].tile == tile) return true;
+      }
+      return base.Done(tile, o);
+    }
+    bool Posted(int32_t conn, int32_t m) { return base.Posted(conn, m); }
+    bool SlotFree(int32_t conn, int32_t m) { return base.SlotFree(conn, m); }
+  } probe{CpuProbe{this, rank}, chain, n};
+  const Unit& last = chain[n - 1];
+  int32_t num = 0;
+  const auto& sends = direct_sends_[rank];  // (dependency, send op), sorted
+  auto it = std::lower_bound(sends.begin(), sends.end(), std::make_pair(last.op, INT32_MIN));
+  for (; it != sends.end() && it->first == last.op && num < kMaxPushes; ++it) {
+    const int32_t s = it->second;
+    const ProgOp op = p.op(s);
+    if (op.src_buf != head.dst_buf || op.src_off != head.dst_off || op.count != head.count) continue;
+    const ProgTb tb = p.tb(table_->op_tb[rank_first_op_[rank] + s] - table_->rank_first_tb[rank]);
+    const Unit us = UnitOf(p, tb, last.tile * tb.num_ops + (s - tb.first_op));
+    if (probe.Done(us.tile, s) || !UnitReady(p, tb, us, op, probe)) continue;
+    // The receive of message us.send_msg at the peer: a plain copy whose other conditions hold.
+    const int32_t peer = tb.send_peer;
+    const ProgramView pp(table_->programs[peer].data());
+    for (int32_t j = 0; j < pp.num_tbs(); ++j) {
+      const ProgTb rtb = pp.tb(j);
+      if (rtb.recv_conn != tb.send_conn) continue;
+      for (int32_t v = last.tile * rtb.num_ops; v < (last.tile + 1) * rtb.num_ops; ++v) {
+        const Unit ur = UnitOf(pp, rtb, v);
+        if (ur.recv_msg != us.send_msg) continue;
+        const ProgOp rop = pp.op(ur.op);
+        CpuProbe pprobe{this, peer};
+        struct PostedProbe {
+          CpuProbe& base;
+          bool Done(int32_t tile, int32_t o) { return base.Done(tile, o); }
+          bool Posted(int32_t, int32_t) { return true; }
+          bool SlotFree(int32_t conn, int32_t m) { return base.SlotFree(conn, m); }
+        } rprobe{pprobe};
+        if (rop.kind == OpCode::kRecv && buffers_[peer].Bytes(rop.dst_off, rop.count, ur.tile) == bytes &&
+            !pprobe.Done(ur.tile, ur.op) && UnitReady(pp, rtb, ur, rop, rprobe)) {
+          out[num++] = Push{buffers_[peer].Addr(rop.dst_buf, rop.dst_off, ur.tile), peer, tb.send_conn, us.send_msg,
+                            us.tile, s, ur.op};
+        }
+        break;
+      }
+      break;
+    }
+  }
+  return num;
 }
 
 bool CpuLaunch::Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* deferred) {
