@@ -207,6 +207,16 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   }
   launch->deadline_ = DeadlineAfter(launch->timeout_s_);
   launch->deadline_ns_ = NowNs() + static_cast<int64_t>(launch->timeout_s_ * 1e9);
+  launch->fold_patience_until_.assign(axis_size, 0);
+  launch->direct_sends_.resize(axis_size);
+  for (int32_t r = 0; r < axis_size; ++r) {
+    const ProgramView p(t.programs[r].data());
+    for (int32_t o = 0; o < p.num_ops(); ++o) {
+      const ProgOp op = p.op(o);
+      if (op.kind == OpCode::kSend && op.direct() && op.dep >= 0) launch->direct_sends_[r].emplace_back(op.dep, o);
+    }
+    std::sort(launch->direct_sends_[r].begin(), launch->direct_sends_[r].end());
+  }
   launch->ranks_running_.store(axis_size);
   return launch;
 }
@@ -283,12 +293,21 @@ struct CpuProbe {
   }
 };
 
+// The core's sums (core/sum.h), contiguous, compiled for the widest vector unit this CPU has: the
+// module is built for baseline x86-64, whose SSE2 loops are a half or a quarter as wide.
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
+__attribute__((target_clones("avx512f", "avx2", "default"), flatten))
+#endif
+void CpuSum(SumType t, char* dst, const char* a, const char* b, size_t n) {
+  SumLanes(t, dst, a, b, n, 0, 1);
+}
+
 // Byte moves of the CPU: memmove (ranges of one buffer may coincide) and the core's sums, contiguous.
 struct CpuMover {
   void Copy(char* dst, const char* src, size_t bytes) const {
     if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
   }
-  void Sum(SumType t, char* dst, const char* a, const char* b, size_t n) const { SumLanes(t, dst, a, b, n, 0, 1); }
+  void Sum(SumType t, char* dst, const char* a, const char* b, size_t n) const { CpuSum(t, dst, a, b, n); }
   void Barrier() const {}
 };
 
@@ -297,25 +316,41 @@ void CpuLaunch::RunRank(int32_t rank) {
   const int32_t first_tb = table_->rank_first_tb[rank], ntb = p.num_tbs();
   std::vector<ProgTb> tbs(ntb);
   std::vector<int32_t> first(ntb, 0);
+  std::vector<int32_t> ready(ntb, kAllDone);  // per threadblock: its next ready unit in this round
   for (int32_t j = 0; j < ntb; ++j) tbs[j] = p.tb(j);
   TbWait& w = *ctx_->waits[rank];
   while (!aborted_.load(std::memory_order_relaxed)) {
     const uint64_t seen = w.events.load(std::memory_order_seq_cst);
     CpuProbe probe{this, rank};
-    bool progress = false, all_done = true;
+    bool progress = false, all_done = true, failed = false;
     int32_t stuck = -1;
+    // Runs threadblock j's ready unit; true when that ends the round (it ran, or Fail), false when it is a
+    // fold that waits for its other terms (and its threadblock with it).
+    auto run = [&](int32_t j) {
+      bool deferred = false;
+      failed = !Execute(first_tb + j, p, tbs[j], UnitOf(p, tbs[j], ready[j]), &deferred);
+      if (deferred) {
+        if (stuck < 0) stuck = j;
+        probe.wake_ns = std::min(probe.wake_ns, fold_patience_until_[rank]);
+      }
+      progress = !failed && !deferred;
+      return progress || failed;
+    };
+    // Sends go first: a posted message lets a peer go on, and a direct one costs only its flags.
     for (int32_t j = 0; j < ntb && !aborted_.load(std::memory_order_relaxed); ++j) {
-      const int32_t v = NextReadyUnit(p, tbs[j], tiles_, &first[j], probe, lookahead_);
-      if (v == kAllDone) continue;
+      ready[j] = NextReadyUnit(p, tbs[j], tiles_, &first[j], probe, lookahead_);
+      if (ready[j] == kAllDone) continue;
       all_done = false;
-      if (v == kNoneReady) {
+      if (ready[j] == kNoneReady) {
         if (stuck < 0) stuck = j;
         continue;
       }
-      if (!Execute(first_tb + j, p, tbs[j], UnitOf(p, tbs[j], v))) break;
-      progress = true;
-      break;  // rescan from the first threadblock: earlier threadblocks' work goes first (a fold before the
-              // copies that wait for other ranks' folds)
+      if (p.op(UnitOf(p, tbs[j], ready[j]).op).sends() && run(j)) break;
+    }
+    // Then the first other ready unit, in threadblock order: earlier threadblocks' work goes first (a fold
+    // before the copies that wait for other ranks' folds); the next round rescans from the first.
+    for (int32_t j = 0; j < ntb && !progress && !failed && !aborted_.load(std::memory_order_relaxed); ++j) {
+      if (ready[j] >= 0 && !p.op(UnitOf(p, tbs[j], ready[j]).op).sends() && run(j)) break;
     }
     if (all_done) break;
     if (progress) continue;
@@ -395,10 +430,12 @@ void CpuLaunch::FinishRank(int32_t rank) {
   }
 }
 
-bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* handled) {
+bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* handled,
+                            bool* deferred) {
   constexpr int kMaxChain = 64;
   constexpr size_t kBlockBytes = 16 << 10;
   *handled = false;
+  *deferred = false;
   const int32_t rank = table_->tbs[g].rank;
   const RankBuffers& rb = buffers_[rank];
   struct Link {
@@ -424,16 +461,38 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
     bool Posted(int32_t conn, int32_t m) { return base.Posted(conn, m); }
     bool SlotFree(int32_t conn, int32_t m) { return base.SlotFree(conn, m); }
   };
+  bool complete = true;  // every step of the fold is in the chain
   for (int32_t y = chain[0].op.next_fold; y >= 0 && n < kMaxChain;) {
     const int32_t gy = table_->op_tb[rank_first_op_[rank] + y];
     const ProgTb tby = p.tb(gy - table_->rank_first_tb[rank]);
     const Unit uy = UnitOf(p, tby, u.tile * tby.num_ops + (y - tby.first_op));
     const ProgOp opy = p.op(y);
     ChainProbe probe{CpuProbe{this, rank}, chain, n};
-    if (probe.base.Done(uy.tile, y) || !UnitReady(p, tby, uy, opy, probe)) break;
+    if (probe.base.Done(uy.tile, y)) break;
+    if (!UnitReady(p, tby, uy, opy, probe)) {
+      complete = false;
+      break;
+    }
     chain[n++] = Link{gy, tby, uy, opy};
     y = opy.next_fold;
   }
+  // A fold whose later terms are not there yet waits for them (its rank sleeps, and the other ranks use
+  // the cores), so that it runs as one pass instead of one pass per late term. The wait is bounded: a
+  // term may depend on this rank's progress, and then the ready part runs after the patience.
+  int64_t& patience_until = fold_patience_until_[rank];
+  if (!complete) {
+    const int64_t now = NowNs();
+    if (patience_until == 0) {
+      const size_t range = rb.Bytes(chain[0].op.dst_off, chain[0].op.count, u.tile);
+      patience_until = now + std::clamp<int64_t>(static_cast<int64_t>(range), kFoldPatienceMinNs, kFoldPatienceMaxNs);
+    }
+    if (now < patience_until) {
+      *handled = true;
+      *deferred = true;
+      return true;
+    }
+  }
+  patience_until = 0;
   if (n < 2) return true;
   *handled = true;
   // The terms of the fold, in order: the first op's value (a message, its src, or dst + src), then one
@@ -474,10 +533,20 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
   const size_t total = rb.Bytes(chain[0].op.dst_off, chain[0].op.count, u.tile);
   const size_t esize = static_cast<size_t>(rb.esize);
   const size_t block = kBlockBytes / esize * esize;
+  // Direct sends of the finished fold whose receivers only copy it: the fold writes their copies too,
+  // from the cache, and the message is never posted (its send and receive are done with the fold).
+  Push pushes[kMaxPushes];
+  int32_t num_pushes = 0;
+  if (complete && !net_) {
+    Unit units[kMaxChain];
+    for (int32_t k = 0; k < n; ++k) units[k] = chain[k].u;
+    num_pushes = FindPushes(rank, p, units, n, chain[0].op, total, pushes);
+  }
   for (size_t at = 0; at < total; at += block) {
     const size_t len = std::min(block, total - at);
-    SumLanes(sum_, dst + at, terms[0] + at, terms[1] + at, len / esize, 0, 1);
-    for (int32_t k = 2; k < num_terms; ++k) SumLanes(sum_, dst + at, dst + at, terms[k] + at, len / esize, 0, 1);
+    CpuSum(sum_, dst + at, terms[0] + at, terms[1] + at, len / esize);
+    for (int32_t k = 2; k < num_terms; ++k) CpuSum(sum_, dst + at, dst + at, terms[k] + at, len / esize);
+    for (int32_t k = 0; k < num_pushes; ++k) std::memcpy(pushes[k].dst + at, dst + at, len);
   }
   for (int32_t k = 0; k < n; ++k) {
     const Link& l = chain[k];
@@ -485,16 +554,83 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
     Flag(rank, layout_.op_done(), static_cast<size_t>(l.u.tile) * op_stride_ + l.u.op)
         ->store(Tag(epoch_, 1), std::memory_order_release);
   }
+  for (int32_t k = 0; k < num_pushes; ++k) {
+    const Push& x = pushes[k];
+    const size_t cell = layout_.cell(x.conn, x.msg);
+    Flag(rank, layout_.consumed(), cell)->store(Tag(epoch_, x.msg + 1), std::memory_order_release);
+    Flag(rank, layout_.op_done(), static_cast<size_t>(x.tile) * op_stride_ + x.send_op)
+        ->store(Tag(epoch_, 1), std::memory_order_release);
+    Flag(x.peer, layout_.op_done(), static_cast<size_t>(x.tile) * op_stride_ + x.recv_op)
+        ->store(Tag(epoch_, 1), std::memory_order_release);
+    Wake(x.peer);
+  }
   return true;
 }
 
-bool CpuLaunch::Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u) {
+int32_t CpuLaunch::FindPushes(int32_t rank, const ProgramView& p, const Unit* chain, int32_t n, const ProgOp& head,
+                              size_t bytes, Push* out) {
+  struct ChainDoneProbe {  // the fold's own ops count as done
+    CpuProbe base;
+    const Unit* chain;
+    int32_t n;
+    bool Done(int32_t tile, int32_t o) {
+      for (int32_t k = 0; k < n; ++k) {
+        if (chain[k].op == o && chain[k].tile == tile) return true;
+      }
+      return base.Done(tile, o);
+    }
+    bool Posted(int32_t conn, int32_t m) { return base.Posted(conn, m); }
+    bool SlotFree(int32_t conn, int32_t m) { return base.SlotFree(conn, m); }
+  } probe{CpuProbe{this, rank}, chain, n};
+  const Unit& last = chain[n - 1];
+  int32_t num = 0;
+  const auto& sends = direct_sends_[rank];  // (dependency, send op), sorted
+  auto it = std::lower_bound(sends.begin(), sends.end(), std::make_pair(last.op, INT32_MIN));
+  for (; it != sends.end() && it->first == last.op && num < kMaxPushes; ++it) {
+    const int32_t s = it->second;
+    const ProgOp op = p.op(s);
+    if (op.src_buf != head.dst_buf || op.src_off != head.dst_off || op.count != head.count) continue;
+    const ProgTb tb = p.tb(table_->op_tb[rank_first_op_[rank] + s] - table_->rank_first_tb[rank]);
+    const Unit us = UnitOf(p, tb, last.tile * tb.num_ops + (s - tb.first_op));
+    if (probe.Done(us.tile, s) || !UnitReady(p, tb, us, op, probe)) continue;
+    // The receive of message us.send_msg at the peer: a plain copy whose other conditions hold.
+    const int32_t peer = tb.send_peer;
+    const ProgramView pp(table_->programs[peer].data());
+    for (int32_t j = 0; j < pp.num_tbs(); ++j) {
+      const ProgTb rtb = pp.tb(j);
+      if (rtb.recv_conn != tb.send_conn) continue;
+      for (int32_t v = last.tile * rtb.num_ops; v < (last.tile + 1) * rtb.num_ops; ++v) {
+        const Unit ur = UnitOf(pp, rtb, v);
+        if (ur.recv_msg != us.send_msg) continue;
+        const ProgOp rop = pp.op(ur.op);
+        CpuProbe pprobe{this, peer};
+        struct PostedProbe {
+          CpuProbe& base;
+          bool Done(int32_t tile, int32_t o) { return base.Done(tile, o); }
+          bool Posted(int32_t, int32_t) { return true; }
+          bool SlotFree(int32_t conn, int32_t m) { return base.SlotFree(conn, m); }
+        } rprobe{pprobe};
+        if (rop.kind == OpCode::kRecv && buffers_[peer].Bytes(rop.dst_off, rop.count, ur.tile) == bytes &&
+            !pprobe.Done(ur.tile, ur.op) && UnitReady(pp, rtb, ur, rop, rprobe)) {
+          out[num++] = Push{buffers_[peer].Addr(rop.dst_buf, rop.dst_off, ur.tile), peer, tb.send_conn, us.send_msg,
+                            us.tile, s, ur.op};
+        }
+        break;
+      }
+      break;
+    }
+  }
+  return num;
+}
+
+bool CpuLaunch::Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* deferred) {
   const int32_t rank = table_->tbs[g].rank;
   const ProgOp op = p.op(u.op);
   const int32_t o = u.op;
+  *deferred = false;
   if (sum_ != SumType::kNone && lookahead_ > 1 && op.next_fold >= 0) {
     bool handled = false;
-    if (!ExecuteFold(g, p, tb, u, &handled)) return false;
+    if (!ExecuteFold(g, p, tb, u, &handled, deferred)) return false;
     if (handled) return true;
   }
   const RankBuffers& rb = buffers_[rank];
@@ -556,7 +692,9 @@ void CpuLaunch::Consume(int32_t g, const ProgTb& tb, const Unit& u, const Messag
   }
   const size_t cell = layout_.cell(tb.recv_conn, u.recv_msg);
   Flag(tb.recv_peer, layout_.consumed(), cell)->store(Tag(epoch_, u.recv_msg + 1), std::memory_order_release);
-  Wake(tb.recv_peer);
+  // The sender waits for this consumption only to reuse the slot for message recv_msg + num_slots.
+  const ProgramView p(table_->programs[rank].data());
+  if (u.recv_msg + layout_.num_slots < tiles_ * p.conn_msgs(tb.recv_conn)) Wake(tb.recv_peer);
   if (timing.direct) {
     RankState& sender = *ctx_->ranks[tb.recv_peer];
     std::lock_guard<std::mutex> lock(sender.mu);

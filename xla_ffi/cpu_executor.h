@@ -20,6 +20,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -115,6 +116,11 @@ class ExecContextPool {
   std::vector<std::unique_ptr<ExecContext>> free_;
 };
 
+// How long a fold waits for its late terms before it runs the ready ones: 1 ns per byte of its range
+// (about the time of the extra pass it saves), within these bounds.
+inline constexpr int64_t kFoldPatienceMinNs = 20'000;
+inline constexpr int64_t kFoldPatienceMaxNs = 2'000'000;
+
 class CpuLaunch {
  public:
   // Starts the launch: checks the arrivals against the table and runs its threadblocks.
@@ -133,11 +139,25 @@ class CpuLaunch {
 
   // Runs rank `rank`'s threadblocks on the calling thread (its XLA thread), in dataflow order.
   void RunRank(int32_t rank);
-  // Runs unit `u` of global threadblock `g` (it is ready); false after Fail.
-  bool Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u);
+  // Runs unit `u` of global threadblock `g` (it is ready), or *deferred: it starts a fold whose later
+  // terms are not there yet (ExecuteFold); false after Fail.
+  bool Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* deferred);
   // Runs unit `u` and the ready units that continue its fold (program.h, next_fold) as one pass over the
-  // range, in blocks that stay in the cache; *handled is false when there is nothing to fuse.
-  bool ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* handled);
+  // range, in blocks that stay in the cache; *handled is false when there is nothing to fuse. While a
+  // later step of the fold is not ready and the rank's fold patience lasts, it runs nothing: *deferred.
+  bool ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, const Unit& u, bool* handled,
+                   bool* deferred);
+  // A direct send of a fold's result that the fold writes into its receiver's buffer itself.
+  struct Push {
+    char* dst;  // the receiver's destination
+    int32_t peer, conn, msg, tile, send_op, recv_op;
+  };
+  static constexpr int32_t kMaxPushes = 64;
+  // The pushes of the fold that `chain` (its n units, all ready) completes, whose head op is `head` and
+  // range `bytes`: its dependent direct sends of that range that are ready once the fold is done, whose
+  // receives are plain copies ready but for the message. Fills `out`, returns their number.
+  int32_t FindPushes(int32_t rank, const ProgramView& p, const Unit* chain, int32_t n, const ProgOp& head,
+                     size_t bytes, Push* out);
   void Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& op, const Outgoing& out);
   void Consume(int32_t g, const ProgTb& tb, const Unit& u, const MessageTiming& timing, size_t bytes);
   // Sleeps until a flag rank `rank` may need changes, `wake_ns` passes or the deadline; false at the deadline.
@@ -174,6 +194,9 @@ class CpuLaunch {
   bool pace_ = false;
   bool measure_ = false;                     // measuring this launch (never for reductions)
   std::vector<MeasurementCache> caches_;     // per threadblock, when measuring
+  // Per rank (its own thread's): until when a fold may wait for its late terms (0: none is waiting).
+  std::vector<int64_t> fold_patience_until_;
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> direct_sends_;  // per rank: (dependency, op), sorted
 
   std::atomic<bool> aborted_{false};
   std::mutex error_mu_;
