@@ -140,6 +140,15 @@ def _preset(kind: str, dims: list[int]) -> Any:
     return None
 
 
+def read_text(path: str, what: str) -> str:
+    """The text of the file at ``path``; ``UsageError`` naming ``what`` if it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read {what}: {e}") from None
+
+
 def topology(spec: str) -> Any:
     """A :class:`~jaxccl.topology.Topology` from a preset spec (``rail:1x2x8``) or a topology JSON file.
 
@@ -166,11 +175,7 @@ def topology(spec: str) -> Any:
         if sep:
             raise UsageError(f"bad topology {spec!r}: use {TOPOLOGY_FORMS}")
         raise UsageError(f"topology file {spec!r} does not exist (nor is it a preset such as rail:1x2x8)")
-    try:
-        with open(spec) as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read topology file {spec!r}: {e}") from None
+    text = read_text(spec, f"topology file {spec!r}")
     try:
         return Topology.from_json(text)
     except JaxcclError as e:

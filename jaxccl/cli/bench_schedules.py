@@ -30,7 +30,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from jaxccl.cli.args import UsageError
+from jaxccl.cli.args import UsageError, read_text
 from jaxccl.cli.bench_sweep import SCHEDULE_COLLECTIVE
 from jaxccl.errors import JaxcclError
 
@@ -50,11 +50,7 @@ def load_file(path: str) -> tuple[str, Any]:
 
     if not os.path.isfile(path):
         raise UsageError(f"--schedule {path!r}: neither one of {', '.join(NAMES)} nor an existing file")
-    try:
-        with open(path) as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"--schedule {path!r}: cannot read it: {e}") from None
+    text = read_text(path, f"--schedule {path!r}")
     try:
         schedule = from_msccl_xml(text) if text.lstrip().startswith("<") else Schedule.from_json(text)
     except JaxcclError as e:
