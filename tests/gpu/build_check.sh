@@ -18,7 +18,7 @@ nanobind_dir="$("$python" -c 'import nanobind; print(nanobind.cmake_dir())')"
 cmake -S "$here" -B "$build" -G Ninja -DJAXCCL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" \
   -DPython_EXECUTABLE="$(command -v "$python")" -Dnanobind_DIR="$nanobind_dir" >"$build/configure.log" 2>&1 ||
   { cat "$build/configure.log"; exit 1; }
-cmake --build "$build" --target _native_cuda -j "${JOBS:-2}" 2>&1 | tee "$build/build.log" | grep -E "error|warning" || true
+cmake --build "$build" --target _native_cuda -j "${JOBS:-2}" 2>&1 | tee "$build/build.log" | grep -E "(error|warning):" || true
 if [ "${PIPESTATUS[0]}" -ne 0 ] || [ ! -f "$(ls "$build"/_native_cuda*.so 2>/dev/null | head -1)" ]; then
   echo "FAILED: the CUDA executor does not build for sm_$arch"
   tail -40 "$build/build.log"
