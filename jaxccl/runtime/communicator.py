@@ -213,6 +213,11 @@ class Communicator:
             self._start_emulation(link_emulation, telemetry_alpha)
         elif backend == "cuda" and topology is not None:
             self._start_cuda_measurement(telemetry_alpha)
+        # The native slots and the emulated network are freed by close(), or once neither this communicator
+        # nor any program traced with it (JAX's caches hold their CommunicatorRef) is left; registered before
+        # the first slot exists, so that a constructor failing half-way frees what it made.
+        self._lease = _Lease()
+        self._finalizer = weakref.finalize(self._lease, _release, self._slots, self.network)
         self._schedules: dict[Collective, Schedule | None] = {
             c: _default_schedule(c, axis_size, with_all_reduce=topology is None) for c in Collective
         }
@@ -224,11 +229,6 @@ class Communicator:
                 if s is not None:
                     self._install_native(c, s)
         _LIVE[self.uid] = self
-        # The native slots and the emulated network are freed by close(), or once neither this communicator
-        # nor any program traced with it (JAX's caches hold their CommunicatorRef) is left.
-        self._closed = False
-        self._lease = _Lease()
-        self._finalizer = weakref.finalize(self._lease, _release, self._slots, self.network)
 
     # ------------------------------------------------------------------ link emulation
     def _start_emulation(self, config: Any, alpha: float) -> None:
@@ -318,8 +318,7 @@ class Communicator:
         """
         coll = _canonical(collective)
         self._check_fits(coll, schedule, "install")
-        schedule.validate()
-        self.stage_validated(coll, schedule)
+        self._stage(coll, schedule.validate())
 
     def stage_validated(self, collective: str | Collective, schedule: Schedule, *, table: Any = None) -> int:
         """:meth:`install` for callers that validated ``schedule`` already (the controller).
@@ -335,6 +334,9 @@ class Communicator:
         self._check_fits(coll, schedule, "stage_validated")
         if not schedule.validated:
             schedule.validate()
+        return self._stage(coll, schedule, table)
+
+    def _stage(self, coll: Collective, schedule: Schedule, table: Any = None) -> int:
         version = 0
         with self._lock:
             if self.backend in ("cpu", "cuda"):
@@ -403,8 +405,7 @@ class Communicator:
         close it; use ``contextlib.closing(comm)`` for both.)
         """
         with self._lock:
-            self._closed = True
-        self._finalizer()
+            self._finalizer()
         self.network = None
 
     @property
@@ -415,10 +416,10 @@ class Communicator:
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""
-        return self._closed
+        return not self._finalizer.alive
 
     def _check_open(self) -> None:
-        if getattr(self, "_closed", False):
+        if self.closed:
             raise ExecutorError(f"{self!r} is closed")
 
     # ---------------------------------------------------------------------- scope
