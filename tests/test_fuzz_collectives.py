@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from programs import collective
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -43,19 +44,9 @@ MOVE_DTYPES = [np.float32, np.float16, jnp.bfloat16, np.int32, np.int8, np.uint8
 SUM_DTYPES = [np.float32, jnp.bfloat16, np.int32]
 
 
-def _call(lib, coll: str, x, kw: dict):
-    if coll == "all_gather":
-        return lib.all_gather(x, "d", axis=kw["axis"], tiled=kw["tiled"])
-    if coll == "all_to_all":
-        return lib.all_to_all(x, "d", kw["split"], kw["concat"], tiled=kw["tiled"])
-    if coll == "psum_scatter":
-        return lib.psum_scatter(x, "d", scatter_dimension=kw["axis"], tiled=kw["tiled"])
-    return lib.psum(x, "d")
-
-
 def _run(lib, coll, x, kw):
     def body(v):
-        return _call(lib, coll, v, kw)
+        return collective(lib, coll, v, axis=kw["axis"], tiled=kw["tiled"], split=kw["split"], concat=kw["concat"])
 
     return np.asarray(jax.jit(jax.shard_map(body, mesh=MESH, in_specs=P("d"), out_specs=P("d")))(x))
 

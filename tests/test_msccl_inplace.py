@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from programs import collective
 
 import jaxccl
 from jaxccl.errors import ScheduleError
@@ -130,26 +131,6 @@ def test_out_of_place_chunk_counts_still_checked():
         from_msccl_xml(text)
 
 
-def _lax(coll: str, x):
-    if coll == "all_gather":
-        return jax.lax.all_gather(x, "d", tiled=True)
-    if coll == "all_to_all":
-        return jax.lax.all_to_all(x, "d", 0, 0, tiled=True)
-    if coll == "reduce_scatter":
-        return jax.lax.psum_scatter(x, "d", scatter_dimension=0, tiled=True)
-    return jax.lax.psum(x, "d")
-
-
-def _ours(coll: str, x):
-    if coll == "all_gather":
-        return jaxccl.all_gather(x, "d", tiled=True)
-    if coll == "all_to_all":
-        return jaxccl.all_to_all(x, "d", 0, 0, tiled=True)
-    if coll == "reduce_scatter":
-        return jaxccl.psum_scatter(x, "d", scatter_dimension=0, tiled=True)
-    return jaxccl.psum(x, "d")
-
-
 @pytest.mark.parametrize("coll", sorted(PROGRAMS))
 def test_in_place_programs_run_bitwise_equal_to_lax(coll):
     mesh = Mesh(np.array(jax.devices()[:N]), ("d",))
@@ -163,11 +144,11 @@ def test_in_place_programs_run_bitwise_equal_to_lax(coll):
     ).astype(dtype)
     spec = P("d")
 
-    def run(fn):
-        return jax.jit(jax.shard_map(lambda v: fn(coll, v), mesh=mesh, in_specs=spec, out_specs=spec))(x)
+    def run(lib):
+        return jax.jit(jax.shard_map(lambda v: collective(lib, coll, v), mesh=mesh, in_specs=spec, out_specs=spec))(x)
 
     with comm:
-        got = np.asarray(run(_ours))
-    want = np.asarray(run(_lax))
+        got = np.asarray(run(jaxccl))
+    want = np.asarray(run(jax.lax))
     assert got.dtype == want.dtype and got.shape == want.shape
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
