@@ -166,8 +166,7 @@ def setup(cfg: BenchConfig) -> Bench:
             comm.install(schedule.collective.value, schedule)
         else:
             # --no-validate exists to test the checker: the file runs as it is, the interpreter skipped.
-            schedule.__dict__["_passed_default_check"] = True
-            comm.stage_validated(schedule.collective.value, schedule)
+            comm.stage_validated(schedule.collective.value, schedule, interpreter=False)
     names = {}
     for c in cfg.collectives:
         active = comm.schedule(SCHEDULE_COLLECTIVE[c])

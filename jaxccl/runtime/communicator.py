@@ -320,7 +320,9 @@ class Communicator:
         self._check_fits(coll, schedule, "install")
         self._stage(coll, schedule.validate())
 
-    def stage_validated(self, collective: str | Collective, schedule: Schedule, *, table: Any = None) -> int:
+    def stage_validated(
+        self, collective: str | Collective, schedule: Schedule, *, table: Any = None, interpreter: bool = True
+    ) -> int:
         """:meth:`install` for callers that validated ``schedule`` already (the controller).
 
         Still refuses a schedule for another collective or rank count, and
@@ -328,11 +330,13 @@ class Communicator:
         this very object: whatever path a schedule takes, a training step never
         sees one that does not fit or does not check.
         ``table`` is its compiled table (:func:`jaxccl.schedule.table.compile_table`) if the caller has it.
+        ``interpreter=False`` skips the interpreter: only for testing a result checker with a deliberately
+        wrong schedule (``jaxccl bench --no-validate``), never in training.
         Returns the staged version (native backends; 0 on ``ppermute``).
         """
         coll = _canonical(collective)
         self._check_fits(coll, schedule, "stage_validated")
-        if not schedule.validated:
+        if interpreter and not schedule.validated:
             schedule.validate()
         return self._stage(coll, schedule, table)
 
