@@ -176,7 +176,7 @@ def test_controller_bad_input():
         Controller(jaxccl.Communicator(mesh, "d", backend="cpu"))
     comm, _, _ = _setup()
     with pytest.raises(ValueError, match="synthesizer"):
-        Controller(comm, collectives=("reduce_scatter",))
+        Controller(comm, collectives=("broadcast",))
     with pytest.raises(ValueError, match="gamma"):
         Controller(comm, gamma=-1)
 

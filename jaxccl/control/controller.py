@@ -38,8 +38,9 @@ from typing import Any
 import numpy as np
 
 from jaxccl.control.algorithm1 import CheckResult, ScheduleProfile, check, nominal_capacities, profile
+from jaxccl.control.step_driven import StepTimes
 
-__all__ = ["Controller", "Event", "measured_topology"]
+__all__ = ["REDUCTIONS", "Controller", "Event", "managed_collectives", "measured_topology"]
 
 log = logging.getLogger("jaxccl.control")
 
@@ -59,13 +60,49 @@ class Event:
         return {"kind": self.kind, "time_ns": self.time_ns, "collective": self.collective, "detail": dict(self.detail)}
 
 
-def _default_synthesizers() -> dict[str, Synthesizer]:
-    from jaxccl import synth
+REDUCTIONS = ("reduce_scatter", "all_reduce")
+_ALIASES = {"psum_scatter": "reduce_scatter", "psum": "all_reduce"}
 
+
+def _default_synthesizers(exact_reductions: bool) -> dict[str, Synthesizer]:
+    from jaxccl import synth
+    from jaxccl.control.ordered import ordered_reduce_scatter
+
+    if exact_reductions:  # the fold order of jax.lax: bitwise equal results
+        reduce_scatter: Synthesizer = lambda topo, prev: ordered_reduce_scatter(topo, previous=prev)  # noqa: E731
+    else:  # the reversed AllGather tree packing, warm-started: faster, sums in tree order
+        reduce_scatter = lambda topo, prev: synth.reduce_scatter(topo, previous=_tree_or_none(prev))  # noqa: E731
     return {
         "all_gather": lambda topo, prev: synth.allgather(topo, previous=prev),
         "all_to_all": lambda topo, prev: synth.alltoall(topo, previous=prev),
+        "reduce_scatter": reduce_scatter,
     }
+
+
+def _tree_or_none(previous: Any) -> Any:
+    """``previous`` if it is a tree packing the synthesizer can warm-start from, else None (start cold)."""
+    info = getattr(previous, "info", None) or {}
+    return previous if "trees" in info else None
+
+
+def managed_collectives(collectives: Sequence[str]) -> tuple[str, ...]:
+    """The schedules the controller watches for ``collectives``, in order and without repeats.
+
+    ``"all_reduce"`` (or ``"psum"``) stands for its two halves: a communicator
+    with a topology and no ``all_reduce`` schedule runs ``psum`` as
+    ReduceScatter + AllGather (MCCL Sec. 3), so adapting AllReduce is adapting
+    both halves.
+
+    >>> managed_collectives(["psum", "all_gather", "psum_scatter"])
+    ('reduce_scatter', 'all_gather')
+    """
+    out: list[str] = []
+    for c in collectives:
+        c = _ALIASES.get(c, c)
+        for part in ("reduce_scatter", "all_gather") if c == "all_reduce" else (c,):
+            if part not in out:
+                out.append(part)
+    return tuple(out)
 
 
 def measured_topology(base: Any, estimates: Mapping[tuple, float], *, tolerance: float = 0.05) -> Any:
@@ -137,7 +174,8 @@ class Controller:
 
     Args:
         comm: the communicator (needs ``topology`` and telemetry, i.e. ``link_emulation=``).
-        collectives: which collectives to manage (``"all_gather"``, ``"all_to_all"``).
+        collectives: which collectives to manage (``"all_gather"``, ``"all_to_all"``,
+            ``"reduce_scatter"``, ``"all_reduce"``).
         gamma: Algorithm 1's threshold Γ on the slack deviation.
         interval_s: period of the background loop.
         tolerance: estimates within this fraction of nominal count as healthy when
@@ -157,7 +195,20 @@ class Controller:
             NVSwitch uplink only when it is this far below nominal (injection is
             also limited by the receivers; our choice, MCCL does not say).
         synthesizers: per collective, ``fn(measured_topology, running_schedule) -> Schedule``
-            (default: the warm-started jaxccl synthesizers).
+            (default: the warm-started jaxccl synthesizers; for ReduceScatter
+            the rank-ordered chain of :mod:`jaxccl.control.ordered`).
+        exact_reductions: keep every reduction bitwise equal to ``jax.lax``
+            (default). A re-synthesized ``reduce_scatter`` is then staged only
+            if it declares ``info["ordered_reduction"]`` and the reference
+            interpreter proves it sums in ascending rank order; any other is
+            ``"rejected"`` and the running schedule stays. ``False`` lets the
+            faster tree packing (:func:`jaxccl.synth.reduce_scatter`, warm)
+            sum in tree order: exact for integers, not for floats.
+
+    ``collectives`` may name ``"reduce_scatter"`` (``"psum_scatter"``) and
+    ``"all_reduce"`` (``"psum"``), which manages both halves ``psum`` runs as
+    (see :func:`managed_collectives`); the communicator must then have no
+    ``all_reduce`` schedule installed.
     """
 
     def __init__(
@@ -171,6 +222,7 @@ class Controller:
         confirm: int = 2,
         intra_min_drop: float = 0.3,
         synthesizers: Mapping[str, Synthesizer] | None = None,
+        exact_reductions: bool = True,
     ):
         if comm.topology is None:
             raise ValueError("Controller: the communicator has no topology")
@@ -182,7 +234,16 @@ class Controller:
         self.tolerance = float(tolerance)
         self.intra_min_drop = float(intra_min_drop)
         self.confirm = max(1, int(confirm))
-        self.synthesizers = {**_default_synthesizers(), **(synthesizers or {})}
+        self.exact_reductions = bool(exact_reductions)
+        self.synthesizers = {**_default_synthesizers(self.exact_reductions), **(synthesizers or {})}
+        wanted = [_ALIASES.get(c, c) for c in collectives]
+        if "all_reduce" in wanted and comm.schedule("all_reduce") is not None:
+            raise ValueError(
+                f"Controller: {comm!r} runs psum with its installed all_reduce schedule "
+                f"{comm.schedule('all_reduce').name!r}; the controller adapts psum as ReduceScatter + AllGather, "
+                "which runs when no all_reduce schedule is installed (give the communicator a topology)"
+            )
+        collectives = managed_collectives(collectives)
         unknown = [c for c in collectives if c not in self.synthesizers]
         if unknown:
             raise ValueError(f"Controller: no synthesizer for {unknown}; known: {sorted(self.synthesizers)}")
@@ -192,6 +253,7 @@ class Controller:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.resyntheses = 0
+        self.step_times = StepTimes()
 
     # ------------------------------------------------------------------ events
     @property
@@ -251,6 +313,23 @@ class Controller:
             log.exception("jaxccl controller step failed")
             self._emit("error", None, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
         return self.events[before:]
+
+    def record_error(self, exc: BaseException) -> None:
+        """Records ``exc`` as an ``"error"`` event (what :meth:`step` does with its own exceptions)."""
+        log.error("jaxccl controller failed: %s: %s", type(exc).__name__, exc)
+        self._emit("error", None, error=f"{type(exc).__name__}: {exc}")
+
+    def at_step_end(self, *after: Any) -> None:
+        """Drives the controller from a jitted training step: one :meth:`step` per step, at its end.
+
+        Call inside ``jax.jit``, outside ``jax.shard_map``, with arrays the step
+        computes last (its loss, its new parameters); the host time of every
+        call is kept in :attr:`step_times` (``.ns``). A re-synthesized schedule
+        is staged for the next step. See :mod:`jaxccl.control.step_driven`.
+        """
+        from jaxccl.control.step_driven import at_step_end
+
+        at_step_end(self, *after, times=self.step_times)
 
     # ------------------------------------------------------------------ one iteration
     def _estimates(self, tel: Any, m: _Managed) -> dict[tuple, float]:
@@ -361,8 +440,19 @@ class Controller:
             m.belief = target
             m.digest = ""
             return
+        if coll in REDUCTIONS and self.exact_reductions and not (new.info or {}).get("ordered_reduction"):
+            self._emit(
+                "rejected",
+                coll,
+                reason="sums in another order than jax.lax (info['ordered_reduction'] is false); results would "
+                "differ in the last bits",
+                name=new.name,
+            )
+            m.belief = target
+            m.digest = ""
+            return
         t1 = time.perf_counter()
-        new.validate()
+        new.validate()  # with info["ordered_reduction"], also proves the ascending-rank fold
         table = compile_table(new, num_slots=8)
         t2 = time.perf_counter()
         version = self.comm.stage_validated(coll, new, table=table)
