@@ -56,132 +56,211 @@ Segment = tuple[int, int]  # one GPU-to-GPU send along topology.path
 
 
 @dataclasses.dataclass(frozen=True)
-class _Hop:
-    """One hop of a block's chain: from ``src`` to ``dst`` through ``segments``; ``reduce``: ``dst`` adds its own."""
+class _Action:
+    """One op pair of a chunk's fold: a transfer ``a -> b`` (``a == b``: a local op on ``a``).
 
-    segments: tuple[Segment, ...]
-    reduce: bool
+    Locations are ``"in"`` (the chunk of the input), ``"out"`` (its place in
+    the output) or ``("s", rank, visit)`` (a scratch copy). ``reduce_with``
+    set: the receiver (or the local op) stores ``reduce_with + value``.
+    ``after`` are indices of earlier actions of the chunk this one waits for.
+    """
+
+    a: int
+    b: int
+    src: Any
+    dst: Any
+    reduce_with: Any = None
+    after: tuple[int, ...] = ()
 
 
-def _route_loads(topo: Any, segments: tuple[Segment, ...]) -> dict[Link, int]:
-    loads: dict[Link, int] = {}
-    for a, b in segments:
-        for e in topo.path(a, b):
-            loads[e] = loads.get(e, 0) + 1
-    return loads
-
-
-def _candidates(topo: Any, u: int, v: int) -> list[tuple[Segment, ...]]:
-    """Ways to send from ``u`` to ``v``: direct on one host, else through any pair of GPUs of the two hosts."""
-    hu, hv = topo.host_of(u), topo.host_of(v)
-    if hu == hv:
-        return [((u, v),)]
-    hosts = topo.hosts
-    out = []
-    for g, h in itertools.product(hosts[hu], hosts[hv]):
-        segs = [(u, g)] if u != g else []
-        segs.append((g, h))
-        if h != v:
-            segs.append((h, v))
-        out.append(tuple(segs))
+def _runs(topo: Any) -> list[tuple[int, list[int]]]:
+    """The chain split into maximal runs of consecutive ranks on one host: ``[(host, ranks), ...]``."""
+    out: list[tuple[int, list[int]]] = []
+    for k in range(topo.num_gpus):
+        h = topo.host_of(k)
+        if out and out[-1][0] == h:
+            out[-1][1].append(k)
+        else:
+            out.append((h, [k]))
     return out
 
 
-def _chain(n: int, root: int) -> list[tuple[int, int, bool]]:
-    """The hops of one block's fold: ``(src, dst, reduce)``; rank ``k`` adds its block after rank ``k - 1``."""
-    hops = [(k - 1, k, True) for k in range(1, n)]
-    if root != n - 1:
-        hops.append((n - 1, root, False))
-    return hops
+def _fold(runs: list[tuple[int, list[int]]], folders: tuple[int, ...], final: tuple[int, ...], root: int):
+    """The actions of one chunk: each run's blocks sent to its folder, folded there in rank order, passed on.
+
+    ``final`` is the route of the sum from the last folder to ``root``
+    (its GPUs after the folder; empty when the folder is the root).
+    """
+    acts: list[_Action] = []
+    visits: dict[int, int] = {}
+
+    def scratch(rank: int) -> tuple[str, int, int]:
+        v = visits.get(rank, 0)
+        visits[rank] = v + 1
+        return ("s", rank, v)
+
+    where, at, idx = None, None, None  # the running sum: its location, rank and producing action
+    for (_, ranks), g in zip(runs, folders):
+        slot = scratch(g)
+        terms = list(ranks)
+        if where is None:  # the first run: the fold starts from x0
+            first = terms.pop(0)
+            if first == g:
+                where, at = "in", g
+            else:
+                acts.append(_Action(first, g, "in", slot))
+                where, at, idx = slot, g, len(acts) - 1
+        else:  # the running sum arrives from the previous folder
+            first = terms[0]
+            red = "in" if first == g else None
+            if red:
+                terms.pop(0)
+            acts.append(_Action(at, g, where, slot, red, () if idx is None else (idx,)))
+            where, at, idx = slot, g, len(acts) - 1
+        for k in terms:
+            if k == g:
+                acts.append(_Action(g, g, "in", slot, slot, (idx,)))
+            else:
+                acts.append(_Action(k, g, "in", slot, where, () if idx is None else (idx,)))
+            where, idx = slot, len(acts) - 1
+    hops = (at, *final)
+    if len(hops) == 1:  # the last folder owns the chunk
+        last = acts[-1]
+        if last.a != last.b:
+            acts[-1] = dataclasses.replace(last, dst="out")
+        else:
+            acts.append(_Action(at, at, where, "out", None, (idx,)))
+        return acts
+    for x, y in zip(hops[:-1], hops[1:]):
+        dst = "out" if y == root and y == hops[-1] else scratch(y)
+        acts.append(_Action(x, y, where, dst, None, (idx,)))
+        where, idx = dst, len(acts) - 1
+    return acts
 
 
-def _plan(topo: Any, c: int) -> tuple[dict[int, list[_Hop]], dict[Link, int]]:
-    """Routes of every sub-chunk's chain (keyed by input chunk ``root * c + i``) and the links' chunk loads."""
+def _loads_of(topo: Any, acts: list[_Action]) -> dict[Link, int]:
+    loads: dict[Link, int] = {}
+    for act in acts:
+        if act.a != act.b:
+            for e in topo.path(act.a, act.b):
+                loads[e] = loads.get(e, 0) + 1
+    return loads
+
+
+def _options(topo: Any, runs: list[tuple[int, list[int]]], root: int, exhaustive: int):
+    """Candidate (folders, final route) pairs for a chunk of ``root``; every combination while few enough."""
+    hosts = topo.hosts
+    per_run = [hosts[h] for h, _ in runs]
+    last_host = runs[-1][0]
+    finals = [((), g) for g in hosts[last_host]]  # (route after the folder, that folder)
+
+    def routes_from(g: int) -> list[tuple[int, ...]]:
+        if g == root:
+            return [()]
+        if topo.host_of(g) == topo.host_of(root):
+            return [(root,)]
+        return [(root,)] + [(h, root) for h in hosts[topo.host_of(root)] if h != root]
+
+    count = 1
+    for choices in per_run:
+        count *= len(choices)
+    if count * len(hosts[topo.host_of(root)]) <= exhaustive:
+        for folders in itertools.product(*per_run):
+            for route in routes_from(folders[-1]):
+                yield folders, route
+        return
+    # too many: each run's folder is its root's position on that host (rail aligned) or the first GPU
+    del finals
+    folders = tuple(
+        ranks[0] if len(per_run[i]) <= root % len(per_run[i]) else per_run[i][root % len(per_run[i])]
+        for i, (_, ranks) in enumerate(runs)
+    )
+    for route in routes_from(folders[-1]):
+        yield folders, route
+
+
+def _plan(topo: Any, c: int, exhaustive: int = 4096) -> tuple[dict[int, list[_Action]], dict[Link, int]]:
+    """The fold of every sub-chunk (keyed by input chunk ``root * c + i``) and the links' chunk loads.
+
+    Sub-chunks are placed one after the other; each takes the folders and
+    final route whose most loaded link, relative to its capacity, stays the
+    least loaded (then the smallest sum of those ratios).
+    """
     n = topo.num_gpus
     caps = {(u, v): float(cap) for u, v, cap, _ in topo.edges()}
+    runs = _runs(topo)
     loads: dict[Link, int] = {}
-    routes: dict[int, list[_Hop | None]] = {}
-    pending: list[tuple[int, int, int, int, bool]] = []  # (chunk, hop index, src, dst, reduce)
-    for root, i in itertools.product(range(n), range(c)):
-        chunk = root * c + i
-        hops = _chain(n, root)
-        routes[chunk] = [None] * len(hops)
-        for h, (u, v, red) in enumerate(hops):
-            options = _candidates(topo, u, v)
-            if len(options) == 1:  # fixed route: its load is known before the choices are made
-                routes[chunk][h] = _Hop(options[0], red)
-                for e, k in _route_loads(topo, options[0]).items():
-                    loads[e] = loads.get(e, 0) + k
-            else:
-                pending.append((chunk, h, u, v, red))
-    for chunk, h, u, v, red in pending:
+    plans: dict[int, list[_Action]] = {}
+    for i, root in itertools.product(range(c), range(n)):
         best_key, best = None, None
-        for segs in _candidates(topo, u, v):
-            add = _route_loads(topo, segs)
+        for folders, route in _options(topo, runs, root, exhaustive):
+            acts = _fold(runs, folders, route, root)
+            add = _loads_of(topo, acts)
             ratios = [(loads.get(e, 0) + k) / caps[e] for e, k in add.items()]
-            key = (max(ratios), sum(ratios))
+            key = (max(ratios, default=0.0), sum(ratios), len(acts))
             if best_key is None or key < best_key:
-                best_key, best = key, (segs, add)
-        segs, add = best
-        routes[chunk][h] = _Hop(segs, red)
+                best_key, best = key, (acts, add)
+        acts, add = best
+        plans[root * c + i] = acts
         for e, k in add.items():
             loads[e] = loads.get(e, 0) + k
-    return {chunk: [hop for hop in hops if hop is not None] for chunk, hops in routes.items()}, loads
+    return plans, loads
 
 
 def _x_min(topo: Any, loads: Mapping[Link, float]) -> float:
     return min(topo.capacity(*e) / k for e, k in loads.items() if k > 0)
 
 
-def _emit(n: int, c: int, routes: dict[int, list[_Hop]]) -> ScheduleBuilder:
-    """The schedule of ``routes``, ops in rounds of chain position: no threadblock waits on a later op."""
-    # Every segment of every chunk, in chain order: (chunk, src, dst, reduce at dst, final into the output).
-    flat: dict[int, list[tuple[int, int, bool, bool]]] = {}
-    for chunk, hops in routes.items():
-        steps = []
-        for h, hop in enumerate(hops):
-            last_hop = h == len(hops) - 1
-            for s, (a, b) in enumerate(hop.segments):
-                last_seg = s == len(hop.segments) - 1
-                steps.append((a, b, hop.reduce and last_seg, last_hop and last_seg))
-        flat[chunk] = steps
-    visits: dict[tuple[int, int], int] = {}  # (rank, chunk) -> scratch copies of it so far
-    scratch_of: list[tuple[int, int, int]] = []
+def _emit(n: int, c: int, plans: dict[int, list[_Action]]) -> ScheduleBuilder:
+    """The schedule of ``plans``, ops in rounds of dependency depth: no threadblock waits on a later op."""
+    rounds: list[tuple[int, int, int]] = []  # (round, chunk, action index)
+    for chunk, acts in plans.items():
+        depth: list[int] = []
+        for j, act in enumerate(acts):
+            depth.append(1 + max((depth[d] for d in act.after), default=0))
+            rounds.append((depth[j], chunk, j))
+    rounds.sort()
+    visits = max((loc[2] for acts in plans.values() for act in acts for loc in (act.dst,) if loc[0] == "s"), default=0)
+    builder = ScheduleBuilder(Collective.REDUCE_SCATTER, n, c, scratch_chunks=(visits + 1) * n * c)
 
-    def fresh(rank: int, chunk: int) -> tuple[Buffer, int]:
-        v = visits.get((rank, chunk), 0)
-        visits[(rank, chunk)] = v + 1
-        scratch_of.append((rank, chunk, v))
-        return (Buffer.SCRATCH, v * n * c + chunk)
+    def loc(spec: Any, chunk: int) -> tuple[Buffer, int]:
+        if spec == "in":
+            return (Buffer.INPUT, chunk)
+        if spec == "out":
+            return (Buffer.OUTPUT, chunk % c)
+        return (Buffer.SCRATCH, spec[2] * n * c + chunk)
 
-    depth = max(len(s) for s in flat.values())
-    cursor = {chunk: ((Buffer.INPUT, chunk), None) for chunk in flat}  # where the running value is, its handle
-    plan = []
-    for t in range(depth):
-        for chunk, steps in flat.items():
-            if t < len(steps):
-                plan.append((chunk, *steps[t]))
-    # Scratch size is known only once every visit is counted: lay the rounds out first, build after.
-    placed = []
-    for chunk, a, b, red, final in plan:
-        dst = (Buffer.OUTPUT, chunk % c) if final else fresh(b, chunk)
-        placed.append((chunk, a, b, red, dst))
-    per_chunk = max((v for _, _, v in scratch_of), default=-1) + 1
-    builder = ScheduleBuilder(Collective.REDUCE_SCATTER, n, c, scratch_chunks=per_chunk * n * c)
-    for chunk, a, b, red, dst in placed:
-        src, handle = cursor[chunk]
-        h = builder.transfer(
-            a,
-            b,
+    handles: dict[tuple[int, int], Any] = {}
+    for _, chunk, j in rounds:
+        act = plans[chunk][j]
+        deps = tuple(handles[(chunk, d)] for d in act.after)
+        src, dst = loc(act.src, chunk), loc(act.dst, chunk)
+        if act.a == act.b:
+            if act.reduce_with is None:
+                handles[(chunk, j)] = builder.copy(act.a, src, dst, 1, after=deps)
+            else:  # dst already holds the running sum: dst = dst + src
+                handles[(chunk, j)] = builder.reduce(act.a, src, dst, 1, after=deps)
+            continue
+        on_a = tuple(h for d, h in zip(act.after, deps) if _rank_of(plans[chunk][d]) == act.a)
+        on_b = tuple(h for d, h in zip(act.after, deps) if _rank_of(plans[chunk][d]) == act.b)
+        red = act.reduce_with is not None
+        handles[(chunk, j)] = builder.transfer(
+            act.a,
+            act.b,
             src,
             dst,
             1,
-            after=() if handle is None else (handle,),
+            after=on_a,
             reduce=red,
-            reduce_with=(Buffer.INPUT, chunk) if red else None,
+            reduce_with=loc(act.reduce_with, chunk) if red else None,
+            recv_after=on_b,
         )
-        cursor[chunk] = (dst, h)
     return builder
+
+
+def _rank_of(act: _Action) -> int:
+    """Where an action's result lives: the receiver (or the rank of a local op)."""
+    return act.b
 
 
 def predicted_algbw(schedule: Schedule, topo: Any) -> float:
@@ -236,10 +315,10 @@ def ordered_reduce_scatter(
             best = (algbw, c, routes, loads)
     algbw, c, routes, loads = best
     info = {
-        "algorithm": "ordered_chain",
+        "algorithm": "ordered_fold",
         "ordered_reduction": True,
         "chunk_loads": [(u, v, k) for (u, v), k in sorted(loads.items(), key=str)],
         "synth_ms": (time.perf_counter() - t0) * 1e3,
     }
-    schedule = _emit(n, c, routes).build(name="ordered_chain_reduce_scatter", algbw=algbw, info=info)
+    schedule = _emit(n, c, routes).build(name="ordered_reduce_scatter", algbw=algbw, info=info)
     return schedule.validate(ordered_reduction=True)
