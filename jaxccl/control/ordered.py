@@ -44,7 +44,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from jaxccl.errors import ScheduleError
+from jaxccl.errors import SynthesisError, TopologyError
 from jaxccl.schedule.builder import ScheduleBuilder
 from jaxccl.schedule.ir import Buffer, Collective, Schedule
 
@@ -139,6 +139,7 @@ def _fold(runs: list[tuple[int, list[int]]], folders: tuple[int, ...], final: tu
 
 
 def _loads_of(topo: Any, acts: list[_Action]) -> dict[Link, int]:
+    """Chunks each link carries for ``acts`` (one per action along :meth:`~jaxccl.topology.Topology.path`)."""
     loads: dict[Link, int] = {}
     for act in acts:
         if act.a != act.b:
@@ -179,30 +180,41 @@ def _options(topo: Any, runs: list[tuple[int, list[int]]], root: int, exhaustive
         yield folders, route
 
 
-def _plan(topo: Any, c: int, exhaustive: int = 4096) -> tuple[dict[int, list[_Action]], dict[Link, int]]:
-    """The fold of every sub-chunk (keyed by input chunk ``root * c + i``) and the links' chunk loads.
+Candidate = tuple[list[_Action], tuple[tuple[Link, int, float], ...]]  # actions, (link, chunks, capacity)
 
-    Sub-chunks are placed one after the other; each takes the folders and
-    final route whose most loaded link, relative to its capacity, stays the
-    least loaded (then the smallest sum of those ratios).
-    """
-    n = topo.num_gpus
+
+def _candidates(topo: Any, exhaustive: int = 4096) -> dict[int, list[Candidate]]:
+    """Per root, every candidate fold of one of its chunks with the chunks it puts on each link."""
     caps = {(u, v): float(cap) for u, v, cap, _ in topo.edges()}
     runs = _runs(topo)
-    loads: dict[Link, int] = {}
-    plans: dict[int, list[_Action]] = {}
-    for i, root in itertools.product(range(c), range(n)):
-        best_key, best = None, None
+    out: dict[int, list[Candidate]] = {}
+    for root in range(topo.num_gpus):
+        out[root] = []
         for folders, route in _options(topo, runs, root, exhaustive):
             acts = _fold(runs, folders, route, root)
-            add = _loads_of(topo, acts)
-            ratios = [(loads.get(e, 0) + k) / caps[e] for e, k in add.items()]
+            out[root].append((acts, tuple((e, k, caps[e]) for e, k in _loads_of(topo, acts).items())))
+    return out
+
+
+def _plan(topo: Any, c: int, candidates: dict[int, list[Candidate]]) -> tuple[dict[int, list[_Action]], dict]:
+    """The fold of every sub-chunk (keyed by input chunk ``root * c + i``) and the links' chunk loads.
+
+    Sub-chunks are placed one after the other; each takes the candidate
+    whose most loaded link, relative to its capacity, stays the least loaded
+    (then the smallest sum of those ratios, then the fewest actions).
+    """
+    loads: dict[Link, int] = {}
+    plans: dict[int, list[_Action]] = {}
+    for i, root in itertools.product(range(c), range(topo.num_gpus)):
+        best_key, best = None, None
+        for acts, add in candidates[root]:
+            ratios = [(loads.get(e, 0) + k) / cap for e, k, cap in add]
             key = (max(ratios, default=0.0), sum(ratios), len(acts))
             if best_key is None or key < best_key:
                 best_key, best = key, (acts, add)
         acts, add = best
         plans[root * c + i] = acts
-        for e, k in add.items():
+        for e, k, _ in add:
             loads[e] = loads.get(e, 0) + k
     return plans, loads
 
@@ -298,18 +310,20 @@ def ordered_reduce_scatter(
         chunks per period on each link) and ``info["synth_ms"]``.
 
     Raises:
-        ScheduleError: fewer than 2 GPUs, or ``max_chunks`` < 1.
+        TopologyError: fewer than 2 GPUs.
+        SynthesisError: ``max_chunks`` is not an integer >= 1.
     """
     del previous
     n = topo.num_gpus
     if n < 2:
-        raise ScheduleError(f"ordered_reduce_scatter: needs at least 2 GPUs, the topology has {n}")
-    if max_chunks < 1:
-        raise ScheduleError(f"ordered_reduce_scatter: max_chunks must be >= 1, got {max_chunks}")
+        raise TopologyError(f"ordered_reduce_scatter() needs at least 2 GPUs; {topo.name or 'the topology'} has {n}")
+    if not isinstance(max_chunks, int) or isinstance(max_chunks, bool) or max_chunks < 1:
+        raise SynthesisError(f"max_chunks must be an integer >= 1, got {max_chunks!r}")
     t0 = time.perf_counter()
     best = None
+    candidates = _candidates(topo)
     for c in range(1, max_chunks + 1):
-        routes, loads = _plan(topo, c)
+        routes, loads = _plan(topo, c, candidates)
         algbw = n * c * _x_min(topo, loads)
         if best is None or algbw > best[0] * (1 + 1e-9):
             best = (algbw, c, routes, loads)
