@@ -276,10 +276,20 @@ def _rank_of(act: _Action) -> int:
 
 
 def predicted_algbw(schedule: Schedule, topo: Any) -> float:
-    """Large-message algbw of ``schedule`` on ``topo`` (bytes/s): ``N * c`` times the per-chunk rate of its bottleneck.
+    """Large-message algbw of ``schedule`` on ``topo`` (bytes/s), from the chunks its sends put on each link.
 
-    Counts every send op along :meth:`~jaxccl.topology.Topology.path`, as the
-    controller's Algorithm 1 does for schedules without a synthesizer's profile.
+    The bytes of a rank's larger buffer over the time of one period at the
+    bottleneck link's rate: ``N * C`` chunks (AllGather, AllToAll,
+    ReduceScatter: the nccl-tests convention) or ``C`` (AllReduce) times the
+    per-chunk rate ``min_a capacity_a / n_a``. Counts every send op along
+    :meth:`~jaxccl.topology.Topology.path`, as the controller's Algorithm 1
+    does for schedules without a synthesizer's profile.
+
+    >>> from jaxccl.topology import rail
+    >>> from jaxccl.runtime.default_schedules import direct_allreduce
+    >>> topo = rail(hosts=2, gpus_per_host=4)
+    >>> predicted_algbw(direct_allreduce(8), topo) / 1e9  # 8 blocks of M/8 out of each NIC and 8 back in
+    50.0
     """
     loads: dict[Link, float] = {}
     for r, tbs in enumerate(schedule.ranks):
@@ -288,7 +298,8 @@ def predicted_algbw(schedule: Schedule, topo: Any) -> float:
                 if op.kind.sends:
                     for e in topo.path(r, tb.send_peer):
                         loads[e] = loads.get(e, 0.0) + op.count
-    return schedule.num_ranks * schedule.chunks_per_period * _x_min(topo, loads)
+    buffer = schedule.chunks_per_period * (1 if schedule.collective is Collective.ALL_REDUCE else schedule.num_ranks)
+    return buffer * _x_min(topo, loads)
 
 
 def ordered_reduce_scatter(
