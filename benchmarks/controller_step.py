@@ -11,12 +11,17 @@ every variant once, in turn), medians over repetitions:
 - ``step-driven``: the same step with :meth:`Controller.at_step_end` (one
   unordered ``io_callback`` that runs one controller iteration: telemetry
   drain, Algorithm 1 for ReduceScatter and AllGather);
+- ``step-driven, every 4th step``: the same with ``every=4`` (the callback
+  still runs each step; the controller iteration on every 4th);
 - ``background thread``: the step alone while the controller's thread runs
   every ``--interval-ms``.
 
+Each repetition times ``--burst`` steps back to back (each step's output is
+the next one's input, as in training) and counts their mean.
 ``overhead_ms`` is the variant's median minus the baseline's;
-``callback_ms`` is the median host time inside the callback (from
-``Controller.step_times``), i.e. the part the step waits for at its end.
+``callback_ms`` is the median host time of a controller iteration inside the
+callback (from ``Controller.step_times``; both step-driven variants share one
+controller, so it is given once).
 
 Usage:
     PYTHONPATH=. nice -n 10 python benchmarks/controller_step.py [--quick] [--json results.json]
@@ -60,7 +65,13 @@ def _step_fns(mesh, ctl, width: int):
         ctl.at_step_end(out)
         return out
 
-    return plain, driven
+    @jax.jit
+    def driven_every_4(shard, xb):
+        out = inner(shard, xb)
+        ctl.at_step_end(out, every=4)
+        return out
+
+    return plain, driven, driven_every_4
 
 
 def run(args) -> dict:
@@ -84,26 +95,35 @@ def run(args) -> dict:
     for size in args.sizes:
         width = int((size // 4) ** 0.5)
         ctl = Controller(comm, collectives=("all_reduce",), gamma=0.15, interval_s=args.interval_ms / 1e3)
-        plain, driven = _step_fns(mesh, ctl, width)
+        plain, driven, driven_every_4 = _step_fns(mesh, ctl, width)
+        fns = {
+            "no controller": plain,
+            "step-driven": driven,
+            "step-driven, every 4th step": driven_every_4,
+            "background thread": plain,
+        }
         rng = np.random.default_rng(0)
         shard = rng.standard_normal(size // 4).astype(np.float32)  # the parameters, sharded over the 8 ranks
         xb = rng.standard_normal((8 * 32, width)).astype(np.float32)
-        times = {"no controller": [], "step-driven": [], "background thread": []}
+        times = {name: [] for name in fns}
         with comm:
-            plain(shard, xb).block_until_ready()
-            driven(shard, xb).block_until_ready()
+            for fn in (plain, driven, driven_every_4):
+                fn(shard, xb).block_until_ready()
             jax.effects_barrier()
             ctl.step_times.ns.clear()
             for _ in report.progress(range(args.reps), label=f"steps {report.format_bytes(size)}"):
                 for name in times:  # interleaved
-                    fn = driven if name == "step-driven" else plain
+                    fn = fns[name]
                     if name == "background thread":
                         ctl.start()
                     t0 = time.perf_counter()
-                    fn(shard, xb).block_until_ready()
-                    if name == "step-driven":
-                        jax.effects_barrier()  # the step is over only once its callback ran
-                    times[name].append(time.perf_counter() - t0)
+                    out = shard
+                    for _ in range(args.burst):  # back to back, as training runs: callbacks overlap the next step
+                        out = fn(out, xb)
+                    out.block_until_ready()
+                    if name.startswith("step-driven"):
+                        jax.effects_barrier()  # the burst is over only once its last callback ran
+                    times[name].append((time.perf_counter() - t0) / args.burst)
                     if name == "background thread":
                         ctl.stop()
         base = report.median(times["no controller"])
@@ -131,6 +151,7 @@ def run(args) -> dict:
             "time_scale": args.time_scale,
             "reps": args.reps,
             "interval_ms": args.interval_ms,
+            "burst": args.burst,
             "interleaved": True,
             "statistic": "median",
         },
@@ -143,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     p.add_argument("--time-scale", type=float, default=1e-2)
     p.add_argument("--interval-ms", type=float, default=20.0)
+    p.add_argument("--burst", type=int, default=5, help="steps timed back to back per repetition")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.reps = 15 if args.quick else 41

@@ -281,3 +281,22 @@ def test_step_end_callback_records_what_escapes_the_controller():
     jax.effects_barrier()
     assert len(ctl.errors) == 3 and "step exploded" in ctl.errors[0].detail["error"]
     assert len(ctl.step_times.ns) == 3
+
+
+def test_step_driven_controller_every_kth_step():
+    _, comm = _comm()
+    comm.install("reduce_scatter", ordered_reduce_scatter(TOPO))
+    ctl = Controller(comm, collectives=("reduce_scatter",))
+
+    @jax.jit
+    def f(x):
+        y = x + 1
+        ctl.at_step_end(y, every=3)
+        return y
+
+    for _ in range(7):
+        f(jnp.arange(4.0)).block_until_ready()
+    jax.effects_barrier()
+    assert len(ctl.step_times.ns) == 3  # steps 1, 4 and 7
+    with pytest.raises(ValueError, match="every"):
+        jax.jit(lambda x: ctl.at_step_end(x, every=0))(jnp.ones(2))

@@ -319,17 +319,18 @@ class Controller:
         log.error("jaxccl controller failed: %s: %s", type(exc).__name__, exc)
         self._emit("error", None, error=f"{type(exc).__name__}: {exc}")
 
-    def at_step_end(self, *after: Any) -> None:
+    def at_step_end(self, *after: Any, every: int = 1) -> None:
         """Drives the controller from a jitted training step: one :meth:`step` per step, at its end.
 
         Call inside ``jax.jit``, outside ``jax.shard_map``, with arrays the step
         computes last (its loss, its new parameters); the host time of every
         call is kept in :attr:`step_times` (``.ns``). A re-synthesized schedule
-        is staged for the next step. See :mod:`jaxccl.control.step_driven`.
+        is staged for the next step. ``every=k`` runs it on every k-th step only.
+        See :mod:`jaxccl.control.step_driven`.
         """
         from jaxccl.control.step_driven import at_step_end
 
-        at_step_end(self, *after, times=self.step_times)
+        at_step_end(self, *after, times=self.step_times, every=every)
 
     # ------------------------------------------------------------------ one iteration
     def _estimates(self, tel: Any, m: _Managed) -> dict[tuple, float]:
@@ -346,14 +347,16 @@ class Controller:
         base = self.comm.topology
         return all(abs(caps[a] - raw[a]) <= self.tolerance * base.capacity(*a) for a in m.profile.link_chunks)
 
-    def _check(self, m: _Managed) -> _Checked | None:
+    def _check(self, m: _Managed, tel: Any = None) -> _Checked | None:
+        """Algorithm 1 for ``m`` against ``tel`` (the telemetry drained now when None)."""
         schedule = self.comm.schedule(m.collective)
         if schedule is None:
             return None
         if schedule.digest != m.digest:
             m.profile = profile(schedule, m.belief)
             m.digest = schedule.digest
-        tel = self.comm.telemetry()
+        if tel is None:
+            tel = self.comm.telemetry()
         caps = self._estimates(tel, m)
         result = check(m.profile, caps, gamma=self.gamma)
         m.last = result
@@ -362,11 +365,14 @@ class Controller:
         return _Checked(result, caps, self._settled(tel, m, caps) if result.flagged else True, fresh)
 
     def _step(self) -> None:
+        tel = None  # one drain per iteration serves every managed collective
         for m in self._managed.values():
             self._note_activation(m)
             if m.staged_version:
                 continue  # wait until the staged schedule runs before judging again
-            checked = self._check(m)
+            if tel is None and self.comm.schedule(m.collective) is not None:
+                tel = self.comm.telemetry()
+            checked = self._check(m, tel)
             if checked is None or not checked.result.flagged:
                 if m.flagged_in_a_row:
                     self._emit("cleared", m.collective, flagged_samples=m.flagged_in_a_row)

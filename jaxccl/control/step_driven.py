@@ -52,7 +52,21 @@ class StepTimes:
         self.ns.append(int(ns))
 
 
-def _on_step_end(controller: Any, times: StepTimes | None, _token: Any) -> None:
+class _Cadence:
+    """Counts the calls of one traced step; the controller runs on every ``every``-th."""
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.calls = 0
+
+    def due(self) -> bool:
+        self.calls += 1
+        return (self.calls - 1) % self.every == 0
+
+
+def _on_step_end(controller: Any, times: StepTimes | None, cadence: _Cadence, _token: Any) -> None:
+    if not cadence.due():
+        return
     t0 = time.perf_counter_ns()
     try:
         controller.step()
@@ -63,7 +77,7 @@ def _on_step_end(controller: Any, times: StepTimes | None, _token: Any) -> None:
         times.add(time.perf_counter_ns() - t0)
 
 
-def at_step_end(controller: Any, *after: Any, times: StepTimes | None = None) -> None:
+def at_step_end(controller: Any, *after: Any, times: StepTimes | None = None, every: int = 1) -> None:
     """Runs ``controller.step()`` once per call of the jitted function this is traced into.
 
     Args:
@@ -73,10 +87,17 @@ def at_step_end(controller: Any, *after: Any, times: StepTimes | None = None) ->
             callback waits for, so it runs at the step's end; without them it
             may run as soon as the step starts.
         times: where to record the callback's host time per step, if anywhere.
+        every: run the controller on every ``every``-th step only (the first
+            one included); the callback itself still runs every step.
+
+    Raises:
+        ValueError: ``every`` is not a positive integer.
 
     Call it inside ``jax.jit`` but outside ``jax.shard_map`` (inside, every
     device would run the controller).
     """
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise ValueError(f"at_step_end: every must be a positive integer, got {every!r}")
     import jax
     import jax.numpy as jnp
     from jax.experimental import io_callback
@@ -87,4 +108,4 @@ def at_step_end(controller: Any, *after: Any, times: StepTimes | None = None) ->
             flat = jnp.ravel(leaf)
             if flat.size:
                 token = token + flat[0].astype(jnp.float32)
-    io_callback(functools.partial(_on_step_end, controller, times), None, token, ordered=False)
+    io_callback(functools.partial(_on_step_end, controller, times, _Cadence(every)), None, token, ordered=False)
