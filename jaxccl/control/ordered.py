@@ -44,6 +44,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from jaxccl.errors import SynthesisError, TopologyError
 from jaxccl.schedule.builder import ScheduleBuilder
 from jaxccl.schedule.ir import Buffer, Collective, Schedule
@@ -101,8 +103,9 @@ def _fold(runs: list[tuple[int, list[int]]], folders: tuple[int, ...], final: tu
 
     where, at, idx = None, None, None  # the running sum: its location, rank and producing action
     for (_, ranks), g in zip(runs, folders):
-        slot = scratch(g)
         terms = list(ranks)
+        # the previous folder going on (this run's blocks travel to it) keeps folding into its slot
+        slot = where if g == at and where != "in" else scratch(g)
         if where is None:  # the first run: the fold starts from x0
             first = terms.pop(0)
             if first == g:
@@ -110,7 +113,7 @@ def _fold(runs: list[tuple[int, list[int]]], folders: tuple[int, ...], final: tu
             else:
                 acts.append(_Action(first, g, "in", slot))
                 where, at, idx = slot, g, len(acts) - 1
-        else:  # the running sum arrives from the previous folder
+        elif g != at:  # the running sum travels to this run's folder
             first = terms[0]
             red = "in" if first == g else None
             if red:
@@ -138,22 +141,29 @@ def _fold(runs: list[tuple[int, list[int]]], folders: tuple[int, ...], final: tu
     return acts
 
 
-def _loads_of(topo: Any, acts: list[_Action]) -> dict[Link, int]:
+def _loads_of(topo: Any, acts: list[_Action], paths: dict[tuple[int, int], tuple[Link, ...]]) -> dict[Link, int]:
     """Chunks each link carries for ``acts`` (one per action along :meth:`~jaxccl.topology.Topology.path`)."""
     loads: dict[Link, int] = {}
     for act in acts:
         if act.a != act.b:
-            for e in topo.path(act.a, act.b):
+            route = paths.get((act.a, act.b))
+            if route is None:
+                route = paths[(act.a, act.b)] = topo.path(act.a, act.b)
+            for e in route:
                 loads[e] = loads.get(e, 0) + 1
     return loads
 
 
 def _options(topo: Any, runs: list[tuple[int, list[int]]], root: int, exhaustive: int):
-    """Candidate (folders, final route) pairs for a chunk of ``root``; every combination while few enough."""
+    """Candidate (folders, final route) pairs for a chunk of ``root``; every combination while few enough.
+
+    A run's folder is a GPU of its host, or (after the first run) the
+    previous run's folder, which then receives this run's blocks across the
+    host boundary instead of sending the running sum: fewer bytes one way,
+    more the other, which balances the two directions of the NICs.
+    """
     hosts = topo.hosts
-    per_run = [hosts[h] for h, _ in runs]
-    last_host = runs[-1][0]
-    finals = [((), g) for g in hosts[last_host]]  # (route after the folder, that folder)
+    per_run = [list(hosts[h]) + ([-1] if i else []) for i, (h, _) in enumerate(runs)]
 
     def routes_from(g: int) -> list[tuple[int, ...]]:
         if g == root:
@@ -162,60 +172,72 @@ def _options(topo: Any, runs: list[tuple[int, list[int]]], root: int, exhaustive
             return [(root,)]
         return [(root,)] + [(h, root) for h in hosts[topo.host_of(root)] if h != root]
 
+    def resolved(choice: tuple[int, ...]) -> tuple[int, ...]:
+        out: list[int] = []
+        for g in choice:
+            out.append(out[-1] if g < 0 else g)
+        return tuple(out)
+
     count = 1
     for choices in per_run:
         count *= len(choices)
     if count * len(hosts[topo.host_of(root)]) <= exhaustive:
-        for folders in itertools.product(*per_run):
+        for choice in itertools.product(*per_run):
+            folders = resolved(choice)
             for route in routes_from(folders[-1]):
                 yield folders, route
         return
-    # too many: each run's folder is its root's position on that host (rail aligned) or the first GPU
-    del finals
-    folders = tuple(
-        ranks[0] if len(per_run[i]) <= root % len(per_run[i]) else per_run[i][root % len(per_run[i])]
-        for i, (_, ranks) in enumerate(runs)
-    )
-    for route in routes_from(folders[-1]):
-        yield folders, route
+    # too many: the folders at the root's position on each host (rail aligned), and every choice that
+    # changes one run's folder only
+    aligned = tuple(hosts[h][root % len(hosts[h])] for h, _ in runs)
+    choices = {aligned}
+    for i, options in enumerate(per_run):
+        choices.update(aligned[:i] + (g,) + aligned[i + 1 :] for g in options)
+    for choice in sorted(choices):
+        folders = resolved(choice)
+        for route in routes_from(folders[-1]):
+            yield folders, route
 
 
-Candidate = tuple[list[_Action], tuple[tuple[Link, int, float], ...]]  # actions, (link, chunks, capacity)
+@dataclasses.dataclass(frozen=True)
+class _Candidates:
+    """The candidate folds of one root's chunks and the chunks each puts on every link (a row per fold)."""
+
+    folds: list[list[_Action]]
+    loads: np.ndarray  # [folds, links]
+    size: np.ndarray  # actions per fold
 
 
-def _candidates(topo: Any, exhaustive: int = 4096) -> dict[int, list[Candidate]]:
-    """Per root, every candidate fold of one of its chunks with the chunks it puts on each link."""
-    caps = {(u, v): float(cap) for u, v, cap, _ in topo.edges()}
+def _candidates(topo: Any, links: dict[Link, int], exhaustive: int = 1024) -> dict[int, _Candidates]:
+    """Per root, every candidate fold of one of its chunks (``links``: the column of each link)."""
     runs = _runs(topo)
-    out: dict[int, list[Candidate]] = {}
+    paths: dict[tuple[int, int], tuple[Link, ...]] = {}
+    out: dict[int, _Candidates] = {}
     for root in range(topo.num_gpus):
-        out[root] = []
-        for folders, route in _options(topo, runs, root, exhaustive):
-            acts = _fold(runs, folders, route, root)
-            out[root].append((acts, tuple((e, k, caps[e]) for e, k in _loads_of(topo, acts).items())))
+        folds = [_fold(runs, folders, route, root) for folders, route in _options(topo, runs, root, exhaustive)]
+        loads = np.zeros((len(folds), len(links)))
+        for row, acts in enumerate(folds):
+            for e, k in _loads_of(topo, acts, paths).items():
+                loads[row, links[e]] = k
+        out[root] = _Candidates(folds, loads, np.array([len(a) for a in folds]))
     return out
 
 
-def _plan(topo: Any, c: int, candidates: dict[int, list[Candidate]]) -> tuple[dict[int, list[_Action]], dict]:
+def _plan(topo: Any, c: int, candidates: dict[int, _Candidates], caps: np.ndarray) -> tuple[dict, np.ndarray]:
     """The fold of every sub-chunk (keyed by input chunk ``root * c + i``) and the links' chunk loads.
 
     Sub-chunks are placed one after the other; each takes the candidate
     whose most loaded link, relative to its capacity, stays the least loaded
     (then the smallest sum of those ratios, then the fewest actions).
     """
-    loads: dict[Link, int] = {}
+    loads = np.zeros(len(caps))
     plans: dict[int, list[_Action]] = {}
     for i, root in itertools.product(range(c), range(topo.num_gpus)):
-        best_key, best = None, None
-        for acts, add in candidates[root]:
-            ratios = [(loads.get(e, 0) + k) / cap for e, k, cap in add]
-            key = (max(ratios, default=0.0), sum(ratios), len(acts))
-            if best_key is None or key < best_key:
-                best_key, best = key, (acts, add)
-        acts, add = best
-        plans[root * c + i] = acts
-        for e, k, _ in add:
-            loads[e] = loads.get(e, 0) + k
+        cand = candidates[root]
+        ratios = np.where(cand.loads > 0, (loads + cand.loads) / caps, 0.0)
+        best = np.lexsort((cand.size, ratios.sum(axis=1), ratios.max(axis=1)))[0]
+        plans[root * c + i] = cand.folds[best]
+        loads += cand.loads[best]
     return plans, loads
 
 
@@ -332,13 +354,16 @@ def ordered_reduce_scatter(
         raise SynthesisError(f"max_chunks must be an integer >= 1, got {max_chunks!r}")
     t0 = time.perf_counter()
     best = None
-    candidates = _candidates(topo)
+    edges = [(u, v) for u, v, _, _ in topo.edges()]
+    caps = np.array([topo.capacity(*e) for e in edges])
+    candidates = _candidates(topo, {e: j for j, e in enumerate(edges)})
     for c in range(1, max_chunks + 1):
-        routes, loads = _plan(topo, c, candidates)
-        algbw = n * c * _x_min(topo, loads)
+        routes, load = _plan(topo, c, candidates, caps)
+        algbw = n * c * float(np.min(caps[load > 0] / load[load > 0]))
         if best is None or algbw > best[0] * (1 + 1e-9):
-            best = (algbw, c, routes, loads)
-    algbw, c, routes, loads = best
+            best = (algbw, c, routes, load)
+    algbw, c, routes, load = best
+    loads = {e: int(k) for e, k in zip(edges, load) if k > 0}
     info = {
         "algorithm": "ordered_fold",
         "ordered_reduction": True,
