@@ -1,12 +1,16 @@
-"""The controller: MCCL's slow path (Sec. 3) as a background thread beside training.
+"""The controller: MCCL's slow path (Sec. 3) as a background thread beside training, or driven by the step.
 
-Every ``interval_s`` it drains the communicator's telemetry (EWMA link matrix
-``M``), runs Algorithm 1 (:mod:`jaxccl.control.algorithm1`) for every active
-schedule it manages. A flagged schedule is ``"detected"`` at its first
+Every ``interval_s`` (or at the end of every training step, see
+:meth:`Controller.at_step_end` and :mod:`jaxccl.control.step_driven`) it
+drains the communicator's telemetry (EWMA link matrix ``M``), runs
+Algorithm 1 (:mod:`jaxccl.control.algorithm1`) for every active schedule it
+manages. A flagged schedule is ``"detected"`` at its first
 flagged measurement; once it stayed flagged over ``confirm`` fresh samples
 and the EWMA has settled (``"confirmed"``; a flag that goes away first is
 ``"cleared"``), the controller re-synthesizes it warm-started from
-the running schedule (AllGather: tree packing, AllToAll: column generation) on
+the running schedule (AllGather: tree packing, AllToAll: column generation;
+ReduceScatter: the rank-ordered fold of :mod:`jaxccl.control.ordered`, so that
+sums stay bitwise equal to ``jax.lax``; AllReduce: both of its halves) on
 the topology as measured, validates the result with the reference
 interpreter, drains once more and aborts if the degradation cleared
 meanwhile, and otherwise stages it (the executor switches at the agreed
@@ -196,7 +200,7 @@ class Controller:
             also limited by the receivers; our choice, MCCL does not say).
         synthesizers: per collective, ``fn(measured_topology, running_schedule) -> Schedule``
             (default: the warm-started jaxccl synthesizers; for ReduceScatter
-            the rank-ordered chain of :mod:`jaxccl.control.ordered`).
+            the rank-ordered fold of :mod:`jaxccl.control.ordered`).
         exact_reductions: keep every reduction bitwise equal to ``jax.lax``
             (default). A re-synthesized ``reduce_scatter`` is then staged only
             if it declares ``info["ordered_reduction"]`` and the reference

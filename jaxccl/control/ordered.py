@@ -8,22 +8,26 @@ bitwise equal to it only when every output is that very fold
 changes the last bits; the closed loop therefore re-synthesizes ReduceScatter
 with this module instead.
 
-The fold of each block is a *chain*: rank 0 sends its contribution to rank 1,
-which adds its own and sends the partial sum on to rank 2, and so on; the
-last rank sends the full sum to the block's owner. Where a hop of the chain
-leaves a host, the partial sum may travel through any GPU of each host (a
-relay copies it, it never adds), so every NIC of the host can carry a share.
-The sub-chunks of every block pick their crossing pairs greedily: each takes
-the relay pair whose most loaded link, relative to its capacity, stays the
-least loaded. On a degraded fabric the degraded NIC gets fewer chunks in
-proportion to its capacity, while the order of every sum stays the same.
+The rank order splits into *runs*, maximal sequences of consecutive ranks on
+one host. For each block, every run sends its contributions to one GPU, its
+*folder*, which adds them in rank order to the running sum it received from
+the previous run's folder and passes the result on; the last folder sends the
+full sum to the block's owner, directly or through one GPU of the owner's
+host. A folder is a GPU of its run's host, or the previous run's folder going
+on (the run's blocks then cross the host boundary instead of the running sum:
+more bytes one way, fewer the other). Relays copy, they never add, so every
+candidate computes the same fold. The sub-chunks of every block choose among
+the candidates greedily: each takes the one whose most loaded link, relative
+to its capacity, stays the least loaded. On a degraded fabric the degraded
+NIC gets fewer chunks in proportion to its capacity.
 
-What it costs: every block crosses each host boundary of the chain once
-(plus once back to its owner), so on ``H`` hosts it moves about twice the
-inter-host bytes of the reversed tree packing, and half those of the direct
-(rank-ordered) ReduceScatter; the chain is ``N`` hops deep, which matters for
-small messages only. Topologies without hosts (or with one) are not
-re-routed: their hops follow :meth:`~jaxccl.topology.Topology.path`.
+What it costs: every block crosses each host boundary of the rank order about
+once (plus once to its owner), so it moves about twice the inter-host bytes of
+the reversed tree packing and half those of the direct (rank-ordered)
+ReduceScatter; a fold is a few hops deep (one per host boundary, plus the
+gather into each folder). Every transfer follows
+:meth:`~jaxccl.topology.Topology.path`; on a single host only the folder is
+chosen.
 
 Example:
     >>> from jaxccl.topology import rail
