@@ -254,6 +254,7 @@ class Controller:
         self._managed = {c: _Managed(c, comm.topology) for c in collectives}
         self._events: list[Event] = []
         self._lock = threading.Lock()
+        self._iteration = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.resyntheses = 0
@@ -309,14 +310,19 @@ class Controller:
             self._stop.wait(self.interval_s)
 
     def step(self) -> list[Event]:
-        """One iteration of the slow path; returns the events it produced. Never raises."""
-        before = len(self.events)
-        try:
-            self._step()
-        except Exception as e:  # noqa: BLE001 - the controller must never break training
-            log.exception("jaxccl controller step failed")
-            self._emit("error", None, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-        return self.events[before:]
+        """One iteration of the slow path; returns the events it produced. Never raises.
+
+        Iterations never overlap: the background thread and the step-end
+        callback (:meth:`at_step_end`) may both drive one controller.
+        """
+        with self._iteration:
+            before = len(self.events)
+            try:
+                self._step()
+            except Exception as e:  # noqa: BLE001 - the controller must never break training
+                log.exception("jaxccl controller step failed")
+                self._emit("error", None, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
+            return self.events[before:]
 
     def record_error(self, exc: BaseException) -> None:
         """Records ``exc`` as an ``"error"`` event (what :meth:`step` does with its own exceptions)."""
