@@ -300,3 +300,20 @@ def test_step_driven_controller_every_kth_step():
     assert len(ctl.step_times.ns) == 3  # steps 1, 4 and 7
     with pytest.raises(ValueError, match="every"):
         jax.jit(lambda x: ctl.at_step_end(x, every=0))(jnp.ones(2))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.int32])
+@pytest.mark.parametrize("topo", [TOPO, FAILED], ids=["healthy", "failed"])
+def test_ordered_reduce_scatter_is_bitwise_equal_to_jax_lax(topo, dtype):
+    mesh, comm = _comm(time_scale=1e-2)
+    comm.install("reduce_scatter", ordered_reduce_scatter(topo))
+
+    def rs(lib):
+        body = lambda x: (lib.psum_scatter(x, "d", scatter_dimension=1, tiled=True), lib.psum(x, "d"))  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=(P("d"), P())))
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((8 * 3, 8 * 40)) * np.exp(rng.uniform(-10, 10, (8 * 3, 8 * 40)))
+    x = (x * 1000).astype(np.int32) if dtype == np.int32 else jnp.asarray(x, dtype)
+    with comm:
+        _equal(rs(jaxccl), rs(jax.lax), (x,))
