@@ -58,7 +58,6 @@ __all__ = ["DEFAULT_MAX_CHUNKS", "ordered_reduce_scatter", "predicted_algbw"]
 
 DEFAULT_MAX_CHUNKS = 4
 Link = tuple[Any, Any]
-Segment = tuple[int, int]  # one GPU-to-GPU send along topology.path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,8 +257,8 @@ def _emit(n: int, c: int, plans: dict[int, list[_Action]]) -> ScheduleBuilder:
             depth.append(1 + max((depth[d] for d in act.after), default=0))
             rounds.append((depth[j], chunk, j))
     rounds.sort()
-    visits = max((loc[2] for acts in plans.values() for act in acts for loc in (act.dst,) if loc[0] == "s"), default=0)
-    builder = ScheduleBuilder(Collective.REDUCE_SCATTER, n, c, scratch_chunks=(visits + 1) * n * c)
+    copies = 1 + max((a.dst[2] for acts in plans.values() for a in acts if isinstance(a.dst, tuple)), default=0)
+    builder = ScheduleBuilder(Collective.REDUCE_SCATTER, n, c, scratch_chunks=copies * n * c)
 
     def loc(spec: Any, chunk: int) -> tuple[Buffer, int]:
         if spec == "in":
