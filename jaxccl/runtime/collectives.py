@@ -22,6 +22,7 @@ int32; others raise ``TypeError``. Not supported (clear
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Hashable
 from typing import Any
@@ -31,12 +32,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxccl.runtime import axes as _axes
 from jaxccl.runtime import communicator as _comm
 from jaxccl.runtime import primitives as _p
 
 __all__ = ["all_gather", "all_to_all", "psum", "psum_scatter"]
 
 _REDUCE_DTYPES = tuple(np.dtype(d) for d in (np.float32, jnp.bfloat16, np.float16, np.int32))
+_ALL_GATHER_TO = ("varying", "invarying", "reduced")
 _SUB_BYTE = frozenset({"int2", "uint2", "int4", "uint4", "float4_e2m1fn"})
 
 
@@ -56,28 +59,33 @@ def _axes_in_scope() -> tuple[list[Hashable], frozenset, dict]:
     return names, manual, shape
 
 
-def _axis(fn: str, axis_name: Any) -> tuple[Hashable, int]:
-    """The single manual mesh axis named by ``axis_name`` and its size."""
-    if isinstance(axis_name, (tuple, list)):
-        if len(axis_name) != 1:
-            raise NotImplementedError(
-                f"jaxccl.{fn}: collectives over several axes at once ({tuple(axis_name)}) are not supported; "
-                "pass one mesh axis name"
-            )
-        axis_name = axis_name[0]
+def _axis(fn: str, axis_name: Any) -> tuple[Any, int]:
+    """The manual mesh axis, or tuple of axes, named by ``axis_name`` and how many devices it spans.
+
+    A 1-tuple is the name itself; two or more names stay a tuple, in the
+    caller's order (which is ``jax.lax``'s device order: the first name is
+    the major one).
+    """
+    given = _axes.names(axis_name)
+    if not given:
+        raise ValueError(f"jaxccl.{fn}: axis_name is an empty tuple; name at least one mesh axis")
+    if len(set(given)) != len(given):
+        raise ValueError(f"jaxccl.{fn}: axis_name {tuple(given)} names an axis more than once")
     names, manual, shape = _axes_in_scope()
-    if axis_name not in names:
-        where = f"axes in scope: {tuple(names)}" if names else "no named axes are in scope"
-        raise NameError(
-            f"jaxccl.{fn}: unbound axis name {axis_name!r} ({where}); call it inside jax.shard_map over a "
-            "mesh with that axis"
-        )
-    if axis_name not in manual:
-        raise NotImplementedError(
-            f"jaxccl.{fn}: axis {axis_name!r} is not a manual axis of jax.shard_map (vmap/pmap axes are not "
-            f"supported); manual mesh axes in scope: {tuple(sorted(manual, key=str))}"
-        )
-    return axis_name, int(shape[axis_name])
+    for name in given:
+        if name not in names:
+            where = f"axes in scope: {tuple(names)}" if names else "no named axes are in scope"
+            raise NameError(
+                f"jaxccl.{fn}: unbound axis name {name!r} ({where}); call it inside jax.shard_map over a "
+                "mesh with that axis"
+            )
+        if name not in manual:
+            raise NotImplementedError(
+                f"jaxccl.{fn}: axis {name!r} is not a manual axis of jax.shard_map (vmap/pmap axes are not "
+                f"supported); manual mesh axes in scope: {tuple(sorted(manual, key=str))}"
+            )
+    key = given[0] if len(given) == 1 else given
+    return key, math.prod(int(shape[name]) for name in given)
 
 
 def _canon(fn: str, what: str, value: Any, ndim: int) -> int:
@@ -101,19 +109,41 @@ def _check_dtype(fn: str, dtype: Any, *, reduction: bool) -> None:
         raise TypeError(f"jaxccl.{fn}: dtype {dt.name} is not supported (sub-byte and object dtypes cannot be moved)")
 
 
-def _varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
-    """``x`` made device-varying over ``axis_name`` (no-op when it already is or check_vma=False)."""
-    if axis_name in jax.typeof(x).mat.varying:
-        return x
-    return lax.pcast(x, (axis_name,), to="varying")
+def _varying(x: jax.Array, axis_name: Any) -> jax.Array:
+    """``x`` made device-varying over the axes of ``axis_name`` (no-op where it is or check_vma=False)."""
+    varying = jax.typeof(x).mat.varying
+    missing = tuple(a for a in _axes.names(axis_name) if a not in varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _prepare_in_groups(fn: str, x: Any, axis_name: Any, groups: Any, *, reduction: bool):
+    """Checks a call and returns (operand made varying, axis key, devices per group, groups, communicator ref)."""
+    name, size = _axis(fn, axis_name)
+    groups = _axes.canonical_groups(fn, groups, size)
+    n = len(groups[0]) if groups is not None else size
+    x = jnp.asarray(x)
+    _check_dtype(fn, x.dtype, reduction=reduction)
+    if groups is None:
+        comm = _comm.resolve(name, n)
+    else:  # groups smaller than the axis run on the communicator in scope only if it has their size
+        comm = _comm.current(name)
+        if comm is None or comm.axis_size != n:
+            comm = _comm.default_communicator(name, n)
+    return _varying(x, name), name, n, groups, comm.ref
+
+
+def _refuse_typed_groups(fn: str, x: jax.Array, axis_name: Any, groups: Any) -> None:
+    """``jax.lax`` has no type for a reduction over groups under ``check_vma=True``: refuse it as lax does."""
+    if groups is not None and set(_axes.names(axis_name)) & jax.typeof(x).mat.varying:
+        raise NotImplementedError(
+            f"jaxccl.{fn}: axis_index_groups under jax.shard_map(check_vma=True) is not supported (jax.lax "
+            "refuses it too); use check_vma=False"
+        )
 
 
 def _prepare(fn: str, x: Any, axis_name: Any, *, reduction: bool):
-    name, n = _axis(fn, axis_name)
-    x = jnp.asarray(x)
-    _check_dtype(fn, x.dtype, reduction=reduction)
-    comm = _comm.resolve(name, n)
-    return _varying(x, name), name, n, comm.ref
+    x, name, n, _, comm = _prepare_in_groups(fn, x, axis_name, None, reduction=reduction)
+    return x, name, n, comm
 
 
 def all_gather(
@@ -152,15 +182,33 @@ def all_gather(
         >>> f(np.arange(4.0, dtype=np.float32)).tolist()  # both devices hold [0, 1, 2, 3]
         [0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0]
     """
-    _unsupported("all_gather", axis_index_groups=axis_index_groups)
-    if to != "varying":
-        raise NotImplementedError(f"jaxccl.all_gather: to={to!r} is not supported (only 'varying')")
+    if to not in _ALL_GATHER_TO:
+        raise ValueError(f"jaxccl.all_gather: to={to!r}; expected one of {_ALL_GATHER_TO}")
+    if to == "reduced":
+        raise NotImplementedError(
+            "jaxccl.all_gather: to='reduced' (explicit-sharding reduced types) is not supported; use 'varying' "
+            "or 'invarying'"
+        )
+    if to == "invarying" and axis_index_groups is not None:
+        raise NotImplementedError("jaxccl.all_gather: to='invarying' does not take axis_index_groups (as jax.lax)")
+    if not _axes.names(axis_name):
+        return x
+    prim = _p.all_gather_invariant_p if to == "invarying" else _p.all_gather_p
 
     def bind(leaf):
-        leaf, name, n, comm = _prepare("all_gather", leaf, axis_name, reduction=False)
+        leaf, name, n, groups, comm = _prepare_in_groups(
+            "all_gather", leaf, axis_name, axis_index_groups, reduction=False
+        )
         ax = _canon("all_gather", "axis", axis, leaf.ndim if tiled else leaf.ndim + 1)
-        return _p.all_gather_p.bind(
-            leaf, axis_name=name, axis=ax, tiled=bool(tiled), axis_size=n, comm=comm, site=_p.new_site()
+        return prim.bind(
+            leaf,
+            axis_name=name,
+            axis=ax,
+            tiled=bool(tiled),
+            axis_size=n,
+            axis_index_groups=groups,
+            comm=comm,
+            site=_p.new_site(),
         )
 
     return jax.tree.map(bind, x)
@@ -197,10 +245,11 @@ def all_to_all(
         >>> f(np.arange(4, dtype=np.int32)).tolist()
         [0, 2, 1, 3]
     """
-    _unsupported("all_to_all", axis_index_groups=axis_index_groups)
 
     def bind(leaf):
-        leaf, name, n, comm = _prepare("all_to_all", leaf, axis_name, reduction=False)
+        leaf, name, n, groups, comm = _prepare_in_groups(
+            "all_to_all", leaf, axis_name, axis_index_groups, reduction=False
+        )
         nd = leaf.ndim
         sa = _canon("all_to_all", "split_axis", split_axis, nd)
         ca = _canon("all_to_all", "concat_axis", concat_axis, nd)
@@ -223,7 +272,14 @@ def all_to_all(
                 leaf = lax.expand_dims(leaf, (ca,))
                 sa += 1
         out = _p.all_to_all_p.bind(
-            leaf, axis_name=name, split_axis=sa, concat_axis=ca, axis_size=n, comm=comm, site=_p.new_site()
+            leaf,
+            axis_name=name,
+            split_axis=sa,
+            concat_axis=ca,
+            axis_size=n,
+            axis_index_groups=groups,
+            comm=comm,
+            site=_p.new_site(),
         )
         if not tiled and sa != ca:
             out = lax.squeeze(out, (sa,))
@@ -263,10 +319,11 @@ def psum_scatter(
         >>> f(np.arange(4.0, dtype=np.float32)).tolist()
         [2.0, 4.0]
     """
-    _unsupported("psum_scatter", axis_index_groups=axis_index_groups)
 
     def bind(leaf):
-        leaf, name, n, comm = _prepare("psum_scatter", leaf, axis_name, reduction=True)
+        leaf, name, n, groups, comm = _prepare_in_groups(
+            "psum_scatter", leaf, axis_name, axis_index_groups, reduction=True
+        )
         d = _canon("psum_scatter", "scatter_dimension", scatter_dimension, leaf.ndim)
         size = leaf.shape[d]
         if tiled and size % n:
@@ -280,7 +337,14 @@ def psum_scatter(
                 f"size {n} of axis {name!r}"
             )
         return _p.reduce_scatter_p.bind(
-            leaf, axis_name=name, scatter_dimension=d, tiled=bool(tiled), axis_size=n, comm=comm, site=_p.new_site()
+            leaf,
+            axis_name=name,
+            scatter_dimension=d,
+            tiled=bool(tiled),
+            axis_size=n,
+            axis_index_groups=groups,
+            comm=comm,
+            site=_p.new_site(),
         )
 
     return jax.tree.map(bind, x)
@@ -306,10 +370,14 @@ def psum(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
         >>> f(np.arange(4.0, dtype=np.float32)).tolist()
         [2.0, 4.0]
     """
-    _unsupported("psum", axis_index_groups=axis_index_groups)
+    if not _axes.names(axis_name):
+        return x
 
     def bind(leaf):
-        leaf, name, n, comm = _prepare("psum", leaf, axis_name, reduction=True)
-        return _p.psum_p.bind(leaf, axis_name=name, axis_size=n, comm=comm, site=_p.new_site())
+        leaf, name, n, groups, comm = _prepare_in_groups("psum", leaf, axis_name, axis_index_groups, reduction=True)
+        _refuse_typed_groups("psum", leaf, name, groups)
+        return _p.psum_p.bind(
+            leaf, axis_name=name, axis_size=n, axis_index_groups=groups, comm=comm, site=_p.new_site()
+        )
 
     return jax.tree.map(bind, x)
