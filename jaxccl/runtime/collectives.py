@@ -12,12 +12,24 @@ communicator of ``(axis_name, axis size)``
 (:func:`jaxccl.runtime.communicator.default_communicator`: baseline
 schedules, no topology, backend chosen at lowering).
 
-Supported: one named mesh axis of ``jax.shard_map`` (a 1-tuple is accepted),
-any whole-byte dtype for ``all_gather``/``all_to_all``; ``psum_scatter``/``psum``
-on float32, bfloat16 and float16 (reduced in float32, as XLA:CPU does) and
-int32; others raise ``TypeError``. Not supported (clear
-``NotImplementedError``): ``axis_index_groups``, several axes at once, axes of
-``vmap``/``pmap``, ``all_gather(..., to=...)`` other than ``"varying"``.
+Axes. ``axis_name`` is one manual mesh axis of ``jax.shard_map`` or a tuple
+of them (``psum(x, ("data", "fsdp"))``): the collective then runs over the
+devices that share the other axes' coordinates, ranked as ``jax.lax`` ranks
+them (the linear index along the named axes in the order given; see
+:mod:`jaxccl.runtime.axes`); a communicator serves a tuple when it was built
+for that tuple (``Communicator(mesh, ("data", "fsdp"))``).
+``axis_index_groups`` are accepted wherever ``jax.lax`` accepts them inside
+``shard_map`` (not for ``psum`` under ``check_vma=True``, nor with
+``all_gather(..., to="invarying")``, where ``jax.lax`` refuses them too); a
+group of another size than the communicator in scope runs on a communicator of
+the group's size with the same backend. ``all_gather(..., to="invarying")``
+gives an axis-invariant result as ``jax.lax``'s.
+
+Dtypes: any whole-byte dtype for ``all_gather``/``all_to_all``;
+``psum_scatter``/``psum`` on float32, bfloat16 and float16 (reduced in float32,
+as XLA:CPU does) and int32; others raise ``TypeError``. Not supported (clear
+errors): axes of ``vmap``/``pmap`` (``NotImplementedError``),
+``all_gather(..., to="reduced")`` (explicit-sharding reduced types).
 """
 
 from __future__ import annotations
@@ -123,12 +135,7 @@ def _prepare_in_groups(fn: str, x: Any, axis_name: Any, groups: Any, *, reductio
     n = len(groups[0]) if groups is not None else size
     x = jnp.asarray(x)
     _check_dtype(fn, x.dtype, reduction=reduction)
-    if groups is None:
-        comm = _comm.resolve(name, n)
-    else:  # groups smaller than the axis run on the communicator in scope only if it has their size
-        comm = _comm.current(name)
-        if comm is None or comm.axis_size != n:
-            comm = _comm.default_communicator(name, n)
+    comm = _comm.resolve(name, n) if groups is None else _group_communicator(name, n)
     return _varying(x, name), name, n, groups, comm.ref
 
 
@@ -139,6 +146,31 @@ def _refuse_typed_groups(fn: str, x: jax.Array, axis_name: Any, groups: Any) -> 
             f"jaxccl.{fn}: axis_index_groups under jax.shard_map(check_vma=True) is not supported (jax.lax "
             "refuses it too); use check_vma=False"
         )
+
+
+_GROUP_COMMS: dict[tuple[int, int], _comm.Communicator] = {}
+
+
+def _group_communicator(name: Any, n: int) -> _comm.Communicator:
+    """Where collectives over ``axis_index_groups`` of ``n`` devices run.
+
+    The communicator in scope for the axis if it has ``n`` devices; else one
+    of ``n`` devices with its backend (baseline schedules, no topology: its
+    schedules are for the whole axis), made once per (communicator, ``n``);
+    with none in scope, the default one of ``(name, n)``.
+    """
+    scope = _comm.current(name)
+    if scope is None:
+        return _comm.default_communicator(name, n)
+    if scope.axis_size == n:
+        return scope
+    key = (scope.uid, n)
+    comm = _GROUP_COMMS.get(key)
+    if comm is None:
+        comm = _comm.Communicator.__new__(_comm.Communicator)
+        comm._init(name, n, mesh=None, topology=None, backend=scope.backend)
+        _GROUP_COMMS[key] = comm
+    return comm
 
 
 def _prepare(fn: str, x: Any, axis_name: Any, *, reduction: bool):

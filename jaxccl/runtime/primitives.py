@@ -332,6 +332,24 @@ def _chain_dep(prev: jax.Array) -> jax.Array:
     return lax.clamp(jnp.int32(0), first.astype(jnp.int32)[0], jnp.int32(0))
 
 
+def _materialized(impl):
+    """``impl`` with its operand and its result behind optimization barriers.
+
+    ``lax``'s collectives read a materialized operand and hand their consumers
+    a plain buffer. Without the barriers XLA fuses the reshapes/transposes to
+    and from the flat layout into the producer and the consumer, which changes
+    their loops: a consumer's reduction (a loss's ``sum``) runs in another
+    order, a producer's ``cos`` may take another code path, and the bits
+    differ from the same program on ``lax``.
+    """
+
+    @functools.wraps(impl)
+    def run(x, *args, **kwargs):
+        return lax.optimization_barrier(impl(lax.optimization_barrier(x), *args, **kwargs))
+
+    return run
+
+
 def _lowering(impl):
     """Lowering rule: ``impl`` in JAX ops for the backend the communicator runs on this platform.
 
@@ -343,6 +361,8 @@ def _lowering(impl):
     without an order common to all devices a program with several independent
     collectives can deadlock (observed: 27 independent calls on a 2x4 mesh).
     """
+
+    impl = _materialized(impl)
 
     def rule(ctx, x, *, comm, **params):
         platforms = ctx.module_context.platforms
