@@ -14,11 +14,11 @@ Limits:
 
 - The function is traced once per call signature, as ``jax.jit`` would;
   wrap the result in ``jax.jit`` to compile it (``jax.jit(offload(step))``).
-- A ``custom_jvp``/``custom_vjp`` function that itself contains a collective
-  is inlined: its primal computation runs through jaxccl, and differentiating
-  the *offloaded* function differentiates that computation instead of the
-  custom rule (differentiate inside the function you offload, as a training
-  step does, and nothing changes).
+- A ``custom_jvp``/``custom_vjp`` function keeps its rules: its primal
+  computation runs through jaxccl, but when the *offloaded* function is
+  differentiated, the collectives inside its JVP/forward/backward rules run
+  as written, on ``jax.lax`` (differentiate inside the function you offload,
+  as a training step does, and everything runs through jaxccl).
 - Collectives jaxccl refuses keep jaxccl's error (for example a reduction
   dtype it does not handle, or ``all_gather(..., to="reduced")``);
   ``pmax``/``pmin`` stay ``jax.lax``'s until jaxccl provides them.
@@ -311,6 +311,12 @@ def _checkpoint(eqn: Any, invals: list[Any]) -> list[Any]:
     return list(jax.checkpoint(fun, prevent_cse=p["prevent_cse"], policy=p["policy"])(*invals))
 
 
+def _custom_rule(eqn: Any, invals: list[Any]) -> list[Any]:
+    """A ``custom_jvp``/``custom_vjp`` function: its primal program rewritten, its rules kept as written."""
+    params = {**eqn.params, "call_jaxpr": _rewrite_closed(eqn.params["call_jaxpr"])}
+    return _bind_as_traced(eqn, invals, params)
+
+
 def _inline(eqn: Any, invals: list[Any]) -> list[Any]:
     from jax.extend import core as jex_core
 
@@ -323,9 +329,8 @@ _HIGHER_ORDER: dict[str, Callable[[Any, list[Any]], list[Any]]] = {
     "shard_map": _shard_map,
     "checkpoint": _checkpoint,
     "remat2": _checkpoint,
-    "custom_jvp_call": _inline,
-    "custom_vjp_call": _inline,
-    "custom_vjp_call_jaxpr": _inline,
+    "custom_jvp_call": _custom_rule,
+    "custom_vjp_call": _custom_rule,
     "closed_call": _inline,
     "core_call": _inline,
 }
