@@ -401,3 +401,34 @@ def test_group_communicator_keeps_the_backend_in_scope():
         grouped = collectives._group_communicator("i", 4)
         assert grouped.backend == "ppermute" and grouped.axis_size == 4
         assert collectives._group_communicator("i", 8) is comm
+
+
+def test_communicator_over_two_axes_runs_a_synthesized_schedule_on_its_topology():
+    # One communicator for the pair ("model", "data"): its single group is all 8 devices, rank r = GPU r of the
+    # topology (rank order = jax.lax's for that tuple); the emulated links are really used and measured.
+    from jaxccl.runtime.emulated import LinkEmulation
+
+    mesh = _mesh((2, 4), ("data", "model"))
+    topo = jaxccl.topology.rail(hosts=2, gpus_per_host=4, segments=1, nvlink_gbps=2880, nic_gbps=400)
+    comm = jaxccl.Communicator(
+        mesh,
+        ("model", "data"),
+        topology=topo,
+        backend="cpu",
+        link_emulation=LinkEmulation(time_scale=1e-2, min_window_bytes=0),
+    )
+    comm.install("all_gather", jaxccl.synth.allgather(topo))
+    assert [[d.id for d in g] for g in comm.group_devices()] == [[0, 4, 1, 5, 2, 6, 3, 7]]
+
+    def program(lib):
+        body = lambda v: (lib.all_gather(v, ("model", "data"), tiled=True), lib.psum(v, ("model", "data")))  # noqa: E731
+        return _smap(mesh, body, P(("data", "model")), (P(("data", "model")), P()))
+
+    x = _data((8 * 16384,), seed=14)
+    want = program(lax)(x)
+    with comm:
+        got = program(jaxccl)(x)
+    _assert_bitwise(got, want)
+    matrix = comm.telemetry().matrix
+    assert matrix.shape == (8, 8) and np.isfinite(matrix).any()
+    comm.close()
