@@ -1,9 +1,13 @@
 """JAX primitives of the jaxccl collectives: abstract eval, lowering, transpose and batching rules.
 
-Four primitives mirror ``jax.lax``'s: ``jaxccl_all_gather``,
+Five primitives mirror ``jax.lax``'s: ``jaxccl_all_gather``,
+``jaxccl_all_gather_invariant`` (``to="invarying"``: the result is invariant
+over the axes and transposes to this device's slice, as ``lax``'s),
 ``jaxccl_all_to_all`` (always tiled; the front end reshapes as ``lax`` does),
 ``jaxccl_reduce_scatter`` and ``jaxccl_psum``. Their parameters are the
-``lax`` ones (``axis_name`` is a single mesh axis) plus ``axis_size``,
+``lax`` ones (``axis_name`` is one mesh axis or a tuple of them, see
+:mod:`jaxccl.runtime.axes`; ``axis_index_groups`` ``None`` or a tuple of
+tuples; ``axis_size`` the devices per group) plus
 ``comm`` (the :class:`~jaxccl.runtime.communicator.Communicator` resolved at
 trace time) and ``site``, a fresh id per bind (rebinding rules allocate new
 ones). The site keeps equations distinct, and the lowerings are registered
