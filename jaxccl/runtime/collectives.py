@@ -194,12 +194,17 @@ def all_gather(
 
     Args:
         x: array or pytree of arrays (per-device values inside ``jax.shard_map``).
-        axis_name: the mesh axis.
+        axis_name: the mesh axis, or a tuple of mesh axes (ranked as ``jax.lax`` ranks them).
         axis: where the gathered blocks go: a new axis at ``axis`` (``tiled=False``)
             or concatenated along existing axis ``axis`` (``tiled=True``).
         tiled: see ``axis``.
-        axis_index_groups: not supported (must be ``None``).
-        to: only ``"varying"`` (the ``lax`` default) is supported.
+        axis_index_groups: optional groups of indices along the axis, all of one
+            size, covering it once; each group gathers separately, in its
+            listed order.
+        to: ``"varying"`` (the ``lax`` default) or ``"invarying"`` (the result
+            is typed invariant over the axes and transposes to a slice, as
+            ``jax.lax.all_gather(..., to="invarying")``); ``"reduced"`` raises
+            ``NotImplementedError``.
 
     Returns:
         Shape of ``x`` with ``axis_size`` inserted at ``axis`` (or ``x.shape[axis]``
@@ -401,6 +406,14 @@ def psum(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
         ...                           mesh=mesh, in_specs=P("i"), out_specs=P()))
         >>> f(np.arange(4.0, dtype=np.float32)).tolist()
         [2.0, 4.0]
+
+        Over two axes at once (all four devices of a 2 x 2 mesh):
+
+        >>> mesh2 = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+        >>> g = jax.jit(jax.shard_map(lambda x: jaxccl.psum(x, ("b", "a")),
+        ...                           mesh=mesh2, in_specs=P(("a", "b")), out_specs=P()))
+        >>> g(np.arange(4.0, dtype=np.float32)).tolist()
+        [6.0]
     """
     if not _axes.names(axis_name):
         return x
