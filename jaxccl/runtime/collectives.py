@@ -148,28 +148,26 @@ def _refuse_typed_groups(fn: str, x: jax.Array, axis_name: Any, groups: Any) -> 
         )
 
 
-_GROUP_COMMS: dict[tuple[int, int], _comm.Communicator] = {}
-
-
 def _group_communicator(name: Any, n: int) -> _comm.Communicator:
     """Where collectives over ``axis_index_groups`` of ``n`` devices run.
 
     The communicator in scope for the axis if it has ``n`` devices; else one
     of ``n`` devices with its backend (baseline schedules, no topology: its
-    schedules are for the whole axis), made once per (communicator, ``n``);
-    with none in scope, the default one of ``(name, n)``.
+    schedules are for the whole axis), made once per (communicator, ``n``) and
+    kept as long as that communicator; with none in scope, the default one of
+    ``(name, n)``.
     """
     scope = _comm.current(name)
     if scope is None:
         return _comm.default_communicator(name, n)
     if scope.axis_size == n:
         return scope
-    key = (scope.uid, n)
-    comm = _GROUP_COMMS.get(key)
+    derived = scope.__dict__.setdefault("_jaxccl_group_communicators", {})
+    comm = derived.get(n)
     if comm is None:
         comm = _comm.Communicator.__new__(_comm.Communicator)
         comm._init(name, n, mesh=None, topology=None, backend=scope.backend)
-        _GROUP_COMMS[key] = comm
+        derived[n] = comm
     return comm
 
 
