@@ -19,6 +19,7 @@ from jaxccl.errors import (
     TopologyError,
     TuneError,
 )
+from jaxccl.offload import offload  # imports JAX only when called
 
 __version__ = "0.1.0"
 
@@ -76,6 +77,7 @@ __all__ = [
     "all_to_all",
     "emulate",
     "has_cuda_support",
+    "offload",
     "psum",
     "psum_scatter",
     "schedule",

@@ -134,29 +134,39 @@ def test_wrong_axis_name_names_the_axes_in_scope():
         jaxccl.psum(np.ones(3, np.float32), "d")
 
 
-@pytest.mark.parametrize(
-    "call",
-    [
-        lambda v: jaxccl.all_gather(v, "d", axis_index_groups=[[0, 1], [2, 3]]),
-        lambda v: jaxccl.all_to_all(v, "d", 0, 0, axis_index_groups=[[0, 1], [2, 3]]),
-        lambda v: jaxccl.psum_scatter(v, "d", axis_index_groups=[[0, 1], [2, 3]]),
-        lambda v: jaxccl.psum(v, "d", axis_index_groups=[[0, 1], [2, 3]]),
-    ],
-)
-def test_axis_index_groups_not_implemented(call):
+def test_refused_where_jax_lax_refuses():
+    # lax.psum has no type for groups under check_vma=True; lax.all_gather(to="invarying") takes no groups.
     with pytest.raises(NotImplementedError, match="axis_index_groups"):
-        _trace(call)
-
-
-def test_other_unsupported_options():
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
-    f = jax.shard_map(lambda v: jaxccl.psum(v, ("a", "b")), mesh=mesh, in_specs=P(("a", "b")), out_specs=P(("a", "b")))
-    with pytest.raises(NotImplementedError, match="several axes"):
-        jax.eval_shape(f, jax.ShapeDtypeStruct((8,), np.float32))
-    with pytest.raises(NotImplementedError, match="to='invarying'"):
-        _trace(lambda v: jaxccl.all_gather(v, "d", to="invarying"))
+        _trace(lambda v: jaxccl.psum(v, "d", axis_index_groups=[[0, 1], [2, 3]]))
+    with pytest.raises(NotImplementedError, match="axis_index_groups"):
+        _trace(lambda v: jaxccl.all_gather(v, "d", to="invarying", axis_index_groups=[[0, 1], [2, 3]]))
+    with pytest.raises(ValueError, match="to='sideways'"):
+        _trace(lambda v: jaxccl.all_gather(v, "d", to="sideways"))
+    with pytest.raises(NotImplementedError, match="to='reduced'"):
+        _trace(lambda v: jaxccl.all_gather(v, "d", to="reduced"))
     with pytest.raises(NotImplementedError, match="vmap/pmap axes are not supported"):
         _trace(lambda v: jax.vmap(lambda u: jaxccl.all_gather(u, "v"), axis_name="v")(v))
+
+
+@pytest.mark.parametrize(
+    ("groups", "match"),
+    [
+        ([[0, 1], [2]], "same size"),
+        ([[0, 1], [1, 2]], "exactly once"),
+        ([[0, 1, 2, 3, 4]], "exactly once"),
+        ([], "must not be empty"),
+    ],
+)
+def test_bad_axis_index_groups(groups, match):
+    with pytest.raises(ValueError, match=match):
+        _trace(lambda v: jaxccl.all_gather(v, "d", axis_index_groups=groups))
+
+
+def test_bad_axis_tuples():
+    with pytest.raises(ValueError, match="more than once"):
+        _trace(lambda v: jaxccl.all_gather(v, ("d", "d")))
+    with pytest.raises(NameError, match="unbound axis name 'e'"):
+        _trace(lambda v: jaxccl.psum(v, ("d", "e")))
 
 
 def test_non_divisible_sizes():

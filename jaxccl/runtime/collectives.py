@@ -12,16 +12,29 @@ communicator of ``(axis_name, axis size)``
 (:func:`jaxccl.runtime.communicator.default_communicator`: baseline
 schedules, no topology, backend chosen at lowering).
 
-Supported: one named mesh axis of ``jax.shard_map`` (a 1-tuple is accepted),
-any whole-byte dtype for ``all_gather``/``all_to_all``; ``psum_scatter``/``psum``
-on float32, bfloat16 and float16 (reduced in float32, as XLA:CPU does) and
-int32; others raise ``TypeError``. Not supported (clear
-``NotImplementedError``): ``axis_index_groups``, several axes at once, axes of
-``vmap``/``pmap``, ``all_gather(..., to=...)`` other than ``"varying"``.
+Axes. ``axis_name`` is one manual mesh axis of ``jax.shard_map`` or a tuple
+of them (``psum(x, ("data", "fsdp"))``): the collective then runs over the
+devices that share the other axes' coordinates, ranked as ``jax.lax`` ranks
+them (the linear index along the named axes in the order given; see
+:mod:`jaxccl.runtime.axes`); a communicator serves a tuple when it was built
+for that tuple (``Communicator(mesh, ("data", "fsdp"))``).
+``axis_index_groups`` are accepted wherever ``jax.lax`` accepts them inside
+``shard_map`` (not for ``psum`` under ``check_vma=True``, nor with
+``all_gather(..., to="invarying")``, where ``jax.lax`` refuses them too); a
+group of another size than the communicator in scope runs on a communicator of
+the group's size with the same backend. ``all_gather(..., to="invarying")``
+gives an axis-invariant result as ``jax.lax``'s.
+
+Dtypes: any whole-byte dtype for ``all_gather``/``all_to_all``;
+``psum_scatter``/``psum`` on float32, bfloat16 and float16 (reduced in float32,
+as XLA:CPU does) and int32; others raise ``TypeError``. Not supported (clear
+errors): axes of ``vmap``/``pmap`` (``NotImplementedError``),
+``all_gather(..., to="reduced")`` (explicit-sharding reduced types).
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Hashable
 from typing import Any
@@ -31,12 +44,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxccl.runtime import axes as _axes
 from jaxccl.runtime import communicator as _comm
 from jaxccl.runtime import primitives as _p
 
 __all__ = ["all_gather", "all_to_all", "psum", "psum_scatter"]
 
 _REDUCE_DTYPES = tuple(np.dtype(d) for d in (np.float32, jnp.bfloat16, np.float16, np.int32))
+_ALL_GATHER_TO = ("varying", "invarying", "reduced")
 _SUB_BYTE = frozenset({"int2", "uint2", "int4", "uint4", "float4_e2m1fn"})
 
 
@@ -56,28 +71,33 @@ def _axes_in_scope() -> tuple[list[Hashable], frozenset, dict]:
     return names, manual, shape
 
 
-def _axis(fn: str, axis_name: Any) -> tuple[Hashable, int]:
-    """The single manual mesh axis named by ``axis_name`` and its size."""
-    if isinstance(axis_name, (tuple, list)):
-        if len(axis_name) != 1:
-            raise NotImplementedError(
-                f"jaxccl.{fn}: collectives over several axes at once ({tuple(axis_name)}) are not supported; "
-                "pass one mesh axis name"
-            )
-        axis_name = axis_name[0]
+def _axis(fn: str, axis_name: Any) -> tuple[Any, int]:
+    """The manual mesh axis, or tuple of axes, named by ``axis_name`` and how many devices it spans.
+
+    A 1-tuple is the name itself; two or more names stay a tuple, in the
+    caller's order (which is ``jax.lax``'s device order: the first name is
+    the major one).
+    """
+    given = _axes.names(axis_name)
+    if not given:
+        raise ValueError(f"jaxccl.{fn}: axis_name is an empty tuple; name at least one mesh axis")
+    if len(set(given)) != len(given):
+        raise ValueError(f"jaxccl.{fn}: axis_name {tuple(given)} names an axis more than once")
     names, manual, shape = _axes_in_scope()
-    if axis_name not in names:
-        where = f"axes in scope: {tuple(names)}" if names else "no named axes are in scope"
-        raise NameError(
-            f"jaxccl.{fn}: unbound axis name {axis_name!r} ({where}); call it inside jax.shard_map over a "
-            "mesh with that axis"
-        )
-    if axis_name not in manual:
-        raise NotImplementedError(
-            f"jaxccl.{fn}: axis {axis_name!r} is not a manual axis of jax.shard_map (vmap/pmap axes are not "
-            f"supported); manual mesh axes in scope: {tuple(sorted(manual, key=str))}"
-        )
-    return axis_name, int(shape[axis_name])
+    for name in given:
+        if name not in names:
+            where = f"axes in scope: {tuple(names)}" if names else "no named axes are in scope"
+            raise NameError(
+                f"jaxccl.{fn}: unbound axis name {name!r} ({where}); call it inside jax.shard_map over a "
+                "mesh with that axis"
+            )
+        if name not in manual:
+            raise NotImplementedError(
+                f"jaxccl.{fn}: axis {name!r} is not a manual axis of jax.shard_map (vmap/pmap axes are not "
+                f"supported); manual mesh axes in scope: {tuple(sorted(manual, key=str))}"
+            )
+    key = given[0] if len(given) == 1 else given
+    return key, math.prod(int(shape[name]) for name in given)
 
 
 def _canon(fn: str, what: str, value: Any, ndim: int) -> int:
@@ -101,19 +121,59 @@ def _check_dtype(fn: str, dtype: Any, *, reduction: bool) -> None:
         raise TypeError(f"jaxccl.{fn}: dtype {dt.name} is not supported (sub-byte and object dtypes cannot be moved)")
 
 
-def _varying(x: jax.Array, axis_name: Hashable) -> jax.Array:
-    """``x`` made device-varying over ``axis_name`` (no-op when it already is or check_vma=False)."""
-    if axis_name in jax.typeof(x).mat.varying:
-        return x
-    return lax.pcast(x, (axis_name,), to="varying")
+def _varying(x: jax.Array, axis_name: Any) -> jax.Array:
+    """``x`` made device-varying over the axes of ``axis_name`` (no-op where it is or check_vma=False)."""
+    varying = jax.typeof(x).mat.varying
+    missing = tuple(a for a in _axes.names(axis_name) if a not in varying)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _prepare_in_groups(fn: str, x: Any, axis_name: Any, groups: Any, *, reduction: bool):
+    """Checks a call and returns (operand made varying, axis key, devices per group, groups, communicator ref)."""
+    name, size = _axis(fn, axis_name)
+    groups = _axes.canonical_groups(fn, groups, size)
+    n = len(groups[0]) if groups is not None else size
+    x = jnp.asarray(x)
+    _check_dtype(fn, x.dtype, reduction=reduction)
+    comm = _comm.resolve(name, n) if groups is None else _group_communicator(name, n)
+    return _varying(x, name), name, n, groups, comm.ref
+
+
+def _refuse_typed_groups(fn: str, x: jax.Array, axis_name: Any, groups: Any) -> None:
+    """``jax.lax`` has no type for a reduction over groups under ``check_vma=True``: refuse it as lax does."""
+    if groups is not None and set(_axes.names(axis_name)) & jax.typeof(x).mat.varying:
+        raise NotImplementedError(
+            f"jaxccl.{fn}: axis_index_groups under jax.shard_map(check_vma=True) is not supported (jax.lax "
+            "refuses it too); use check_vma=False"
+        )
+
+
+def _group_communicator(name: Any, n: int) -> _comm.Communicator:
+    """Where collectives over ``axis_index_groups`` of ``n`` devices run.
+
+    The communicator in scope for the axis if it has ``n`` devices; else one
+    of ``n`` devices with its backend (baseline schedules, no topology: its
+    schedules are for the whole axis), made once per (communicator, ``n``) and
+    kept as long as that communicator; with none in scope, the default one of
+    ``(name, n)``.
+    """
+    scope = _comm.current(name)
+    if scope is None:
+        return _comm.default_communicator(name, n)
+    if scope.axis_size == n:
+        return scope
+    derived = scope.__dict__.setdefault("_jaxccl_group_communicators", {})
+    comm = derived.get(n)
+    if comm is None:
+        comm = _comm.Communicator.__new__(_comm.Communicator)
+        comm._init(name, n, mesh=None, topology=None, backend=scope.backend)
+        derived[n] = comm
+    return comm
 
 
 def _prepare(fn: str, x: Any, axis_name: Any, *, reduction: bool):
-    name, n = _axis(fn, axis_name)
-    x = jnp.asarray(x)
-    _check_dtype(fn, x.dtype, reduction=reduction)
-    comm = _comm.resolve(name, n)
-    return _varying(x, name), name, n, comm.ref
+    x, name, n, _, comm = _prepare_in_groups(fn, x, axis_name, None, reduction=reduction)
+    return x, name, n, comm
 
 
 def all_gather(
@@ -132,12 +192,17 @@ def all_gather(
 
     Args:
         x: array or pytree of arrays (per-device values inside ``jax.shard_map``).
-        axis_name: the mesh axis.
+        axis_name: the mesh axis, or a tuple of mesh axes (ranked as ``jax.lax`` ranks them).
         axis: where the gathered blocks go: a new axis at ``axis`` (``tiled=False``)
             or concatenated along existing axis ``axis`` (``tiled=True``).
         tiled: see ``axis``.
-        axis_index_groups: not supported (must be ``None``).
-        to: only ``"varying"`` (the ``lax`` default) is supported.
+        axis_index_groups: optional groups of indices along the axis, all of one
+            size, covering it once; each group gathers separately, in its
+            listed order.
+        to: ``"varying"`` (the ``lax`` default) or ``"invarying"`` (the result
+            is typed invariant over the axes and transposes to a slice, as
+            ``jax.lax.all_gather(..., to="invarying")``); ``"reduced"`` raises
+            ``NotImplementedError``.
 
     Returns:
         Shape of ``x`` with ``axis_size`` inserted at ``axis`` (or ``x.shape[axis]``
@@ -152,15 +217,33 @@ def all_gather(
         >>> f(np.arange(4.0, dtype=np.float32)).tolist()  # both devices hold [0, 1, 2, 3]
         [0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0]
     """
-    _unsupported("all_gather", axis_index_groups=axis_index_groups)
-    if to != "varying":
-        raise NotImplementedError(f"jaxccl.all_gather: to={to!r} is not supported (only 'varying')")
+    if to not in _ALL_GATHER_TO:
+        raise ValueError(f"jaxccl.all_gather: to={to!r}; expected one of {_ALL_GATHER_TO}")
+    if to == "reduced":
+        raise NotImplementedError(
+            "jaxccl.all_gather: to='reduced' (explicit-sharding reduced types) is not supported; use 'varying' "
+            "or 'invarying'"
+        )
+    if to == "invarying" and axis_index_groups is not None:
+        raise NotImplementedError("jaxccl.all_gather: to='invarying' does not take axis_index_groups (as jax.lax)")
+    if not _axes.names(axis_name):
+        return x
+    prim = _p.all_gather_invariant_p if to == "invarying" else _p.all_gather_p
 
     def bind(leaf):
-        leaf, name, n, comm = _prepare("all_gather", leaf, axis_name, reduction=False)
+        leaf, name, n, groups, comm = _prepare_in_groups(
+            "all_gather", leaf, axis_name, axis_index_groups, reduction=False
+        )
         ax = _canon("all_gather", "axis", axis, leaf.ndim if tiled else leaf.ndim + 1)
-        return _p.all_gather_p.bind(
-            leaf, axis_name=name, axis=ax, tiled=bool(tiled), axis_size=n, comm=comm, site=_p.new_site()
+        return prim.bind(
+            leaf,
+            axis_name=name,
+            axis=ax,
+            tiled=bool(tiled),
+            axis_size=n,
+            axis_index_groups=groups,
+            comm=comm,
+            site=_p.new_site(),
         )
 
     return jax.tree.map(bind, x)
@@ -197,10 +280,11 @@ def all_to_all(
         >>> f(np.arange(4, dtype=np.int32)).tolist()
         [0, 2, 1, 3]
     """
-    _unsupported("all_to_all", axis_index_groups=axis_index_groups)
 
     def bind(leaf):
-        leaf, name, n, comm = _prepare("all_to_all", leaf, axis_name, reduction=False)
+        leaf, name, n, groups, comm = _prepare_in_groups(
+            "all_to_all", leaf, axis_name, axis_index_groups, reduction=False
+        )
         nd = leaf.ndim
         sa = _canon("all_to_all", "split_axis", split_axis, nd)
         ca = _canon("all_to_all", "concat_axis", concat_axis, nd)
@@ -223,7 +307,14 @@ def all_to_all(
                 leaf = lax.expand_dims(leaf, (ca,))
                 sa += 1
         out = _p.all_to_all_p.bind(
-            leaf, axis_name=name, split_axis=sa, concat_axis=ca, axis_size=n, comm=comm, site=_p.new_site()
+            leaf,
+            axis_name=name,
+            split_axis=sa,
+            concat_axis=ca,
+            axis_size=n,
+            axis_index_groups=groups,
+            comm=comm,
+            site=_p.new_site(),
         )
         if not tiled and sa != ca:
             out = lax.squeeze(out, (sa,))
@@ -263,10 +354,11 @@ def psum_scatter(
         >>> f(np.arange(4.0, dtype=np.float32)).tolist()
         [2.0, 4.0]
     """
-    _unsupported("psum_scatter", axis_index_groups=axis_index_groups)
 
     def bind(leaf):
-        leaf, name, n, comm = _prepare("psum_scatter", leaf, axis_name, reduction=True)
+        leaf, name, n, groups, comm = _prepare_in_groups(
+            "psum_scatter", leaf, axis_name, axis_index_groups, reduction=True
+        )
         d = _canon("psum_scatter", "scatter_dimension", scatter_dimension, leaf.ndim)
         size = leaf.shape[d]
         if tiled and size % n:
@@ -280,7 +372,14 @@ def psum_scatter(
                 f"size {n} of axis {name!r}"
             )
         return _p.reduce_scatter_p.bind(
-            leaf, axis_name=name, scatter_dimension=d, tiled=bool(tiled), axis_size=n, comm=comm, site=_p.new_site()
+            leaf,
+            axis_name=name,
+            scatter_dimension=d,
+            tiled=bool(tiled),
+            axis_size=n,
+            axis_index_groups=groups,
+            comm=comm,
+            site=_p.new_site(),
         )
 
     return jax.tree.map(bind, x)
@@ -305,11 +404,23 @@ def psum(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
         ...                           mesh=mesh, in_specs=P("i"), out_specs=P()))
         >>> f(np.arange(4.0, dtype=np.float32)).tolist()
         [2.0, 4.0]
+
+        Over two axes at once (all four devices of a 2 x 2 mesh):
+
+        >>> mesh2 = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+        >>> g = jax.jit(jax.shard_map(lambda x: jaxccl.psum(x, ("b", "a")),
+        ...                           mesh=mesh2, in_specs=P(("a", "b")), out_specs=P()))
+        >>> g(np.arange(4.0, dtype=np.float32)).tolist()
+        [6.0]
     """
-    _unsupported("psum", axis_index_groups=axis_index_groups)
+    if not _axes.names(axis_name):
+        return x
 
     def bind(leaf):
-        leaf, name, n, comm = _prepare("psum", leaf, axis_name, reduction=True)
-        return _p.psum_p.bind(leaf, axis_name=name, axis_size=n, comm=comm, site=_p.new_site())
+        leaf, name, n, groups, comm = _prepare_in_groups("psum", leaf, axis_name, axis_index_groups, reduction=True)
+        _refuse_typed_groups("psum", leaf, name, groups)
+        return _p.psum_p.bind(
+            leaf, axis_name=name, axis_size=n, axis_index_groups=groups, comm=comm, site=_p.new_site()
+        )
 
     return jax.tree.map(bind, x)

@@ -31,6 +31,8 @@ import weakref
 from collections.abc import Hashable
 from typing import Any
 
+import numpy as np
+
 from jaxccl.errors import ExecutorError, ScheduleError
 from jaxccl.schedule.ir import Collective, Schedule
 
@@ -123,7 +125,10 @@ class Communicator:
 
     Args:
         mesh: the ``jax.sharding.Mesh`` the collectives run over (inside ``jax.shard_map``).
-        axis_name: the mesh axis this communicator serves.
+        axis_name: the mesh axis this communicator serves, or a tuple of axes:
+            it then serves collectives over exactly that tuple (``psum(x,
+            ("data", "fsdp"))``), whose groups span those axes
+            (:meth:`group_devices`).
         topology: optional :class:`jaxccl.topology.Topology` with ``num_gpus``
             equal to the axis size. Without one, ``psum`` runs the rank-ordered
             AllReduce schedule; with one, ``psum`` is ReduceScatter + AllGather
@@ -165,12 +170,19 @@ class Communicator:
         link_emulation: Any = None,
         telemetry_alpha: float = 0.5,
     ):
+        # --- several mesh axes (a tuple, in jax.lax's order: the first is the major one)
         axis_names = tuple(getattr(mesh, "axis_names", ()))
-        if axis_name not in axis_names:
-            raise ValueError(f"Communicator: mesh has no axis {axis_name!r}; its axes are {axis_names}")
+        spanned = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+        if not spanned or len(set(spanned)) != len(spanned):
+            raise ValueError(f"Communicator: axis_name {axis_name!r} must name one or more distinct mesh axes")
+        for name in spanned:
+            if name not in axis_names:
+                raise ValueError(f"Communicator: mesh has no axis {name!r}; its axes are {axis_names}")
+        axis_name = spanned[0] if len(spanned) == 1 else spanned
+        # ---
         self._init(
             axis_name,
-            int(mesh.shape[axis_name]),
+            int(np.prod([mesh.shape[name] for name in spanned])),
             mesh=mesh,
             topology=topology,
             backend=backend,
@@ -393,6 +405,29 @@ class Communicator:
                     raise ExecutorError(f"{self!r}: no {coll.value} schedule installed")
                 self._install_native(coll, s)
             return self._slots[coll]
+
+    def group_devices(self) -> np.ndarray:
+        """The devices of every group the collectives of this communicator run over, as a 2-D array.
+
+        Row ``g`` is one group (the other mesh axes' coordinates, linearized in
+        mesh order); column ``r`` is its rank ``r``, which is GPU ``r`` of
+        :attr:`topology`. With several axes the rank is the linear index along
+        them in the order of :attr:`axis_name`, as in ``jax.lax``.
+
+        Example:
+            >>> import jax, numpy as np, jaxccl
+            >>> from jax.sharding import Mesh
+            >>> mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 2, 2), ("a", "b", "c"))
+            >>> comm = jaxccl.Communicator(mesh, ("c", "a"), backend="ppermute")
+            >>> [[d.id for d in row] for row in comm.group_devices()]
+            [[0, 4, 1, 5], [2, 6, 3, 7]]
+        """
+        if self.mesh is None:
+            raise ValueError(f"{self!r} has no mesh (a default communicator serves any mesh with its axis)")
+        names = tuple(self.mesh.axis_names)
+        inside = self.axis_name if isinstance(self.axis_name, tuple) else (self.axis_name,)
+        order = [names.index(a) for a in names if a not in inside] + [names.index(a) for a in inside]
+        return np.transpose(np.asarray(self.mesh.devices), order).reshape(-1, self.axis_size)
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:

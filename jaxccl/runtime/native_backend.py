@@ -2,10 +2,11 @@
 
 The call is ``jaxccl_cpu_collective`` (``jaxccl_cuda_collective`` on GPUs)
 with operands ``x`` (this rank's flat input) and ``coords = [rank, group]``
-(int32): ``rank = lax.axis_index(axis)`` and ``group`` the linear index of
-this device's coordinates along the other manual mesh axes, so that on a 2-D
-mesh the independent groups of a collective over one axis rendezvous
-separately. Attributes (compile-time): ``slot`` (the communicator's registry
+(int32): ``rank`` the device's rank along the collective's axis, axes or
+axis-index group (:mod:`jaxccl.runtime.axes`) and ``group`` the linear index
+of its coordinates along the other manual mesh axes (times the number of
+axis-index groups, plus its group), so that the independent groups of a
+collective rendezvous separately. Attributes (compile-time): ``slot`` (the communicator's registry
 slot of that collective, whose table the executor reads at run time, which is
 what makes hot-swap recompile-free), ``site`` (a unique id of the lowered call
 site, part of the rendezvous key) and ``axis_size``.
@@ -18,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxccl.runtime import axes as _axes
 from jaxccl.schedule.ir import Collective
 
 __all__ = ["TARGETS", "flat_collective", "output_elems"]
@@ -62,8 +64,9 @@ def flat_collective(
 
     del native
     n = int(axis_size)
-    rank = lax.axis_index(axis_name).astype(jnp.int32) if n > 1 else jnp.int32(0)
-    coords = jnp.stack([rank, _group(group_axes)]).astype(jnp.int32)
+    rank = _axes.axis_index(axis_name) if n > 1 else jnp.int32(0)
+    group = _group(group_axes) * _axes.num_groups(axis_name) + _axes.group_id(axis_name)
+    coords = jnp.stack([rank, group]).astype(jnp.int32)
     if dep is not None:
         coords = coords + dep
     out = jax.ShapeDtypeStruct((output_elems(coll, int(flat.shape[0]), n),), flat.dtype)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxccl.runtime import axes as _axes
 from jaxccl.runtime.rounds import Instr, Plan, plan
 from jaxccl.schedule.ir import Buffer, OpKind, Schedule, period_elements
 
@@ -31,7 +32,8 @@ def run_schedule(schedule: Schedule, x: jax.Array, axis_name) -> jax.Array:
     """Runs ``schedule`` on this rank's flat input ``x`` over mesh axis ``axis_name``.
 
     Must be called inside ``jax.shard_map`` (it uses ``axis_index`` and
-    ``ppermute``). ``x`` is 1-D in the chunk layout of ``docs/schedule-ir.md``;
+    ``ppermute``). ``axis_name`` is a mesh axis, a tuple of them or a
+    :class:`~jaxccl.runtime.axes.GroupedAxis`. ``x`` is 1-D in the chunk layout of ``docs/schedule-ir.md``;
     the result is the rank's flat output buffer.
     """
     lp = period_elements(schedule.collective, schedule.num_ranks, int(x.shape[0]))
@@ -110,7 +112,7 @@ def execute(p: Plan, x: jax.Array, axis_name) -> jax.Array:
     """Executes plan ``p`` on the flat input ``x`` of this rank; returns the flat output buffer."""
     if x.ndim != 1 or x.shape[0] != p.in_elems:
         raise ValueError(f"ppermute backend: expected a flat input of {p.in_elems} elements, got shape {x.shape}")
-    idx = lax.axis_index(axis_name) if p.num_ranks > 1 else jnp.int32(0)
+    idx = _axes.axis_index(axis_name) if p.num_ranks > 1 else jnp.int32(0)
     t = _Tables(idx)
     bufs = {
         Buffer.INPUT: x,
@@ -124,9 +126,7 @@ def execute(p: Plan, x: jax.Array, axis_name) -> jax.Array:
             _apply(t, ins, bufs, inbox, outbox)
         for e in rnd.exchanges:
             rows = outbox[(d, e.length)].rows
-            inbox[(d, e.length)] = _Boxes(
-                [lax.ppermute(row, axis_name, perm=list(perm)) for row, perm in zip(rows, e.perms)]
-            )
+            inbox[(d, e.length)] = _Boxes([_axes.ppermute(row, axis_name, perm) for row, perm in zip(rows, e.perms)])
     return bufs[Buffer.OUTPUT]
 
 

@@ -1,9 +1,13 @@
 """JAX primitives of the jaxccl collectives: abstract eval, lowering, transpose and batching rules.
 
-Four primitives mirror ``jax.lax``'s: ``jaxccl_all_gather``,
+Five primitives mirror ``jax.lax``'s: ``jaxccl_all_gather``,
+``jaxccl_all_gather_invariant`` (``to="invarying"``: the result is invariant
+over the axes and transposes to this device's slice, as ``lax``'s),
 ``jaxccl_all_to_all`` (always tiled; the front end reshapes as ``lax`` does),
 ``jaxccl_reduce_scatter`` and ``jaxccl_psum``. Their parameters are the
-``lax`` ones (``axis_name`` is a single mesh axis) plus ``axis_size``,
+``lax`` ones (``axis_name`` is one mesh axis or a tuple of them, see
+:mod:`jaxccl.runtime.axes`; ``axis_index_groups`` ``None`` or a tuple of
+tuples; ``axis_size`` the devices per group) plus
 ``comm`` (the :class:`~jaxccl.runtime.communicator.Communicator` resolved at
 trace time) and ``site``, a fresh id per bind (rebinding rules allocate new
 ones). The site keeps equations distinct, and the lowerings are registered
@@ -54,12 +58,14 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters.mlir import ir
 
+from jaxccl.runtime import axes as _axes
 from jaxccl.runtime import communicator as _comm
 from jaxccl.schedule.ir import Collective
 
-__all__ = ["all_gather_p", "all_to_all_p", "psum_p", "reduce_scatter_p"]
+__all__ = ["all_gather_invariant_p", "all_gather_p", "all_to_all_p", "psum_p", "reduce_scatter_p"]
 
 all_gather_p = Primitive("jaxccl_all_gather")
+all_gather_invariant_p = Primitive("jaxccl_all_gather_invariant")
 all_to_all_p = Primitive("jaxccl_all_to_all")
 reduce_scatter_p = Primitive("jaxccl_reduce_scatter")
 psum_p = Primitive("jaxccl_psum")
@@ -100,21 +106,30 @@ def _a2a_shape(shape, split_axis: int, concat_axis: int, n: int) -> tuple[int, .
     return tuple(s)
 
 
-def _all_gather_abstract_eval(x, *, axis_name, axis, tiled, axis_size, comm, site):
+def _all_gather_abstract_eval(x, *, axis_name, axis, tiled, axis_size, **_):
     return x.update(shape=_ag_shape(x.shape, axis, tiled, axis_size), weak_type=False)
 
 
-def _reduce_scatter_abstract_eval(x, *, axis_name, scatter_dimension, tiled, axis_size, comm, site):
+def _invariant(x, axis_name):
+    """``x``'s type with the axes of ``axis_name`` removed from its varying set."""
+    mat = x.mat
+    return x.update(manual_axis_type=mat.update(varying=frozenset(mat.varying) - set(_axes.names(axis_name))))
+
+
+def _all_gather_invariant_abstract_eval(x, *, axis_name, **params):
+    return _invariant(_all_gather_abstract_eval(x, axis_name=axis_name, **params), axis_name)
+
+
+def _reduce_scatter_abstract_eval(x, *, scatter_dimension, tiled, axis_size, **_):
     return x.update(shape=_rs_shape(x.shape, scatter_dimension, tiled, axis_size), weak_type=False)
 
 
-def _all_to_all_abstract_eval(x, *, axis_name, split_axis, concat_axis, axis_size, comm, site):
+def _all_to_all_abstract_eval(x, *, split_axis, concat_axis, axis_size, **_):
     return x.update(shape=_a2a_shape(x.shape, split_axis, concat_axis, axis_size), weak_type=False)
 
 
-def _psum_abstract_eval(x, *, axis_name, axis_size, comm, site):
-    mat = x.mat
-    return x.update(manual_axis_type=mat.update(varying=frozenset(mat.varying) - {axis_name}), weak_type=False)
+def _psum_abstract_eval(x, *, axis_name, **_):
+    return _invariant(x, axis_name).update(weak_type=False)
 
 
 # ---------------------------------------------------------------------- transposes
@@ -132,6 +147,14 @@ def _all_gather_transpose(ct, x, *, axis, tiled, **params):
     return (_rebind(reduce_scatter_p, ct, params, scatter_dimension=axis, tiled=tiled),)
 
 
+def _all_gather_invariant_transpose(ct, x, *, axis, tiled, **params):
+    """As ``lax.all_gather_invariant``'s: the cotangent's block of this device (invariant -> varying)."""
+    n = params["axis_size"]
+    size = ct.shape[axis] // n
+    out = lax.dynamic_slice_in_dim(ct, _axes.axis_index(params["axis_name"]) * size, size, axis=axis)
+    return (out if tiled else lax.squeeze(out, (axis,)),)
+
+
 def _reduce_scatter_transpose(ct, x, *, scatter_dimension, tiled, **params):
     return (_rebind(all_gather_p, ct, params, axis=scatter_dimension, tiled=tiled),)
 
@@ -141,9 +164,9 @@ def _all_to_all_transpose(ct, x, *, split_axis, concat_axis, **params):
 
 
 def _psum_transpose(ct, x, **params):
-    axis_name = params["axis_name"]
-    if axis_name in x.aval.mat.varying:  # check_vma=True: psum is varying -> invariant, as lax.psum
-        return (lax.pcast(ct, (axis_name,), to="varying"),)
+    axes = _axes.names(params["axis_name"])
+    if set(axes) & x.aval.mat.varying:  # check_vma=True: psum is varying -> invariant, as lax.psum
+        return (lax.pcast(ct, axes, to="varying"),)
     return (_rebind(psum_p, ct, params),)  # check_vma=False: lax's psum_p transposes to psum
 
 
@@ -166,9 +189,19 @@ _PROMOTE = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
 
 
 def _flat_collective(
-    coll: Collective, flat: jax.Array, *, axis_name, axis_size, comm, site: int, backend, dep=None
+    coll: Collective,
+    flat: jax.Array,
+    *,
+    axis_name,
+    axis_size,
+    comm,
+    site: int,
+    backend,
+    dep=None,
+    axis_index_groups=None,
 ) -> jax.Array:
     """The flat-buffer collective on this rank (chunk layout of docs/schedule-ir.md)."""
+    axis = _axes.grouped(axis_name, axis_index_groups)
     if backend == "ppermute":
         from jaxccl.runtime import ppermute_backend
 
@@ -176,15 +209,15 @@ def _flat_collective(
             # An identity ppermute is a fusion barrier: without it XLA:CPU fuses the producer of the operand
             # into the schedule's additions and may contract a multiply and an add into an FMA, which
             # rounds differently from lax (whose collective reads a materialized operand).
-            flat = lax.ppermute(flat, axis_name, perm=[(i, i) for i in range(axis_size)])
-        return ppermute_backend.run_schedule(comm.schedule(coll), flat, axis_name)
+            flat = _axes.ppermute(flat, axis, perm=[(i, i) for i in range(axis_size)])
+        return ppermute_backend.run_schedule(comm.schedule(coll), flat, axis)
     from jaxccl.runtime import native_backend
 
     kind, group_axes = backend
     return native_backend.flat_collective(
         coll,
         flat,
-        axis_name=axis_name,
+        axis_name=axis,
         axis_size=axis_size,
         group_axes=group_axes,
         slot=comm.slot(coll),
@@ -216,9 +249,17 @@ def _reduce(coll: Collective, flat: jax.Array, **kw) -> jax.Array:
     return y.astype(dtype)
 
 
-def _kw(axis_name, axis_size, comm, site, backend, dep=None, sub: int = 0) -> dict:
+def _kw(axis_name, axis_size, comm, site, backend, dep=None, sub: int = 0, axis_index_groups=None) -> dict:
     # Native site ids: two sub-calls per primitive site (psum = ReduceScatter + AllGather).
-    return dict(axis_name=axis_name, axis_size=axis_size, comm=comm, site=2 * site + sub, backend=backend, dep=dep)
+    return dict(
+        axis_name=axis_name,
+        axis_size=axis_size,
+        comm=comm,
+        site=2 * site + sub,
+        backend=backend,
+        dep=dep,
+        axis_index_groups=axis_index_groups,
+    )
 
 
 def _all_gather_impl(x, *, axis, tiled, **params):
@@ -267,7 +308,7 @@ def _psum_impl(x, **params):
 
 
 def _group_axes(ctx, axis_name) -> tuple[tuple[object, int], ...]:
-    """The other manual mesh axes (name, size): their coordinates identify this rank's group."""
+    """The manual mesh axes outside ``axis_name`` (name, size): their coordinates identify this rank's group."""
     axis_context = ctx.module_context.axis_context
     mesh = getattr(axis_context, "mesh", None)
     if mesh is None:
@@ -280,7 +321,8 @@ def _group_axes(ctx, axis_name) -> tuple[tuple[object, int], ...]:
             f"jaxccl native backends need every mesh axis manual in jax.shard_map; axes {auto} are not "
             "(use backend='ppermute' for partially manual shard_map)"
         )
-    return tuple((a, int(shape[a])) for a in mesh.axis_names if a != axis_name and a in manual)
+    inside = set(_axes.names(axis_name))
+    return tuple((a, int(shape[a])) for a in mesh.axis_names if a not in inside and a in manual)
 
 
 _CHAIN_KEY = "jaxccl_last_native_collective"
@@ -294,6 +336,24 @@ def _chain_dep(prev: jax.Array) -> jax.Array:
     return lax.clamp(jnp.int32(0), first.astype(jnp.int32)[0], jnp.int32(0))
 
 
+def _materialized(impl):
+    """``impl`` with its operand and its result behind optimization barriers.
+
+    ``lax``'s collectives read a materialized operand and hand their consumers
+    a plain buffer. Without the barriers XLA fuses the reshapes/transposes to
+    and from the flat layout into the producer and the consumer, which changes
+    their loops: a consumer's reduction (a loss's ``sum``) runs in another
+    order, a producer's ``cos`` may take another code path, and the bits
+    differ from the same program on ``lax``.
+    """
+
+    @functools.wraps(impl)
+    def run(x, *args, **kwargs):
+        return lax.optimization_barrier(impl(lax.optimization_barrier(x), *args, **kwargs))
+
+    return run
+
+
 def _lowering(impl):
     """Lowering rule: ``impl`` in JAX ops for the backend the communicator runs on this platform.
 
@@ -305,6 +365,8 @@ def _lowering(impl):
     without an order common to all devices a program with several independent
     collectives can deadlock (observed: 27 independent calls on a 2x4 mesh).
     """
+
+    impl = _materialized(impl)
 
     def rule(ctx, x, *, comm, **params):
         platforms = ctx.module_context.platforms
@@ -348,6 +410,7 @@ def _first_ir_value(out: Any) -> Any:
 # ---------------------------------------------------------------- registration
 for _p, _name in (
     (all_gather_p, "all_gather"),
+    (all_gather_invariant_p, "all_gather"),
     (all_to_all_p, "all_to_all"),
     (reduce_scatter_p, "psum_scatter"),
     (psum_p, "psum"),
@@ -355,21 +418,25 @@ for _p, _name in (
     _p.def_impl(_no_impl(_name))
 
 all_gather_p.def_abstract_eval(_all_gather_abstract_eval)
+all_gather_invariant_p.def_abstract_eval(_all_gather_invariant_abstract_eval)
 all_to_all_p.def_abstract_eval(_all_to_all_abstract_eval)
 reduce_scatter_p.def_abstract_eval(_reduce_scatter_abstract_eval)
 psum_p.def_abstract_eval(_psum_abstract_eval)
 
 ad.deflinear2(all_gather_p, _all_gather_transpose)
+ad.deflinear2(all_gather_invariant_p, _all_gather_invariant_transpose)
 ad.deflinear2(all_to_all_p, _all_to_all_transpose)
 ad.deflinear2(reduce_scatter_p, _reduce_scatter_transpose)
 ad.deflinear2(psum_p, _psum_transpose)
 
 batching.primitive_batchers[all_gather_p] = _batch_rule(all_gather_p, "axis")
+batching.primitive_batchers[all_gather_invariant_p] = _batch_rule(all_gather_invariant_p, "axis")
 batching.primitive_batchers[all_to_all_p] = _batch_rule(all_to_all_p, "split_axis", "concat_axis")
 batching.primitive_batchers[reduce_scatter_p] = _batch_rule(reduce_scatter_p, "scatter_dimension")
 batching.primitive_batchers[psum_p] = _batch_rule(psum_p)
 
 mlir.register_lowering(all_gather_p, _lowering(_all_gather_impl), cacheable=False)
+mlir.register_lowering(all_gather_invariant_p, _lowering(_all_gather_impl), cacheable=False)
 mlir.register_lowering(all_to_all_p, _lowering(_all_to_all_impl), cacheable=False)
 mlir.register_lowering(reduce_scatter_p, _lowering(_reduce_scatter_impl), cacheable=False)
 mlir.register_lowering(psum_p, _lowering(_psum_impl), cacheable=False)
