@@ -280,3 +280,16 @@ def test_python_reader_bounds_counts():
     bad = compile_table(ring_all_gather(2)).copy()
     bad[13] = 2**31 - 1
     assert decode(bad)["header"]["num_connections"] == 2**31 - 1  # decoding sizes nothing by it
+
+
+def test_chunk_cell_limit_is_the_interpreters():
+    from jaxccl.schedule.interpreter import MAX_CHUNK_CELLS
+
+    native = _native()
+    c = MAX_CHUNK_CELLS // 2 + 1  # one rank, input and output of c chunks: just over the limit
+    b = ScheduleBuilder("all_reduce", num_ranks=1, chunks_per_period=c)
+    b.copy(0, (I, 0), (O, 0), c)
+    with pytest.raises(ExecutorError, match=f"{2 * c} chunk cells, above the limit of {MAX_CHUNK_CELLS}"):
+        native.validate_table(compile_table(b.build()))
+    with pytest.raises(ScheduleError, match="too large to check"):
+        b.build().validate()
