@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from handmade import ring_all_gather
@@ -293,3 +295,35 @@ def test_chunk_cell_limit_is_the_interpreters():
         native.validate_table(compile_table(b.build()))
     with pytest.raises(ScheduleError, match="too large to check"):
         b.build().validate()
+
+
+def test_thousands_of_threadblocks_run_bitwise_and_cost_no_threads():
+    # 8,248 threadblocks on 8 ranks (the review's schedule size that used to need 8,192 worker threads).
+    import jax
+    from jax.sharding import Mesh
+    from programs import all_gather_pair
+
+    import jaxccl
+
+    n, c = 8, 1017  # per rank: c local copies, 7 sends, 7 receives = 1031 threadblocks
+    ranks = []
+    for r in range(n):
+        tbs = [Threadblock((Op(OpKind.COPY, I, j, O, r * c + j, 1),)) for j in range(c)]
+        tbs += [Threadblock((Op(OpKind.SEND, I, 0, None, 0, c),), send_peer=d) for d in range(n) if d != r]
+        tbs += [Threadblock((Op(OpKind.RECV, None, 0, O, d * c, c),), recv_peer=d) for d in range(n) if d != r]
+        ranks.append(tbs)
+    s = make_schedule("all_gather", n, c, ranks)
+    assert s.num_threadblocks == 8248
+    mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    comm.install("all_gather", s)
+    f, ref = all_gather_pair(mesh)
+    threads = []
+    with comm:
+        for k in range(3):
+            x = np.random.default_rng(k).standard_normal(n * c * 2).astype(np.float32) + 0.5
+            got, want = np.asarray(f(x)), np.asarray(ref(x))
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+            threads.append(len(os.listdir("/proc/self/task")))
+    comm.close()
+    assert threads[0] == threads[-1]
