@@ -12,8 +12,11 @@ mutations of compiled tables (the mutations of ``tests/test_fuzz_tables.py``),
 each checked by the native registry as it comes (*sealed* by the compiler: the
 checksum refuses every real change) and once more after :func:`seal` recomputed
 its checksum (*resealed*: only the structural checks stand between it and the
-executor). Accepted tables run (the resealed ones up to ``--runs``) and are
-compared bitwise with ``jax.lax``; the counts are the table's rows.
+executor). Accepted tables are checked by :func:`jaxccl.schedule.table.verify`
+(is it what the compiler writes for a valid schedule?), run (the resealed ones
+up to ``--runs``) and compared bitwise with ``jax.lax``; the counts are the
+table's rows. A compiler output that runs wrong is an executor bug: the
+campaign fails.
 
 Usage:
     nice -n 10 python benchmarks/fuzz.py [--seed N] [--tables 20000] [--runs 150] [--json PATH]
@@ -48,15 +51,16 @@ def table_campaign(count: int, seed: int, max_runs: int) -> list[dict]:
     sys.path.insert(0, os.path.join(ROOT, "tests"))
     import test_fuzz_tables as tf
 
-    from jaxccl.errors import ExecutorError
+    from jaxccl.errors import ExecutorError, ScheduleError
     from jaxccl.runtime import native
-    from jaxccl.schedule.table import seal
+    from jaxccl.schedule.table import seal, verify
 
     rng = np.random.default_rng(seed)
     runner = tf.Runner(tf.base_schedules(), Mesh(np.array(jax.devices()[: tf.N]), ("d",)))
     old_timeout = native.get_timeout()
     native.set_timeout(5.0)  # a resealed table may deadlock: its launch ends at the deadline
-    keys = ("mutations", "no-op", "refused", "accepted changed", "ran bitwise", "ran wrong", "run error", "not run")
+    keys = ("mutations", "no-op", "refused", "accepted changed", "compiler output")
+    keys += ("ran bitwise", "ran wrong", "compiler output ran wrong", "run error", "not run")
     rows = {mode: dict.fromkeys(keys, 0) for mode in ("sealed", "resealed")}
     errors: dict[str, int] = {}
     try:
@@ -80,11 +84,19 @@ def table_campaign(count: int, seed: int, max_runs: int) -> list[dict]:
                     row["refused"] += 1
                     continue
                 row["accepted changed"] += not unchanged
+                try:
+                    verify(candidate)
+                    compiler_output = True
+                except ScheduleError:
+                    compiler_output = False
+                row["compiler output"] += compiler_output
                 if mode == "resealed" and row["ran bitwise"] + row["ran wrong"] + row["run error"] >= max_runs:
                     row["not run"] += 1
                     continue
                 try:
-                    row["ran bitwise" if runner.run(k, candidate, seed=i) else "ran wrong"] += 1
+                    bitwise = runner.run(k, candidate, seed=i)
+                    row["ran bitwise" if bitwise else "ran wrong"] += 1
+                    row["compiler output ran wrong"] += compiler_output and not bitwise
                 except Exception as e:  # noqa: BLE001 - tallied by kind: what a bad table does at run time
                     row["run error"] += 1
                     kind = type(e).__name__ + (": deadline" if "deadline" in str(e).lower() else "")
@@ -132,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     report.write_json(args.json, result)
     print(f"wrote {args.json}")
     sealed = next((r for r in tables if r["tables"] == "sealed"), {})
-    return int(any(r["exit"] for r in rows) or sealed.get("accepted changed", 0) or sealed.get("ran wrong", 0))
+    bad = sealed.get("accepted changed", 0) or sealed.get("ran wrong", 0)
+    bad = bad or any(r.get("compiler output ran wrong", 0) for r in tables)
+    return int(any(r["exit"] for r in rows) or bad)
 
 
 if __name__ == "__main__":

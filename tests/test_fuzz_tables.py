@@ -6,8 +6,13 @@ a word copied from elsewhere in the table, any int32). The property: the
 native registry refuses the table with :class:`jaxccl.ExecutorError`, or the
 table is the compiled one word for word (a no-op mutation) and runs bitwise
 equal to ``jax.lax`` on random data. The table's checksum is what makes every
-real change a refusal; the structural checks behind it are exercised by the
-resealed mutations of ``benchmarks/fuzz.py --tables``.
+real change a refusal.
+
+Resealed mutations (the checksum recomputed after the change) exercise the
+structural checks behind it and the executor itself: such a table is refused
+by the registry, or is not what the compiler writes for a valid schedule
+(:func:`jaxccl.schedule.table.verify` says so), or runs bitwise like
+``jax.lax``.
 
 Runs derandomized with a small budget in CI; ``JAXCCL_FUZZ=long`` runs more.
 """
@@ -27,11 +32,11 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from jaxccl.errors import ExecutorError  # noqa: E402
+from jaxccl.errors import ExecutorError, ScheduleError  # noqa: E402
 from jaxccl.runtime import native  # noqa: E402
 from jaxccl.runtime.native_backend import flat_collective  # noqa: E402
 from jaxccl.schedule import Schedule  # noqa: E402
-from jaxccl.schedule.table import compile_table  # noqa: E402
+from jaxccl.schedule.table import compile_table, seal, verify  # noqa: E402
 from jaxccl.synth import baselines  # noqa: E402
 
 N = 4
@@ -163,3 +168,16 @@ def test_mutated_tables_are_refused_or_unchanged(runner, k, edits):
         return
     assert np.array_equal(mutated, table), "the registry accepted a changed table"
     assert runner.run(k, mutated, seed=len(edits))
+
+
+@settings.get_profile(PROFILE)
+@given(k=st.integers(0, 3), edits=st.one_of(EDITS, SMALL_EDITS))
+@example(k=1, edits=[(4, "small", 2)])  # chunks_per_period changed consistently nowhere else: refused
+def test_resealed_tables_are_refused_or_run_bitwise(runner, k, edits):
+    mutated = seal(mutate(runner.tables[k], edits))
+    try:
+        native.validate_table(mutated)
+        verify(mutated)
+    except (ExecutorError, ScheduleError):
+        return
+    assert runner.run(k, mutated, seed=len(edits)), "a table the compiler writes for a valid schedule ran wrong"

@@ -12,6 +12,7 @@ from jaxccl.errors import ExecutorError, ScheduleError
 from jaxccl.schedule import Buffer, Op, OpKind, ScheduleBuilder, Threadblock, make_schedule
 from jaxccl.schedule import table as tbl
 from jaxccl.schedule.table import compile_table, decode, header
+from jaxccl.synth import baselines
 
 I, O, S = Buffer.INPUT, Buffer.OUTPUT, Buffer.SCRATCH
 
@@ -327,3 +328,42 @@ def test_thousands_of_threadblocks_run_bitwise_and_cost_no_threads():
             threads.append(len(os.listdir("/proc/self/task")))
     comm.close()
     assert threads[0] == threads[-1]
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: ring_all_gather(4, 3),
+        lambda: _relay_all_gather(4, 2),
+        lambda: baselines.ordered_allreduce(4),
+        lambda: baselines.ring_reduce_scatter(4),
+        lambda: baselines.direct_alltoall(4),
+        lambda: baselines.ring_allreduce(4, channels=2),
+    ],
+)
+def test_verify_accepts_what_compile_table_emits(build):
+    s = build()
+    for slots in (4, 8):
+        t = compile_table(s, num_slots=slots)
+        again = tbl.verify(t)
+        assert again.collective == s.collective and again.num_ranks == s.num_ranks
+        assert np.array_equal(compile_table(tbl.schedule_of(t), num_slots=slots)[15:], t[15:])
+
+
+def test_verify_refuses_a_sealed_table_the_compiler_would_not_write():
+    native = _native()
+    t = compile_table(ring_all_gather(4))
+    d = decode(t)
+    first_send = next(k for k, o in enumerate(d["ops"]) if o["kind"] == OpKind.SEND.code)
+    word = tbl.HEADER_WORDS + tbl.RANK_WORDS * 4 + tbl.TB_WORDS * len(d["threadblocks"]) + tbl.OP_WORDS * first_send
+    wrong = t.copy()
+    wrong[word + 8] = 0  # a direct send made staged: runs right, but it is not what the compiler writes
+    native.validate_table(tbl.seal(wrong))
+    with pytest.raises(ScheduleError, match=f"table word {word + 8} is not what compile_table writes"):
+        tbl.verify(tbl.seal(wrong))
+    with pytest.raises(ScheduleError, match="checksum"):
+        tbl.verify(wrong)
+    wrong = t.copy()
+    wrong[word + 9] = 5  # reserved: no schedule has it
+    with pytest.raises(ScheduleError):
+        tbl.verify(tbl.seal(wrong))

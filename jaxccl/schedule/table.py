@@ -260,6 +260,92 @@ def decode(table: np.ndarray) -> dict[str, Any]:
     }
 
 
+def schedule_of(table: np.ndarray) -> Schedule:
+    """The schedule a table runs, one op per table row (a ``nop`` row stays a ``nop`` op).
+
+    The inverse of :func:`compile_table` up to how dependencies are written:
+    ``compile_table(schedule_of(t))`` is ``t`` again, except the digest word,
+    for every table :func:`compile_table` emitted (:func:`verify` checks it).
+
+    Raises:
+        ScheduleError: the table's rows describe no schedule (sizes, codes, offsets).
+
+    Example:
+        >>> from jaxccl.synth.baselines import ring_allgather
+        >>> schedule_of(compile_table(ring_allgather(4))).num_ops == ring_allgather(4).num_ops
+        True
+    """
+    from jaxccl.schedule.ir import Collective, Op, Threadblock, make_schedule
+
+    d = decode(table)
+    h = d["header"]
+    collectives = {c.code: c for c in Collective}
+    kinds = {k.code: k for k in OpKind}
+    try:
+        ranks = []
+        for first, count in d["ranks"]:
+            tbs = []
+            for tb in d["threadblocks"][first : first + count]:
+                ops = []
+                for o in d["ops"][tb["first_op"] : tb["first_op"] + tb["num_ops"]]:
+                    src = Buffer(o["src_buf"]) if o["src_buf"] != -1 else None
+                    dst = Buffer(o["dst_buf"]) if o["dst_buf"] != -1 else None
+                    deps = ((o["dep_tb"], o["dep_op"]),) if o["dep_tb"] != -1 else ()
+                    op = Op(kinds[o["kind"]], src, o["src_off"], dst, o["dst_off"], o["count"], deps)
+                    ops.append(op)
+                tbs.append(Threadblock(tuple(ops), tb["send_peer"], tb["recv_peer"], tb["channel"]))
+            ranks.append(tbs)
+        info = {"ordered_reduction": True} if h["flags"] & FLAG_ORDERED_REDUCTION else {}
+        return make_schedule(
+            collectives[h["collective"]],
+            h["num_ranks"],
+            h["chunks_per_period"],
+            ranks,
+            scratch_chunks=h["scratch_chunks"],
+            info=info,
+        )
+    except (KeyError, ValueError, TypeError) as e:
+        raise ScheduleError(f"table rows describe no schedule: {e}") from None
+
+
+def verify(table: np.ndarray) -> Schedule:
+    """Proves that ``table`` is what :func:`compile_table` emits for a schedule :meth:`~Schedule.validate` accepts.
+
+    The table's schedule (:func:`schedule_of`) is checked by the reference
+    interpreter with the table's slot count and compiled again; every word but
+    the digest must come back (a direct flag, a connection id, a scratch size
+    the compiler would not write is refused), and the checksum must be right.
+    Costs a :meth:`~Schedule.validate`: for tables from elsewhere (a file, a
+    tool), not for each hot-swap of a table compiled here.
+
+    Returns:
+        The table's schedule.
+
+    Raises:
+        ScheduleError: naming the first word that differs, or what the interpreter found.
+
+    Example:
+        >>> from jaxccl.synth.baselines import ring_reduce_scatter
+        >>> verify(compile_table(ring_reduce_scatter(4))).collective.value
+        'reduce_scatter'
+    """
+    t = np.asarray(table)
+    h = header(t)
+    if checksum(t) != h["checksum"]:
+        raise ScheduleError(f"table checksum 0x{h['checksum']:08x} is not its words' 0x{checksum(t):08x}")
+    s = schedule_of(t)
+    s.validate(num_slots=h["num_slots"])
+    again = compile_table(s, num_slots=h["num_slots"])
+    differ = [w for w in range(min(t.size, again.size)) if w not in (12, CHECKSUM_WORD) and t[w] != again[w]]
+    if t.size != again.size or differ:
+        w = differ[0] if differ else min(t.size, again.size)
+        raise ScheduleError(
+            f"table word {w} is not what compile_table writes for the table's schedule "
+            f"({int(t[w]) if w < t.size else 'missing'} instead of {int(again[w]) if w < again.size else 'none'})"
+        )
+    return s
+
+
 # --------------------------------------------------------------------------- checks
 
 
