@@ -9,8 +9,11 @@ synthesized or baseline schedule, staged without recompiling), a link fault is
 injected or healed (``comm.inject``), and a throwaway Communicator is created,
 used and dropped. Resources are read before and after: resident memory,
 threads, open file descriptors and the native executor's slots and pending rendezvous;
-and once more after ``jax.clear_caches()``, since a program traced with a
-communicator keeps that communicator's native slots while JAX caches it.
+once more after ``jax.clear_caches()``, since a program traced with a
+communicator keeps that communicator's native slots while JAX caches it; and
+once more after glibc's ``malloc_trim(0)``: resident memory the C allocator
+keeps in its per-thread arenas after it was freed (a plateau, returned by the
+trim) is not a leak, memory still in use is.
 
 Reductions run on int32 data (any summation order is then exact) so that every
 reduction schedule, ordered or not, is checked against ``jax.lax`` bitwise.
