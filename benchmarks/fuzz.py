@@ -13,8 +13,9 @@ each checked by the native registry as it comes (*sealed* by the compiler: the
 checksum refuses every real change) and once more after :func:`seal` recomputed
 its checksum (*resealed*: only the structural checks stand between it and the
 executor). Accepted tables are checked by :func:`jaxccl.schedule.table.verify`
-(is it what the compiler writes for a valid schedule?), run (the resealed ones
-up to ``--runs``) and compared bitwise with ``jax.lax``; the counts are the
+(is it what the compiler writes for a valid schedule?), run (every compiler
+output, and up to ``--runs`` other resealed tables) and compared bitwise with
+``jax.lax``; the counts are the
 table's rows. A compiler output that runs wrong is an executor bug: the
 campaign fails.
 
@@ -90,7 +91,8 @@ def table_campaign(count: int, seed: int, max_runs: int) -> list[dict]:
                 except ScheduleError:
                     compiler_output = False
                 row["compiler output"] += compiler_output
-                if mode == "resealed" and row["ran bitwise"] + row["ran wrong"] + row["run error"] >= max_runs:
+                ran = row["ran bitwise"] + row["ran wrong"] + row["run error"] - row["compiler output"]
+                if mode == "resealed" and not compiler_output and ran >= max_runs:
                     row["not run"] += 1
                     continue
                 try:
