@@ -154,7 +154,7 @@ ffi::Error Parser::Header() {
   num_ops_ = w_[10];
   if (w_[11] & ~kTableFlagOrderedReduction) return Bad(11, "unknown flag bits (only bit 0 is defined)");
   t_.flags = w_[11];
-  t_.digest_low32 = static_cast<uint32_t>(w_[12]);
+  t_.digest_low32 = static_cast<uint32_t>(w_[kHeaderDigestWord]);
   if (w_[13] < 0) return Bad(13, "num_connections must be >= 0");
   num_conns_ = w_[13];
   if (w_[15] != 0) return Bad(15, "reserved, must be 0");
