@@ -54,8 +54,9 @@ HEADER_WORDS = 16
 RANK_WORDS = 2
 TB_WORDS = 8
 OP_WORDS = 10
+DIGEST_WORD = 12
 CHECKSUM_WORD = 14
-_UNSIGNED_HEADER_WORDS = (0, 12, CHECKSUM_WORD)  # magic, digest, checksum: 32-bit patterns, not counts
+_UNSIGNED_HEADER_WORDS = (0, DIGEST_WORD, CHECKSUM_WORD)  # magic, digest, checksum: 32-bit patterns, not counts
 
 FLAG_ORDERED_REDUCTION = 1
 OP_FLAG_DIRECT = 1
@@ -179,7 +180,7 @@ def compile_table(schedule: Schedule, num_slots: int = 8) -> np.ndarray:
     hdr[9] = len(tb_rows)
     hdr[10] = len(op_rows)
     hdr[11] = FLAG_ORDERED_REDUCTION if s.info.get("ordered_reduction") else 0
-    hdr[12] = int(s.digest[-8:], 16)
+    hdr[DIGEST_WORD] = int(s.digest[-8:], 16)
     hdr[13] = len(conns)
 
     words = np.empty(HEADER_WORDS + RANK_WORDS * n + TB_WORDS * len(tb_rows) + OP_WORDS * len(op_rows), np.int64)
@@ -336,7 +337,7 @@ def verify(table: np.ndarray) -> Schedule:
     s = schedule_of(t)
     s.validate(num_slots=h["num_slots"])
     again = compile_table(s, num_slots=h["num_slots"])
-    differ = [w for w in range(min(t.size, again.size)) if w not in (12, CHECKSUM_WORD) and t[w] != again[w]]
+    differ = [w for w in range(min(t.size, again.size)) if w not in (DIGEST_WORD, CHECKSUM_WORD) and t[w] != again[w]]
     if t.size != again.size or differ:
         w = differ[0] if differ else min(t.size, again.size)
         raise ScheduleError(
