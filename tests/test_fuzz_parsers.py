@@ -203,3 +203,34 @@ def test_small_files_cannot_ask_for_huge_memory():
         assert tracemalloc.get_traced_memory()[1] < 50 << 20
     finally:
         tracemalloc.stop()
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("num_ranks", "3"),
+        ("num_ranks", 3.7),
+        ("num_ranks", True),
+        ("chunks_per_period", 1.0),
+        ("scratch_chunks", False),
+        ("algbw", float("inf")),
+        ("algbw", -1.0),
+        ("algbw", True),
+        ("bound", float("nan")),
+    ],
+)
+def test_schedule_json_numbers_are_strict(key, value):
+    doc = SCHEDULES[0].to_dict()
+    doc[key] = value
+    with pytest.raises(ScheduleError, match=key):
+        Schedule.from_json(json.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "key, value", [("capacity", True), ("capacity", "5e10"), ("capacity", float("inf")), ("latency", -1.0)]
+)
+def test_topology_json_numbers_are_strict(key, value):
+    doc = TOPOLOGIES[0].to_dict()
+    doc["edges"][0][key] = value
+    with pytest.raises(TopologyError, match=key):
+        Topology.from_json(json.dumps(doc))

@@ -1,15 +1,18 @@
-"""The compiled schedule table (docs/schedule-ir.md, "Compiled table (version 1)")."""
+"""The compiled schedule table (docs/schedule-ir.md, "Compiled table (version 2)")."""
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
 from handmade import ring_all_gather
 
-from jaxccl.errors import ScheduleError
+from jaxccl.errors import ExecutorError, ScheduleError
 from jaxccl.schedule import Buffer, Op, OpKind, ScheduleBuilder, Threadblock, make_schedule
 from jaxccl.schedule import table as tbl
 from jaxccl.schedule.table import compile_table, decode, header
+from jaxccl.synth import baselines
 
 I, O, S = Buffer.INPUT, Buffer.OUTPUT, Buffer.SCRATCH
 
@@ -20,14 +23,14 @@ def test_header_and_sizes():
     assert t.dtype == np.int32 and t.ndim == 1
     h = header(t)
     assert h["magic"] == 0x4C43434A and t[0] == 0x4C43434A
-    assert h["version"] == 1 and h["collective"] == 0 and h["num_ranks"] == 4
+    assert h["version"] == 2 and h["collective"] == 0 and h["num_ranks"] == 4
     assert h["chunks_per_period"] == 3 and h["input_chunks"] == 3 and h["output_chunks"] == 12
     assert h["num_slots"] == 5 and h["scratch_chunks"] == 0 and h["flags"] == 0
     assert h["num_threadblocks"] == s.num_threadblocks == 12
     assert h["num_ops"] == s.num_ops  # no multi-deps: no nops added
     assert h["num_connections"] == 4
     assert h["digest_low32"] == int(s.digest, 16) & 0xFFFFFFFF
-    assert h["reserved0"] == h["reserved1"] == 0
+    assert h["checksum"] == tbl.checksum(t) and h["reserved"] == 0
     assert t.size == 16 + 2 * 4 + 8 * h["num_threadblocks"] + 10 * h["num_ops"]
     d = decode(t)
     assert [r[1] for r in d["ranks"]] == [3, 3, 3, 3]
@@ -197,3 +200,170 @@ def test_deadlocking_schedule_still_compiles():
 
     t = compile_table(make_schedule("all_gather", 2, 1, [prog(0), prog(1)]))
     assert header(t)["num_ops"] == 4
+
+
+# ------------------------------------------------------------------ what the registry accepts
+
+
+def _native():
+    from jaxccl.runtime import native
+
+    return native
+
+
+def test_checksum_is_zlib_crc32_of_the_other_words():
+    import zlib
+
+    t = compile_table(ring_all_gather(4, 2))
+    others = np.concatenate([t[: tbl.CHECKSUM_WORD], t[tbl.CHECKSUM_WORD + 1 :]]).astype("<i4")
+    assert header(t)["checksum"] == zlib.crc32(others.tobytes())
+    assert np.array_equal(tbl.seal(t), t)
+
+
+def test_registry_refuses_any_changed_word():
+    native = _native()
+    t = compile_table(ring_all_gather(4, 2))
+    native.validate_table(t)
+    rng = np.random.default_rng(0)
+    for word in range(2, t.size):  # past magic and version: the checksum is the first thing that differs
+        bad = t.copy()
+        bad[word] ^= np.int32(1 << int(rng.integers(0, 31)))
+        with pytest.raises(ExecutorError, match="checksum mismatch"):
+            native.validate_table(bad)
+
+
+def test_scratch_is_declared_exactly():
+    native = _native()
+    t = compile_table(_relay_all_gather(4, 2).replace(scratch_chunks=100_000_000))
+    assert header(t)["scratch_chunks"] == 2  # what the ops use, not what the schedule declared
+    native.validate_table(t)
+    for scratch in (1, 3):
+        bad = t.copy()
+        bad[7] = scratch
+        with pytest.raises(ExecutorError, match="SCRATCH exceed|declares exactly the scratch"):
+            native.validate_table(tbl.seal(bad))
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+@pytest.mark.parametrize(
+    "word, value, match",
+    [
+        (13, 2**26, "more connections than threadblocks"),
+        (13, 2**31 - 1, "more connections than threadblocks"),
+        (7, 2**31 - 1, "chunk cells, above the limit"),
+        (4, 2**28, "output chunks"),
+        (9, 2**31 - 1, "implies"),
+        (10, 2**31 - 1, "implies"),
+        (3, 2**31 - 1, "num_ranks must be in"),
+    ],
+)
+def test_header_sizes_are_bounded_before_anything_is_allocated(word, value, match):
+    native = _native()
+    bad = compile_table(ring_all_gather(4)).copy()
+    bad[word] = value
+    if word == 4:  # a consistent header asking for a huge period: sizes agree, the cell limit refuses
+        bad[5], bad[6] = value, 4 * value
+        match = "chunk cells, above the limit"
+    peak = _peak_rss_mib()
+    with pytest.raises(ExecutorError, match=match):
+        native.validate_table(tbl.seal(bad))
+    assert _peak_rss_mib() - peak < 64
+
+
+def test_python_reader_bounds_counts():
+    bad = compile_table(ring_all_gather(2)).copy()
+    bad[9] = -3  # threadblocks
+    bad[10] += 3 * tbl.TB_WORDS // tbl.OP_WORDS  # keeps nothing consistent; the reader must not reshape
+    with pytest.raises(ScheduleError, match="negative count|implies"):
+        decode(bad)
+    bad = compile_table(ring_all_gather(2)).copy()
+    bad[13] = 2**31 - 1
+    assert decode(bad)["header"]["num_connections"] == 2**31 - 1  # decoding sizes nothing by it
+
+
+def test_chunk_cell_limit_is_the_interpreters():
+    from jaxccl.schedule.interpreter import MAX_CHUNK_CELLS
+
+    native = _native()
+    c = MAX_CHUNK_CELLS // 2 + 1  # one rank, input and output of c chunks: just over the limit
+    b = ScheduleBuilder("all_reduce", num_ranks=1, chunks_per_period=c)
+    b.copy(0, (I, 0), (O, 0), c)
+    with pytest.raises(ExecutorError, match=f"{2 * c} chunk cells, above the limit of {MAX_CHUNK_CELLS}"):
+        native.validate_table(compile_table(b.build()))
+    with pytest.raises(ScheduleError, match="too large to check"):
+        b.build().validate()
+
+
+def test_thousands_of_threadblocks_run_bitwise_and_cost_no_threads():
+    # 8,248 threadblocks on 8 ranks (the review's schedule size that used to need 8,192 worker threads).
+    import jax
+    from jax.sharding import Mesh
+    from programs import all_gather_pair
+
+    import jaxccl
+
+    n, c = 8, 1017  # per rank: c local copies, 7 sends, 7 receives = 1031 threadblocks
+    ranks = []
+    for r in range(n):
+        tbs = [Threadblock((Op(OpKind.COPY, I, j, O, r * c + j, 1),)) for j in range(c)]
+        tbs += [Threadblock((Op(OpKind.SEND, I, 0, None, 0, c),), send_peer=d) for d in range(n) if d != r]
+        tbs += [Threadblock((Op(OpKind.RECV, None, 0, O, d * c, c),), recv_peer=d) for d in range(n) if d != r]
+        ranks.append(tbs)
+    s = make_schedule("all_gather", n, c, ranks)
+    assert s.num_threadblocks == 8248
+    mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    comm.install("all_gather", s)
+    f, ref = all_gather_pair(mesh)
+    threads = []
+    with comm:
+        for k in range(3):
+            x = np.random.default_rng(k).standard_normal(n * c * 2).astype(np.float32) + 0.5
+            got, want = np.asarray(f(x)), np.asarray(ref(x))
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+            threads.append(len(os.listdir("/proc/self/task")))
+    comm.close()
+    assert threads[0] == threads[-1]
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: ring_all_gather(4, 3),
+        lambda: _relay_all_gather(4, 2),
+        lambda: baselines.ordered_allreduce(4),
+        lambda: baselines.ring_reduce_scatter(4),
+        lambda: baselines.direct_alltoall(4),
+        lambda: baselines.ring_allreduce(4, channels=2),
+    ],
+)
+def test_verify_accepts_what_compile_table_emits(build):
+    s = build()
+    for slots in (4, 8):
+        t = compile_table(s, num_slots=slots)
+        again = tbl.verify(t)
+        assert again.collective == s.collective and again.num_ranks == s.num_ranks
+        assert np.array_equal(compile_table(tbl.schedule_of(t), num_slots=slots)[15:], t[15:])
+
+
+def test_verify_refuses_a_sealed_table_the_compiler_would_not_write():
+    native = _native()
+    t = compile_table(ring_all_gather(4))
+    d = decode(t)
+    first_send = next(k for k, o in enumerate(d["ops"]) if o["kind"] == OpKind.SEND.code)
+    word = tbl.HEADER_WORDS + tbl.RANK_WORDS * 4 + tbl.TB_WORDS * len(d["threadblocks"]) + tbl.OP_WORDS * first_send
+    wrong = t.copy()
+    wrong[word + 8] = 0  # a direct send made staged: runs right, but it is not what the compiler writes
+    native.validate_table(tbl.seal(wrong))
+    with pytest.raises(ScheduleError, match=f"table word {word + 8} is not what compile_table writes"):
+        tbl.verify(tbl.seal(wrong))
+    with pytest.raises(ScheduleError, match="checksum"):
+        tbl.verify(wrong)
+    wrong = t.copy()
+    wrong[word + 9] = 5  # reserved: no schedule has it
+    with pytest.raises(ScheduleError):
+        tbl.verify(tbl.seal(wrong))

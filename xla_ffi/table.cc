@@ -2,6 +2,7 @@
 
 #include "core/program_builder.h"
 
+#include <algorithm>
 #include <map>
 #include <set>
 #include <sstream>
@@ -14,15 +15,36 @@ namespace {
 constexpr const char* kHeaderNames[kHeaderWords] = {
     "magic",          "version",   "collective",       "num_ranks",        "chunks_per_period", "input_chunks",
     "output_chunks",  "scratch_chunks", "num_slots",   "num_threadblocks", "num_ops",           "flags",
-    "digest_low32",   "num_connections", "reserved0",  "reserved1"};
+    "digest_low32",   "num_connections", "checksum",   "reserved"};
 constexpr const char* kTbNames[kTbWords] = {"rank",    "send_peer", "recv_peer", "channel",
                                             "first_op", "num_ops",  "send_conn", "recv_conn"};
 constexpr const char* kOpNames[kOpWords] = {"kind",  "src_buf", "src_off", "dst_buf", "dst_off",
                                             "count", "dep_tb",  "dep_op",  "flags",   "reserved"};
 
-// Generous sanity limits: they keep index arithmetic in int32 range.
-constexpr int32_t kMaxRanks = 1 << 16;
-constexpr int32_t kMaxSlots = 1 << 16;
+// CRC-32 (IEEE 802.3, reflected polynomial 0xEDB88320: zlib's crc32) of a table's words as little-endian
+// bytes, the checksum word itself left out: what jaxccl.schedule.table.checksum computes.
+class Crc32 {
+ public:
+  Crc32() {
+    for (uint32_t i = 0; i < 256; ++i) {
+      uint32_t c = i;
+      for (int k = 0; k < 8; ++k) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+      table_[i] = c;
+    }
+  }
+  uint32_t OfTable(const int32_t* w, size_t n) const {
+    uint32_t crc = 0xFFFFFFFFu;
+    for (size_t i = 0; i < n; ++i) {
+      if (i == static_cast<size_t>(kHeaderChecksumWord)) continue;
+      const uint32_t word = static_cast<uint32_t>(w[i]);
+      for (int b = 0; b < 4; ++b) crc = table_[(crc ^ (word >> (8 * b))) & 0xFFu] ^ (crc >> 8);
+    }
+    return ~crc;
+  }
+
+ private:
+  uint32_t table_[256];
+};
 
 class Parser {
  public:
@@ -81,6 +103,7 @@ class Parser {
   size_t n_;
   size_t rank_base_ = kHeaderWords, tb_base_ = kHeaderWords, op_base_ = kHeaderWords;
   int32_t num_tbs_ = 0, num_ops_ = 0, num_conns_ = 0;
+  int32_t scratch_used_ = 0;  // chunks 0..scratch_used_-1 of SCRATCH are named by some op
   std::vector<std::pair<int32_t, int32_t>> op_owner_;  // (rank, tb within rank) of every op
   Table t_;
 };
@@ -91,9 +114,18 @@ ffi::Error Parser::Header() {
   }
   if (w_[0] != kTableMagic) return Bad(0, "not a jaxccl table (magic 0x4C43434A expected)");
   if (w_[1] != kTableVersion) return Bad(1, "unsupported table version (this executor reads version ", kTableVersion, ")");
+  // Integrity before meaning: a table changed after compile_table sealed it is refused as such.
+  static const Crc32 crc32;
+  t_.checksum = static_cast<uint32_t>(w_[kHeaderChecksumWord]);
+  if (const uint32_t actual = crc32.OfTable(w_, n_); actual != t_.checksum) {
+    std::ostringstream os;
+    os << std::hex << "checksum mismatch: the table's words hash to 0x" << actual << ", not 0x" << t_.checksum
+       << " (the table changed after it was compiled; compile_table seals what it emits)";
+    return Bad(kHeaderChecksumWord, os.str());
+  }
   if (w_[2] < 0 || w_[2] > 3) return Bad(2, "collective code must be 0..3");
   t_.collective = static_cast<CollectiveCode>(w_[2]);
-  if (w_[3] < 1 || w_[3] > kMaxRanks) return Bad(3, "num_ranks must be in 1..", kMaxRanks);
+  if (w_[3] < 1 || w_[3] > kMaxTableRanks) return Bad(3, "num_ranks must be in 1..", kMaxTableRanks);
   t_.num_ranks = w_[3];
   if (w_[4] < 1) return Bad(4, "chunks_per_period must be >= 1");
   t_.chunks_per_period = w_[4];
@@ -114,7 +146,7 @@ ffi::Error Parser::Header() {
   t_.output_chunks = w_[6];
   if (w_[7] < 0) return Bad(7, "scratch_chunks must be >= 0");
   t_.scratch_chunks = w_[7];
-  if (w_[8] < 1 || w_[8] > kMaxSlots) return Bad(8, "num_slots must be in 1..", kMaxSlots);
+  if (w_[8] < 1 || w_[8] > kMaxTableSlots) return Bad(8, "num_slots must be in 1..", kMaxTableSlots);
   t_.num_slots = w_[8];
   if (w_[9] < 0) return Bad(9, "num_threadblocks must be >= 0");
   if (w_[10] < 0) return Bad(10, "num_ops must be >= 0");
@@ -122,12 +154,13 @@ ffi::Error Parser::Header() {
   num_ops_ = w_[10];
   if (w_[11] & ~kTableFlagOrderedReduction) return Bad(11, "unknown flag bits (only bit 0 is defined)");
   t_.flags = w_[11];
-  t_.digest_low32 = static_cast<uint32_t>(w_[12]);
+  t_.digest_low32 = static_cast<uint32_t>(w_[kHeaderDigestWord]);
   if (w_[13] < 0) return Bad(13, "num_connections must be >= 0");
   num_conns_ = w_[13];
-  if (w_[14] != 0) return Bad(14, "reserved, must be 0");
   if (w_[15] != 0) return Bad(15, "reserved, must be 0");
 
+  // Every size is bounded before anything is sized by it: counts of rows by the table's length, the
+  // rest by what those rows can describe and by the absolute limits of core/table_format.h.
   rank_base_ = kHeaderWords;
   tb_base_ = rank_base_ + static_cast<size_t>(n) * kRankWords;
   op_base_ = tb_base_ + static_cast<size_t>(num_tbs_) * kTbWords;
@@ -135,6 +168,21 @@ ffi::Error Parser::Header() {
   if (n_ != expected) {
     return Bad(n_ < expected ? n_ : expected, "table has ", n_, " words but its header (N=", n, ", ", num_tbs_,
                " threadblocks, ", num_ops_, " ops) implies ", expected);
+  }
+  if (num_conns_ > num_tbs_) {
+    return Bad(13, "more connections than threadblocks (", num_tbs_, "); each connection has its own sending one");
+  }
+  const int64_t cells = n * (static_cast<int64_t>(t_.input_chunks) + t_.output_chunks + t_.scratch_chunks);
+  if (cells > kMaxChunkCells) {
+    return Bad(7, "N x (input + output + scratch chunks) = ", cells, " chunk cells, above the limit of ",
+               kMaxChunkCells);
+  }
+  if (n * num_conns_ > kMaxRankConnections) {
+    return Bad(13, "N x num_connections = ", n * num_conns_, ", above the limit of ", kMaxRankConnections);
+  }
+  if (static_cast<int64_t>(num_conns_) * t_.num_slots > kMaxSlotCells) {
+    return Bad(8, "num_connections x num_slots = ", static_cast<int64_t>(num_conns_) * t_.num_slots,
+               ", above the limit of ", kMaxSlotCells);
   }
   return ffi::Error::Success();
 }
@@ -250,6 +298,7 @@ ffi::Error Parser::Ops() {
           return Bad(OpWord(o, offset_bad ? fb + 1 : 5), "chunks ", f[fb + 1], "..", static_cast<int64_t>(f[fb + 1]) + f[5] - 1, " of ",
                      BufferName(b), " exceed its ", size, " chunks");
         }
+        if (b == BufferId::kScratch) scratch_used_ = std::max(scratch_used_, f[fb + 1] + f[5]);
       }
       if (uses_src && uses_dst && (f[2] - f[4]) % c != 0) {
         return Bad(OpWord(o, 4), "src offset ", f[2], " and dst offset ", f[4], " differ in chunk class mod ", c);
@@ -284,6 +333,9 @@ ffi::Error Parser::Ops() {
       if (f[9] != 0) return Bad(OpWord(o, 9), "reserved, must be 0");
       if (OpReduces(kind)) t_.has_reduction = true;
     }
+  }
+  if (scratch_used_ != t_.scratch_chunks) {
+    return Bad(7, "the ops use ", scratch_used_, " scratch chunks; a compiled table declares exactly the scratch it uses");
   }
   return ffi::Error::Success();
 }

@@ -112,8 +112,9 @@ def install(slot: int, table_or_schedule: Any, *, num_slots: int = 8) -> int:
     the new one. Returns the new version number (1, 2, ...).
 
     Raises:
-        ExecutorError: the table is malformed (the message names the bad word)
-            or the slot does not exist.
+        ExecutorError: the table is malformed (the message names the bad word),
+            changed after :func:`~jaxccl.schedule.table.compile_table` sealed it
+            ("checksum mismatch"), or the slot does not exist.
     """
     return int(_wrap(_native.install, int(slot), as_table(table_or_schedule, num_slots=num_slots)))
 

@@ -50,6 +50,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import xml.etree.ElementTree as ET
@@ -122,12 +123,14 @@ def to_msccl_xml(
         min_bytes: ``minBytes`` (the smallest message MSCCL should use it for).
         max_bytes: ``maxBytes``; ``None`` writes the largest int64.
         proto: ``Simple``, ``LL`` or ``LL128``.
-        runtime_limits: refuse schedules the MSCCL runtime (msccl-executor-nccl)
-            cannot load: more than ``MSCCL_MAX_STEPS`` steps in a threadblock
-            (dependency ``nop`` steps included), more than
-            ``MSCCL_MAX_THREADBLOCKS_PER_CHANNEL`` threadblocks of a rank on one
-            channel, or a step moving more than ``MSCCL_MAX_COUNT`` chunks.
-            ``False`` writes any schedule (for jaxccl's own round trips).
+        runtime_limits: write what the MSCCL runtime (msccl-executor-nccl) can
+            load: a step moving more than ``MSCCL_MAX_COUNT`` chunks is split
+            into consecutive steps of at most that many (:func:`split_counts`,
+            the same program), and schedules that still have more than
+            ``MSCCL_MAX_STEPS`` steps in a threadblock (dependency ``nop``
+            steps included) or more than ``MSCCL_MAX_THREADBLOCKS_PER_CHANNEL``
+            threadblocks of a rank on one channel are refused. ``False`` writes
+            any schedule as it is (for jaxccl's own round trips).
 
     Returns:
         The XML text.
@@ -149,6 +152,7 @@ def to_msccl_xml(
         raise ScheduleError(f"need 0 <= min_bytes <= max_bytes, got {min_bytes} and {max_bytes}")
     s = schedule
     if runtime_limits:
+        s = split_counts(s, MSCCL_MAX_COUNT)
         _check_runtime_limits(s)
     nchannels = max((tb.channel + 1 for tbs in s.ranks for tb in tbs), default=1)
     head = [
@@ -187,6 +191,73 @@ def to_msccl_xml(
         out.append("  </gpu>")
     out.append("</algo>")
     return "\n".join(out) + "\n"
+
+
+def split_counts(schedule: Schedule, max_count: int) -> Schedule:
+    """The same program with every op of more than ``max_count`` chunks cut into consecutive ops of at most that many.
+
+    An op of ``k`` chunks becomes ``ceil(k / max_count)`` ops on consecutive chunk
+    ranges (sizes differ by at most one), in its place in its threadblock: the
+    first carries its dependencies, a dependency on it names the last. Both ends
+    of a message have the same count, so sender and receiver are cut alike and
+    the connection carries the pieces in order. Chunks are independent (a
+    reduction sums chunk by chunk), so the result is bitwise the same.
+
+    Args:
+        schedule: the schedule.
+        max_count: the largest count an op may keep (``>= 1``).
+
+    Returns:
+        ``schedule`` itself when no op is larger, else the split schedule.
+
+    >>> from jaxccl.schedule import Buffer, ScheduleBuilder
+    >>> b = ScheduleBuilder("all_gather", num_ranks=1, chunks_per_period=5)
+    >>> _ = b.copy(0, (Buffer.INPUT, 0), (Buffer.OUTPUT, 0), 5)
+    >>> [(op.src_off, op.count) for op in split_counts(b.build(), 2).ranks[0][0].ops]
+    [(0, 2), (2, 2), (4, 1)]
+    """
+    if int(max_count) < 1:
+        raise ScheduleError(f"max_count must be >= 1, got {max_count}")
+    s = schedule
+    if all(op.count <= max_count for tbs in s.ranks for tb in tbs for op in tb.ops):
+        return s
+    ranks = []
+    for tbs in s.ranks:
+        # last[t][i]: the index, in the split threadblock t, of the last piece of op i.
+        last: list[list[int]] = []
+        for tb in tbs:
+            k, ends = 0, []
+            for op in tb.ops:
+                k += _pieces(op, max_count)
+                ends.append(k - 1)
+            last.append(ends)
+        new_tbs = []
+        for tb in tbs:
+            ops: list[Op] = []
+            for op in tb.ops:
+                deps = tuple(
+                    (dt, last[dt][di] if 0 <= dt < len(last) and 0 <= di < len(last[dt]) else di) for dt, di in op.deps
+                )
+                p, start = _pieces(op, max_count), 0
+                for j in range(p):
+                    size = op.count // p + (1 if j < op.count % p else 0)
+                    ops.append(
+                        dataclasses.replace(
+                            op,
+                            src_off=op.src_off + start if op.src is not None else op.src_off,
+                            dst_off=op.dst_off + start if op.dst is not None else op.dst_off,
+                            count=size,
+                            deps=deps if j == 0 else (),
+                        )
+                    )
+                    start += size
+            new_tbs.append(dataclasses.replace(tb, ops=tuple(ops)))
+        ranks.append(new_tbs)
+    return s.replace(ranks=tuple(tuple(tbs) for tbs in ranks))
+
+
+def _pieces(op: Op, max_count: int) -> int:
+    return max(1, -(-op.count // max_count))
 
 
 def _check_runtime_limits(s: Schedule) -> None:

@@ -1,9 +1,14 @@
 """Compiling a :class:`~jaxccl.schedule.Schedule` into the flat ``int32`` table the executors interpret.
 
-The format is "Compiled table (version 1)" of ``docs/schedule-ir.md``: a
+The format is "Compiled table (version 2)" of ``docs/schedule-ir.md``: a
 16-word header, a rank table (``N x 2``), a threadblock table (``T x 8``) and
 an op table (``O x 10``). The native executors (``xla_ffi/table.cc``) check
 every word again before they run a table.
+
+A table is *sealed*: header word 14 holds the CRC-32 (zlib's) of all its other
+words, so the registry refuses a table that changed after it was compiled
+(:func:`checksum`, :func:`seal`). A table declares exactly the scratch chunks
+its ops use (scratch no op touches is never allocated).
 
 Two things happen here beyond copying fields:
 
@@ -20,7 +25,7 @@ Two things happen here beyond copying fields:
 
 Example:
     >>> from jaxccl.schedule import Buffer, ScheduleBuilder
-    >>> from jaxccl.schedule.table import compile_table, header
+    >>> from jaxccl.schedule.table import checksum, compile_table, header
     >>> b = ScheduleBuilder("all_gather", num_ranks=2, chunks_per_period=1)
     >>> for r in range(2):
     ...     _ = b.copy(r, (Buffer.INPUT, 0), (Buffer.OUTPUT, r))
@@ -28,10 +33,13 @@ Example:
     >>> t = compile_table(b.build())
     >>> header(t)["num_threadblocks"], header(t)["num_connections"]
     (6, 2)
+    >>> header(t)["checksum"] == checksum(t)
+    True
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,11 +49,14 @@ from jaxccl.errors import ScheduleError
 from jaxccl.schedule.ir import Buffer, OpKind, Schedule
 
 MAGIC = 0x4C43434A  # "JCCL" little-endian
-VERSION = 1
+VERSION = 2
 HEADER_WORDS = 16
 RANK_WORDS = 2
 TB_WORDS = 8
 OP_WORDS = 10
+DIGEST_WORD = 12
+CHECKSUM_WORD = 14
+_UNSIGNED_HEADER_WORDS = (0, DIGEST_WORD, CHECKSUM_WORD)  # magic, digest, checksum: 32-bit patterns, not counts
 
 FLAG_ORDERED_REDUCTION = 1
 OP_FLAG_DIRECT = 1
@@ -65,8 +76,8 @@ HEADER_FIELDS = (
     "flags",
     "digest_low32",
     "num_connections",
-    "reserved0",
-    "reserved1",
+    "checksum",
+    "reserved",
 )
 TB_FIELDS = ("rank", "send_peer", "recv_peer", "channel", "first_op", "num_ops", "send_conn", "recv_conn")
 OP_FIELDS = ("kind", "src_buf", "src_off", "dst_buf", "dst_off", "count", "dep_tb", "dep_op", "flags", "reserved")
@@ -95,7 +106,7 @@ def _recv_target_offset(op: Any) -> int:
 
 
 def compile_table(schedule: Schedule, num_slots: int = 8) -> np.ndarray:
-    """Compiles ``schedule`` into the version-1 table of ``docs/schedule-ir.md``.
+    """Compiles ``schedule`` into the version-2 table of ``docs/schedule-ir.md``.
 
     Args:
         schedule: the schedule; it is not validated here (call
@@ -125,7 +136,8 @@ def compile_table(schedule: Schedule, num_slots: int = 8) -> np.ndarray:
 
     _check_structure(s, sizes)
     conns = _connections(s)
-    direct = [_direct_sends(s, r) for r in range(n)]
+    scratch = _scratch_used(s)
+    direct = [_direct_sends(s, r, scratch) for r in range(n)]
 
     rank_rows: list[tuple[int, int]] = []
     tb_rows: list[list[int]] = []
@@ -163,12 +175,12 @@ def compile_table(schedule: Schedule, num_slots: int = 8) -> np.ndarray:
     hdr[4] = c
     hdr[5] = s.in_chunks
     hdr[6] = s.out_chunks
-    hdr[7] = s.scratch_chunks
+    hdr[7] = scratch
     hdr[8] = int(num_slots)
     hdr[9] = len(tb_rows)
     hdr[10] = len(op_rows)
     hdr[11] = FLAG_ORDERED_REDUCTION if s.info.get("ordered_reduction") else 0
-    hdr[12] = int(s.digest[-8:], 16)
+    hdr[DIGEST_WORD] = int(s.digest[-8:], 16)
     hdr[13] = len(conns)
 
     words = np.empty(HEADER_WORDS + RANK_WORDS * n + TB_WORDS * len(tb_rows) + OP_WORDS * len(op_rows), np.int64)
@@ -184,7 +196,35 @@ def compile_table(schedule: Schedule, num_slots: int = 8) -> np.ndarray:
     if words.max(initial=0) > 0xFFFFFFFF or words.min(initial=0) < -(2**31):
         raise ScheduleError("schedule too large for an int32 table")
     # Words above 2**31 (the magic, the digest) wrap to their two's-complement int32 value.
-    return words.astype(np.uint32).view(np.int32).astype("<i4", copy=False)
+    return seal(words.astype(np.uint32).view(np.int32))
+
+
+def checksum(table: np.ndarray) -> int:
+    """The CRC-32 (``zlib.crc32``) of a table's words as little-endian bytes, the checksum word left out.
+
+    Example:
+        >>> import zlib
+        >>> words = np.arange(20, dtype=np.int32)
+        >>> checksum(words) == zlib.crc32(np.delete(words, CHECKSUM_WORD).astype("<i4").tobytes())
+        True
+    """
+    w = np.ascontiguousarray(table, dtype="<i4")
+    if w.ndim != 1 or w.size < HEADER_WORDS:
+        raise ScheduleError(f"a table is a 1-D array of at least {HEADER_WORDS} words")
+    return zlib.crc32(w[CHECKSUM_WORD + 1 :].tobytes(), zlib.crc32(w[:CHECKSUM_WORD].tobytes()))
+
+
+def seal(table: np.ndarray) -> np.ndarray:
+    """A copy of ``table`` (1-D ``int32``) with its checksum word set: what :func:`compile_table` returns.
+
+    Example:
+        >>> words = np.zeros(HEADER_WORDS, np.int32)
+        >>> header(seal(words))["checksum"] == checksum(words)
+        True
+    """
+    out = np.array(table, dtype="<i4", copy=True)
+    out[CHECKSUM_WORD] = np.uint32(checksum(out)).view(np.int32)
+    return out
 
 
 def header(table: np.ndarray) -> dict[str, int]:
@@ -193,10 +233,8 @@ def header(table: np.ndarray) -> dict[str, int]:
     if t.ndim != 1 or t.size < HEADER_WORDS:
         raise ScheduleError(f"a table is a 1-D array of at least {HEADER_WORDS} words")
     u = t[:HEADER_WORDS].astype(np.int64) & 0xFFFFFFFF
-    out = {name: int(v) for name, v in zip(HEADER_FIELDS, u)}
-    for name in HEADER_FIELDS[2:12] + HEADER_FIELDS[13:]:
-        out[name] = int(np.int32(np.uint32(out[name])))
-    return out
+    s = t[:HEADER_WORDS].astype(np.int64)
+    return {name: int(u[k] if k in _UNSIGNED_HEADER_WORDS else s[k]) for k, name in enumerate(HEADER_FIELDS)}
 
 
 def decode(table: np.ndarray) -> dict[str, Any]:
@@ -204,6 +242,8 @@ def decode(table: np.ndarray) -> dict[str, Any]:
     t = np.asarray(table).astype(np.int64)
     h = header(table)
     n, nt, no = h["num_ranks"], h["num_threadblocks"], h["num_ops"]
+    if min(n, nt, no) < 0:
+        raise ScheduleError(f"table header has a negative count (N={n}, {nt} threadblocks, {no} ops)")
     expected = HEADER_WORDS + RANK_WORDS * n + TB_WORDS * nt + OP_WORDS * no
     if t.size != expected:
         raise ScheduleError(f"table has {t.size} words; its header implies {expected}")
@@ -221,7 +261,106 @@ def decode(table: np.ndarray) -> dict[str, Any]:
     }
 
 
+def schedule_of(table: np.ndarray) -> Schedule:
+    """The schedule a table runs, one op per table row (a ``nop`` row stays a ``nop`` op).
+
+    The inverse of :func:`compile_table` up to how dependencies are written:
+    ``compile_table(schedule_of(t))`` is ``t`` again, except the digest word,
+    for every table :func:`compile_table` emitted (:func:`verify` checks it).
+
+    Raises:
+        ScheduleError: the table's rows describe no schedule (sizes, codes, offsets).
+
+    Example:
+        >>> from jaxccl.synth.baselines import ring_allgather
+        >>> schedule_of(compile_table(ring_allgather(4))).num_ops == ring_allgather(4).num_ops
+        True
+    """
+    from jaxccl.schedule.ir import Collective, Op, Threadblock, make_schedule
+
+    d = decode(table)
+    h = d["header"]
+    collectives = {c.code: c for c in Collective}
+    kinds = {k.code: k for k in OpKind}
+    try:
+        ranks = []
+        for first, count in d["ranks"]:
+            tbs = []
+            for tb in d["threadblocks"][first : first + count]:
+                ops = []
+                for o in d["ops"][tb["first_op"] : tb["first_op"] + tb["num_ops"]]:
+                    src = Buffer(o["src_buf"]) if o["src_buf"] != -1 else None
+                    dst = Buffer(o["dst_buf"]) if o["dst_buf"] != -1 else None
+                    deps = ((o["dep_tb"], o["dep_op"]),) if o["dep_tb"] != -1 else ()
+                    op = Op(kinds[o["kind"]], src, o["src_off"], dst, o["dst_off"], o["count"], deps)
+                    ops.append(op)
+                tbs.append(Threadblock(tuple(ops), tb["send_peer"], tb["recv_peer"], tb["channel"]))
+            ranks.append(tbs)
+        info = {"ordered_reduction": True} if h["flags"] & FLAG_ORDERED_REDUCTION else {}
+        return make_schedule(
+            collectives[h["collective"]],
+            h["num_ranks"],
+            h["chunks_per_period"],
+            ranks,
+            scratch_chunks=h["scratch_chunks"],
+            info=info,
+        )
+    except (KeyError, ValueError, TypeError) as e:
+        raise ScheduleError(f"table rows describe no schedule: {e}") from None
+
+
+def verify(table: np.ndarray) -> Schedule:
+    """Proves that ``table`` is what :func:`compile_table` emits for a schedule :meth:`~Schedule.validate` accepts.
+
+    The table's schedule (:func:`schedule_of`) is checked by the reference
+    interpreter with the table's slot count and compiled again; every word but
+    the digest must come back (a direct flag, a connection id, a scratch size
+    the compiler would not write is refused), and the checksum must be right.
+    Costs a :meth:`~Schedule.validate`: for tables from elsewhere (a file, a
+    tool), not for each hot-swap of a table compiled here.
+
+    Returns:
+        The table's schedule.
+
+    Raises:
+        ScheduleError: naming the first word that differs, or what the interpreter found.
+
+    Example:
+        >>> from jaxccl.synth.baselines import ring_reduce_scatter
+        >>> verify(compile_table(ring_reduce_scatter(4))).collective.value
+        'reduce_scatter'
+    """
+    t = np.asarray(table)
+    h = header(t)
+    if checksum(t) != h["checksum"]:
+        raise ScheduleError(f"table checksum 0x{h['checksum']:08x} is not its words' 0x{checksum(t):08x}")
+    s = schedule_of(t)
+    s.validate(num_slots=h["num_slots"])
+    again = compile_table(s, num_slots=h["num_slots"])
+    differ = [w for w in range(min(t.size, again.size)) if w not in (DIGEST_WORD, CHECKSUM_WORD) and t[w] != again[w]]
+    if t.size != again.size or differ:
+        w = differ[0] if differ else min(t.size, again.size)
+        raise ScheduleError(
+            f"table word {w} is not what compile_table writes for the table's schedule "
+            f"({int(t[w]) if w < t.size else 'missing'} instead of {int(again[w]) if w < again.size else 'none'})"
+        )
+    return s
+
+
 # --------------------------------------------------------------------------- checks
+
+
+def _scratch_used(s: Schedule) -> int:
+    """Scratch chunks the ops name (``0..k-1``): what a table declares and the executors allocate."""
+    used = 0
+    for tbs in s.ranks:
+        for tb in tbs:
+            for op in tb.ops:
+                if op.kind in _USES_SRC and op.src is Buffer.SCRATCH:
+                    used = max(used, op.src_off + op.count)
+                if op.kind in _USES_DST and op.dst is Buffer.SCRATCH:
+                    used = max(used, op.dst_off + op.count)
+    return used
 
 
 def _where(r: int, t: int, i: int | None = None) -> str:
@@ -329,15 +468,18 @@ def _connections(s: Schedule) -> dict[tuple[int, int, int], int]:
 # ------------------------------------------------------------------ direct sends
 
 
-def _direct_sends(s: Schedule, r: int) -> set[tuple[int, int]]:
-    """``(threadblock, op)`` of the sends of rank ``r`` whose source range is never written after them."""
+def _direct_sends(s: Schedule, r: int, scratch: int) -> set[tuple[int, int]]:
+    """``(threadblock, op)`` of the sends of rank ``r`` whose source range is never written after them.
+
+    ``scratch``: the scratch chunks the ops use (declared but unused scratch is never sized here).
+    """
     tbs = s.ranks[r]
     ops = [(t, i, op) for t, tb in enumerate(tbs) for i, op in enumerate(tb.ops)]
     candidates = [(t, i, op) for t, i, op in ops if op.kind.sends and op.kind is not OpKind.RECV_REDUCE_SEND]
     if not candidates:
         return set()
     # Per buffer chunk: the ops that write it.
-    writers = {b: [[] for _ in range(s.buffer_chunks(b))] for b in (Buffer.OUTPUT, Buffer.SCRATCH)}
+    writers = {b: [[] for _ in range(size)] for b, size in ((Buffer.OUTPUT, s.out_chunks), (Buffer.SCRATCH, scratch))}
     for k, (_, _, op) in enumerate(ops):
         if op.kind in _USES_DST:
             for c in range(op.dst_off, op.dst_off + op.count):

@@ -14,7 +14,7 @@
 namespace jaxccl {
 
 inline constexpr int32_t kTableMagic = 0x4C43434A;  // "JCCL" little-endian
-inline constexpr int32_t kTableVersion = 1;
+inline constexpr int32_t kTableVersion = 2;
 inline constexpr int kHeaderWords = 16;
 inline constexpr int kRankWords = 2;
 inline constexpr int kTbWords = 8;
@@ -36,6 +36,20 @@ enum class OpCode : int32_t {
   kNop = 8,
 };
 inline constexpr int32_t kNumOpCodes = 9;
+
+// Header words with a meaning of their own beyond a count (docs/schedule-ir.md, "Compiled table").
+inline constexpr int kHeaderDigestWord = 12;
+inline constexpr int kHeaderChecksumWord = 14;
+
+// Size limits a table must respect before anything is sized by it. A valid schedule respects them:
+// kMaxChunkCells is the reference interpreter's MAX_CHUNK_CELLS (jaxccl/schedule/interpreter.py), the
+// ranks x (input + output + scratch) chunks it tracks; the program builder tracks the same cells, every
+// rank's program names every connection, and the executors keep num_slots cells per connection.
+inline constexpr int32_t kMaxTableRanks = 1 << 16;
+inline constexpr int32_t kMaxTableSlots = 1 << 16;
+inline constexpr int64_t kMaxChunkCells = int64_t{1} << 26;
+inline constexpr int64_t kMaxRankConnections = int64_t{1} << 26;  // num_ranks x num_connections
+inline constexpr int64_t kMaxSlotCells = int64_t{1} << 26;        // num_connections x num_slots
 
 inline constexpr int32_t kOpFlagDirect = 1;
 inline constexpr int32_t kTableFlagOrderedReduction = 1;
@@ -167,6 +181,7 @@ struct Table {
   int32_t num_slots;
   int32_t flags;
   uint32_t digest_low32;
+  uint32_t checksum;
   std::vector<int32_t> rank_first_tb, rank_num_tbs;
   std::vector<TableTb> tbs;
   std::vector<TableOp> ops;
