@@ -562,3 +562,54 @@ def test_measured_capacities_without_a_common_unit():
     assert s.algbw <= s.bound <= brute_force_bound(topo) * (1 + 1e-12)
     assert s.algbw >= 0.99 * brute_force_bound(topo)
     s.validate()
+
+
+# ------------------------------------------------------------------ any topology (issue 15)
+def link_chunks_rate(s, topo: Topology) -> float:
+    """algbw from the chunks the schedule puts on every physical link: N * k * min(capacity / chunks)."""
+    rate = min(topo.capacity(u, v) / c for u, v, c in s.info["link_chunks"])
+    return rate * s.chunks_per_period * s.num_ranks
+
+
+RAIL_SEGMENTS = [(1, 2, 2), (1, 4, 2), (1, 4, 3), (2, 4, 2), (3, 4, 2), (2, 2, 2), (1, 1, 3), (2, 1, 2), (1, 8, 2)]
+
+
+@pytest.mark.parametrize("shape", RAIL_SEGMENTS, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("method", ["forestcoll", "latency"])
+def test_multi_segment_rails_reach_the_bound(shape, method):
+    hosts, gpus, segments = shape
+    topo = rail(hosts=hosts, gpus_per_host=gpus, segments=segments)
+    s = allgather(topo, method=method).validate()
+    assert s.algbw == s.bound and s.info["gap"] == 0.0
+    assert link_chunks_rate(s, topo) == pytest.approx(s.algbw, rel=1e-12)
+    networkx_check(topo, s.bound)
+    r = reduce_scatter(topo, method=method).validate()
+    assert r.algbw == r.bound == pytest.approx(s.bound, rel=1e-12)
+
+
+def test_greedy_split_counts_only_sets_that_miss_a_gpu():
+    # Splitting the aggregation switch between two ToRs weakens sets that hold the switch but neither ToR;
+    # on a 2x1x2 rail such sets can hold every GPU, and those constrain nothing (ForestColl's condition).
+    from jaxccl.synth.allgather.bound import optimal_rate, tree_units
+    from jaxccl.synth.allgather.logical import Logical
+    from jaxccl.synth.allgather.network import build_net
+    from jaxccl.synth.allgather.switch_removal import SplitStats, greedy_split
+
+    net = build_net(rail(hosts=1, gpus_per_host=2, segments=2))
+    units = tree_units(net, optimal_rate(net))
+    logical = Logical(net, units.caps)
+    stats = SplitStats()
+    greedy_split(logical, net.names.index("agg"), units.k, stats)
+    assert stats.dropped == 0
+
+
+def test_nearly_dead_link_is_left_out():
+    from synth_families import torus
+
+    healthy = torus(4, 4)
+    for capacity in (1e3, 1.0):
+        topo = healthy.degrade(0, 1, capacity=capacity)
+        s = allgather(topo).validate()
+        assert s.info["dead_links"] == [[0, 1, capacity], [1, 0, capacity]]
+        networkx_check(healthy.cut(0, 1), s.bound)
+        assert link_chunks_rate(s, healthy.cut(0, 1)) == pytest.approx(s.algbw, rel=1e-12)

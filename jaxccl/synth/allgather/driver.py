@@ -25,6 +25,7 @@ from jaxccl.synth.allgather.packing import Packing, globally_tight, pack, tree_g
 from jaxccl.synth.allgather.repair import repair_pack
 from jaxccl.synth.allgather.switch_removal import SplitStats, remove_switches
 from jaxccl.synth.allgather.warm import previous_hints, reuse_fraction
+from jaxccl.synth.links import dead_links, usable_topology
 from jaxccl.topology import Topology
 
 METHODS = ("forestcoll", "latency")
@@ -112,7 +113,8 @@ def _synthesize(topo, previous, method, max_chunks, collective: Collective) -> S
     OptionError.check("method", method, METHODS)
     t_start = time.perf_counter()
     times: dict[str, float] = {}
-    work = reversed_topology(topo) if collective is Collective.REDUCE_SCATTER else topo
+    usable = usable_topology(topo)
+    work = reversed_topology(usable) if collective is Collective.REDUCE_SCATTER else usable
     net = build_net(work)
     hints = previous_hints(previous, net, collective)
     result = _warm_solve(net, hints, method, max_chunks, times) if hints else None
@@ -124,6 +126,7 @@ def _synthesize(topo, previous, method, max_chunks, collective: Collective) -> S
     info, algbw, bound_bw = _report(net, bound, units, logical, packing, stats, method, hints)
     times["report"] = time.perf_counter() - t
     info["solve_time_s"] = solve
+    info["dead_links"] = [[u, v, cap] for u, v, cap in dead_links(topo)]
     build = allgather_schedule if collective is Collective.ALL_GATHER else reduce_scatter_schedule
     name = f"{method}-{'allgather' if collective is Collective.ALL_GATHER else 'reduce_scatter'}"
     t = time.perf_counter()

@@ -71,6 +71,7 @@ from jaxccl.synth.alltoall.rounding import CHUNK_TOLERANCE, path_flows, round_at
 from jaxccl.synth.alltoall.routes import route_nodes
 from jaxccl.synth.alltoall.state import WarmState, recall, remember
 from jaxccl.synth.alltoall.warm import PreviousRoutes, keep_previous, kept_prefix, merged_arcs, routes_from
+from jaxccl.synth.links import dead_links, usable_topology
 from jaxccl.topology import Topology
 
 NAME = "cg_alltoall"
@@ -164,7 +165,7 @@ def alltoall(
     n = topo.num_gpus
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    net = build_network(topo)
+    net = build_network(usable_topology(topo))
     m_s = net.default_steps if max_steps is None else int(max_steps)
     if m_s < 2:
         raise SynthesisError(f"max_steps must be >= 2 (a path needs at least one hop), got {max_steps!r}")
@@ -330,6 +331,7 @@ def alltoall(
         "step_search": step_search,
         "per_chunk_algbw": {str(k): n * v * net.unit for k, v in rounded.per_k.items()},
         "topology": topo.fingerprint,
+        "dead_links": [[u, v, cap] for u, v, cap in dead_links(topo)],
         "rate_convention": "algbw = N * per-pair rate (bytes of one rank's output buffer / time)",
         "layout": LAYOUT,
         "paths": paths,

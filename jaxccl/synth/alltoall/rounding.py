@@ -328,13 +328,13 @@ def _dive(net: Network, lp: _ResidualLP | None, cand: _Candidates, load: np.ndar
     fixed = np.zeros(m, dtype=np.int64)
     if m == 0 or lp is None:
         return cand.pid, fixed, load.astype(np.float64)
-    fixed += np.floor(cand.frac * k + _EPS).astype(np.int64)
+    fixed += _whole_chunks(cand.frac * k, cand.group, np.full(cand.num_groups, k))
     residual = k - np.bincount(cand.group, weights=fixed, minlength=cand.num_groups).astype(np.int64)
     for _ in range(4 * k * cand.num_groups + 4):
         if not residual.any():
             break
         y = lp.solve(load + lp.inc_t @ fixed, residual)
-        take = np.floor(y + _EPS).astype(np.int64)
+        take = _whole_chunks(y, cand.group, residual)
         if not take.any():
             # Round up the most decided commodities: the largest fractional value each.
             active = np.flatnonzero(residual > 0)
@@ -353,6 +353,30 @@ def _dive(net: Network, lp: _ResidualLP | None, cand: _Candidates, load: np.ndar
     if residual.any():  # pragma: no cover
         raise SynthesisError("rounding did not converge")
     return cand.pid, fixed, load + lp.inc_t @ fixed
+
+
+def _whole_chunks(y: np.ndarray, group: np.ndarray, limit: np.ndarray) -> np.ndarray:
+    """The whole chunks of the LP values ``y``: never negative, at most ``limit[g]`` per group ``g``.
+
+    An LP solution is exact only up to the solver's tolerances (a fraction
+    ``1.0000001`` beside ``-1e-7``); rounded naively, such noise places a
+    chunk too many on one path and a negative one on another.
+
+    >>> import numpy as np
+    >>> _whole_chunks(np.array([7.0000006, -6e-7, 2.5]), np.array([0, 0, 1]), np.array([7, 3])).tolist()
+    [7, 0, 2]
+    """
+    take = np.maximum(np.floor(y + _EPS), 0).astype(np.int64)
+    excess = np.bincount(group, weights=take, minlength=limit.size).astype(np.int64) - limit
+    for g in np.flatnonzero(excess > 0):
+        rows = np.flatnonzero(group == g)
+        for row in rows[np.argsort(-take[rows], kind="stable")]:
+            cut = min(int(take[row]), int(excess[g]))
+            take[row] -= cut
+            excess[g] -= cut
+            if not excess[g]:
+                break
+    return take
 
 
 def _argmax_per_group(values: np.ndarray, group: np.ndarray, num_groups: int) -> np.ndarray:
