@@ -613,3 +613,35 @@ def test_nearly_dead_link_is_left_out():
         assert s.info["dead_links"] == [[0, 1, capacity], [1, 0, capacity]]
         networkx_check(healthy.cut(0, 1), s.bound)
         assert link_chunks_rate(s, healthy.cut(0, 1)) == pytest.approx(s.algbw, rel=1e-12)
+
+
+def egress_heavy_switch() -> Topology:
+    """Four GPUs sending 10 GB/s into a switch that sends 30 GB/s back to each."""
+    edges = []
+    for g in range(4):
+        edges += [(g, "w", 10 * GB, 1e-6), ("w", g, 30 * GB, 1e-6)]
+    return Topology.from_edges(4, edges, name="egress-heavy")
+
+
+@pytest.mark.parametrize("method", ["forestcoll", "latency"])
+def test_switch_with_more_egress_than_ingress_gets_a_bound_trees_reach(method):
+    # Without multicast every unit leaving the switch entered it: all 4 * 3 * x of the gathered data crosses
+    # the 40 GB/s of ingress, so x = 40/12 GB/s per root (the max-flow bound, 10 GB/s per root, needs copies).
+    topo = egress_heavy_switch()
+    s = allgather(topo, method=method).validate()
+    assert s.algbw == s.bound == pytest.approx(4 * 40 * GB / 12, rel=1e-12)
+    assert s.info["balanced_switches"] == [["w", 40 * GB, 120 * GB]]
+    assert link_chunks_rate(s, topo) >= s.algbw * (1 - 1e-12)
+    r = reduce_scatter(topo, method=method).validate()  # reversed: ingress-heavy, the same limit
+    assert r.algbw == r.bound == pytest.approx(s.bound, rel=1e-12)
+
+
+@pytest.mark.parametrize("method", ["forestcoll", "latency"])
+def test_one_way_degraded_switch_links_validate(method):
+    from jaxccl.topology import fat_tree
+
+    topo = fat_tree(2, 2, 2).degrade(0, "leaf:0", gbps=100, both=False)
+    s = allgather(topo, method=method).validate()
+    assert s.algbw == s.bound and s.info["balanced_switches"]
+    assert link_chunks_rate(s, topo) >= s.algbw * (1 - 1e-12)
+    assert s.bound <= brute_force_bound(topo) * (1 + 1e-12)

@@ -18,6 +18,7 @@ import numpy as np
 
 from jaxccl.errors import OptionError, SynthesisError
 from jaxccl.schedule import Collective, Schedule
+from jaxccl.synth.allgather.balance import balance_switches
 from jaxccl.synth.allgather.bound import DEFAULT_MAX_CHUNKS, candidate_rate, optimal_rate, switch_cuts, tree_units
 from jaxccl.synth.allgather.compile import allgather_schedule, reduce_scatter_schedule
 from jaxccl.synth.allgather.network import Net, build_net
@@ -115,7 +116,7 @@ def _synthesize(topo, previous, method, max_chunks, collective: Collective) -> S
     times: dict[str, float] = {}
     usable = usable_topology(topo)
     work = reversed_topology(usable) if collective is Collective.REDUCE_SCATTER else usable
-    net = build_net(work)
+    net, balanced = balance_switches(build_net(work))
     hints = previous_hints(previous, net, collective)
     result = _warm_solve(net, hints, method, max_chunks, times) if hints else None
     if result is None:
@@ -127,6 +128,7 @@ def _synthesize(topo, previous, method, max_chunks, collective: Collective) -> S
     times["report"] = time.perf_counter() - t
     info["solve_time_s"] = solve
     info["dead_links"] = [[u, v, cap] for u, v, cap in dead_links(topo)]
+    info["balanced_switches"] = balanced
     build = allgather_schedule if collective is Collective.ALL_GATHER else reduce_scatter_schedule
     name = f"{method}-{'allgather' if collective is Collective.ALL_GATHER else 'reduce_scatter'}"
     t = time.perf_counter()
