@@ -10,13 +10,14 @@ compilation into the Schedule IR.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
 import networkx as nx
 import numpy as np
 
-from jaxccl.errors import OptionError, SynthesisError
+from jaxccl.errors import OptionError, SynthesisError, TopologyError
 from jaxccl.schedule import Collective, Schedule
 from jaxccl.synth.allgather.balance import balance_switches
 from jaxccl.synth.allgather.bound import DEFAULT_MAX_CHUNKS, candidate_rate, optimal_rate, switch_cuts, tree_units
@@ -26,6 +27,7 @@ from jaxccl.synth.allgather.packing import Packing, globally_tight, pack, tree_g
 from jaxccl.synth.allgather.repair import repair_pack
 from jaxccl.synth.allgather.switch_removal import SplitStats, remove_switches
 from jaxccl.synth.allgather.warm import previous_hints, reuse_fraction
+from jaxccl.synth.group import RELAY_PREFIX, group_view, relay_topology
 from jaxccl.synth.links import dead_links, usable_topology
 from jaxccl.topology import Topology
 
@@ -39,6 +41,7 @@ def allgather(
     *,
     method: str = DEFAULT_METHOD,
     max_chunks: int | None = DEFAULT_MAX_CHUNKS,
+    group: Sequence[int] | None = None,
 ) -> Schedule:
     """Synthesizes a throughput-optimal AllGather schedule for ``topo``.
 
@@ -51,6 +54,11 @@ def allgather(
         max_chunks: largest ``k`` (chunks per shard) used for an exact
             optimum; above it the rate is rounded to ``max_chunks`` trees per
             root (``info["gap"]`` says what that costs). ``None``: always exact.
+        group: cluster GPUs of a group collective (their order gives the
+            schedule's ranks); trees may then cross GPUs outside the group as
+            relays, when that is faster than the group's own view
+            (:mod:`jaxccl.synth.group`; ``info["group"]`` says which view won
+            and which relays the trees use). ``None``: every GPU of ``topo``.
 
     Returns:
         A validated-ready ``ALL_GATHER`` schedule with ``chunks_per_period = k``;
@@ -65,7 +73,7 @@ def allgather(
         >>> s.algbw == s.bound, s.chunks_per_period, s.info["max_depth"]
         (True, 1, 2)
     """
-    return _synthesize(topo, previous, method, max_chunks, Collective.ALL_GATHER)
+    return _synthesize_for(topo, group, previous, method, max_chunks, Collective.ALL_GATHER)
 
 
 def reduce_scatter(
@@ -74,6 +82,7 @@ def reduce_scatter(
     *,
     method: str = DEFAULT_METHOD,
     max_chunks: int | None = DEFAULT_MAX_CHUNKS,
+    group: Sequence[int] | None = None,
 ) -> Schedule:
     """A ReduceScatter schedule from the reversed AllGather trees.
 
@@ -83,13 +92,14 @@ def reduce_scatter(
     duplex links). Reductions follow the trees, not ascending rank order:
     ``info["ordered_reduction"]`` is False, so results can differ from
     ``jax.lax.psum_scatter`` in the last bits for floating-point data.
+    ``previous``, ``method``, ``max_chunks`` and ``group`` are as for :func:`allgather`.
 
     >>> from jaxccl.topology import rail
     >>> s = reduce_scatter(rail(hosts=2, gpus_per_host=4))
     >>> s.collective.value, s.algbw == s.bound, s.info["ordered_reduction"]
     ('reduce_scatter', True, False)
     """
-    return _synthesize(topo, previous, method, max_chunks, Collective.REDUCE_SCATTER)
+    return _synthesize_for(topo, group, previous, method, max_chunks, Collective.REDUCE_SCATTER)
 
 
 def switch_groups(net: Net) -> list[np.ndarray]:
@@ -108,6 +118,35 @@ def reversed_topology(topo: Topology) -> Topology:
     """``topo`` with every link reversed (same nodes, capacities and latencies)."""
     g = nx.DiGraph(topo.graph).reverse(copy=True)
     return Topology(g, name=f"{topo.name} reversed", meta=topo.meta)
+
+
+def _synthesize_for(topo, group, previous, method, max_chunks, collective: Collective) -> Schedule:
+    """The whole topology, or a group: the faster of its own view and the view with relays."""
+    if group is None:
+        return _synthesize(topo, previous, method, max_chunks, collective)
+    if not isinstance(topo, Topology):
+        raise TopologyError(f"expected a jaxccl.topology.Topology, got {type(topo).__name__}")
+    OptionError.check("method", method, METHODS)
+    relays = relay_topology(topo, group)
+    best, algbw = None, {}
+    try:
+        views = [("own", group_view(topo, group))]
+    except TopologyError:  # the group's GPUs and switches alone do not connect it
+        views = []
+    for label, view in [*views, ("relays", relays)]:
+        s = _synthesize(view, previous, method, max_chunks, collective)
+        algbw[label] = s.algbw
+        if best is None or s.algbw > best[1].algbw * (1 + 1e-12):
+            best = (label, s)
+    label, schedule = best
+    used = {str(name) for u, v, _ in schedule.info["link_chunks"] for name in (u, v)}
+    schedule.info["group"] = {
+        "gpus": [int(g) for g in group],
+        "view": label,
+        "relays": sorted(int(n[len(RELAY_PREFIX) :]) for n in used if n.startswith(RELAY_PREFIX)),
+        "algbw": algbw,
+    }
+    return schedule
 
 
 def _synthesize(topo, previous, method, max_chunks, collective: Collective) -> Schedule:
