@@ -18,7 +18,7 @@ import jaxccl
 from jaxccl.errors import OptionError, SynthesisError, TopologyError
 from jaxccl.schedule import chunk_bounds
 from jaxccl.synth.allgather import allgather, reduce_scatter
-from jaxccl.topology import Topology, gbps, rail, ring, scenario, single_node
+from jaxccl.topology import Topology, gbps, rail, ring, scenario, single_node, torus
 
 GB = 1e9
 
@@ -604,8 +604,6 @@ def test_greedy_split_counts_only_sets_that_miss_a_gpu():
 
 
 def test_nearly_dead_link_is_left_out():
-    from synth_families import torus
-
     healthy = torus(4, 4)
     for capacity in (1e3, 1.0):
         topo = healthy.degrade(0, 1, capacity=capacity)

@@ -21,7 +21,7 @@ from jaxccl.synth.alltoall import alltoall, cflp_bound, decode_paths
 from jaxccl.synth.alltoall.emission import compile_schedule
 from jaxccl.synth.alltoall.network import build_network
 from jaxccl.synth.alltoall.pricing import shortest_path_trees
-from jaxccl.topology import Topology, fat_tree, gbps, rail, ring, scenario, single_node
+from jaxccl.topology import Topology, fat_tree, gbps, rail, ring, scenario, single_node, torus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -648,8 +648,6 @@ def test_benchmark_driver_reports_paired_speedups():
 @pytest.mark.parametrize(("u", "v", "both"), [(0, 1, False), (0, 4, True), (5, 6, True)])
 @pytest.mark.parametrize("capacity", [1e3, 10.0, 1.0])
 def test_nearly_dead_link_is_left_out_and_every_pair_gets_exactly_k_chunks(u, v, both, capacity):
-    from synth_families import torus
-
     from jaxccl.synth.links import DEAD_LINK_FRACTION
 
     healthy = torus(4, 4)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from synth_families import torus
 from test_synth_sweep import allgather_bound
 
 import jaxccl
@@ -17,7 +16,7 @@ from jaxccl.errors import TopologyError
 from jaxccl.sim.groups import subtopology
 from jaxccl.synth import allgather, reduce_scatter
 from jaxccl.synth.group import relay_name, relay_topology
-from jaxccl.topology import rail
+from jaxccl.topology import rail, torus
 
 CASES = {
     "torus row": (lambda: torus(4, 4), [0, 1, 2, 3]),

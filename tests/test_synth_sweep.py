@@ -23,11 +23,10 @@ import numpy as np
 import pytest
 import scipy.optimize
 import scipy.sparse as sp
-from synth_families import mixed_hosts, torus
 
 from jaxccl.synth import allgather, alltoall, reduce_scatter
 from jaxccl.synth.alltoall import decode_paths
-from jaxccl.topology import Topology, fat_tree, rail
+from jaxccl.topology import Topology, fat_tree, mixed_hosts, rail, torus
 
 GB = 1e9
 FACTORS = (0.5, 0.25, 0.125, 0.05)
