@@ -643,3 +643,22 @@ def test_one_way_degraded_switch_links_validate(method):
     assert s.algbw == s.bound and s.info["balanced_switches"]
     assert link_chunks_rate(s, topo) >= s.algbw * (1 - 1e-12)
     assert s.bound <= brute_force_bound(topo) * (1 + 1e-12)
+
+
+@pytest.mark.parametrize(
+    ("healthy", "change"),
+    [
+        (lambda: rail(hosts=2), lambda t: scenario(t, "fail1")),
+        (lambda: torus(6, 6), lambda t: t.degrade(0, 1, capacity=25e9)),
+    ],
+    ids=["rail 1x2x8 fail1", "torus 6x6 one link at half"],
+)
+def test_warm_trees_are_lifted_to_the_cold_depth(healthy, change):
+    base = healthy()
+    topo = change(base)
+    warm = allgather(topo, previous=allgather(base)).validate()
+    cold = allgather(topo)
+    assert warm.info["certificate"] == "trees" and warm.algbw == cold.algbw == warm.bound
+    assert warm.info["max_depth"] <= cold.info["max_depth"]
+    assert "shorten" in warm.info["phase_times_s"]
+    assert link_chunks_rate(warm, topo) == pytest.approx(warm.algbw, rel=1e-12)

@@ -25,6 +25,7 @@ from jaxccl.synth.allgather.compile import allgather_schedule, reduce_scatter_sc
 from jaxccl.synth.allgather.network import Net, build_net
 from jaxccl.synth.allgather.packing import Packing, globally_tight, pack, tree_groups, tree_lists
 from jaxccl.synth.allgather.repair import repair_pack
+from jaxccl.synth.allgather.shorten import shorten
 from jaxccl.synth.allgather.switch_removal import SplitStats, remove_switches
 from jaxccl.synth.allgather.warm import previous_hints, reuse_fraction
 from jaxccl.synth.group import RELAY_PREFIX, group_view, relay_topology
@@ -246,9 +247,13 @@ def _warm_solve(net: Net, hints: dict, method: str, max_chunks, times: dict) -> 
             return None
         times["switch_removal"] = times.get("switch_removal", 0.0) + time.perf_counter() - t
         t = time.perf_counter()
-        packing = _repair(net.num_gpus, units.k, logical.gpu_links(), hints["trees"], sets)
+        links = logical.gpu_links()
+        packing = _repair(net.num_gpus, units.k, links, hints["trees"], sets)
         times["packing"] = times.get("packing", 0.0) + time.perf_counter() - t
         if packing is not None:
+            t = time.perf_counter()
+            packing = shorten(packing, links)
+            times["shorten"] = time.perf_counter() - t
             stats.certificate = "trees"
             return bound, units, logical, packing, stats
         p = bound.rate.numerator
