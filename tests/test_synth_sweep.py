@@ -89,6 +89,11 @@ def alltoall_bound(topo: Topology) -> float:
 # ------------------------------------------------------------------ random topologies
 def random_topology(seed: int, *, big: bool = False) -> Topology:
     """One seeded random topology: a family, a shape, and 0-3 degraded links."""
+    return random_pair(seed, big=big)[1]
+
+
+def random_pair(seed: int, *, big: bool = False) -> tuple[Topology, Topology]:
+    """A seeded random topology before and after 0-3 of its links degrade."""
     rng = np.random.default_rng(seed)
     family = ("rail", "fat_tree", "torus", "mixed")[seed % 4]
     if family == "rail":
@@ -106,7 +111,7 @@ def random_topology(seed: int, *, big: bool = False) -> Topology:
     else:
         sizes = [int(s) for s in rng.integers(1, 5, size=int(rng.integers(2, 4) if not big else 6))]
         topo = mixed_hosts(sizes if sum(sizes) >= 2 else [1, 1])
-    return degrade_randomly(topo, rng, int(rng.integers(0, 4)))
+    return topo, degrade_randomly(topo, rng, int(rng.integers(0, 4)))
 
 
 def degrade_randomly(topo: Topology, rng: np.random.Generator, count: int) -> Topology:
@@ -161,6 +166,17 @@ def test_random_topologies(seed):
     topo = random_topology(seed)
     check_allgather(topo)
     check_alltoall(topo)
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_warm_starts_after_random_degradations(seed):
+    # a warm start from the healthy topology's schedule reaches what a cold start reaches
+    healthy, topo = random_pair(seed)
+    warm = allgather(topo, previous=allgather(healthy)).validate()
+    assert warm.algbw == allgather(topo).algbw == warm.bound
+    a = alltoall(topo, previous=alltoall(healthy)).validate()
+    assert a.bound == pytest.approx(alltoall_bound(topo), rel=1e-5)
+    assert a.algbw >= a.bound * (1 - 1e-2)
 
 
 @pytest.mark.slow

@@ -77,6 +77,9 @@ from jaxccl.topology import Topology
 NAME = "cg_alltoall"
 # A warm start keeps the previous chunk count when its rounding is within this fraction of the LP bound.
 REUSE_TOLERANCE = 2.5e-3
+# A warm repair whose rounding is further than this from the LP bound is rounded again from the full column
+# generation's optimum (the better of the two is kept).
+REPAIR_ROUNDING_GAP = 5e-3
 
 
 def alltoall(
@@ -286,6 +289,20 @@ def alltoall(
         rounded = round_flows(
             net, pool, flows, max_chunks=max_chunks, target=z_bound, prefer=prefer, keep_within=reuse_tolerance
         )
+        if repaired is not None and rounded.rate < z_bound * (1 - REPAIR_ROUNDING_GAP):
+            # The repair's optimum is another vertex of the LP; when it rounds badly, round the full column
+            # generation's optimum too (seeded with the previous routes) and keep the better rounding.
+            t1 = time.perf_counter()
+            res = solve_lp(net, m_s, warm, deadline, pricing)
+            timings["lp_after_repair"] = time.perf_counter() - t1
+            if res.converged:
+                other = round_flows(
+                    net, res.pool, path_flows(res.pool, res.x), max_chunks=max_chunks, target=z_bound, prefer=prefer
+                )
+                if other.rate > rounded.rate:
+                    pool, rounded = res.pool, other
+                    info["warm_mode"] = "column_generation"
+                    info["columns_total"] = pool.num_paths
     else:
         pool = repaired.pool
     info.setdefault("columns_total", pool.num_paths)
