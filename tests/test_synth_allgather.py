@@ -18,7 +18,7 @@ import jaxccl
 from jaxccl.errors import OptionError, SynthesisError, TopologyError
 from jaxccl.schedule import chunk_bounds
 from jaxccl.synth.allgather import allgather, reduce_scatter
-from jaxccl.topology import Topology, gbps, rail, ring, scenario, single_node
+from jaxccl.topology import Topology, gbps, rail, ring, scenario, single_node, torus
 
 GB = 1e9
 
@@ -562,3 +562,103 @@ def test_measured_capacities_without_a_common_unit():
     assert s.algbw <= s.bound <= brute_force_bound(topo) * (1 + 1e-12)
     assert s.algbw >= 0.99 * brute_force_bound(topo)
     s.validate()
+
+
+# ------------------------------------------------------------------ any topology (issue 15)
+def link_chunks_rate(s, topo: Topology) -> float:
+    """algbw from the chunks the schedule puts on every physical link: N * k * min(capacity / chunks)."""
+    rate = min(topo.capacity(u, v) / c for u, v, c in s.info["link_chunks"])
+    return rate * s.chunks_per_period * s.num_ranks
+
+
+RAIL_SEGMENTS = [(1, 2, 2), (1, 4, 2), (1, 4, 3), (2, 4, 2), (3, 4, 2), (2, 2, 2), (1, 1, 3), (2, 1, 2), (1, 8, 2)]
+
+
+@pytest.mark.parametrize("shape", RAIL_SEGMENTS, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("method", ["forestcoll", "latency"])
+def test_multi_segment_rails_reach_the_bound(shape, method):
+    hosts, gpus, segments = shape
+    topo = rail(hosts=hosts, gpus_per_host=gpus, segments=segments)
+    s = allgather(topo, method=method).validate()
+    assert s.algbw == s.bound and s.info["gap"] == 0.0
+    assert link_chunks_rate(s, topo) == pytest.approx(s.algbw, rel=1e-12)
+    networkx_check(topo, s.bound)
+    r = reduce_scatter(topo, method=method).validate()
+    assert r.algbw == r.bound == pytest.approx(s.bound, rel=1e-12)
+
+
+def test_greedy_split_counts_only_sets_that_miss_a_gpu():
+    # Splitting the aggregation switch between two ToRs weakens sets that hold the switch but neither ToR;
+    # on a 2x1x2 rail such sets can hold every GPU, and those constrain nothing (ForestColl's condition).
+    from jaxccl.synth.allgather.bound import optimal_rate, tree_units
+    from jaxccl.synth.allgather.logical import Logical
+    from jaxccl.synth.allgather.network import build_net
+    from jaxccl.synth.allgather.switch_removal import SplitStats, greedy_split
+
+    net = build_net(rail(hosts=1, gpus_per_host=2, segments=2))
+    units = tree_units(net, optimal_rate(net))
+    logical = Logical(net, units.caps)
+    stats = SplitStats()
+    greedy_split(logical, net.names.index("agg"), units.k, stats)
+    assert stats.dropped == 0
+
+
+def test_nearly_dead_link_is_left_out():
+    healthy = torus(4, 4)
+    for capacity in (1e3, 1.0):
+        topo = healthy.degrade(0, 1, capacity=capacity)
+        s = allgather(topo).validate()
+        assert s.info["dead_links"] == [[0, 1, capacity], [1, 0, capacity]]
+        networkx_check(healthy.cut(0, 1), s.bound)
+        assert link_chunks_rate(s, healthy.cut(0, 1)) == pytest.approx(s.algbw, rel=1e-12)
+
+
+def egress_heavy_switch() -> Topology:
+    """Four GPUs sending 10 GB/s into a switch that sends 30 GB/s back to each."""
+    edges = []
+    for g in range(4):
+        edges += [(g, "w", 10 * GB, 1e-6), ("w", g, 30 * GB, 1e-6)]
+    return Topology.from_edges(4, edges, name="egress-heavy")
+
+
+@pytest.mark.parametrize("method", ["forestcoll", "latency"])
+def test_switch_with_more_egress_than_ingress_gets_a_bound_trees_reach(method):
+    # Without multicast every unit leaving the switch entered it: all 4 * 3 * x of the gathered data crosses
+    # the 40 GB/s of ingress, so x = 40/12 GB/s per root (the max-flow bound, 10 GB/s per root, needs copies).
+    topo = egress_heavy_switch()
+    s = allgather(topo, method=method).validate()
+    assert s.algbw == s.bound == pytest.approx(4 * 40 * GB / 12, rel=1e-12)
+    assert s.info["balanced_switches"] == [["w", 40 * GB, 120 * GB]]
+    assert link_chunks_rate(s, topo) >= s.algbw * (1 - 1e-12)
+    r = reduce_scatter(topo, method=method).validate()  # reversed: ingress-heavy, the same limit
+    assert r.algbw == r.bound == pytest.approx(s.bound, rel=1e-12)
+
+
+@pytest.mark.parametrize("method", ["forestcoll", "latency"])
+def test_one_way_degraded_switch_links_validate(method):
+    from jaxccl.topology import fat_tree
+
+    topo = fat_tree(2, 2, 2).degrade(0, "leaf:0", gbps=100, both=False)
+    s = allgather(topo, method=method).validate()
+    assert s.algbw == s.bound and s.info["balanced_switches"]
+    assert link_chunks_rate(s, topo) >= s.algbw * (1 - 1e-12)
+    assert s.bound <= brute_force_bound(topo) * (1 + 1e-12)
+
+
+@pytest.mark.parametrize(
+    ("healthy", "change"),
+    [
+        (lambda: rail(hosts=2), lambda t: scenario(t, "fail1")),
+        (lambda: torus(6, 6), lambda t: t.degrade(0, 1, capacity=25e9)),
+    ],
+    ids=["rail 1x2x8 fail1", "torus 6x6 one link at half"],
+)
+def test_warm_trees_are_lifted_to_the_cold_depth(healthy, change):
+    base = healthy()
+    topo = change(base)
+    warm = allgather(topo, previous=allgather(base)).validate()
+    cold = allgather(topo)
+    assert warm.info["certificate"] == "trees" and warm.algbw == cold.algbw == warm.bound
+    assert warm.info["max_depth"] <= cold.info["max_depth"]
+    assert "shorten" in warm.info["phase_times_s"]
+    assert link_chunks_rate(warm, topo) == pytest.approx(warm.algbw, rel=1e-12)

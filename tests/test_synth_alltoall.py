@@ -21,7 +21,7 @@ from jaxccl.synth.alltoall import alltoall, cflp_bound, decode_paths
 from jaxccl.synth.alltoall.emission import compile_schedule
 from jaxccl.synth.alltoall.network import build_network
 from jaxccl.synth.alltoall.pricing import shortest_path_trees
-from jaxccl.topology import Topology, fat_tree, gbps, rail, ring, scenario, single_node
+from jaxccl.topology import Topology, fat_tree, gbps, rail, ring, scenario, single_node, torus
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -642,3 +642,33 @@ def test_benchmark_driver_reports_paired_speedups():
     assert rows[0]["warm_mode"] == "kept" and rows[1]["warm_mode"] == "repair"
     lines = acceptance(rows)
     assert any("rounding gap" in line for line in lines)
+
+
+# ------------------------------------------------------------------ nearly dead links (issue 15)
+@pytest.mark.parametrize(("u", "v", "both"), [(0, 1, False), (0, 4, True), (5, 6, True)])
+@pytest.mark.parametrize("capacity", [1e3, 10.0, 1.0])
+def test_nearly_dead_link_is_left_out_and_every_pair_gets_exactly_k_chunks(u, v, both, capacity):
+    from jaxccl.synth.links import DEAD_LINK_FRACTION
+
+    healthy = torus(4, 4)
+    topo = healthy.degrade(u, v, capacity=capacity, both=both)
+    a = alltoall(topo).validate()
+    k = a.info["chunks"]
+    rate, per_pair = _rounded_rate(a, topo)
+    assert set(per_pair.values()) == {k}  # the rounding places K chunks per pair, never K + 1
+    assert len(per_pair) == 16 * 15
+    assert a.algbw == pytest.approx(rate, rel=1e-9)  # the routes reach the algbw the schedule states
+    gone = [[u, v, capacity]] + ([[v, u, capacity]] if both else [])
+    assert sorted(a.info["dead_links"]) == sorted(gone)
+    assert capacity < DEAD_LINK_FRACTION * 50e9 <= 50e9
+    # the optimum without the dead link(s), from the independent compact LP
+    cut = healthy
+    for x, y, _ in gone:
+        cut = cut.cut(x, y, both=False)
+    assert a.bound == pytest.approx(cflp_bound(cut), rel=1e-6)
+
+
+def test_dead_links_that_isolate_a_gpu_are_named():
+    topo = ring(4, bidirectional=False).degrade(1, 2, capacity=5.0, both=False)
+    with pytest.raises(TopologyError, match=r"1->2 \(5 B/s\).*restore"):
+        alltoall(topo)

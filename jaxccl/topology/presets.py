@@ -171,3 +171,63 @@ def fat_tree(
                 _duplex(g, name, f"spine:{s}", up, SWITCH_HOP_LATENCY, "uplink")
     meta = {"preset": "fat_tree", "leaves": leaves, "gpus_per_leaf": gpus_per_leaf, "spines": spines}
     return Topology(g, name=f"fat-tree {leaves}x{gpus_per_leaf}", meta=meta)
+
+
+def torus(rows: int, cols: int, *, link_gbps: float = 400, latency: float = SWITCH_HOP_LATENCY) -> Topology:
+    """A ``rows x cols`` 2-D torus of GPUs: duplex links to the four neighbours, no switches.
+
+    GPU ``r * cols + c`` sits at row ``r``, column ``c``; a dimension of size
+    2 has one link between its two GPUs (not two), and one of size 1 none.
+
+    >>> t = torus(4, 4)
+    >>> t.num_gpus, len(list(t.edges())), sorted(t.graph.successors(0))
+    (16, 64, [1, 3, 4, 12])
+    """
+    for label, value in (("rows", rows), ("cols", cols)):
+        if not isinstance(value, int) or value < 1:
+            raise TopologyError(f"torus(): {label} must be a positive integer, got {value!r}")
+    if rows * cols < 2:
+        raise TopologyError(f"torus(): needs at least 2 GPUs, got {rows}x{cols}")
+    if not link_gbps > 0:
+        raise TopologyError(f"torus(): link_gbps must be positive, got {link_gbps!r}")
+    g = nx.DiGraph()
+    for r in range(rows):
+        for c in range(cols):
+            g.add_node(r * cols + c, kind="gpu", host=r * cols + c, row=r, col=c)
+    cap = gbps(link_gbps)
+    for r in range(rows):
+        for c in range(cols):
+            me = r * cols + c
+            for nb in (r * cols + (c + 1) % cols, ((r + 1) % rows) * cols + c):
+                if nb != me and not g.has_edge(me, nb):
+                    _duplex(g, me, nb, cap, latency, "link")
+    meta = {"preset": "torus", "rows": rows, "cols": cols, "link_gbps": link_gbps}
+    return Topology(g, name=f"torus {rows}x{cols}", meta=meta)
+
+
+def mixed_hosts(sizes: list[int], *, nvlink_gbps: float = 2880, nic_gbps: float = 400) -> Topology:
+    """Hosts of different sizes: one NVSwitch per host, every GPU's NIC on one shared network switch ``"net"``.
+
+    >>> t = mixed_hosts([1, 3, 4])
+    >>> t.num_gpus, t.hosts
+    (8, ((0,), (1, 2, 3), (4, 5, 6, 7)))
+    """
+    if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+        raise TopologyError(f"mixed_hosts(): sizes must be positive integers, got {sizes!r}")
+    if sum(sizes) < 2:
+        raise TopologyError(f"mixed_hosts(): needs at least 2 GPUs, got {sizes!r}")
+    for label, value in (("nvlink_gbps", nvlink_gbps), ("nic_gbps", nic_gbps)):
+        if not value > 0:
+            raise TopologyError(f"mixed_hosts(): {label} must be positive, got {value!r}")
+    g = nx.DiGraph()
+    g.add_node("net", kind="switch", role="network")
+    rank = 0
+    for h, size in enumerate(sizes):
+        g.add_node(nvswitch(h), kind="switch", role="nvswitch", host=h)
+        for i in range(size):
+            g.add_node(rank, kind="gpu", host=h, rail=i, segment=0)
+            _duplex(g, rank, nvswitch(h), gbps(nvlink_gbps), NVSWITCH_LATENCY, "nvlink")
+            _duplex(g, rank, "net", gbps(nic_gbps), SWITCH_HOP_LATENCY, "nic")
+            rank += 1
+    meta = {"preset": "mixed_hosts", "sizes": list(sizes), "nvlink_gbps": nvlink_gbps, "nic_gbps": nic_gbps}
+    return Topology(g, name=f"mixed hosts {list(sizes)}", meta=meta)

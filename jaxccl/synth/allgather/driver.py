@@ -10,21 +10,26 @@ compilation into the Schedule IR.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from fractions import Fraction
 from typing import Any
 
 import networkx as nx
 import numpy as np
 
-from jaxccl.errors import OptionError, SynthesisError
+from jaxccl.errors import OptionError, SynthesisError, TopologyError
 from jaxccl.schedule import Collective, Schedule
+from jaxccl.synth.allgather.balance import balance_switches
 from jaxccl.synth.allgather.bound import DEFAULT_MAX_CHUNKS, candidate_rate, optimal_rate, switch_cuts, tree_units
 from jaxccl.synth.allgather.compile import allgather_schedule, reduce_scatter_schedule
 from jaxccl.synth.allgather.network import Net, build_net
 from jaxccl.synth.allgather.packing import Packing, globally_tight, pack, tree_groups, tree_lists
 from jaxccl.synth.allgather.repair import repair_pack
+from jaxccl.synth.allgather.shorten import shorten
 from jaxccl.synth.allgather.switch_removal import SplitStats, remove_switches
 from jaxccl.synth.allgather.warm import previous_hints, reuse_fraction
+from jaxccl.synth.group import RELAY_PREFIX, group_view, relay_topology
+from jaxccl.synth.links import dead_links, usable_topology
 from jaxccl.topology import Topology
 
 METHODS = ("forestcoll", "latency")
@@ -37,6 +42,7 @@ def allgather(
     *,
     method: str = DEFAULT_METHOD,
     max_chunks: int | None = DEFAULT_MAX_CHUNKS,
+    group: Sequence[int] | None = None,
 ) -> Schedule:
     """Synthesizes a throughput-optimal AllGather schedule for ``topo``.
 
@@ -49,6 +55,11 @@ def allgather(
         max_chunks: largest ``k`` (chunks per shard) used for an exact
             optimum; above it the rate is rounded to ``max_chunks`` trees per
             root (``info["gap"]`` says what that costs). ``None``: always exact.
+        group: cluster GPUs of a group collective (their order gives the
+            schedule's ranks); trees may then cross GPUs outside the group as
+            relays, when that is faster than the group's own view
+            (:mod:`jaxccl.synth.group`; ``info["group"]`` says which view won
+            and which relays the trees use). ``None``: every GPU of ``topo``.
 
     Returns:
         A validated-ready ``ALL_GATHER`` schedule with ``chunks_per_period = k``;
@@ -63,7 +74,7 @@ def allgather(
         >>> s.algbw == s.bound, s.chunks_per_period, s.info["max_depth"]
         (True, 1, 2)
     """
-    return _synthesize(topo, previous, method, max_chunks, Collective.ALL_GATHER)
+    return _synthesize_for(topo, group, previous, method, max_chunks, Collective.ALL_GATHER)
 
 
 def reduce_scatter(
@@ -72,6 +83,7 @@ def reduce_scatter(
     *,
     method: str = DEFAULT_METHOD,
     max_chunks: int | None = DEFAULT_MAX_CHUNKS,
+    group: Sequence[int] | None = None,
 ) -> Schedule:
     """A ReduceScatter schedule from the reversed AllGather trees.
 
@@ -81,13 +93,14 @@ def reduce_scatter(
     duplex links). Reductions follow the trees, not ascending rank order:
     ``info["ordered_reduction"]`` is False, so results can differ from
     ``jax.lax.psum_scatter`` in the last bits for floating-point data.
+    ``previous``, ``method``, ``max_chunks`` and ``group`` are as for :func:`allgather`.
 
     >>> from jaxccl.topology import rail
     >>> s = reduce_scatter(rail(hosts=2, gpus_per_host=4))
     >>> s.collective.value, s.algbw == s.bound, s.info["ordered_reduction"]
     ('reduce_scatter', True, False)
     """
-    return _synthesize(topo, previous, method, max_chunks, Collective.REDUCE_SCATTER)
+    return _synthesize_for(topo, group, previous, method, max_chunks, Collective.REDUCE_SCATTER)
 
 
 def switch_groups(net: Net) -> list[np.ndarray]:
@@ -108,12 +121,42 @@ def reversed_topology(topo: Topology) -> Topology:
     return Topology(g, name=f"{topo.name} reversed", meta=topo.meta)
 
 
+def _synthesize_for(topo, group, previous, method, max_chunks, collective: Collective) -> Schedule:
+    """The whole topology, or a group: the faster of its own view and the view with relays."""
+    if group is None:
+        return _synthesize(topo, previous, method, max_chunks, collective)
+    if not isinstance(topo, Topology):
+        raise TopologyError(f"expected a jaxccl.topology.Topology, got {type(topo).__name__}")
+    OptionError.check("method", method, METHODS)
+    relays = relay_topology(topo, group)
+    best, algbw = None, {}
+    try:
+        views = [("own", group_view(topo, group))]
+    except TopologyError:  # the group's GPUs and switches alone do not connect it
+        views = []
+    for label, view in [*views, ("relays", relays)]:
+        s = _synthesize(view, previous, method, max_chunks, collective)
+        algbw[label] = s.algbw
+        if best is None or s.algbw > best[1].algbw * (1 + 1e-12):
+            best = (label, s)
+    label, schedule = best
+    used = {str(name) for u, v, _ in schedule.info["link_chunks"] for name in (u, v)}
+    schedule.info["group"] = {
+        "gpus": [int(g) for g in group],
+        "view": label,
+        "relays": sorted(int(n[len(RELAY_PREFIX) :]) for n in used if n.startswith(RELAY_PREFIX)),
+        "algbw": algbw,
+    }
+    return schedule
+
+
 def _synthesize(topo, previous, method, max_chunks, collective: Collective) -> Schedule:
     OptionError.check("method", method, METHODS)
     t_start = time.perf_counter()
     times: dict[str, float] = {}
-    work = reversed_topology(topo) if collective is Collective.REDUCE_SCATTER else topo
-    net = build_net(work)
+    usable = usable_topology(topo)
+    work = reversed_topology(usable) if collective is Collective.REDUCE_SCATTER else usable
+    net, balanced = balance_switches(build_net(work))
     hints = previous_hints(previous, net, collective)
     result = _warm_solve(net, hints, method, max_chunks, times) if hints else None
     if result is None:
@@ -124,6 +167,8 @@ def _synthesize(topo, previous, method, max_chunks, collective: Collective) -> S
     info, algbw, bound_bw = _report(net, bound, units, logical, packing, stats, method, hints)
     times["report"] = time.perf_counter() - t
     info["solve_time_s"] = solve
+    info["dead_links"] = [[u, v, cap] for u, v, cap in dead_links(topo)]
+    info["balanced_switches"] = balanced
     build = allgather_schedule if collective is Collective.ALL_GATHER else reduce_scatter_schedule
     name = f"{method}-{'allgather' if collective is Collective.ALL_GATHER else 'reduce_scatter'}"
     t = time.perf_counter()
@@ -202,9 +247,13 @@ def _warm_solve(net: Net, hints: dict, method: str, max_chunks, times: dict) -> 
             return None
         times["switch_removal"] = times.get("switch_removal", 0.0) + time.perf_counter() - t
         t = time.perf_counter()
-        packing = _repair(net.num_gpus, units.k, logical.gpu_links(), hints["trees"], sets)
+        links = logical.gpu_links()
+        packing = _repair(net.num_gpus, units.k, links, hints["trees"], sets)
         times["packing"] = times.get("packing", 0.0) + time.perf_counter() - t
         if packing is not None:
+            t = time.perf_counter()
+            packing = shorten(packing, links)
+            times["shorten"] = time.perf_counter() - t
             stats.certificate = "trees"
             return bound, units, logical, packing, stats
         p = bound.rate.numerator

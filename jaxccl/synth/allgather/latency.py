@@ -118,7 +118,13 @@ def _split_switch(logical: Logical, w: int, k: int, stats: SplitStats) -> None:
     integral = False
     seen: set[bytes] = set()
     for _ in range(MAX_CUT_ROUNDS):
-        y_frac = lp.solve(integral)
+        try:
+            y_frac = lp.solve(integral)
+        except SynthesisError as e:
+            raise SynthesisError(
+                f"switch {net.names[w]!r}: {e}; the latency-aware split found no admissible split of this switch, "
+                "use method='forestcoll'"
+            ) from None
         stats.lp_solves += 1
         y = _round(y_frac, a, b, ii, jj) if not integral else np.rint(y_frac).astype(np.int64)
         bad = check.violation(np.concatenate([fcap, y]), k, need)

@@ -251,9 +251,9 @@ def greedy_split(logical: Logical, w: int, k: int, stats: SplitStats) -> None:
             if bt <= 0:
                 continue
             amount = min(left, bt)
-            amount = min(amount, _slack(logical, k, [w], [u, t], stats) - need)
+            amount = min(amount, _constrained_slack(logical, k, [w], [u, t], stats) - need)
             if amount > 0:
-                amount = min(amount, _f1_slack(logical, k, u, t, w, stats) - need)
+                amount = min(amount, _constrained_slack(logical, k, [u, t], [w], stats) - need)
             if amount > 0:
                 logical.split(u, w, t, int(amount))
     left = logical.remove(w)
@@ -284,16 +284,23 @@ def _slack(logical: Logical, k: int, sources: list[int], sinks: list[int], stats
     return int(maximum_flow(fnet.matrix(cap), s, t).flow_value)
 
 
-def _f1_slack(logical: Logical, k: int, u: int, t: int, w: int, stats: SplitStats) -> int:
+def _constrained_slack(logical: Logical, k: int, sources: list[int], sinks: list[int], stats: SplitStats) -> int:
+    """``N k`` plus the smallest slack of a constrained set holding ``sources`` and none of ``sinks``.
+
+    Only sets that miss some GPU constrain a splitting (phase 1's condition);
+    a set holding every GPU does not. One max-flow, and if its min cut holds
+    every GPU, one max-flow per GPU outside ``sources`` with that GPU as an
+    extra sink.
+    """
     n_gpus = logical.net.num_gpus
-    fnet, cap, s, tt = _aux(logical, k, [u, t], [w])
+    fnet, cap, s, t = _aux(logical, k, sources, sinks)
     stats.flows += 1
-    value, side = fnet.min_cut(cap, s, tt)
+    value, side = fnet.min_cut(cap, s, t)
     if not side[:n_gpus].all():
-        return value  # the min cut already misses a GPU: it is the F1 minimum
+        return value  # the min cut already misses a GPU: it is the constrained minimum
     best = INF
     for v in range(n_gpus):
-        if v in (u, t):
+        if v in sources:
             continue
-        best = min(best, _slack(logical, k, [u, t], [w, v], stats))
+        best = min(best, _slack(logical, k, sources, [*sinks, v], stats))
     return best

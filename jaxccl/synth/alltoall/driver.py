@@ -71,11 +71,15 @@ from jaxccl.synth.alltoall.rounding import CHUNK_TOLERANCE, path_flows, round_at
 from jaxccl.synth.alltoall.routes import route_nodes
 from jaxccl.synth.alltoall.state import WarmState, recall, remember
 from jaxccl.synth.alltoall.warm import PreviousRoutes, keep_previous, kept_prefix, merged_arcs, routes_from
+from jaxccl.synth.links import dead_links, usable_topology
 from jaxccl.topology import Topology
 
 NAME = "cg_alltoall"
 # A warm start keeps the previous chunk count when its rounding is within this fraction of the LP bound.
 REUSE_TOLERANCE = 2.5e-3
+# A warm repair whose rounding is further than this from the LP bound is rounded again from the full column
+# generation's optimum (the better of the two is kept).
+REPAIR_ROUNDING_GAP = 5e-3
 
 
 def alltoall(
@@ -164,7 +168,7 @@ def alltoall(
     n = topo.num_gpus
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
-    net = build_network(topo)
+    net = build_network(usable_topology(topo))
     m_s = net.default_steps if max_steps is None else int(max_steps)
     if m_s < 2:
         raise SynthesisError(f"max_steps must be >= 2 (a path needs at least one hop), got {max_steps!r}")
@@ -285,6 +289,20 @@ def alltoall(
         rounded = round_flows(
             net, pool, flows, max_chunks=max_chunks, target=z_bound, prefer=prefer, keep_within=reuse_tolerance
         )
+        if repaired is not None and rounded.rate < z_bound * (1 - REPAIR_ROUNDING_GAP):
+            # The repair's optimum is another vertex of the LP; when it rounds badly, round the full column
+            # generation's optimum too (seeded with the previous routes) and keep the better rounding.
+            t1 = time.perf_counter()
+            res = solve_lp(net, m_s, warm, deadline, pricing)
+            timings["lp_after_repair"] = time.perf_counter() - t1
+            if res.converged:
+                other = round_flows(
+                    net, res.pool, path_flows(res.pool, res.x), max_chunks=max_chunks, target=z_bound, prefer=prefer
+                )
+                if other.rate > rounded.rate:
+                    pool, rounded = res.pool, other
+                    info["warm_mode"] = "column_generation"
+                    info["columns_total"] = pool.num_paths
     else:
         pool = repaired.pool
     info.setdefault("columns_total", pool.num_paths)
@@ -330,6 +348,7 @@ def alltoall(
         "step_search": step_search,
         "per_chunk_algbw": {str(k): n * v * net.unit for k, v in rounded.per_k.items()},
         "topology": topo.fingerprint,
+        "dead_links": [[u, v, cap] for u, v, cap in dead_links(topo)],
         "rate_convention": "algbw = N * per-pair rate (bytes of one rank's output buffer / time)",
         "layout": LAYOUT,
         "paths": paths,
