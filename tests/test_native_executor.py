@@ -153,7 +153,7 @@ def ffi_collective(x, *, slot: int, n: int, coll: str, site: int = 1):
     coords = jnp.stack([lax.axis_index(AXIS), 0]).astype(jnp.int32)
     out_type = jax.ShapeDtypeStruct((out_elems(coll, n, flat.size),), x.dtype)
     y = jax.ffi.ffi_call("jaxccl_cpu_collective", out_type)(
-        flat, coords, slot=np.int64(slot), site=np.int64(site), axis_size=np.int64(n)
+        flat, coords, slot=np.int64(slot), site=np.int64(site), axis_size=np.int64(n), reduce_op=np.int64(0)
     )
     # ffi_call types its result as unvarying; it differs per device, so say so for check_vma.
     return lax.pcast(y, AXIS, to="varying")
@@ -390,7 +390,7 @@ def test_wrong_output_size():
             coords = jnp.stack([lax.axis_index(AXIS), 0]).astype(jnp.int32)
             out = jax.ShapeDtypeStruct((v.size * n + 1,), v.dtype)
             y = jax.ffi.ffi_call("jaxccl_cpu_collective", out)(
-                v, coords, slot=np.int64(slot), site=np.int64(1), axis_size=np.int64(n)
+                v, coords, slot=np.int64(slot), site=np.int64(1), axis_size=np.int64(n), reduce_op=np.int64(0)
             )
             return lax.pcast(y, AXIS, to="varying")
 
@@ -664,7 +664,7 @@ def test_cuda_ring_all_gather():
             def body(v, slot=slot):
                 coords = jnp.stack([lax.axis_index(AXIS), 0]).astype(jnp.int32)
                 y = jax.ffi.ffi_call("jaxccl_cuda_collective", jax.ShapeDtypeStruct((v.size * n,), v.dtype))(
-                    v, coords, slot=np.int64(slot), site=np.int64(1), axis_size=np.int64(n)
+                    v, coords, slot=np.int64(slot), site=np.int64(1), axis_size=np.int64(n), reduce_op=np.int64(0)
                 )
                 return lax.pcast(y, AXIS, to="varying")
 
