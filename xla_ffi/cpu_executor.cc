@@ -6,6 +6,10 @@
 #include <map>
 #include <thread>
 
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <xmmintrin.h>
+#endif
+
 #include "dtype.h"
 
 namespace jaxccl {
@@ -297,12 +301,28 @@ struct CpuProbe {
   }
 };
 
+// Denormals-are-zero and flush-to-zero for the scope's float arithmetic, as XLA:CPU computes (x86; other
+// CPUs keep the caller's mode, which is XLA's own on its threads).
+struct FlushDenormalsScope {
+#if defined(__x86_64__) || defined(__SSE2__)
+  static constexpr unsigned kFtzDaz = 0x8040u;  // MXCSR bits 15 (FTZ) and 6 (DAZ)
+  const unsigned saved = _mm_getcsr();
+  FlushDenormalsScope() {
+    if ((saved & kFtzDaz) != kFtzDaz) _mm_setcsr(saved | kFtzDaz);
+  }
+  ~FlushDenormalsScope() {
+    if ((saved & kFtzDaz) != kFtzDaz) _mm_setcsr(saved);
+  }
+#endif
+};
+
 // The core's reductions (core/reduce.h), contiguous, compiled for the widest vector unit this CPU has:
 // the module is built for baseline x86-64, whose SSE2 loops are a half or a quarter as wide.
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 __attribute__((target_clones("avx512f", "avx2", "default"), flatten))
 #endif
 void CpuReduce(Reduction r, char* dst, const char* a, const char* b, size_t n) {
+  const FlushDenormalsScope flush;  // the arithmetic mode of XLA:CPU's threads (core/reduce.h)
   ReduceLanes(r, dst, a, b, n, 0, 1);
 }
 

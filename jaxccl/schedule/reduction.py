@@ -16,9 +16,16 @@ max    ``x if acc < x else acc``       ``-inf``: NaN terms are skipped, ties kee
 min    ``x if x < acc else acc``       ``+inf``
 ====== ============================== ==========================================
 
-float16 therefore rounds to float16 after every step. bfloat16 *sums* are the
-exception: XLA:CPU promotes them to float32 and rounds once at the end
-(:func:`wire_dtype`). Integer sums wrap. On GPUs NCCL's ring/tree orders are
+float16 therefore rounds to float16 after every step. Of two NaNs a float32 or
+float64 sum keeps the new term's, a float16 sum the accumulator's (payload and
+sign are part of "bitwise"). float32 and float64 run with the CPU's
+denormals-are-zero and flush-to-zero modes: a subnormal term counts as a zero of
+its sign, a max/min returns it as that zero, a subnormal sum becomes zero.
+XLA and the native executor set these modes in hardware; numpy code emulates
+them here, and max/min flush explicitly (a select does not flush). bfloat16 is
+reduced in float32 (XLA:CPU promotes it; :func:`wire_dtype`): a sum rounds
+once at the end, and a subnormal bfloat16 term of a max is flushed too.
+Integer sums wrap. On GPUs NCCL's ring/tree orders are
 the reference instead (its sums round after every step in the element type,
 bfloat16 included); a GPU run is bitwise equal to NCCL only with the same
 order.
@@ -87,16 +94,18 @@ def supports(op: ReduceOp, dtype: Any) -> bool:
 
 
 def wire_dtype(op: ReduceOp, dtype: Any) -> np.dtype:
-    """The dtype the collective reduces in: bfloat16 sums in float32 (as XLA:CPU), else ``dtype``.
+    """The dtype the collective reduces in: bfloat16 in float32 (as XLA:CPU), else ``dtype``.
+
+    The operator does not matter today; it is an argument because the rule is per (operator, dtype).
 
     >>> import ml_dtypes
     >>> wire_dtype(ReduceOp.SUM, ml_dtypes.bfloat16).name, wire_dtype(ReduceOp.MAX, ml_dtypes.bfloat16).name
-    ('float32', 'bfloat16')
+    ('float32', 'float32')
     >>> wire_dtype(ReduceOp.SUM, np.float16).name
     'float16'
     """
     dt = np.dtype(dtype)
-    if op is ReduceOp.SUM and dt.name == "bfloat16":
+    if dt.name == "bfloat16":
         return np.dtype(np.float32)
     return dt
 
@@ -115,9 +124,14 @@ def step(op: ReduceOp, acc: Any, x: Any, xp: Any = np) -> Any:
     >>> step(ReduceOp.SUM, np.int8(127), np.int8(1)).item()  # wraps
     -128
     """
+    kind = np.dtype(acc.dtype).kind
     if op is ReduceOp.SUM:
-        return x + acc
+        if kind == "c":  # two float sums
+            return _complex(_float_sum(xp.real(acc), xp.real(x), xp), _float_sum(xp.imag(acc), xp.imag(x), xp), acc, xp)
+        return _float_sum(acc, x, xp) if _is_float(acc.dtype) else x + acc
     floating = _is_float(acc.dtype)
+    if floating:
+        acc, x = _flush(acc, xp), _flush(x, xp)
     if op is ReduceOp.MAX:
         if floating:
             acc = xp.where(xp.isnan(acc), xp.asarray(-np.inf, acc.dtype), acc)
@@ -142,9 +156,33 @@ def finish(op: ReduceOp, y: Any, xp: Any = np) -> Any:
         return y
     if kind != "c":
         return _plus_zero(y, xp)
-    re, im = _plus_zero(xp.real(y), xp), _plus_zero(xp.imag(y), xp)
+    return _complex(_plus_zero(xp.real(y), xp), _plus_zero(xp.imag(y), xp), y, xp)
+
+
+def _float_sum(acc: Any, x: Any, xp: Any) -> Any:
+    # Which NaN of two is chosen explicitly, since compilers commute additions (XLA's own `x + acc` can
+    # return either): XLA:CPU's all-reduce keeps the new term's in f32/f64 and the accumulator's in f16.
+    if np.dtype(acc.dtype).itemsize == 2:
+        return xp.where(xp.isnan(acc), acc, x + acc)
+    if xp is np:  # XLA and the native executor have the modes in hardware
+        acc, x = _flush(acc, xp), _flush(x, xp)
+        return _flush(np.where(np.isnan(x), x, x + acc), xp)
+    return xp.where(xp.isnan(x), x, x + acc)
+
+
+def _flush(v: Any, xp: Any) -> Any:
+    """Subnormal float32/float64 values as zeros of their sign (denormals-are-zero, flush-to-zero)."""
+    dt = np.dtype(v.dtype)
+    if dt.kind != "f" or dt.itemsize < 4:
+        return v
+    tiny = xp.asarray(np.finfo(dt).tiny, dt)
+    return xp.where(xp.abs(v) < tiny, xp.where(xp.signbit(v), -xp.zeros((), dt), xp.zeros((), dt)), v)
+
+
+def _complex(re: Any, im: Any, like: Any, xp: Any) -> Any:
+    """The complex array of dtype ``like.dtype`` with parts ``re`` and ``im`` (exactly, even for inf/NaN parts)."""
     if xp is np:
-        out = np.array(y, copy=True)
+        out = np.array(like, copy=True)
         out.real, out.imag = re, im
         return out
     from jax import lax  # the other array module is jax.numpy

@@ -6,17 +6,22 @@
 //
 // The reference is XLA:CPU's all-reduce, measured bit for bit (tests/test_reductions.py): a fold over
 // the ranks in ascending order that starts from the operator's identity and applies, per step,
-//   sum: acc = x + acc   (the new term first: its NaN wins when both are NaN)
+//   sum: acc = x + acc   (of two NaNs, f32/f64 keep the new term's, f16 the accumulator's)
 //   max: acc = (acc < x) ? x : acc   (identity -inf: a NaN term is skipped, ties keep the earlier term)
 //   min: acc = (x < acc) ? x : acc   (identity +inf)
-// in the element type itself; f16 therefore rounds to f16 after every step. (bf16 sums are promoted
+// in the element type itself; f16 therefore rounds to f16 after every step. float32/float64 run with
+// the CPU's denormals-are-zero and flush-to-zero modes (XLA:CPU sets them on its threads; the CPU
+// executor sets them around its reductions): subnormal terms count as zeros of their sign, and a max
+// or min returns the flushed term (FlushSubnormal, explicit here because a select does not flush). (bf16 sums are promoted
 // to f32 by XLA before its all-reduce; the JAX side does the same, so kBF16 sums here serve only direct
 // callers and GPUs, where NCCL also rounds after each step.)
 //
 // A schedule's fold starts from the first term instead of the identity; each functor below is written
 // so that both folds agree bitwise: float sums add +0 after each step (turns -0 into +0, as a sum
 // starting from +0 does, and changes nothing else), and max/min replace a NaN accumulator by the
-// identity (a running fold from the identity is never NaN). Integer sums wrap (unsigned arithmetic of
+// identity (a running fold from the identity is never NaN). Which NaN a float sum of two NaNs returns
+// is chosen explicitly (compilers commute additions, and hardware returns the first operand's NaN).
+// Integer sums wrap (unsigned arithmetic of
 // the same width, which is also the signed sum). Complex sums are two float sums; bool max/min are
 // uint8 max/min of 0/1. The 16-bit float conversions are integer code, so host and device produce the
 // same bits; float has more than 2p+2 bits of precision for both formats, so a float operation rounded
@@ -100,6 +105,26 @@ JAXCCL_HD double BitsDouble(uint64_t u) {
 #endif
 }
 
+JAXCCL_HD uint64_t DoubleBits(double f) {
+#if defined(__CUDA_ARCH__)
+  return static_cast<uint64_t>(__double_as_longlong(f));
+#else
+  uint64_t u;
+  std::memcpy(&u, &f, 8);
+  return u;
+#endif
+}
+
+// A subnormal as a zero of its sign (what denormals-are-zero makes of an operand).
+JAXCCL_HD float FlushSubnormal(float f) {
+  const uint32_t u = FloatBits(f);
+  return (u & 0x7F800000u) == 0 ? BitsFloat(u & 0x80000000u) : f;
+}
+JAXCCL_HD double FlushSubnormal(double f) {
+  const uint64_t u = DoubleBits(f);
+  return (u & 0x7FF0000000000000ull) == 0 ? BitsDouble(u & 0x8000000000000000ull) : f;
+}
+
 JAXCCL_HD float Bf16ToFloat(uint16_t h) { return BitsFloat(static_cast<uint32_t>(h) << 16); }
 
 JAXCCL_HD uint16_t FloatToBf16(float f) {
@@ -170,24 +195,31 @@ struct Inf<double> {
 // The one definition of each step, per element: x is the accumulator, y the new term.
 template <typename T>
 struct SumFloat {
-  JAXCCL_HD T operator()(T x, T y) const { return (y + x) + T(0); }
+  JAXCCL_HD T operator()(T x, T y) const {
+    const T s = y != y ? y : y + x;  // y + 0 below quiets a NaN y, as y + x would
+    return s + T(0);
+  }
 };
 template <typename T>
 struct MaxFloat {
   JAXCCL_HD T operator()(T x, T y) const {
-    const T acc = x != x ? Inf<T>::Neg() : x;
+    const T acc = x != x ? Inf<T>::Neg() : FlushSubnormal(x);
+    y = FlushSubnormal(y);
     return acc < y ? y : acc;
   }
 };
 template <typename T>
 struct MinFloat {
   JAXCCL_HD T operator()(T x, T y) const {
-    const T acc = x != x ? Inf<T>::Pos() : x;
+    const T acc = x != x ? Inf<T>::Pos() : FlushSubnormal(x);
+    y = FlushSubnormal(y);
     return y < acc ? y : acc;
   }
 };
 
-// 16-bit floats: computed in float, the bits of the result rounded (sum) or chosen (max/min).
+// 16-bit floats: computed in float, the bits of the result rounded (sum) or chosen (max/min). Their
+// subnormals are normal floats, so no flushing happens (bf16 reductions of XLA:CPU run in f32 instead:
+// the JAX side promotes them).
 struct F16Codec {
   JAXCCL_HD static float Decode(uint16_t h) { return F16ToFloat(h); }
   JAXCCL_HD static uint16_t Encode(float f) { return FloatToF16(f); }
@@ -201,7 +233,9 @@ struct Bf16Codec {
 template <class C>
 struct SumHalf {
   JAXCCL_HD uint16_t operator()(uint16_t x, uint16_t y) const {
-    return C::Encode((C::Decode(y) + C::Decode(x)) + 0.0f);
+    const float xf = C::Decode(x), yf = C::Decode(y);
+    const float s = xf != xf ? xf : xf + yf;  // of two NaNs the accumulator's (XLA:CPU's f16 rule)
+    return C::Encode(s + 0.0f);
   }
 };
 template <class C>
