@@ -72,4 +72,6 @@ def flat_collective(
         coords = coords + dep
     out = jax.ShapeDtypeStruct((output_elems(coll, int(flat.shape[0]), n),), flat.dtype)
     call = jax.ffi.ffi_call(TARGETS[backend], out, has_side_effect=True)
-    return call(flat, coords, slot=np.int64(slot), site=np.int64(site), axis_size=np.int64(n), reduce_op=np.int64(reduce_op))
+    return call(
+        flat, coords, slot=np.int64(slot), site=np.int64(site), axis_size=np.int64(n), reduce_op=np.int64(reduce_op)
+    )

@@ -23,7 +23,10 @@ that it
    every output chunk must equal the collective's definition (for reductions:
    exactly one leaf per rank; with ``ordered_reduction`` the term must be the
    ascending left fold ``((x0 + x1) + x2) + ...`` up to commutativity of each
-   addition).
+   addition). The proof is the operator's too: a reduction is a property of
+   the call (sum, max or min, :mod:`jaxccl.schedule.reduction`), so a schedule
+   that folds in rank order computes ``jax.lax``'s max and min as well; the
+   values of one step per dtype are :func:`jaxccl.schedule.reduction.step`'s.
 
 Execution is synchronous in *rounds*: in each round every threadblock whose
 next op is enabled at the start of the round runs it (its dependencies done in

@@ -9,23 +9,23 @@
 //   sum: acc = x + acc   (of two NaNs, f32/f64 keep the new term's, f16 the accumulator's)
 //   max: acc = (acc < x) ? x : acc   (identity -inf: a NaN term is skipped, ties keep the earlier term)
 //   min: acc = (x < acc) ? x : acc   (identity +inf)
-// in the element type itself; f16 therefore rounds to f16 after every step. float32/float64 run with
-// the CPU's denormals-are-zero and flush-to-zero modes (XLA:CPU sets them on its threads; the CPU
-// executor sets them around its reductions): subnormal terms count as zeros of their sign, and a max
-// or min returns the flushed term (FlushSubnormal, explicit here because a select does not flush). (bf16 sums are promoted
-// to f32 by XLA before its all-reduce; the JAX side does the same, so kBF16 sums here serve only direct
-// callers and GPUs, where NCCL also rounds after each step.)
+// in the element type itself; f16 therefore rounds to f16 after every step. bf16 is reduced in f32
+// (XLA promotes it before its all-reduce; the JAX side does the same), so the kBF16 steps here serve
+// direct callers and GPUs. float32/float64 run with the CPU's denormals-are-zero and flush-to-zero
+// modes (XLA:CPU sets them on its threads; the CPU executor sets them around its reductions):
+// subnormal terms count as zeros of their sign, and a max or min returns the flushed term
+// (FlushSubnormal, explicit because a select does not flush).
 //
 // A schedule's fold starts from the first term instead of the identity; each functor below is written
 // so that both folds agree bitwise: float sums add +0 after each step (turns -0 into +0, as a sum
 // starting from +0 does, and changes nothing else), and max/min replace a NaN accumulator by the
 // identity (a running fold from the identity is never NaN). Which NaN a float sum of two NaNs returns
 // is chosen explicitly (compilers commute additions, and hardware returns the first operand's NaN).
-// Integer sums wrap (unsigned arithmetic of
-// the same width, which is also the signed sum). Complex sums are two float sums; bool max/min are
-// uint8 max/min of 0/1. The 16-bit float conversions are integer code, so host and device produce the
-// same bits; float has more than 2p+2 bits of precision for both formats, so a float operation rounded
-// once to 16 bits equals the correctly rounded 16-bit operation.
+// Integer sums wrap (unsigned arithmetic of the same width, which is also the signed sum). Complex
+// sums are two float sums; bool max/min are uint8 max/min of 0/1. The 16-bit float conversions are
+// integer code, so host and device produce the same bits; float has more than 2p+2 bits of precision
+// for both formats, so a float operation rounded once to 16 bits equals the correctly rounded 16-bit
+// operation.
 #ifndef JAXCCL_XLA_FFI_CORE_REDUCE_H_
 #define JAXCCL_XLA_FFI_CORE_REDUCE_H_
 
@@ -115,14 +115,29 @@ JAXCCL_HD uint64_t DoubleBits(double f) {
 #endif
 }
 
+// Branch-free helpers on the bits: host compilers vectorize integer masks, but (with -ftrapping-math, the
+// default) neither selects on float comparisons such as y != y nor additions under a condition.
+JAXCCL_HD bool IsNan(float f) { return (FloatBits(f) & 0x7FFFFFFFu) > 0x7F800000u; }
+JAXCCL_HD bool IsNan(double f) { return (DoubleBits(f) & 0x7FFFFFFFFFFFFFFFull) > 0x7FF0000000000000ull; }
+JAXCCL_HD float Select(bool c, float a, float b) {
+  const uint32_t m = 0u - static_cast<uint32_t>(c);
+  return BitsFloat((FloatBits(a) & m) | (FloatBits(b) & ~m));
+}
+JAXCCL_HD double Select(bool c, double a, double b) {
+  const uint64_t m = 0ull - static_cast<uint64_t>(c);
+  return BitsDouble((DoubleBits(a) & m) | (DoubleBits(b) & ~m));
+}
+
 // A subnormal as a zero of its sign (what denormals-are-zero makes of an operand).
 JAXCCL_HD float FlushSubnormal(float f) {
   const uint32_t u = FloatBits(f);
-  return (u & 0x7F800000u) == 0 ? BitsFloat(u & 0x80000000u) : f;
+  const uint32_t m = 0u - static_cast<uint32_t>((u & 0x7F800000u) == 0);
+  return BitsFloat(u & ~(m & 0x7FFFFFFFu));
 }
 JAXCCL_HD double FlushSubnormal(double f) {
   const uint64_t u = DoubleBits(f);
-  return (u & 0x7FF0000000000000ull) == 0 ? BitsDouble(u & 0x8000000000000000ull) : f;
+  const uint64_t m = 0ull - static_cast<uint64_t>((u & 0x7FF0000000000000ull) == 0);
+  return BitsDouble(u & ~(m & 0x7FFFFFFFFFFFFFFFull));
 }
 
 JAXCCL_HD float Bf16ToFloat(uint16_t h) { return BitsFloat(static_cast<uint32_t>(h) << 16); }
@@ -196,24 +211,23 @@ struct Inf<double> {
 template <typename T>
 struct SumFloat {
   JAXCCL_HD T operator()(T x, T y) const {
-    const T s = y != y ? y : y + x;  // y + 0 below quiets a NaN y, as y + x would
-    return s + T(0);
+    return Select(IsNan(y), y + T(0), (y + x) + T(0));  // y + 0 quiets a NaN y, as y + x would
   }
 };
 template <typename T>
 struct MaxFloat {
   JAXCCL_HD T operator()(T x, T y) const {
-    const T acc = x != x ? Inf<T>::Neg() : FlushSubnormal(x);
+    const T acc = Select(IsNan(x), Inf<T>::Neg(), FlushSubnormal(x));
     y = FlushSubnormal(y);
-    return acc < y ? y : acc;
+    return Select(acc < y, y, acc);
   }
 };
 template <typename T>
 struct MinFloat {
   JAXCCL_HD T operator()(T x, T y) const {
-    const T acc = x != x ? Inf<T>::Pos() : FlushSubnormal(x);
+    const T acc = Select(IsNan(x), Inf<T>::Pos(), FlushSubnormal(x));
     y = FlushSubnormal(y);
-    return y < acc ? y : acc;
+    return Select(y < acc, y, acc);
   }
 };
 
