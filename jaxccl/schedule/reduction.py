@@ -16,9 +16,10 @@ max    ``x if acc < x else acc``       ``-inf``: NaN terms are skipped, ties kee
 min    ``x if x < acc else acc``       ``+inf``
 ====== ============================== ==========================================
 
-float16 therefore rounds to float16 after every step. Of two NaNs a float32 or
-float64 sum keeps the new term's, a float16 sum the accumulator's (payload and
-sign are part of "bitwise"). float32 and float64 run with the CPU's
+float16 therefore rounds to float16 after every step. Of two NaNs a float32,
+float64 or complex64 sum keeps the new term's, a float16 sum the accumulator's
+(payload and sign are part of "bitwise"; for complex128 XLA:CPU's choice depends
+on the element's position, which this rule does not reproduce). float32 and float64 run with the CPU's
 denormals-are-zero and flush-to-zero modes: a subnormal term counts as a zero of
 its sign, a max/min returns it as that zero, a subnormal sum becomes zero.
 XLA and the native executor set these modes in hardware; numpy code emulates
