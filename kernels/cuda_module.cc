@@ -48,7 +48,7 @@ NB_MODULE(_native_cuda, m) {
         const std::string error = cuda::MeasureConfigure(s);
         if (!error.empty()) throw nb::value_error(error.c_str());
       },
-      nb::arg("enabled"), nb::arg("host_of_rank") = std::vector<int32_t>{}, nb::arg("reduce_op") = 0, nb::arg("intra_threshold") = 1,
+      nb::arg("enabled"), nb::arg("host_of_rank") = std::vector<int32_t>{}, nb::arg("intra_threshold") = 1,
       nb::arg("inter_threshold") = 1, nb::arg("slots_per_tb") = 64, nb::arg("min_window_bytes") = 32 << 10,
       "Turns passive measurement on or off for the launches that start from now on. host_of_rank: host id of "
       "each rank of the axis (empty: one host); a window opens when at least `*_threshold` connections of an "
@@ -138,7 +138,8 @@ NB_MODULE(_native_cuda, m) {
         return d;
       },
       nb::arg("slot"), nb::arg("inputs"), nb::arg("num_ranks"), nb::arg("esize"), nb::arg("sum") = -1,
-      nb::arg("tiles") = 0, nb::arg("measure") = false, nb::arg("host_of_rank") = std::vector<int32_t>{}, nb::arg("reduce_op") = 0,
+      nb::arg("tiles") = 0, nb::arg("measure") = false, nb::arg("host_of_rank") = std::vector<int32_t>{},
+      nb::arg("reduce_op") = 0,
       "Test entry: one call of the slot's table with every rank on the current GPU (one kernel, grid y = rank). "
       "inputs: num_ranks equal raw buffers; returns outputs (raw, rank-major), the version and sequence number "
       "the launch ran, its tiles, the kernel time and the Measurements Buffer records.");
