@@ -26,7 +26,12 @@ that it
    addition). The proof is the operator's too: a reduction is a property of
    the call (sum, max or min, :mod:`jaxccl.schedule.reduction`), so a schedule
    that folds in rank order computes ``jax.lax``'s max and min as well; the
-   values of one step per dtype are :func:`jaxccl.schedule.reduction.step`'s.
+   values of one step per dtype are :func:`jaxccl.schedule.reduction.step`'s,
+   which every executor applies as ``step(local operand, other operand)``.
+   Which side of a step the accumulator is on is *not* checked (the 2-rank
+   rings fold ``x1 + x0`` on rank 1 and count as ordered); it decides only
+   ties between ``-0`` and ``+0`` in max/min and which of two NaNs a sum
+   keeps, and the default schedules keep the accumulator local.
 
 Execution is synchronous in *rounds*: in each round every threadblock whose
 next op is enabled at the start of the round runs it (its dependencies done in
