@@ -33,9 +33,9 @@ the backend the communicator picks for the platform (the native FFI executor
 or the ppermute rounds), and reshape back. Three details make reductions
 bitwise equal to XLA:CPU's (the rule: :mod:`jaxccl.schedule.reduction`):
 
-- bf16 sums are promoted to f32 around the flat collective and rounded once at
-  the end, as XLA:CPU does; f16 sums round after every step, as XLA:CPU does,
-  so they run in f16 (:func:`~jaxccl.schedule.reduction.wire_dtype`);
+- bf16 is promoted to f32 around the flat collective (a sum rounds once at the
+  end), as XLA:CPU does; f16 sums round after every step, as XLA:CPU does, so
+  they run in f16 (:func:`~jaxccl.schedule.reduction.wire_dtype`);
 - XLA:CPU's folds start from the identity, ``((0 + x0) + x1) + ...``, so a sum
   of negative zeros is +0 and a max skips NaNs; a rank-ordered schedule starts
   from ``x0``, and the step and finish rules make the two folds agree (the
@@ -209,7 +209,7 @@ def _flat_collective(
 
 
 def _reduce(coll: Collective, flat: jax.Array, *, op: ReduceOp = ReduceOp.SUM, **kw) -> jax.Array:
-    """A reducing flat collective in the operator's wire dtype (bf16 sums in f32, rounded once, as XLA:CPU)."""
+    """A reducing flat collective in the operator's wire dtype (bf16 in f32, rounded once, as XLA:CPU)."""
     dtype = flat.dtype
     flat = flat.astype(wire_dtype(op, dtype))
     y = _flat_collective(coll, flat, op=op, **kw)
