@@ -174,6 +174,27 @@ def test_every_dtype_bitwise_equal_to_lax(backend, op, n):
             assert_bitwise_tree(rule, want, f"numpy rule of {op} n={n}")
 
 
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("op", ["psum", "pmax", "pmin", "psum_scatter"])
+def test_reference_interpreter_evaluates_the_default_schedules_bitwise(op, n):
+    """interpreter.evaluate runs the default (rank-ordered) schedules on numpy values with the same rule."""
+    from jaxccl.runtime.default_schedules import direct_allreduce
+    from jaxccl.schedule.interpreter import evaluate
+    from jaxccl.synth.baselines import direct_reduce_scatter
+
+    schedule = direct_reduce_scatter(n) if op == "psum_scatter" else direct_allreduce(n)
+    tree = make_tree(np.random.default_rng([n, 7]), op, n, DTYPES_32)
+    want = compiled(lax, op, n, None)(tree)
+    got = {}
+    for k, x in tree.items():
+        rop = OP_OF[op]
+        v = x.astype(np.int32) if x.dtype == np.bool_ and rop is ReduceOp.SUM else x
+        ys = evaluate(schedule, [v[r].reshape(-1).astype(wire_dtype(rop, v.dtype)) for r in range(n)], rop)
+        shape = np.asarray(want[k]).shape[1:]
+        got[k] = np.stack([y.astype(v.dtype).reshape(shape) for y in ys])
+    assert_bitwise_tree(got, want, f"interpreter.evaluate {op} n={n}")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("op", ["psum", "psum_scatter"])
 def test_16_bit_float_sums_match_xla_rounding_over_many_seeds(backend, op):
