@@ -1,7 +1,8 @@
 """jaxccl: topology-aware, self-adapting collectives for JAX.
 
 The public surface: ``emulate``, the collectives (``all_gather``,
-``all_to_all``, ``psum_scatter``, ``psum``), ``Communicator``, the error
+``all_to_all``, ``psum_scatter``, ``psum``, ``pmax``, ``pmin``, ``pmean``),
+``Communicator``, the error
 types and the subpackages that hold the real code: ``topology``,
 ``schedule``, ``synth``, ``runtime``, ``telemetry``, ``control``, ``tune``,
 ``sim``. How they fit together: ``docs/architecture.md``.
@@ -43,6 +44,9 @@ _LAZY = {
     "Communicator": "jaxccl.runtime.communicator",
     "all_gather": "jaxccl.runtime.collectives",
     "all_to_all": "jaxccl.runtime.collectives",
+    "pmax": "jaxccl.runtime.collectives",
+    "pmean": "jaxccl.runtime.collectives",
+    "pmin": "jaxccl.runtime.collectives",
     "psum": "jaxccl.runtime.collectives",
     "psum_scatter": "jaxccl.runtime.collectives",
 }
@@ -78,6 +82,9 @@ __all__ = [
     "emulate",
     "has_cuda_support",
     "offload",
+    "pmax",
+    "pmean",
+    "pmin",
     "psum",
     "psum_scatter",
     "schedule",

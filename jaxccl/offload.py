@@ -2,8 +2,8 @@
 
 :func:`offload` traces the function to a jaxpr and evaluates it again,
 equation by equation: every ``jax.lax`` collective inside ``jax.shard_map``
-(``psum``, ``all_gather``, ``psum_scatter``, ``all_to_all``, and ``pmax`` /
-``pmin`` where jaxccl has them; ``pmean`` is a ``psum`` and a division) is
+(``psum``, ``pmax``, ``pmin``, ``all_gather``, ``psum_scatter``,
+``all_to_all``; ``pmean`` is a ``psum`` and a division) is
 replaced by the jaxccl collective with the same arguments, and every other
 equation is bound again unchanged. Sub-programs are rewritten recursively
 (``shard_map``, ``jit``, ``cond``/``switch``, ``while_loop``, ``scan``,
@@ -20,8 +20,7 @@ Limits:
   as written, on ``jax.lax`` (differentiate inside the function you offload,
   as a training step does, and everything runs through jaxccl).
 - Collectives jaxccl refuses keep jaxccl's error (for example a reduction
-  dtype it does not handle, or ``all_gather(..., to="reduced")``);
-  ``pmax``/``pmin`` stay ``jax.lax``'s until jaxccl provides them.
+  dtype it does not handle, or ``all_gather(..., to="reduced")``).
 - Collectives outside ``jax.shard_map`` (``pmap``) and ``ppermute``,
   ``psend``/``precv``, ``ragged_all_to_all`` and the ``*_start``/``*_done``
   async forms are left to ``jax.lax``.
@@ -132,8 +131,6 @@ def _apply(eqn: Any, invals: list[Any]) -> list[Any]:
     swap = _swaps().get(eqn.primitive)
     if swap is not None:
         outs = [swap(x, eqn.params) for x in invals]
-        if outs and outs[0] is None:  # no jaxccl counterpart (yet)
-            return _bind_as_traced(eqn, invals)
         _check_types(eqn, outs)
         return outs
     if not _has_collectives(eqn):
@@ -165,8 +162,7 @@ def _reduction(name: str) -> Callable[[Any, dict], Any]:
     def swap(x: Any, params: dict) -> Any:
         import jaxccl
 
-        fn = getattr(jaxccl, name, None)
-        return None if fn is None else fn(x, params["axes"], **_groups(params))
+        return getattr(jaxccl, name)(x, params["axes"], **_groups(params))
 
     return swap
 

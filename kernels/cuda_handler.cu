@@ -51,6 +51,7 @@ struct CudaArrival {
   ffi::DataType in_dtype = ffi::DataType::INVALID, out_dtype = ffi::DataType::INVALID;
   int device = -1;
   int64_t seq = 0;  // this rank's sequence number of the call on its slot (hot-swap transition point)
+  ReduceOp reduce_op = ReduceOp::kSum;  // the call's operator (used when its table reduces)
 };
 
 // The measurement settings one launch runs with (taken by the last rank to arrive, for everybody).
@@ -67,7 +68,7 @@ struct CudaLaunch {
   unsigned long long epoch = 0;
   int64_t period_elems = 0;
   size_t esize = 0;
-  SumType sum = SumType::kNone;
+  Reduction reduction;  // none() when the table reduces nothing
   size_t stage_bytes = 0;
   int32_t tiles = 1;
   RegionLayout layout{};
@@ -333,11 +334,16 @@ ffi::ErrorOr<std::shared_ptr<CudaLaunch>> StartLaunch(int64_t slot, int64_t grou
     }
   }
   if (t.has_reduction) {
-    launch->sum = SumTypeFor(a0.in_dtype);
-    if (launch->sum == SumType::kNone) {
-      return ErrorResult<R>(ffi::Error::InvalidArgument(
-          StrCat("jaxccl: reductions support F32, BF16, F16 and S32; got ", DTypeName(a0.in_dtype))));
+    for (int32_t r = 1; r < axis_size; ++r) {
+      if (arrivals[r].reduce_op != a0.reduce_op) {
+        return ErrorResult<R>(ffi::Error::InvalidArgument(
+            StrCat("jaxccl: rank ", r, " asks for a ", ReduceOpName(arrivals[r].reduce_op), " reduction but rank 0 for a ",
+                   ReduceOpName(a0.reduce_op))));
+      }
     }
+    auto red = ReductionFor(a0.in_dtype, a0.reduce_op);
+    if (!red.has_value()) return ErrorResult<R>(std::move(red.error()));
+    launch->reduction = *red;
   }
   {
     std::lock_guard<std::mutex> lock(g_measure_mu);
@@ -476,12 +482,15 @@ const char* ErrorWhat(int32_t code) {
 }
 
 ffi::Error CudaCollective(cudaStream_t stream, ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer coords,
-                          ffi::Result<ffi::AnyBuffer> out, int64_t slot, int64_t site, int64_t axis_size) {
+                          ffi::Result<ffi::AnyBuffer> out, int64_t slot, int64_t site, int64_t axis_size,
+                          int64_t reduce_op) {
   const CoreApi* core = g_core.load();
   if (core == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "jaxccl (cuda): the CUDA module is not attached to jaxccl._native (import jaxccl.runtime.native)");
   }
+  auto op = ReduceOpOf(reduce_op);
+  if (!op.has_value()) return std::move(op.error());
   if (coords.element_type() != ffi::DataType::S32 || coords.element_count() != 2) {
     return ffi::Error::InvalidArgument("jaxccl_cuda_collective: coords must be int32[2] (rank, group)");
   }
@@ -510,6 +519,7 @@ ffi::Error CudaCollective(cudaStream_t stream, ffi::RunId run_id, ffi::AnyBuffer
   me.out_elems = static_cast<int64_t>(out->element_count());
   me.in_dtype = x.element_type();
   me.out_dtype = out->element_type();
+  me.reduce_op = *op;
   me.device = device;
   std::string issue_error;
   if (!core->note_issued(slot, rank, &me.seq, &issue_error)) return ffi::Error::InvalidArgument(issue_error);
@@ -559,7 +569,7 @@ ffi::Error CudaCollective(cudaStream_t stream, ffi::RunId run_id, ffi::AnyBuffer
   args.prog = ws->program_dev;
   args.rank = rank;
   args.tiles = l.tiles;
-  args.sum = l.sum;
+  args.reduction = l.reduction;
   args.buffers = RankBuffers{static_cast<const char*>(me.in), static_cast<char*>(me.out), ws->scratch, l.period_elems,
                              t.chunks_per_period, static_cast<int32_t>(l.esize), l.tiles};
   args.epoch = l.epoch;
@@ -600,7 +610,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcclCudaCollective, CudaCollective,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("slot")
                                   .Attr<int64_t>("site")
-                                  .Attr<int64_t>("axis_size"));
+                                  .Attr<int64_t>("axis_size")
+                                  .Attr<int64_t>("reduce_op"));
 
 bool AttachCore(const CoreApi* api, std::string* error) {
   if (api == nullptr || api->version != kCoreApiVersion || api->struct_size != sizeof(CoreApi)) {
@@ -754,7 +765,7 @@ class DeviceAllocations {
 }  // namespace
 
 TestRunResult TestRunRanks(int64_t slot, const char* inputs, int32_t num_ranks, int64_t in_elems, int32_t esize,
-                           SumType sum, int32_t tiles, bool measure, const std::vector<int32_t>& host_of_rank) {
+                           Reduction reduction, int32_t tiles, bool measure, const std::vector<int32_t>& host_of_rank) {
   TestRunResult r;
   const CoreApi* core = g_core.load();
   if (core == nullptr) {
@@ -783,8 +794,8 @@ TestRunResult TestRunRanks(int64_t slot, const char* inputs, int32_t num_ranks, 
     r.error = std::string(period.error().message());
     return r;
   }
-  if (t.has_reduction && sum == SumType::kNone) {
-    r.error = "jaxccl (cuda test): the table reduces; pass its element type";
+  if (t.has_reduction && !Reducible(reduction.type, reduction.op)) {
+    r.error = "jaxccl (cuda test): the table reduces; pass an element type and an operator it supports";
     return r;
   }
   const int64_t out_elems = OutputElements(t, *period);
@@ -838,7 +849,7 @@ TestRunResult TestRunRanks(int64_t slot, const char* inputs, int32_t num_ranks, 
     a.prog = prog;
     a.rank = k;
     a.tiles = r.tiles;
-    a.sum = t.has_reduction ? sum : SumType::kNone;
+    a.reduction = t.has_reduction ? reduction : Reduction{};
     a.buffers = RankBuffers{in, outs[k], scratch, *period, t.chunks_per_period, esize, r.tiles};
     a.epoch = 1;
     a.timeout_ns = static_cast<unsigned long long>(core->timeout_s() * 1e9);

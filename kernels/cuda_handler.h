@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "core/sum.h"
+#include "core/reduce.h"
 #include "measurement_format.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -85,10 +85,10 @@ struct TestRunResult {
 // Runs one call of schedule slot `slot` with all `num_ranks` ranks on the current GPU: each rank issues
 // the call (note_issued), the launch acquires the table for the largest sequence number, as the FFI
 // handler does, and one kernel runs every rank's program (grid y = rank). `inputs`: [num_ranks][in_elems]
-// elements of `esize` bytes; `sum`: the reduction type (kNone for collectives without reduction);
+// elements of `esize` bytes; `reduction`: element type and operator (none() for collectives without reduction);
 // `tiles` 0 = the executor's choice. With `measure`, the meter runs with `host_of_rank` (empty: one host).
 TestRunResult TestRunRanks(int64_t slot, const char* inputs, int32_t num_ranks, int64_t in_elems, int32_t esize,
-                           SumType sum, int32_t tiles, bool measure, const std::vector<int32_t>& host_of_rank);
+                           Reduction reduction, int32_t tiles, bool measure, const std::vector<int32_t>& host_of_rank);
 
 }  // namespace cuda
 }  // namespace jaxccl

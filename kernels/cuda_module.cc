@@ -110,17 +110,21 @@ NB_MODULE(_native_cuda, m) {
   m.def(
       "test_run",
       [](int64_t slot, nb::bytes inputs, int32_t num_ranks, int32_t esize, int32_t sum, int32_t tiles, bool measure,
-         std::vector<int32_t> host_of_rank) {
+         std::vector<int32_t> host_of_rank, int32_t reduce_op) {
         if (num_ranks < 1 || esize < 1 || inputs.size() % (static_cast<size_t>(num_ranks) * esize) != 0) {
           throw nb::value_error("test_run: inputs must hold num_ranks equal buffers of whole elements");
         }
-        if (sum < -1 || sum > 3) throw nb::value_error("test_run: sum must be -1 (none), 0 f32, 1 bf16, 2 f16, 3 s32");
+        if (sum < -1 || sum > static_cast<int32_t>(ElemType::kPred)) {
+          throw nb::value_error("test_run: sum must be -1 (none) or an ElemType code of core/reduce.h (0 f32, 1 bf16, ...)");
+        }
+        if (reduce_op < 0 || reduce_op >= kNumReduceOps) throw nb::value_error("test_run: reduce_op must be 0, 1 or 2");
         const int64_t in_elems = static_cast<int64_t>(inputs.size() / num_ranks / esize);
         cuda::TestRunResult r;
         {
           nb::gil_scoped_release release;
           r = cuda::TestRunRanks(slot, static_cast<const char*>(inputs.data()), num_ranks, in_elems, esize,
-                                 static_cast<SumType>(sum), tiles, measure, host_of_rank);
+                                 Reduction{static_cast<ElemType>(sum), static_cast<ReduceOp>(reduce_op)}, tiles, measure,
+                                 host_of_rank);
         }
         if (!r.error.empty()) throw std::runtime_error(r.error);
         nb::dict d;
@@ -135,6 +139,7 @@ NB_MODULE(_native_cuda, m) {
       },
       nb::arg("slot"), nb::arg("inputs"), nb::arg("num_ranks"), nb::arg("esize"), nb::arg("sum") = -1,
       nb::arg("tiles") = 0, nb::arg("measure") = false, nb::arg("host_of_rank") = std::vector<int32_t>{},
+      nb::arg("reduce_op") = 0,
       "Test entry: one call of the slot's table with every rank on the current GPU (one kernel, grid y = rank). "
       "inputs: num_ranks equal raw buffers; returns outputs (raw, rank-major), the version and sequence number "
       "the launch ran, its tiles, the kernel time and the Measurements Buffer records.");

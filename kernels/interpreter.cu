@@ -66,8 +66,8 @@ struct GpuMover {
       for (size_t i = threadIdx.x; i < bytes; i += blockDim.x) dst[i] = src[i];
     }
   }
-  __device__ void Sum(SumType t, char* dst, const char* a, const char* b, size_t n) const {
-    SumLanes(t, dst, a, b, n, threadIdx.x, blockDim.x);
+  __device__ void Reduce(Reduction r, char* dst, const char* a, const char* b, size_t n) const {
+    ReduceLanes(r, dst, a, b, n, threadIdx.x, blockDim.x);
   }
   __device__ void Barrier() const { __syncthreads(); }
 };
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(kThreads) InterpreterKernel(const KernelArgs* 
     }
     GpuMover mover;
     const Outgoing out =
-        RunOpData(op, u.tile, a.buffers, a.sum, reinterpret_cast<const char*>(s_msg.ptr), s_msg.bytes, stage, mover);
+        RunOpData(op, u.tile, a.buffers, a.reduction, reinterpret_cast<const char*>(s_msg.ptr), s_msg.bytes, stage, mover);
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence_system();  // data written by this block is visible to peers before any flag

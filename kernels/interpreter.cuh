@@ -62,8 +62,7 @@ struct KernelArgs {
   const int32_t* prog;  // the rank's program (core/program.h), device memory
   int32_t rank;
   int32_t tiles;
-  SumType sum;
-  int32_t pad;
+  Reduction reduction;  // none() for collectives without reduction
   RankBuffers buffers;
   unsigned long long epoch;
   unsigned long long timeout_ns;

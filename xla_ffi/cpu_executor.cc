@@ -6,6 +6,10 @@
 #include <map>
 #include <thread>
 
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <xmmintrin.h>
+#endif
+
 #include "dtype.h"
 
 namespace jaxccl {
@@ -150,14 +154,18 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
           " of ", a0.in_elems, " input elements over ", axis_size, " ranks produces ", expected_out)));
     }
   }
-  SumType sum = SumType::kNone;
+  Reduction reduction;
   if (t.has_reduction) {
-    sum = SumTypeFor(dtype);
-    if (sum == SumType::kNone) {
-      return ErrorResult<R>(ffi::Error::InvalidArgument(StrCat(
-          "jaxccl: reductions support F32, BF16, F16 and S32; got ", DTypeName(dtype), " (", CollectiveName(t.collective),
-          ")")));
+    for (int32_t r = 1; r < axis_size; ++r) {
+      if (arrivals[r].reduce_op != a0.reduce_op) {
+        return ErrorResult<R>(ffi::Error::InvalidArgument(
+            StrCat("jaxccl: rank ", r, " asks for a ", ReduceOpName(arrivals[r].reduce_op), " reduction but rank 0 for a ",
+                   ReduceOpName(a0.reduce_op), " (", CollectiveName(t.collective), ")")));
+      }
     }
+    auto r = ReductionFor(dtype, a0.reduce_op);
+    if (!r.has_value()) return ErrorResult<R>(std::move(r.error()));
+    reduction = *r;
   }
 
   R launch(new CpuLaunch());
@@ -166,7 +174,7 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   launch->pool_ = ContextPoolFor(slot);
   launch->ctx_ = launch->pool_->Acquire();
   launch->io_ = arrivals;
-  launch->sum_ = sum;
+  launch->reduction_ = reduction;
   launch->timeout_s_ = Registry::Get().timeout_s();
   launch->slot_ = slot;
   launch->start_ns_ = NowNs();
@@ -293,21 +301,37 @@ struct CpuProbe {
   }
 };
 
-// The core's sums (core/sum.h), contiguous, compiled for the widest vector unit this CPU has: the
-// module is built for baseline x86-64, whose SSE2 loops are a half or a quarter as wide.
+// Denormals-are-zero and flush-to-zero for the scope's float arithmetic, as XLA:CPU computes (x86; other
+// CPUs keep the caller's mode, which is XLA's own on its threads).
+struct FlushDenormalsScope {
+#if defined(__x86_64__) || defined(__SSE2__)
+  static constexpr unsigned kFtzDaz = 0x8040u;  // MXCSR bits 15 (FTZ) and 6 (DAZ)
+  const unsigned saved = _mm_getcsr();
+  FlushDenormalsScope() {
+    if ((saved & kFtzDaz) != kFtzDaz) _mm_setcsr(saved | kFtzDaz);
+  }
+  ~FlushDenormalsScope() {
+    if ((saved & kFtzDaz) != kFtzDaz) _mm_setcsr(saved);
+  }
+#endif
+};
+
+// The core's reductions (core/reduce.h), contiguous, compiled for the widest vector unit this CPU has:
+// the module is built for baseline x86-64, whose SSE2 loops are a half or a quarter as wide.
 #if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__)
 __attribute__((target_clones("avx512f", "avx2", "default"), flatten))
 #endif
-void CpuSum(SumType t, char* dst, const char* a, const char* b, size_t n) {
-  SumLanes(t, dst, a, b, n, 0, 1);
+void CpuReduce(Reduction r, char* dst, const char* a, const char* b, size_t n) {
+  const FlushDenormalsScope flush;  // the arithmetic mode of XLA:CPU's threads (core/reduce.h)
+  ReduceLanes(r, dst, a, b, n, 0, 1);
 }
 
-// Byte moves of the CPU: memmove (ranges of one buffer may coincide) and the core's sums, contiguous.
+// Byte moves of the CPU: memmove (ranges of one buffer may coincide) and the core's reductions, contiguous.
 struct CpuMover {
   void Copy(char* dst, const char* src, size_t bytes) const {
     if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
   }
-  void Sum(SumType t, char* dst, const char* a, const char* b, size_t n) const { CpuSum(t, dst, a, b, n); }
+  void Reduce(Reduction r, char* dst, const char* a, const char* b, size_t n) const { CpuReduce(r, dst, a, b, n); }
   void Barrier() const {}
 };
 
@@ -544,8 +568,8 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
   }
   for (size_t at = 0; at < total; at += block) {
     const size_t len = std::min(block, total - at);
-    CpuSum(sum_, dst + at, terms[0] + at, terms[1] + at, len / esize);
-    for (int32_t k = 2; k < num_terms; ++k) CpuSum(sum_, dst + at, dst + at, terms[k] + at, len / esize);
+    CpuReduce(reduction_, dst + at, terms[0] + at, terms[1] + at, len / esize);
+    for (int32_t k = 2; k < num_terms; ++k) CpuReduce(reduction_, dst + at, dst + at, terms[k] + at, len / esize);
     for (int32_t k = 0; k < num_pushes; ++k) std::memcpy(pushes[k].dst + at, dst + at, len);
   }
   for (int32_t k = 0; k < n; ++k) {
@@ -628,7 +652,7 @@ bool CpuLaunch::Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const
   const ProgOp op = p.op(u.op);
   const int32_t o = u.op;
   *deferred = false;
-  if (sum_ != SumType::kNone && lookahead_ > 1 && op.next_fold >= 0) {
+  if (!reduction_.none() && lookahead_ > 1 && op.next_fold >= 0) {
     bool handled = false;
     if (!ExecuteFold(g, p, tb, u, &handled, deferred)) return false;
     if (handled) return true;
@@ -661,7 +685,7 @@ bool CpuLaunch::Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const
     stage = buf.data();
   }
   CpuMover mover;
-  const Outgoing out = RunOpData(op, u.tile, rb, sum_, msg, msg_bytes, stage, mover);
+  const Outgoing out = RunOpData(op, u.tile, rb, reduction_, msg, msg_bytes, stage, mover);
   if (op.receives()) Consume(g, tb, u, timing, msg_bytes);
   if (op.sends()) Post(g, tb, u, op, out);
   Flag(rank, layout_.op_done(), static_cast<size_t>(u.tile) * op_stride_ + o)->store(Tag(epoch_, 1), std::memory_order_release);

@@ -40,6 +40,7 @@ struct CpuArrival {
   ffi::DataType in_dtype = ffi::DataType::INVALID;
   ffi::DataType out_dtype = ffi::DataType::INVALID;
   int64_t seq = 0;  // this rank's sequence number of the call on its slot (hot-swap transition point)
+  ReduceOp reduce_op = ReduceOp::kSum;  // the call's operator (used when its table reduces)
 };
 
 // 64-byte aligned, grow-only byte buffer (scratch, staging and flag memory is reused across launches).
@@ -184,7 +185,7 @@ class CpuLaunch {
   int32_t lookahead_ = kLookahead;
   int32_t op_stride_ = 0;  // op_done entries per tile
   uint64_t epoch_ = 0;
-  SumType sum_ = SumType::kNone;
+  Reduction reduction_;  // none() when the table reduces nothing
   Clock::time_point deadline_;
   int64_t deadline_ns_ = 0;
   double timeout_s_ = 0;

@@ -2,6 +2,7 @@
 
 #include "common.h"
 #include "cpu_executor.h"
+#include "dtype.h"
 #include "registry.h"
 #include "rendezvous.h"
 
@@ -17,7 +18,8 @@ CpuRendezvous& TheRendezvous() {
 }
 
 ffi::Error CpuCollective(ffi::RunId run_id, ffi::AnyBuffer x, Coords coords,
-                         ffi::Result<ffi::AnyBuffer> out, int64_t slot, int64_t site, int64_t axis_size) {
+                         ffi::Result<ffi::AnyBuffer> out, int64_t slot, int64_t site, int64_t axis_size,
+                         int64_t reduce_op) {
   if (coords.element_count() != 2) {
     return ffi::Error::InvalidArgument(
         StrCat("jaxccl_cpu_collective: coords must be int32[2] (rank, group), got ", coords.element_count(),
@@ -26,6 +28,8 @@ ffi::Error CpuCollective(ffi::RunId run_id, ffi::AnyBuffer x, Coords coords,
   if (axis_size < 1 || axis_size > (1 << 16)) {
     return ffi::Error::InvalidArgument(StrCat("jaxccl_cpu_collective: axis_size must be in 1..65536, got ", axis_size));
   }
+  auto op = ReduceOpOf(reduce_op);
+  if (!op.has_value()) return std::move(op.error());
   const int32_t rank = coords.typed_data()[0];
   const int32_t group = coords.typed_data()[1];
   if (rank < 0 || rank >= axis_size) {
@@ -39,6 +43,7 @@ ffi::Error CpuCollective(ffi::RunId run_id, ffi::AnyBuffer x, Coords coords,
   me.out_elems = static_cast<int64_t>(out->element_count());
   me.in_dtype = x.element_type();
   me.out_dtype = out->element_type();
+  me.reduce_op = *op;
   auto seq = Registry::Get().NoteIssued(slot, rank);
   if (!seq.has_value()) return std::move(seq.error());
   me.seq = *seq;
@@ -60,7 +65,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcclCpuCollective, CpuCollective,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("slot")
                                   .Attr<int64_t>("site")
-                                  .Attr<int64_t>("axis_size"));
+                                  .Attr<int64_t>("axis_size")
+                                  .Attr<int64_t>("reduce_op"));
 
 size_t CpuPendingRendezvous() { return TheRendezvous().NumPending(); }
 size_t CpuOccurrenceEntries() { return TheRendezvous().NumOccurrenceEntries(); }

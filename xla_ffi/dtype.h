@@ -3,8 +3,10 @@
 #define JAXCCL_XLA_FFI_DTYPE_H_
 
 #include <cstddef>
+#include <cstdint>
+#include <string>
 
-#include "core/sum.h"
+#include "core/reduce.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxccl {
@@ -65,16 +67,56 @@ inline size_t CopyableByteWidth(xla::ffi::DataType t) {
   }
 }
 
-// The reduction element type of a dtype (core/sum.h); kNone for dtypes the reductions do not support.
-inline SumType SumTypeFor(xla::ffi::DataType t) {
+// The reduction element type of a dtype (core/reduce.h); kNone for dtypes the reductions do not support.
+inline ElemType ElemTypeFor(xla::ffi::DataType t) {
   using D = xla::ffi::DataType;
   switch (t) {
-    case D::F32: return SumType::kF32;
-    case D::BF16: return SumType::kBF16;
-    case D::F16: return SumType::kF16;
-    case D::S32: return SumType::kS32;
-    default: return SumType::kNone;
+    case D::F32: return ElemType::kF32;
+    case D::F64: return ElemType::kF64;
+    case D::BF16: return ElemType::kBF16;
+    case D::F16: return ElemType::kF16;
+    case D::C64: return ElemType::kC64;
+    case D::C128: return ElemType::kC128;
+    case D::S8: return ElemType::kS8;
+    case D::S16: return ElemType::kS16;
+    case D::S32: return ElemType::kS32;
+    case D::S64: return ElemType::kS64;
+    case D::U8: return ElemType::kU8;
+    case D::U16: return ElemType::kU16;
+    case D::U32: return ElemType::kU32;
+    case D::U64: return ElemType::kU64;
+    case D::PRED: return ElemType::kPred;
+    default: return ElemType::kNone;
   }
+}
+
+inline const char* ReduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "unknown";
+}
+
+// The reduction `op` of dtype `t`, or an error that names both when the pair is not supported.
+inline xla::ffi::ErrorOr<Reduction> ReductionFor(xla::ffi::DataType t, ReduceOp op) {
+  const Reduction r{ElemTypeFor(t), op};
+  if (!Reducible(r.type, op)) {
+    return xla::ffi::Unexpected<xla::ffi::Error>(xla::ffi::Error::InvalidArgument(
+        std::string("jaxccl: a ") + ReduceOpName(op) + " reduction of dtype " + DTypeName(t) +
+        " is not supported (sum: integers, floats and complex; max/min: integers, floats and PRED)"));
+  }
+  return r;
+}
+
+// The operator of the FFI attribute `reduce_op`, or an error for codes that name none.
+inline xla::ffi::ErrorOr<ReduceOp> ReduceOpOf(int64_t code) {
+  if (code < 0 || code >= kNumReduceOps) {
+    return xla::ffi::Unexpected<xla::ffi::Error>(xla::ffi::Error::InvalidArgument(
+        "jaxccl: reduce_op must be 0 (sum), 1 (max) or 2 (min), got " + std::to_string(code)));
+  }
+  return static_cast<ReduceOp>(code);
 }
 
 }  // namespace jaxccl

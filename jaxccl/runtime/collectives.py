@@ -26,9 +26,12 @@ the group's size with the same backend. ``all_gather(..., to="invarying")``
 gives an axis-invariant result as ``jax.lax``'s.
 
 Dtypes: any whole-byte dtype for ``all_gather``/``all_to_all``;
-``psum_scatter``/``psum`` on float32, bfloat16 and float16 (reduced in float32,
-as XLA:CPU does) and int32; others raise ``TypeError``. Not supported (clear
-errors): axes of ``vmap``/``pmap`` (``NotImplementedError``),
+``psum``/``psum_scatter``/``pmean`` on every integer, float (float16,
+bfloat16, float32, float64) and complex dtype (``psum``/``pmean`` also on
+bool, summed as int32 as ``lax`` does), ``pmax``/``pmin`` on integers, floats
+and bool, each bitwise equal to ``jax.lax`` on CPU with rank-ordered schedules
+(the rule: :mod:`jaxccl.schedule.reduction`); others raise ``TypeError``. Not
+supported (clear errors): axes of ``vmap``/``pmap`` (``NotImplementedError``),
 ``all_gather(..., to="reduced")`` (explicit-sharding reduced types).
 """
 
@@ -47,18 +50,12 @@ from jax import lax
 from jaxccl.runtime import axes as _axes
 from jaxccl.runtime import communicator as _comm
 from jaxccl.runtime import primitives as _p
+from jaxccl.schedule.reduction import ReduceOp, supports
 
-__all__ = ["all_gather", "all_to_all", "psum", "psum_scatter"]
+__all__ = ["all_gather", "all_to_all", "pmax", "pmean", "pmin", "psum", "psum_scatter"]
 
-_REDUCE_DTYPES = tuple(np.dtype(d) for d in (np.float32, jnp.bfloat16, np.float16, np.int32))
 _ALL_GATHER_TO = ("varying", "invarying", "reduced")
 _SUB_BYTE = frozenset({"int2", "uint2", "int4", "uint4", "float4_e2m1fn"})
-
-
-def _unsupported(fn: str, **options: Any) -> None:
-    for name, value in options.items():
-        if value is not None:
-            raise NotImplementedError(f"jaxccl.{fn}: {name}={value!r} is not supported (only None)")
 
 
 def _axes_in_scope() -> tuple[list[Hashable], frozenset, dict]:
@@ -110,13 +107,15 @@ def _canon(fn: str, what: str, value: Any, ndim: int) -> int:
     return v % ndim
 
 
-def _check_dtype(fn: str, dtype: Any, *, reduction: bool) -> None:
+def _check_dtype(fn: str, dtype: Any, *, reduction: bool, op: ReduceOp = ReduceOp.SUM) -> None:
     dt = np.dtype(dtype)
-    if reduction and dt not in _REDUCE_DTYPES:
-        raise TypeError(
-            f"jaxccl.{fn}: dtype {dt.name} is not supported for reductions; supported: "
-            f"{', '.join(d.name for d in _REDUCE_DTYPES)}"
-        )
+    if reduction and not supports(op, dt):
+        what = {
+            ReduceOp.SUM: "integer, floating (16-64 bit) and complex dtypes",
+            ReduceOp.MAX: "integer, floating (16-64 bit) and bool dtypes",
+            ReduceOp.MIN: "integer, floating (16-64 bit) and bool dtypes",
+        }[op]
+        raise TypeError(f"jaxccl.{fn}: dtype {dt.name} is not supported for reductions; supported: {what}")
     if not reduction and (dt.kind not in "biufcV" or dt.name in _SUB_BYTE):
         raise TypeError(f"jaxccl.{fn}: dtype {dt.name} is not supported (sub-byte and object dtypes cannot be moved)")
 
@@ -128,13 +127,13 @@ def _varying(x: jax.Array, axis_name: Any) -> jax.Array:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _prepare_in_groups(fn: str, x: Any, axis_name: Any, groups: Any, *, reduction: bool):
+def _prepare_in_groups(fn: str, x: Any, axis_name: Any, groups: Any, *, reduction: bool, op: ReduceOp = ReduceOp.SUM):
     """Checks a call and returns (operand made varying, axis key, devices per group, groups, communicator ref)."""
     name, size = _axis(fn, axis_name)
     groups = _axes.canonical_groups(fn, groups, size)
     n = len(groups[0]) if groups is not None else size
     x = jnp.asarray(x)
-    _check_dtype(fn, x.dtype, reduction=reduction)
+    _check_dtype(fn, x.dtype, reduction=reduction, op=op)
     comm = _comm.resolve(name, n) if groups is None else _group_communicator(name, n)
     return _varying(x, name), name, n, groups, comm.ref
 
@@ -171,8 +170,8 @@ def _group_communicator(name: Any, n: int) -> _comm.Communicator:
     return comm
 
 
-def _prepare(fn: str, x: Any, axis_name: Any, *, reduction: bool):
-    x, name, n, _, comm = _prepare_in_groups(fn, x, axis_name, None, reduction=reduction)
+def _prepare(fn: str, x: Any, axis_name: Any, *, reduction: bool, op: ReduceOp = ReduceOp.SUM):
+    x, name, n, _, comm = _prepare_in_groups(fn, x, axis_name, None, reduction=reduction, op=op)
     return x, name, n, comm
 
 
@@ -343,7 +342,7 @@ def psum_scatter(
 
     Raises:
         ValueError: the scatter dimension does not split over the axis size.
-        TypeError: a dtype jaxccl does not reduce (bool, complex, ...).
+        TypeError: a dtype that ``lax.psum_scatter`` does not sum either (bool, float8, sub-byte).
 
     Example:
         >>> import jax, numpy as np, jaxccl
@@ -417,6 +416,9 @@ def psum(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
         return x
 
     def bind(leaf):
+        leaf = jnp.asarray(leaf)
+        if leaf.dtype == np.bool_:  # as lax.psum: bools are summed as int32
+            leaf = leaf.astype(np.int32)
         leaf, name, n, groups, comm = _prepare_in_groups("psum", leaf, axis_name, axis_index_groups, reduction=True)
         _refuse_typed_groups("psum", leaf, name, groups)
         return _p.psum_p.bind(
@@ -424,3 +426,79 @@ def psum(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
         )
 
     return jax.tree.map(bind, x)
+
+
+def pmax(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
+    """All-reduce max of ``x`` over mesh axis ``axis_name``; as :func:`jax.lax.pmax`.
+
+    Runs the communicator's ``all_reduce`` (or ReduceScatter + AllGather)
+    schedule with the max operator: the schedule that sums also takes the max.
+    As XLA:CPU, NaN terms are skipped (all-NaN gives ``-inf``) and of equal
+    terms the lowest rank's wins (``-0.0`` before ``+0.0``), bitwise equal to
+    ``jax.lax.pmax`` with rank-ordered schedules. No differentiation rule (as
+    ``lax.pmax``).
+
+    Raises:
+        TypeError: complex dtypes (no order) and others ``lax.pmax`` does not reduce.
+
+    Example:
+        >>> import jax, numpy as np, jaxccl
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+        >>> f = jax.jit(jax.shard_map(lambda x: jaxccl.pmax(x, "i"),
+        ...                           mesh=mesh, in_specs=P("i"), out_specs=P()))
+        >>> f(np.array([3, -1, 2, 5], np.int8)).tolist()
+        [3, 5]
+    """
+    return _extremum("pmax", _p.pmax_p, ReduceOp.MAX, x, axis_name, axis_index_groups)
+
+
+def pmin(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
+    """All-reduce min of ``x`` over mesh axis ``axis_name``; as :func:`jax.lax.pmin`.
+
+    As :func:`pmax` with the min operator (all-NaN gives ``+inf``).
+
+    Example:
+        >>> import jax, numpy as np, jaxccl
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+        >>> f = jax.jit(jax.shard_map(lambda x: jaxccl.pmin(x, "i"),
+        ...                           mesh=mesh, in_specs=P("i"), out_specs=P()))
+        >>> f(np.array([True, True, False, True])).tolist()
+        [False, True]
+    """
+    return _extremum("pmin", _p.pmin_p, ReduceOp.MIN, x, axis_name, axis_index_groups)
+
+
+def _extremum(fn: str, prim: Any, op: ReduceOp, x: Any, axis_name: Hashable, axis_index_groups: Any) -> Any:
+    if not _axes.names(axis_name):
+        return x
+
+    def bind(leaf):
+        leaf, name, n, groups, comm = _prepare_in_groups(fn, leaf, axis_name, axis_index_groups, reduction=True, op=op)
+        _refuse_typed_groups(fn, leaf, name, groups)
+        return prim.bind(leaf, axis_name=name, axis_size=n, axis_index_groups=groups, comm=comm, site=_p.new_site())
+
+    return jax.tree.map(bind, x)
+
+
+def pmean(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
+    """All-reduce mean of ``x`` over mesh axis ``axis_name``; as :func:`jax.lax.pmean`.
+
+    :func:`psum` divided by the axis size, exactly as ``lax.pmean`` computes it
+    (integers and bools give floats).
+
+    Example:
+        >>> import jax, numpy as np, jaxccl
+        >>> from jax.sharding import Mesh, PartitionSpec as P
+        >>> mesh = Mesh(np.array(jax.devices()[:2]), ("i",))
+        >>> f = jax.jit(jax.shard_map(lambda x: jaxccl.pmean(x, "i"),
+        ...                           mesh=mesh, in_specs=P("i"), out_specs=P()))
+        >>> f(np.arange(4, dtype=np.int32)).tolist()
+        [1.0, 2.0]
+    """
+    total = psum(x, axis_name, axis_index_groups=axis_index_groups)
+    if not _axes.names(axis_name):
+        return total
+    n = len(axis_index_groups[0]) if axis_index_groups is not None else _axis("pmean", axis_name)[1]
+    return jax.tree.map(lambda v: v / n, total)

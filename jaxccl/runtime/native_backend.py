@@ -9,7 +9,9 @@ axis-index groups, plus its group), so that the independent groups of a
 collective rendezvous separately. Attributes (compile-time): ``slot`` (the communicator's registry
 slot of that collective, whose table the executor reads at run time, which is
 what makes hot-swap recompile-free), ``site`` (a unique id of the lowered call
-site, part of the rendezvous key) and ``axis_size``.
+site, part of the rendezvous key), ``axis_size`` and ``reduce_op`` (the
+operator of a reducing table, :class:`~jaxccl.schedule.reduction.ReduceOp`:
+one table serves sum, max and min).
 """
 
 from __future__ import annotations
@@ -54,11 +56,13 @@ def flat_collective(
     site: int,
     backend: str = "cpu",
     dep: jax.Array | None = None,
+    reduce_op: int = 0,
 ) -> jax.Array:
     """Runs collective ``coll`` of the table in registry ``slot`` on this rank's flat buffer.
 
     ``dep``, an int32 zero computed from an earlier collective's result, is
-    added to ``coords`` so that XLA runs this call after that one.
+    added to ``coords`` so that XLA runs this call after that one. ``reduce_op``
+    is the code of the reduction operator (ignored by tables that do not reduce).
     """
     from jaxccl.runtime import native  # registers the FFI targets on import
 
@@ -71,4 +75,6 @@ def flat_collective(
         coords = coords + dep
     out = jax.ShapeDtypeStruct((output_elems(coll, int(flat.shape[0]), n),), flat.dtype)
     call = jax.ffi.ffi_call(TARGETS[backend], out, has_side_effect=True)
-    return call(flat, coords, slot=np.int64(slot), site=np.int64(site), axis_size=np.int64(n))
+    return call(
+        flat, coords, slot=np.int64(slot), site=np.int64(site), axis_size=np.int64(n), reduce_op=np.int64(reduce_op)
+    )

@@ -9,9 +9,12 @@ message rows are small ``int32`` constant tables indexed by
 (their buffers keep their old values). Static offsets are used wherever all
 active ranks agree, so symmetric schedules get static slices.
 
-Summation order is the schedule's: every reduce op is a single ``a + b`` in
-the order the plan executes the ops, so an ordered schedule stays bitwise
-equal to ``jax.lax``.
+Reduction order is the schedule's: every reduce op is one
+:func:`jaxccl.schedule.reduction.step` (the accumulator held by the rank, the
+new term received or read from ``src``) in the order the plan executes the
+ops, with the operator of the call (sum, max or min), so an ordered schedule
+stays bitwise equal to ``jax.lax``; the caller applies
+:func:`~jaxccl.schedule.reduction.finish` to the result.
 """
 
 from __future__ import annotations
@@ -24,20 +27,22 @@ from jax import lax
 from jaxccl.runtime import axes as _axes
 from jaxccl.runtime.rounds import Instr, Plan, plan
 from jaxccl.schedule.ir import Buffer, OpKind, Schedule, period_elements
+from jaxccl.schedule.reduction import ReduceOp, step
 
 __all__ = ["execute", "run_schedule"]
 
 
-def run_schedule(schedule: Schedule, x: jax.Array, axis_name) -> jax.Array:
+def run_schedule(schedule: Schedule, x: jax.Array, axis_name, op: ReduceOp = ReduceOp.SUM) -> jax.Array:
     """Runs ``schedule`` on this rank's flat input ``x`` over mesh axis ``axis_name``.
 
     Must be called inside ``jax.shard_map`` (it uses ``axis_index`` and
     ``ppermute``). ``axis_name`` is a mesh axis, a tuple of them or a
     :class:`~jaxccl.runtime.axes.GroupedAxis`. ``x`` is 1-D in the chunk layout of ``docs/schedule-ir.md``;
-    the result is the rank's flat output buffer.
+    the result is the rank's flat output buffer. ``op`` is the reduction
+    operator of a reducing schedule.
     """
     lp = period_elements(schedule.collective, schedule.num_ranks, int(x.shape[0]))
-    return execute(plan(schedule, lp), x, axis_name)
+    return execute(plan(schedule, lp), x, axis_name, op)
 
 
 class _Tables:
@@ -108,8 +113,8 @@ class _Boxes:
             self.rows[col] = jnp.where(mask, val, self.rows[col])
 
 
-def execute(p: Plan, x: jax.Array, axis_name) -> jax.Array:
-    """Executes plan ``p`` on the flat input ``x`` of this rank; returns the flat output buffer."""
+def execute(p: Plan, x: jax.Array, axis_name, op: ReduceOp = ReduceOp.SUM) -> jax.Array:
+    """Executes plan ``p`` on the flat input ``x`` of this rank (reducing with ``op``); returns the flat output."""
     if x.ndim != 1 or x.shape[0] != p.in_elems:
         raise ValueError(f"ppermute backend: expected a flat input of {p.in_elems} elements, got shape {x.shape}")
     idx = _axes.axis_index(axis_name) if p.num_ranks > 1 else jnp.int32(0)
@@ -123,14 +128,14 @@ def execute(p: Plan, x: jax.Array, axis_name) -> jax.Array:
     for d, rnd in enumerate(p.rounds):
         outbox = {(d, e.length): _Boxes([jnp.zeros((e.length,), x.dtype) for _ in e.perms]) for e in rnd.exchanges}
         for ins in rnd.instrs:
-            _apply(t, ins, bufs, inbox, outbox)
+            _apply(t, ins, bufs, inbox, outbox, op)
         for e in rnd.exchanges:
             rows = outbox[(d, e.length)].rows
             inbox[(d, e.length)] = _Boxes([_axes.ppermute(row, axis_name, perm) for row, perm in zip(rows, e.perms)])
     return bufs[Buffer.OUTPUT]
 
 
-def _apply(t: _Tables, ins: Instr, bufs: dict, inbox: dict, outbox: dict) -> None:
+def _apply(t: _Tables, ins: Instr, bufs: dict, inbox: dict, outbox: dict, op: ReduceOp) -> None:
     k, a, n = ins.kind, ins.active, ins.length
     msg = inbox[ins.msg].read(t, ins.msg_row, a) if ins.msg is not None else None
     src = _take(t, bufs[ins.src_buf], ins.src_off, a, n) if ins.src_buf is not None else None
@@ -143,16 +148,16 @@ def _apply(t: _Tables, ins: Instr, bufs: dict, inbox: dict, outbox: dict) -> Non
         bufs[ins.dst_buf] = _put(t, bufs[ins.dst_buf], ins.dst_off, a, msg)
         payload = msg
     elif k in (OpKind.RECV_REDUCE_COPY, OpKind.RECV_REDUCE_COPY_SEND):
-        val = src + msg
+        val = step(op, src, msg, jnp)
         bufs[ins.dst_buf] = _put(t, bufs[ins.dst_buf], ins.dst_off, a, val)
         payload = val if k is OpKind.RECV_REDUCE_COPY_SEND else None
     elif k is OpKind.RECV_REDUCE_SEND:
-        payload = src + msg
+        payload = step(op, src, msg, jnp)
     elif k is OpKind.COPY:
         bufs[ins.dst_buf] = _put(t, bufs[ins.dst_buf], ins.dst_off, a, src)
     elif k is OpKind.REDUCE:
         cur = _take(t, bufs[ins.dst_buf], ins.dst_off, a, n)
-        bufs[ins.dst_buf] = _put(t, bufs[ins.dst_buf], ins.dst_off, a, cur + src)
+        bufs[ins.dst_buf] = _put(t, bufs[ins.dst_buf], ins.dst_off, a, step(op, cur, src, jnp))
     else:  # pragma: no cover - NOPs are dropped by the planner
         raise AssertionError(k)
     if ins.out is not None:

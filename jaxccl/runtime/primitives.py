@@ -1,10 +1,13 @@
 """JAX primitives of the jaxccl collectives: abstract eval, lowering, transpose and batching rules.
 
-Five primitives mirror ``jax.lax``'s: ``jaxccl_all_gather``,
+Seven primitives mirror ``jax.lax``'s: ``jaxccl_all_gather``,
 ``jaxccl_all_gather_invariant`` (``to="invarying"``: the result is invariant
 over the axes and transposes to this device's slice, as ``lax``'s),
 ``jaxccl_all_to_all`` (always tiled; the front end reshapes as ``lax`` does),
-``jaxccl_reduce_scatter`` and ``jaxccl_psum``. Their parameters are the
+``jaxccl_reduce_scatter``, ``jaxccl_psum``, ``jaxccl_pmax`` and ``jaxccl_pmin``
+(the last three one all-reduce with the operator of
+:class:`~jaxccl.schedule.reduction.ReduceOp`; like ``lax.pmax``/``lax.pmin``,
+max and min have batching rules but no differentiation rules). Their parameters are the
 ``lax`` ones (``axis_name`` is one mesh axis or a tuple of them, see
 :mod:`jaxccl.runtime.axes`; ``axis_index_groups`` ``None`` or a tuple of
 tuples; ``axis_size`` the devices per group) plus
@@ -20,8 +23,8 @@ per-primitive rule tables any more: it calls the primitive's abstract eval and
 reads the output's ``mat``. So the abstract evals here propagate it exactly as
 ``lax``'s collectives do: AllGather, AllToAll and ReduceScatter return the
 input's varying set (the front end first makes the input varying over the
-axis with ``jax.lax.pcast(..., to="varying")``, as ``lax`` does); ``psum``
-removes the axis (its result is invariant). Under ``check_vma=False`` the
+axis with ``jax.lax.pcast(..., to="varying")``, as ``lax`` does); ``psum``,
+``pmax`` and ``pmin`` remove the axis (their result is invariant). Under ``check_vma=False`` the
 sets are empty and pass through unchanged. Transposes follow the types:
 ``all_gather`` <-> ``psum_scatter``, ``all_to_all`` <-> ``all_to_all`` with
 split and concat swapped, and ``psum``'s transpose is ``pcast`` to varying
@@ -32,13 +35,15 @@ Lowering is written in JAX ops with ``mlir.lower_fun``: reshape/transpose to
 the flat chunk layout of ``docs/schedule-ir.md``, run the flat collective on
 the backend the communicator picks for the platform (the native FFI executor
 or the ppermute rounds), and reshape back. Three details make reductions
-bitwise equal to XLA:CPU's:
+bitwise equal to XLA:CPU's (the rule: :mod:`jaxccl.schedule.reduction`):
 
-- bf16/f16 are promoted to f32 around the flat collective and rounded once at
-  the end, as XLA:CPU does;
-- XLA:CPU's sums start from the identity, ``((0 + x0) + x1) + ...``, so a sum
-  of negative zeros is +0; a rank-ordered schedule computes ``(x0 + x1) + ...``
-  and the result gets -0 -> +0 (the only difference between the two folds);
+- bf16 is promoted to f32 around the flat collective (a sum rounds once at the
+  end), as XLA:CPU does; f16 sums round after every step, as XLA:CPU does, so
+  they run in f16 (:func:`~jaxccl.schedule.reduction.wire_dtype`);
+- XLA:CPU's folds start from the identity, ``((0 + x0) + x1) + ...``, so a sum
+  of negative zeros is +0 and a max skips NaNs; a rank-ordered schedule starts
+  from ``x0``, and the step and finish rules make the two folds agree (the
+  native executors' steps do it themselves, ``xla_ffi/core/reduce.h``);
 - on the ppermute backend the operand first passes an identity ``ppermute``,
   a fusion barrier: otherwise XLA fuses e.g. a multiply producing the operand
   into the schedule's additions and LLVM contracts them into an FMA.
@@ -52,7 +57,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
@@ -61,14 +65,17 @@ from jax.interpreters.mlir import ir
 from jaxccl.runtime import axes as _axes
 from jaxccl.runtime import communicator as _comm
 from jaxccl.schedule.ir import Collective
+from jaxccl.schedule.reduction import ReduceOp, finish, wire_dtype
 
-__all__ = ["all_gather_invariant_p", "all_gather_p", "all_to_all_p", "psum_p", "reduce_scatter_p"]
+__all__ = ["all_gather_invariant_p", "all_gather_p", "all_to_all_p", "pmax_p", "pmin_p", "psum_p", "reduce_scatter_p"]
 
 all_gather_p = Primitive("jaxccl_all_gather")
 all_gather_invariant_p = Primitive("jaxccl_all_gather_invariant")
 all_to_all_p = Primitive("jaxccl_all_to_all")
 reduce_scatter_p = Primitive("jaxccl_reduce_scatter")
 psum_p = Primitive("jaxccl_psum")
+pmax_p = Primitive("jaxccl_pmax")
+pmin_p = Primitive("jaxccl_pmin")
 
 _sites = itertools.count(1)
 
@@ -185,9 +192,6 @@ def _batch_rule(prim: Primitive, *axis_params: str):
 
 
 # ------------------------------------------------------------------------ lowering
-_PROMOTE = (np.dtype(jnp.bfloat16), np.dtype(np.float16))
-
-
 def _flat_collective(
     coll: Collective,
     flat: jax.Array,
@@ -199,8 +203,9 @@ def _flat_collective(
     backend,
     dep=None,
     axis_index_groups=None,
+    op: ReduceOp = ReduceOp.SUM,
 ) -> jax.Array:
-    """The flat-buffer collective on this rank (chunk layout of docs/schedule-ir.md)."""
+    """The flat-buffer collective on this rank (chunk layout of docs/schedule-ir.md), reducing with ``op``."""
     axis = _axes.grouped(axis_name, axis_index_groups)
     if backend == "ppermute":
         from jaxccl.runtime import ppermute_backend
@@ -210,7 +215,7 @@ def _flat_collective(
             # into the schedule's additions and may contract a multiply and an add into an FMA, which
             # rounds differently from lax (whose collective reads a materialized operand).
             flat = _axes.ppermute(flat, axis, perm=[(i, i) for i in range(axis_size)])
-        return ppermute_backend.run_schedule(comm.schedule(coll), flat, axis)
+        return ppermute_backend.run_schedule(comm.schedule(coll), flat, axis, op)
     from jaxccl.runtime import native_backend
 
     kind, group_axes = backend
@@ -224,28 +229,17 @@ def _flat_collective(
         site=site,
         backend=kind,
         dep=dep,
+        reduce_op=int(op),
     )
 
 
-def _signed_zero_fix(y: jax.Array) -> jax.Array:
-    """``y + 0.0``, i.e. -0 -> +0. XLA:CPU's reductions start from the identity, ``((0 + x0) + x1) + ...``,
-    which turns a sum of negative zeros into +0; adding +0 once at the end makes a fold ``(x0 + x1) + ...``
-    bitwise equal to that (it changes nothing but the sign of a zero). Written as a select because XLA
-    folds ``y + 0``."""
-    if not jnp.issubdtype(y.dtype, jnp.floating):
-        return y
-    zero = jnp.zeros((), y.dtype)
-    return jnp.where(y == zero, zero, y)
-
-
-def _reduce(coll: Collective, flat: jax.Array, **kw) -> jax.Array:
-    """A reducing flat collective with bf16/f16 promoted to f32 (one rounding at the end, as XLA:CPU)."""
+def _reduce(coll: Collective, flat: jax.Array, *, op: ReduceOp = ReduceOp.SUM, **kw) -> jax.Array:
+    """A reducing flat collective in the operator's wire dtype (bf16 in f32, rounded once, as XLA:CPU)."""
     dtype = flat.dtype
-    if np.dtype(dtype) in _PROMOTE:
-        flat = flat.astype(jnp.float32)
-    y = _flat_collective(coll, flat, **kw)
-    if kw["backend"] == "ppermute":  # the native executors' sums start from +0 themselves (xla_ffi/core/sum.h)
-        y = _signed_zero_fix(y)
+    flat = flat.astype(wire_dtype(op, dtype))
+    y = _flat_collective(coll, flat, op=op, **kw)
+    if kw["backend"] == "ppermute":  # the native executors' steps finish themselves (xla_ffi/core/reduce.h)
+        y = finish(op, y, jnp)
     return y.astype(dtype)
 
 
@@ -291,18 +285,17 @@ def _reduce_scatter_impl(x, *, scatter_dimension, tiled, **params):
     return y.reshape(_rs_shape(x.shape, scatter_dimension, tiled, n))
 
 
-def _psum_impl(x, **params):
+def _allreduce_impl(x, *, op: ReduceOp, **params):
     n, comm = params["axis_size"], params["comm"]
     flat = x.reshape(-1)
     if comm.schedule(Collective.ALL_REDUCE) is not None:
-        return _reduce(Collective.ALL_REDUCE, flat, **_kw(**params)).reshape(x.shape)
-    # ReduceScatter + AllGather on a buffer padded to a multiple of N (MCCL Sec. 3).
+        return _reduce(Collective.ALL_REDUCE, flat, op=op, **_kw(**params)).reshape(x.shape)
+    # ReduceScatter + AllGather on a buffer padded to a multiple of N (MCCL Sec. 3); the padding is dropped.
     e = flat.shape[0]
-    dtype = flat.dtype
-    work = flat.astype(jnp.float32) if np.dtype(dtype) in _PROMOTE else flat
+    work = flat
     if e % n:
         work = jnp.concatenate([work, jnp.zeros((-e % n,), work.dtype)])
-    part = _signed_zero_fix(_flat_collective(Collective.REDUCE_SCATTER, work, **_kw(**params))).astype(dtype)
+    part = _reduce(Collective.REDUCE_SCATTER, work, op=op, **_kw(**params))
     full = _flat_collective(Collective.ALL_GATHER, part, **{**_kw(**params, sub=1), "dep": None})
     return full[:e].reshape(x.shape)
 
@@ -414,6 +407,8 @@ for _p, _name in (
     (all_to_all_p, "all_to_all"),
     (reduce_scatter_p, "psum_scatter"),
     (psum_p, "psum"),
+    (pmax_p, "pmax"),
+    (pmin_p, "pmin"),
 ):
     _p.def_impl(_no_impl(_name))
 
@@ -421,22 +416,27 @@ all_gather_p.def_abstract_eval(_all_gather_abstract_eval)
 all_gather_invariant_p.def_abstract_eval(_all_gather_invariant_abstract_eval)
 all_to_all_p.def_abstract_eval(_all_to_all_abstract_eval)
 reduce_scatter_p.def_abstract_eval(_reduce_scatter_abstract_eval)
-psum_p.def_abstract_eval(_psum_abstract_eval)
+for _p in (psum_p, pmax_p, pmin_p):
+    _p.def_abstract_eval(_psum_abstract_eval)
 
 ad.deflinear2(all_gather_p, _all_gather_transpose)
 ad.deflinear2(all_gather_invariant_p, _all_gather_invariant_transpose)
 ad.deflinear2(all_to_all_p, _all_to_all_transpose)
 ad.deflinear2(reduce_scatter_p, _reduce_scatter_transpose)
 ad.deflinear2(psum_p, _psum_transpose)
+# pmax/pmin: no differentiation rules, as lax.pmax/lax.pmin.
 
 batching.primitive_batchers[all_gather_p] = _batch_rule(all_gather_p, "axis")
 batching.primitive_batchers[all_gather_invariant_p] = _batch_rule(all_gather_invariant_p, "axis")
 batching.primitive_batchers[all_to_all_p] = _batch_rule(all_to_all_p, "split_axis", "concat_axis")
 batching.primitive_batchers[reduce_scatter_p] = _batch_rule(reduce_scatter_p, "scatter_dimension")
 batching.primitive_batchers[psum_p] = _batch_rule(psum_p)
+batching.primitive_batchers[pmax_p] = _batch_rule(pmax_p)
+batching.primitive_batchers[pmin_p] = _batch_rule(pmin_p)
 
 mlir.register_lowering(all_gather_p, _lowering(_all_gather_impl), cacheable=False)
 mlir.register_lowering(all_gather_invariant_p, _lowering(_all_gather_impl), cacheable=False)
 mlir.register_lowering(all_to_all_p, _lowering(_all_to_all_impl), cacheable=False)
 mlir.register_lowering(reduce_scatter_p, _lowering(_reduce_scatter_impl), cacheable=False)
-mlir.register_lowering(psum_p, _lowering(_psum_impl), cacheable=False)
+for _p, _op in ((psum_p, ReduceOp.SUM), (pmax_p, ReduceOp.MAX), (pmin_p, ReduceOp.MIN)):
+    mlir.register_lowering(_p, _lowering(functools.partial(_allreduce_impl, op=_op)), cacheable=False)

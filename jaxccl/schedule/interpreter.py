@@ -23,7 +23,15 @@ that it
    every output chunk must equal the collective's definition (for reductions:
    exactly one leaf per rank; with ``ordered_reduction`` the term must be the
    ascending left fold ``((x0 + x1) + x2) + ...`` up to commutativity of each
-   addition).
+   addition). The proof is the operator's too: a reduction is a property of
+   the call (sum, max or min, :mod:`jaxccl.schedule.reduction`), so a schedule
+   that folds in rank order computes ``jax.lax``'s max and min as well; the
+   values of one step per dtype are :func:`jaxccl.schedule.reduction.step`'s,
+   which every executor applies as ``step(local operand, other operand)``.
+   Which side of a step the accumulator is on is *not* checked (the 2-rank
+   rings fold ``x1 + x0`` on rank 1 and count as ordered); it decides only
+   ties between ``-0`` and ``+0`` in max/min and which of two NaNs a sum
+   keeps, and the default schedules keep the accumulator local.
 
 Execution is synchronous in *rounds*: in each round every threadblock whose
 next op is enabled at the start of the round runs it (its dependencies done in
@@ -36,7 +44,8 @@ MSCCL's primitives do; this can only find more deadlocks than a receive
 followed by a separate wait for a slot.
 
 :func:`simulate_rounds` returns the rounds themselves (for the ppermute
-lowering).
+lowering); :func:`evaluate` runs them on numpy values with the reduction rule
+of the call (sum, max or min), the executors' reference in Python.
 
 Cost is linear in the number of chunk accesses plus vector-clock merges at
 dependencies, so schedules with hundreds of ranks and a few hundred thousand
@@ -54,7 +63,8 @@ from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from jaxccl.errors import ScheduleError
-from jaxccl.schedule.ir import Buffer, Collective, OpKind, Schedule
+from jaxccl.schedule.ir import Buffer, Collective, OpKind, Schedule, chunk_bounds, period_elements
+from jaxccl.schedule.reduction import ReduceOp, finish, step
 
 DEFAULT_NUM_SLOTS = 8
 _MAX_REPORTED = 12
@@ -167,6 +177,63 @@ def simulate_rounds(schedule: Schedule, *, num_slots: int | None = None) -> Roun
     slots = sys.maxsize if num_slots is None else num_slots
     with gc_paused():
         return _Interpreter(schedule, slots, None, record=True).run()
+
+
+def evaluate(schedule: Schedule, inputs: Sequence, op: ReduceOp = ReduceOp.SUM) -> list:
+    """Runs ``schedule`` on values: every rank's flat output buffer for the flat ``inputs[r]`` (numpy).
+
+    The schedule is checked first (:func:`simulate_rounds`); its ops then run
+    in rounds, each reduce op one :func:`jaxccl.schedule.reduction.step` with
+    ``op`` (the local operand as the accumulator, as every executor), and the
+    result gets :func:`~jaxccl.schedule.reduction.finish`. With an ordered
+    schedule (the defaults) and :func:`~jaxccl.schedule.reduction.wire_dtype`
+    inputs the outputs are bitwise equal to ``jax.lax`` on CPU.
+
+    Example:
+        >>> import numpy as np
+        >>> from jaxccl.runtime.default_schedules import direct_allreduce
+        >>> xs = [np.array([1.0, -0.0], np.float32), np.array([np.nan, -0.0], np.float32)]
+        >>> [y.tolist() for y in evaluate(direct_allreduce(2), xs, ReduceOp.MAX)]
+        [[1.0, -0.0], [1.0, -0.0]]
+    """
+    import numpy as np
+
+    n, c = schedule.num_ranks, schedule.chunks_per_period
+    xs = [np.asarray(x).reshape(-1) for x in inputs]
+    if len(xs) != n or len({(x.shape, x.dtype) for x in xs}) != 1:
+        raise ValueError(f"evaluate: expected {n} flat inputs of one shape and dtype")
+    period = period_elements(schedule.collective, n, xs[0].shape[0])
+    plan = simulate_rounds(schedule, num_slots=None)
+
+    def span(off: int, count: int) -> slice:
+        return slice(chunk_bounds(off, c, period)[0], chunk_bounds(off + count - 1, c, period)[1])
+
+    def alloc(buf: Buffer, like):
+        return np.zeros(chunk_bounds(schedule.buffer_chunks(buf), c, period)[0], like.dtype)
+
+    mem = [
+        {Buffer.INPUT: x, Buffer.OUTPUT: alloc(Buffer.OUTPUT, x), Buffer.SCRATCH: alloc(Buffer.SCRATCH, x)} for x in xs
+    ]
+    inbox: dict[OpRef, object] = {}
+    with np.errstate(all="ignore"):
+        for ops in plan.rounds:
+            for ref in ops:
+                o = schedule.ranks[ref.rank][ref.tb].ops[ref.op]
+                bufs = mem[ref.rank]
+                src = bufs[o.src][span(o.src_off, o.count)] if o.kind.reads_src else None
+                msg = inbox.pop(ref) if o.kind.receives else None
+                if o.kind is OpKind.REDUCE:
+                    val = step(op, bufs[o.dst][span(o.dst_off, o.count)], src)
+                elif o.kind.reduces:
+                    val = step(op, src, msg)
+                else:
+                    val = msg if o.kind.receives else src
+                if o.kind.writes_dst:
+                    bufs[o.dst][span(o.dst_off, o.count)] = val
+                if o.kind.sends:
+                    inbox[plan.receiver[ref]] = np.array(val, copy=True)
+    outs = [m[Buffer.OUTPUT] for m in mem]
+    return [finish(op, y) for y in outs] if schedule.collective.reduces else outs
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@
 
 #include "hd.h"
 #include "program.h"
-#include "sum.h"
+#include "reduce.h"
 #include "table_format.h"
 
 namespace jaxccl {
@@ -188,13 +188,13 @@ JAXCCL_HD int32_t LastMessageOfSlot(int32_t slot, int32_t total, int32_t num_slo
 
 // What an op does to memory once it is ready. `msg`/`msg_bytes`: the received message (receives);
 // `stage`: the outgoing slot's staging memory (staged sends). Returns where the outgoing message is
-// (sends). Mover is the backend's: Copy(dst, src, bytes), Sum(type, dst, a, b, n), Barrier().
+// (sends). Mover is the backend's: Copy(dst, src, bytes), Reduce(reduction, dst, acc, term, n), Barrier().
 struct Outgoing {
   const char* ptr;
   size_t bytes;
 };
 template <class Mover>
-JAXCCL_HD Outgoing RunOpData(const ProgOp& op, int32_t tile, const RankBuffers& rb, SumType sum, const char* msg,
+JAXCCL_HD Outgoing RunOpData(const ProgOp& op, int32_t tile, const RankBuffers& rb, Reduction red, const char* msg,
                              size_t msg_bytes, char* stage, Mover& m) {
   Outgoing out{nullptr, 0};
   const size_t esize = static_cast<size_t>(rb.esize);
@@ -209,7 +209,7 @@ JAXCCL_HD Outgoing RunOpData(const ProgOp& op, int32_t tile, const RankBuffers& 
     }
     case OpCode::kReduce: {
       char* dst = rb.Addr(op.dst_buf, op.dst_off, tile);
-      m.Sum(sum, dst, dst, rb.Addr(op.src_buf, op.src_off, tile), rb.Bytes(op.src_off, op.count, tile) / esize);
+      m.Reduce(red, dst, dst, rb.Addr(op.src_buf, op.src_off, tile), rb.Bytes(op.src_off, op.count, tile) / esize);
       return out;
     }
     case OpCode::kSend:
@@ -225,13 +225,13 @@ JAXCCL_HD Outgoing RunOpData(const ProgOp& op, int32_t tile, const RankBuffers& 
     case OpCode::kRecvReduceCopy:
     case OpCode::kRecvReduceCopySend: {
       char* dst = rb.Addr(op.dst_buf, op.dst_off, tile);
-      m.Sum(sum, dst, rb.Addr(op.src_buf, op.src_off, tile), msg, msg_bytes / esize);
+      m.Reduce(red, dst, rb.Addr(op.src_buf, op.src_off, tile), msg, msg_bytes / esize);
       out = Outgoing{dst, msg_bytes};
       break;
     }
     case OpCode::kRecvReduceSend:
       // The sum exists only in the outgoing staging slot.
-      m.Sum(sum, stage, rb.Addr(op.src_buf, op.src_off, tile), msg, msg_bytes / esize);
+      m.Reduce(red, stage, rb.Addr(op.src_buf, op.src_off, tile), msg, msg_bytes / esize);
       return Outgoing{stage, msg_bytes};
   }
   if (op.sends() && !op.direct()) {

@@ -1,0 +1,208 @@
+"""The reduction operators and their one rule per step, in Python (``xla_ffi/core/reduce.h`` in C++).
+
+A reduction is a property of the *call*, not of the schedule: the same
+ReduceScatter/AllReduce schedule computes a sum, a max or a min. What a
+schedule fixes is the order of the terms; with a rank-ordered schedule the
+result is bitwise equal to XLA:CPU's all-reduce, which folds the ranks in
+ascending order starting from the operator's identity, one step at a time in
+the element type (measured bit for bit, ``tests/test_reductions.py``):
+
+====== ============================== ==========================================
+op     step (``acc`` so far, ``x`` new) identity and what it implies
+====== ============================== ==========================================
+sum    ``x + acc``                     ``+0``: a sum of negative zeros is ``+0``
+max    ``x if acc < x else acc``       ``-inf``: NaN terms are skipped, ties keep
+                                       the earlier term (``max(-0, +0) = -0``)
+min    ``x if x < acc else acc``       ``+inf``
+====== ============================== ==========================================
+
+float16 therefore rounds to float16 after every step. Of two NaNs a float32,
+float64 or complex64 sum keeps the new term's, a float16 sum the accumulator's
+(payload and sign are part of "bitwise"; for complex128 XLA:CPU's choice depends
+on the element's position, which this rule does not reproduce). float32 and float64 run with the CPU's
+denormals-are-zero and flush-to-zero modes: a subnormal term counts as a zero of
+its sign, a max/min returns it as that zero, a subnormal sum becomes zero.
+XLA and the native executor set these modes in hardware; numpy code emulates
+them here, and max/min flush explicitly (a select does not flush). bfloat16 is
+reduced in float32 (XLA:CPU promotes it; :func:`wire_dtype`): a sum rounds
+once at the end, and a subnormal bfloat16 term of a max is flushed too.
+Integer sums wrap. On GPUs NCCL's ring/tree orders are
+the reference instead (its sums round after every step in the element type,
+bfloat16 included); a GPU run is bitwise equal to NCCL only with the same
+order.
+
+A schedule's fold starts from its first term, not from the identity;
+:func:`step` and :func:`finish` are written so that the two agree bitwise: max
+and min replace a NaN accumulator by the identity, and a float sum's ``-0`` is
+turned into ``+0`` once at the end (:func:`finish`). Both take the array
+module as ``xp`` (``numpy`` or ``jax.numpy``), so the reference interpreter and
+the ppermute backend run the same code.
+
+>>> import numpy as np
+>>> xs = [np.float32(np.nan), np.float32(-0.0), np.float32(0.0)]
+>>> acc = xs[0]
+>>> for x in xs[1:]:
+...     acc = step(ReduceOp.MAX, acc, x)
+>>> float(acc), bool(np.signbit(acc))
+(-0.0, True)
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import numpy as np
+
+__all__ = ["ReduceOp", "finish", "reduce_terms", "step", "supports", "wire_dtype"]
+
+
+class ReduceOp(enum.IntEnum):
+    """A reduction operator; the value is the native executor's ``reduce_op`` attribute."""
+
+    SUM = 0
+    MAX = 1
+    MIN = 2
+
+
+def _is_float(dtype: Any) -> bool:
+    dt = np.dtype(dtype)
+    return dt.kind == "f" or dt.name == "bfloat16"
+
+
+def supports(op: ReduceOp, dtype: Any) -> bool:
+    """Whether jaxccl (and ``jax.lax``) reduces ``dtype`` with ``op``.
+
+    Sums: integers, floats (float16, bfloat16, float32, float64) and complex
+    numbers. Max and min: integers, floats and bool (complex numbers have no
+    order). Sub-byte and float8 types are not reduced.
+
+    >>> supports(ReduceOp.SUM, np.complex64), supports(ReduceOp.MAX, np.complex64)
+    (True, False)
+    >>> supports(ReduceOp.MIN, np.bool_), supports(ReduceOp.SUM, np.bool_)
+    (True, False)
+    """
+    dt = np.dtype(dtype)
+    if dt.kind in "iu":
+        return dt.itemsize in (1, 2, 4, 8)
+    if _is_float(dt):
+        return dt.name in ("float16", "bfloat16", "float32", "float64")
+    if dt.kind == "c":
+        return op is ReduceOp.SUM
+    if dt.kind == "b":
+        return op is not ReduceOp.SUM
+    return False
+
+
+def wire_dtype(op: ReduceOp, dtype: Any) -> np.dtype:
+    """The dtype the collective reduces in: bfloat16 in float32 (as XLA:CPU), else ``dtype``.
+
+    The operator does not matter today; it is an argument because the rule is per (operator, dtype).
+
+    >>> import ml_dtypes
+    >>> wire_dtype(ReduceOp.SUM, ml_dtypes.bfloat16).name, wire_dtype(ReduceOp.MAX, ml_dtypes.bfloat16).name
+    ('float32', 'float32')
+    >>> wire_dtype(ReduceOp.SUM, np.float16).name
+    'float16'
+    """
+    dt = np.dtype(dtype)
+    if dt.name == "bfloat16":
+        return np.dtype(np.float32)
+    return dt
+
+
+def step(op: ReduceOp, acc: Any, x: Any, xp: Any = np) -> Any:
+    """One step of the fold: ``acc`` (the terms so far) combined with the new term ``x``.
+
+    Args:
+        op: the operator.
+        acc: the accumulator (the first term when the fold starts).
+        x: the next term, same shape and dtype.
+        xp: the array module, ``numpy`` or ``jax.numpy``.
+
+    >>> float(step(ReduceOp.MIN, np.float32(np.nan), np.float32(np.nan)))  # both skipped: the identity
+    inf
+    >>> step(ReduceOp.SUM, np.int8(127), np.int8(1)).item()  # wraps
+    -128
+    """
+    kind = np.dtype(acc.dtype).kind
+    if op is ReduceOp.SUM:
+        if kind == "c":  # two float sums
+            return _complex(_float_sum(xp.real(acc), xp.real(x), xp), _float_sum(xp.imag(acc), xp.imag(x), xp), acc, xp)
+        return _float_sum(acc, x, xp) if _is_float(acc.dtype) else x + acc
+    floating = _is_float(acc.dtype)
+    if floating:
+        acc, x = _flush(acc, xp), _flush(x, xp)
+    if op is ReduceOp.MAX:
+        if floating:
+            acc = xp.where(xp.isnan(acc), xp.asarray(-np.inf, acc.dtype), acc)
+        return xp.where(acc < x, x, acc)
+    if floating:
+        acc = xp.where(xp.isnan(acc), xp.asarray(np.inf, acc.dtype), acc)
+    return xp.where(x < acc, x, acc)
+
+
+def finish(op: ReduceOp, y: Any, xp: Any = np) -> Any:
+    """The fold's result made equal to one that starts from the identity: a float sum's ``-0`` becomes ``+0``.
+
+    Complex sums are fixed per component. Written as a select because XLA folds ``y + 0``.
+
+    >>> bool(np.signbit(finish(ReduceOp.SUM, np.float32(-0.0))))
+    False
+    >>> finish(ReduceOp.SUM, np.array([complex(-0.0, -0.0)], np.complex64)).view(np.uint32).tolist()
+    [0, 0]
+    """
+    kind = np.dtype(y.dtype).kind
+    if op is not ReduceOp.SUM or not (_is_float(y.dtype) or kind == "c"):
+        return y
+    if kind != "c":
+        return _plus_zero(y, xp)
+    return _complex(_plus_zero(xp.real(y), xp), _plus_zero(xp.imag(y), xp), y, xp)
+
+
+def _float_sum(acc: Any, x: Any, xp: Any) -> Any:
+    # Which NaN of two is chosen explicitly, since compilers commute additions (XLA's own `x + acc` can
+    # return either): XLA:CPU's all-reduce keeps the new term's in f32/f64 and the accumulator's in f16.
+    if np.dtype(acc.dtype).itemsize == 2:
+        return xp.where(xp.isnan(acc), acc, x + acc)
+    if xp is np:  # XLA and the native executor have the modes in hardware
+        acc, x = _flush(acc, xp), _flush(x, xp)
+        return _flush(np.where(np.isnan(x), x, x + acc), xp)
+    return xp.where(xp.isnan(x), x, x + acc)
+
+
+def _flush(v: Any, xp: Any) -> Any:
+    """Subnormal float32/float64 values as zeros of their sign (denormals-are-zero, flush-to-zero)."""
+    dt = np.dtype(v.dtype)
+    if dt.kind != "f" or dt.itemsize < 4:
+        return v
+    tiny = xp.asarray(np.finfo(dt).tiny, dt)
+    return xp.where(xp.abs(v) < tiny, xp.where(xp.signbit(v), -xp.zeros((), dt), xp.zeros((), dt)), v)
+
+
+def _complex(re: Any, im: Any, like: Any, xp: Any) -> Any:
+    """The complex array of dtype ``like.dtype`` with parts ``re`` and ``im`` (exactly, even for inf/NaN parts)."""
+    if xp is np:
+        out = np.array(like, copy=True)
+        out.real, out.imag = re, im
+        return out
+    from jax import lax  # the other array module is jax.numpy
+
+    return lax.complex(re, im)
+
+
+def _plus_zero(y: Any, xp: Any) -> Any:
+    zero = xp.zeros((), y.dtype)
+    return xp.where(y == zero, zero, y)
+
+
+def reduce_terms(op: ReduceOp, terms: Any, xp: Any = np) -> Any:
+    """The reference reduction of ``terms[0], terms[1], ...`` in that order (rank order).
+
+    >>> reduce_terms(ReduceOp.SUM, np.array([[-0.0], [-0.0]], np.float32)).tolist()
+    [0.0]
+    """
+    acc = terms[0]
+    for x in terms[1:]:
+        acc = step(op, acc, x, xp)
+    return finish(op, acc, xp)
