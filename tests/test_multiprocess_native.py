@@ -1,0 +1,132 @@
+"""The transport between processes (UCX, bootstrapped on jax.distributed), on loopback and on real links.
+
+Each test starts a multi-process JAX job (tests/test_multiprocess_native_worker.py) with
+jaxccl.runtime.multiprocess_launch: data checked bitwise across 2 and 4 processes, measured
+rates that follow a shaped link and its live cut, and a killed peer named within the deadline.
+Skips with the reason where the transport was not built or namespaces are not available.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from jaxccl.netlab import LinkShape, NetLab
+from jaxccl.netlab import unavailable_reason as netns_unavailable
+from jaxccl.runtime.multiprocess import unavailable_reason as transport_unavailable
+from jaxccl.runtime.multiprocess_launch import ProcessResult, launch
+
+WORKER = Path(__file__).with_name("test_multiprocess_native_worker.py")
+TRANSPORT = transport_unavailable()
+NETNS = netns_unavailable()
+needs_transport = pytest.mark.skipif(TRANSPORT is not None, reason=f"{TRANSPORT}")
+needs_netns = pytest.mark.skipif(NETNS is not None, reason=f"no network namespaces here: {NETNS}")
+NETWORK_ONLY = {"JAXCCL_TEST_NETWORK_ONLY": "1"}
+pytestmark = [pytest.mark.multiprocess, needs_transport]
+
+
+def _report(results: list[ProcessResult]) -> str:
+    return "\n----\n".join(f"process {r.process_id} (rc {r.returncode}):\n{r.output[-3000:]}" for r in results)
+
+
+def _check_exchange(results: list[ProcessResult], n: int) -> None:
+    report = _report(results)
+    assert all(r.returncode == 0 for r in results), report
+    for r in results:
+        checks = [line for line in r.output.splitlines() if line.startswith("CHECK ")]
+        assert len(checks) == 3 * (n - 1), report
+        assert all(line.endswith(" ok") for line in checks), report
+        assert "ALL OK" in r.output, report
+
+
+def test_bitwise_exchange_across_two_processes_on_loopback():
+    results = launch([sys.executable, str(WORKER), "exchange"], 2, timeout_s=150)
+    _check_exchange(results, 2)
+
+
+@needs_netns
+def test_bitwise_exchange_across_four_processes_on_real_links():
+    with NetLab(4, LinkShape(rate_mbit=400)) as lab:
+        results = launch([sys.executable, str(WORKER), "exchange"], 4, lab=lab, env=NETWORK_ONLY, timeout_s=240)
+    _check_exchange(results, 4)
+    rate = LinkShape(rate_mbit=400).rate_bytes_per_s
+    for r in results:  # three peers share each NIC: no flow beats its rate
+        for line in r.output.splitlines():
+            if line.startswith("RATE "):
+                assert float(line.split()[3]) < 1.2 * rate, _report(results)
+
+
+@needs_netns
+def test_transport_completion_times_follow_a_live_cut():
+    shaped = LinkShape(rate_mbit=40)
+    rates: list[tuple[bool, float]] = []  # (after the cut, bytes/s)
+
+    def cut_after_four(procs: list[subprocess.Popen]) -> None:
+        while len(rates) < 4:
+            line = procs[1].stdout.readline()
+            if not line:
+                return
+            if line.startswith("RATE "):
+                rates.append((False, float(line.split()[1])))
+        lab.shape(1, LinkShape(rate_mbit=shaped.rate_mbit / 5))
+        for line in procs[1].stdout:
+            if line.startswith("RATE "):
+                rates.append((True, float(line.split()[1])))
+
+    with NetLab(2, shaped) as lab:
+        results = launch(
+            [sys.executable, str(WORKER), "stream", str(1 << 20), "10"],
+            2,
+            lab=lab,
+            env=NETWORK_ONLY,
+            timeout_s=200,
+            during=cut_after_four,
+        )
+    assert results[0].returncode == 0, _report(results)
+    before = sorted(r for cut, r in rates if not cut)
+    after = sorted(r for cut, r in rates if cut)
+    assert len(before) == 4 and len(after) >= 4, rates
+    rate = shaped.rate_bytes_per_s
+    assert 0.5 * rate < before[len(before) // 2] < 1.2 * rate, rates  # 1 MiB messages: a little below the rate
+    assert after[len(after) // 2] < 0.35 * rate, rates  # the first may straddle the cut: take the median
+
+
+@pytest.mark.parametrize("network", ["loopback", pytest.param("netns", marks=needs_netns)])
+def test_killed_peer_is_named_within_the_deadline(network):
+    deadline_s = 20.0
+
+    def kill_process_0(procs: list[subprocess.Popen]) -> None:
+        for line in procs[0].stdout:
+            if "SENT" in line:
+                break
+        time.sleep(0.3)  # process 1 is waiting for the next message now
+        os.kill(procs[0].pid, signal.SIGKILL)
+
+    env = {"JAXCCL_TEST_DEADLINE_S": str(deadline_s)}
+    if network == "netns":
+        with NetLab(2, LinkShape(rate_mbit=100)) as lab:
+            results = launch(
+                [sys.executable, str(WORKER), "kill"],
+                2,
+                lab=lab,
+                env=env | NETWORK_ONLY,
+                timeout_s=120,
+                during=kill_process_0,
+            )
+    else:
+        results = launch([sys.executable, str(WORKER), "kill"], 2, env=env, timeout_s=120, during=kill_process_0)
+    survivor = results[1]
+    assert survivor.returncode == 0, _report(results)
+    match = re.search(r"ERROR (\w+) after ([\d.]+) s: (.*)", survivor.output)
+    assert match, _report(results)
+    kind, seconds, message = match.group(1), float(match.group(2)), match.group(3)
+    assert kind in ("ExecutorError", "DeadlineError"), message
+    assert "process 0" in message, message
+    assert seconds <= deadline_s + 2, seconds

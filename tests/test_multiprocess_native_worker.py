@@ -1,0 +1,115 @@
+"""One process of tests/test_multiprocess_native.py (started by jaxccl.runtime.multiprocess_launch).
+
+Usage: python tests/test_multiprocess_native_worker.py MODE [ARGS]
+
+- ``exchange``: every process sends random data of several sizes to every other through the
+  transport (bootstrapped on jax.distributed) and checks what it receives bitwise against the
+  sender's generator; prints ``CHECK ...`` lines, ``RATE src dst bytes/s`` for the largest size,
+  and ``ALL OK``.
+- ``stream NBYTES ROUNDS``: process 0 sends ROUNDS messages of NBYTES to process 1, which prints
+  the throughput of each receive from the transport's completion times (``RATE bytes/s``).
+- ``kill``: process 0 sends one message, prints ``SENT`` and sleeps (the test kills it); process 1
+  waits for a second message and prints ``ERROR <type> <message>`` and how long it took.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+
+SIZES = (4 << 10, 1 << 20, 8 << 20)
+TIMEOUT_S = 60.0
+
+
+def payload(src: int, dst: int, nbytes: int) -> np.ndarray:
+    # Never all zeros: random bits from a generator both sides can seed.
+    return np.random.default_rng([src, dst, nbytes]).integers(1, 2**31 - 1, nbytes // 4, dtype=np.int32)
+
+
+def transport_options() -> dict[str, str]:
+    from jaxccl.runtime.multiprocess import NETWORK_ONLY
+
+    return dict(NETWORK_ONLY) if os.environ.get("JAXCCL_TEST_NETWORK_ONLY") == "1" else {}
+
+
+def exchange(t) -> bool:
+    ok = True
+    me, n = t.process_id, t.num_processes
+    for k, nbytes in enumerate(SIZES):
+        inbox = {p: np.zeros(nbytes // 4, np.int32) for p in range(n) if p != me}
+        outbox = {p: payload(me, p, nbytes) for p in range(n) if p != me}
+        recvs = {p: t.irecv(p, k, inbox[p]) for p in inbox}
+        sends = {p: t.isend(p, k, outbox[p]) for p in outbox}
+        done = {p: t.wait(r, TIMEOUT_S) for p, r in recvs.items()}
+        for r in sends.values():
+            t.wait(r, TIMEOUT_S)
+        for p, got in inbox.items():
+            same = got.tobytes() == payload(p, me, nbytes).tobytes() and done[p].bytes == nbytes
+            ok &= same
+            print(f"CHECK {nbytes} from {p} {'ok' if same else 'MISMATCH'}", flush=True)
+            if nbytes == SIZES[-1]:
+                print(f"RATE {p} {me} {nbytes / max(done[p].seconds, 1e-9):.0f}", flush=True)
+    return ok
+
+
+def stream(t, nbytes: int, rounds: int) -> bool:
+    buf = payload(0, 1, nbytes) if t.process_id == 0 else np.zeros(nbytes // 4, np.int32)
+    for k in range(rounds):
+        if t.process_id == 0:
+            t.wait(t.isend(1, k, buf), TIMEOUT_S)
+        elif t.process_id == 1:
+            c = t.wait(t.irecv(0, k, buf), TIMEOUT_S)
+            print(f"RATE {c.bytes / max(c.seconds, 1e-9):.0f}", flush=True)
+    return t.process_id != 1 or buf.tobytes() == payload(0, 1, nbytes).tobytes()
+
+
+def kill(t) -> bool:
+    from jaxccl.errors import ExecutorError
+
+    buf = np.zeros(1 << 18, np.int32)
+    if t.process_id == 0:
+        t.wait(t.isend(1, 1, payload(0, 1, buf.nbytes)), TIMEOUT_S)
+        print("SENT", flush=True)
+        time.sleep(600)  # the test kills this process here
+        return False
+    t.wait(t.irecv(0, 1, buf), TIMEOUT_S)
+    start = time.monotonic()
+    try:
+        t.wait(t.irecv(0, 2, buf), float(os.environ.get("JAXCCL_TEST_DEADLINE_S", "20")))
+    except ExecutorError as e:
+        print(f"ERROR {type(e).__name__} after {time.monotonic() - start:.2f} s: {e}", flush=True)
+        return True
+    print("NO ERROR", flush=True)
+    return False
+
+
+def main(argv: list[str]) -> int:
+    from jaxccl.runtime.multiprocess import ProcessTransport
+    from jaxccl.runtime.multiprocess_launch import initialize_from_env
+
+    initialize_from_env(local_devices=1)
+    mode = argv[0]
+    t = ProcessTransport.bootstrap(timeout_s=TIMEOUT_S, options=transport_options())
+    if mode == "exchange":
+        ok = exchange(t)
+    elif mode == "stream":
+        ok = stream(t, int(argv[1]), int(argv[2]))
+    elif mode == "kill":
+        ok = kill(t)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    print("ALL OK" if ok else "FAILED", flush=True)
+    if mode == "kill":
+        os._exit(0 if ok else 1)  # the peer is dead: jax.distributed's shutdown barrier would wait for it
+    t.close()
+    import jax
+
+    jax.distributed.shutdown()  # a barrier: the coordinator (process 0) leaves last
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
