@@ -8,6 +8,10 @@ Usage: python tests/test_multiprocess_native_worker.py MODE [ARGS]
   and ``ALL OK``.
 - ``stream NBYTES ROUNDS``: process 0 sends ROUNDS messages of NBYTES to process 1, which prints
   the throughput of each receive from the transport's completion times (``RATE bytes/s``).
+- ``collectives LOCAL_DEVICES``: the four collectives on the native CPU backend over every device
+  of every process (LOCAL_DEVICES per process), float32 and int32, each process's shards compared
+  bitwise with ``jax.lax`` (gloo) and, for reductions, with a NumPy fold in ascending rank order
+  (jaxccl's order; gloo's float sums need not follow it); prints ``CHECK ...`` lines and ``ALL OK``.
 - ``kill``: process 0 sends one message, prints ``SENT`` and sleeps (the test kills it); process 1
   waits for a second message and prints ``ERROR <type> <message>`` and how long it took.
 """
@@ -66,6 +70,88 @@ def stream(t, nbytes: int, rounds: int) -> bool:
     return t.process_id != 1 or buf.tobytes() == payload(0, 1, nbytes).tobytes()
 
 
+def collectives(t) -> bool:
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+    from jaxccl.runtime.multiprocess import attach
+
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    attach(t, mesh, "d")
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    sharding = NamedSharding(mesh, P("d"))
+
+    def ordered_sum(blocks):
+        acc = np.zeros_like(blocks[0])
+        for b in blocks:
+            acc = acc + b
+        return acc
+
+    def expect_rs(g):  # psum_scatter(v, scatter_dimension=1, tiled=True)
+        v = g.reshape(n, 2, n, 3)
+        return np.concatenate([ordered_sum(v[:, :, r]) for r in range(n)], axis=0)
+
+    def expect_psum(g):
+        return ordered_sum(g.reshape(n, 2, 3 * n))
+
+    cases = {
+        "all_gather": (
+            lambda v: jaxccl.all_gather(v, "d", axis=1, tiled=True),
+            lambda v: jax.lax.all_gather(v, "d", axis=1, tiled=True),
+            None,
+        ),
+        "all_to_all": (
+            lambda v: jaxccl.all_to_all(v, "d", 1, 0, tiled=True),
+            lambda v: jax.lax.all_to_all(v, "d", 1, 0, tiled=True),
+            None,
+        ),
+        "psum_scatter": (
+            lambda v: jaxccl.psum_scatter(v, "d", scatter_dimension=1, tiled=True),
+            lambda v: jax.lax.psum_scatter(v, "d", scatter_dimension=1, tiled=True),
+            expect_rs,
+        ),
+        "psum": (lambda v: jaxccl.psum(v, "d"), lambda v: jax.lax.psum(v, "d"), expect_psum),
+    }
+    rng = np.random.default_rng(1234)  # the same global data in every process
+    ok = True
+    for dtype in (np.float32, np.int32):
+        raw = (rng.standard_normal((2 * n, 3 * n)) * 1000).astype(dtype)
+        assert np.count_nonzero(raw) > raw.size // 2
+        x = jax.make_array_from_callback(raw.shape, sharding, lambda idx, raw=raw: raw[idx])
+        for name, (mine, ref, expect) in cases.items():
+            spec = P() if name == "psum" else P("d")
+            with comm:
+                a = jax.jit(jax.shard_map(mine, mesh=mesh, in_specs=P("d"), out_specs=spec))(x)
+            b = jax.jit(jax.shard_map(ref, mesh=mesh, in_specs=P("d"), out_specs=spec))(x)
+            shards_a = sorted(a.addressable_shards, key=lambda s: s.device.id)
+            shards_b = sorted(b.addressable_shards, key=lambda s: s.device.id)
+            got = [np.asarray(s.data) for s in shards_a]
+            lax_vals = [np.asarray(s.data) for s in shards_b]
+            same = a.shape == b.shape and all(u.tobytes() == w.tobytes() for u, w in zip(got, lax_vals))
+            label = f"{name} {np.dtype(dtype).name}"
+            if same or expect is None or dtype is not np.float32:
+                ok &= same
+                print(f"CHECK {label} lax {'ok' if same else 'MISMATCH'}", flush=True)
+            else:
+                print(f"CHECK {label} lax differs (gloo's float reduction order)", flush=True)
+            if expect is not None:
+                want = expect(raw)
+                good = all(u.tobytes() == want[s.index].tobytes() for u, s in zip(got, shards_a))
+                ok &= good
+                print(f"CHECK {label} ordered {'ok' if good else 'MISMATCH'}", flush=True)
+    from jaxccl.runtime import native
+
+    launches = {c: native.launch_count(comm.slot(c)) for c in ("all_gather", "all_to_all")}
+    ran_native = all(v >= 2 for v in launches.values())  # float32 and int32: the native executor ran them
+    ok &= ran_native
+    print(f"CHECK native launches {'ok' if ran_native else 'MISSING'} {launches}", flush=True)
+    comm.close()
+    return ok
+
+
 def kill(t) -> bool:
     from jaxccl.errors import ExecutorError
 
@@ -90,8 +176,8 @@ def main(argv: list[str]) -> int:
     from jaxccl.runtime.multiprocess import ProcessTransport
     from jaxccl.runtime.multiprocess_launch import initialize_from_env
 
-    initialize_from_env(local_devices=1)
     mode = argv[0]
+    initialize_from_env(local_devices=int(argv[1]) if mode == "collectives" else 1)
     t = ProcessTransport.bootstrap(timeout_s=TIMEOUT_S, options=transport_options())
     if mode == "exchange":
         ok = exchange(t)
@@ -99,6 +185,8 @@ def main(argv: list[str]) -> int:
         ok = stream(t, int(argv[1]), int(argv[2]))
     elif mode == "kill":
         ok = kill(t)
+    elif mode == "collectives":
+        ok = collectives(t)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     print("ALL OK" if ok else "FAILED", flush=True)

@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "transport.h"
+#include "transport_proxy.h"
 
 namespace nb = nanobind;
 
@@ -94,6 +95,11 @@ class PyTransport {
     t_.reset();
   }
   bool closed() const { return !t_; }
+  // A capsule for jaxccl._native.set_process_group; valid while this transport is open.
+  nb::capsule Capsule() {
+    handle_.transport = Get();
+    return nb::capsule(static_cast<const void*>(&handle_), "jaxccl_transport");
+  }
   int32_t process_id() { return Get()->process_id(); }
   int32_t num_processes() { return Get()->num_processes(); }
   std::string name() { return Get()->name(); }
@@ -104,6 +110,7 @@ class PyTransport {
     return t_.get();
   }
   std::unique_ptr<Transport> t_;
+  TransportHandle handle_;
 };
 
 }  // namespace
@@ -128,6 +135,7 @@ NB_MODULE(_transport, m) {
       .def("wait", &PyTransport::Wait, nb::arg("request"), nb::arg("timeout_s"))
       .def("check_peer", &PyTransport::CheckPeer, nb::arg("peer"))
       .def("close", &PyTransport::Close)
+      .def("capsule", &PyTransport::Capsule)
       .def_prop_ro("closed", &PyTransport::closed)
       .def_prop_ro("process_id", &PyTransport::process_id)
       .def_prop_ro("num_processes", &PyTransport::num_processes)

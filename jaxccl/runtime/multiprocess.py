@@ -203,7 +203,9 @@ class ProcessTransport:
         self._call("check_peer", peer)
 
     def close(self) -> None:
-        """Closes every connection (never waiting for a dead peer); idempotent."""
+        """Closes every connection (never waiting for a dead peer); idempotent. Detaches it first if attached."""
+        if _attached is self:
+            detach()
         if not self._t.closed:
             self._t.close()
         self._pinned.clear()
@@ -219,3 +221,39 @@ class ProcessTransport:
             return getattr(self._t, method)(*args)
         except (TimeoutError, RuntimeError, ValueError) as e:
             raise _translate(e) from e
+
+
+_attached: ProcessTransport | None = None
+
+
+def attach(transport: ProcessTransport, mesh: Any, axis_name: str) -> None:
+    """Makes the native CPU backend run ``axis_name`` of ``mesh`` across processes through ``transport``.
+
+    Call it in every process (the same mesh everywhere) before the first native collective on
+    that axis; the mesh must be 1-D. From then on ``backend="cpu"`` collectives run this process's
+    ranks in the native executor and move the bytes to ranks of other processes with the
+    transport. The transport stays attached (and open) until :func:`detach`.
+
+    Raises:
+        ExecutorError: the mesh is not 1-D, or this process holds none of its devices.
+    """
+    from jaxccl.runtime import native
+
+    global _attached
+    if tuple(mesh.axis_names) != (axis_name,):
+        raise ExecutorError(f"attach() supports a 1-D mesh over {axis_name!r}; this mesh has axes {mesh.axis_names}")
+    process_of_rank = [int(d.process_index) for d in np.asarray(mesh.devices).flat]
+    try:
+        native.module().set_process_group(transport._t.capsule(), transport.process_id, process_of_rank)
+    except ValueError as e:
+        raise ExecutorError(str(e)) from e
+    _attached = transport
+
+
+def detach() -> None:
+    """Detaches the transport from the native backend (before closing it)."""
+    global _attached
+    from jaxccl.runtime import native
+
+    native.module().clear_process_group()
+    _attached = None
