@@ -12,8 +12,14 @@ Usage: python tests/test_multiprocess_native_worker.py MODE [ARGS]
   of every process (LOCAL_DEVICES per process), float32 and int32, each process's shards compared
   bitwise with ``jax.lax`` (gloo) and, for reductions, with a NumPy fold in ascending rank order
   (jaxccl's order; gloo's float sums need not follow it); prints ``CHECK ...`` lines and ``ALL OK``.
-- ``kill``: process 0 sends one message, prints ``SENT`` and sleeps (the test kills it); process 1
-  waits for a second message and prints ``ERROR <type> <message>`` and how long it took.
+- ``swap LOCAL_DEVICES STEPS``: native AllGather steps across processes, each checked bitwise
+  against ``jax.lax``; at a step drawn from a seed every process shares, a ring schedule is
+  staged everywhere at one agreed sequence number (``stage_agreed``); prints ``SWAP version seq``
+  from the registry after the run.
+- ``kill``: the last process sends one message to process 0, prints ``SENT`` and sleeps (the test
+  kills it); process 0 waits for a second message and prints ``ERROR <type> after <s> s: <message>``.
+- ``killnative LOCAL_DEVICES``: native AllGather steps in a loop (``STEP k``) until one fails; the
+  test kills the last process mid-run, and the others print ``ERROR ...`` as above.
 """
 
 from __future__ import annotations
@@ -152,23 +158,104 @@ def collectives(t) -> bool:
     return ok
 
 
+def swap(t, steps: int) -> bool:
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+    from jaxccl.runtime import native
+    from jaxccl.runtime.multiprocess import attach, stage_agreed
+
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    attach(t, mesh, "d")
+    topo = jaxccl.topology.rail(hosts=t.num_processes, gpus_per_host=n // t.num_processes)
+    comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu")
+    comm.install("all_gather", jaxccl.synth.allgather(topo))
+    sharding = NamedSharding(mesh, P("d"))
+
+    def step(collective):
+        body = lambda v: collective(v, "d", axis=0, tiled=True)  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+    ours, reference = step(jaxccl.all_gather), step(jax.lax.all_gather)
+    swap_at = int(np.random.default_rng(99).integers(1, steps - 6))  # the same in every process
+    ok = True
+    for k in range(steps):
+        raw = np.random.default_rng(k).standard_normal((n * 64, 33)).astype(np.float32)
+        x = jax.make_array_from_callback(raw.shape, sharding, lambda idx, raw=raw: raw[idx])
+        if k == swap_at:
+            version, seq = stage_agreed(comm, "all_gather", jaxccl.synth.ring_allgather(topo), round_id=1)
+            print(f"STAGED version {version} at seq {seq} (step {k})", flush=True)
+        with comm:
+            a = ours(x)
+        b = reference(x)
+        same = all(
+            np.asarray(u.data).tobytes() == np.asarray(w.data).tobytes()
+            for u, w in zip(
+                sorted(a.addressable_shards, key=lambda s: s.device.id),
+                sorted(b.addressable_shards, key=lambda s: s.device.id),
+            )
+        )
+        ok &= same
+        print(f"CHECK step {k} lax {'ok' if same else 'MISMATCH'}", flush=True)
+    state = native.swap_state(comm.slot("all_gather"))
+    print(f"SWAP {state['current_version']} {state['last_swap_seq']}", flush=True)
+    comm.close()
+    return ok
+
+
 def kill(t) -> bool:
     from jaxccl.errors import ExecutorError
 
     buf = np.zeros(1 << 18, np.int32)
-    if t.process_id == 0:
-        t.wait(t.isend(1, 1, payload(0, 1, buf.nbytes)), TIMEOUT_S)
+    victim = t.num_processes - 1  # never process 0: it runs jax.distributed's coordinator
+    if t.process_id == victim:
+        t.wait(t.isend(0, 1, payload(victim, 0, buf.nbytes)), TIMEOUT_S)
         print("SENT", flush=True)
         time.sleep(600)  # the test kills this process here
         return False
-    t.wait(t.irecv(0, 1, buf), TIMEOUT_S)
+    if t.process_id != 0:
+        return True
+    t.wait(t.irecv(victim, 1, buf), TIMEOUT_S)
     start = time.monotonic()
     try:
-        t.wait(t.irecv(0, 2, buf), float(os.environ.get("JAXCCL_TEST_DEADLINE_S", "20")))
+        t.wait(t.irecv(victim, 2, buf), float(os.environ.get("JAXCCL_TEST_DEADLINE_S", "20")))
     except ExecutorError as e:
         print(f"ERROR {type(e).__name__} after {time.monotonic() - start:.2f} s: {e}", flush=True)
         return True
     print("NO ERROR", flush=True)
+    return False
+
+
+def kill_native(t) -> bool:
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+    from jaxccl.errors import ExecutorError
+    from jaxccl.runtime.multiprocess import attach
+
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    attach(t, mesh, "d")
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    body = lambda v: jaxccl.all_gather(v, "d", axis=0, tiled=True)  # noqa: E731
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    raw = np.random.default_rng(5).standard_normal((n * 256, 1024)).astype(np.float32)  # 1 MiB per rank
+    x = jax.make_array_from_callback(raw.shape, NamedSharding(mesh, P("d")), lambda idx: raw[idx])
+    last = time.monotonic()
+    try:
+        with comm:
+            for k in range(100_000):
+                step(x).block_until_ready()
+                last = time.monotonic()
+                print(f"STEP {k}", flush=True)
+    except ExecutorError as e:
+        print(f"ERROR {type(e).__name__} after {time.monotonic() - last:.2f} s: {e}", flush=True)
+        return True
     return False
 
 
@@ -177,7 +264,7 @@ def main(argv: list[str]) -> int:
     from jaxccl.runtime.multiprocess_launch import initialize_from_env
 
     mode = argv[0]
-    initialize_from_env(local_devices=int(argv[1]) if mode == "collectives" else 1)
+    initialize_from_env(local_devices=int(argv[1]) if mode in ("collectives", "swap", "killnative") else 1)
     t = ProcessTransport.bootstrap(timeout_s=TIMEOUT_S, options=transport_options())
     if mode == "exchange":
         ok = exchange(t)
@@ -187,10 +274,14 @@ def main(argv: list[str]) -> int:
         ok = kill(t)
     elif mode == "collectives":
         ok = collectives(t)
+    elif mode == "killnative":
+        ok = kill_native(t)
+    elif mode == "swap":
+        ok = swap(t, int(argv[2]))
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     print("ALL OK" if ok else "FAILED", flush=True)
-    if mode == "kill":
+    if mode in ("kill", "killnative"):
         os._exit(0 if ok else 1)  # the peer is dead: jax.distributed's shutdown barrier would wait for it
     t.close()
     import jax

@@ -141,12 +141,12 @@ NB_MODULE(_native, m) {
       "Validates a compiled int32 table and makes it the slot's current version; returns the version.");
   m.def(
       "stage",
-      [](int64_t slot, TableArray table) {
-        return Unwrap(Registry::Get().Stage(slot, table.data(), table.shape(0)));
+      [](int64_t slot, TableArray table, int64_t transition_seq) {
+        return Unwrap(Registry::Get().Stage(slot, table.data(), table.shape(0), transition_seq));
       },
-      nb::arg("slot"), nb::arg("table"),
+      nb::arg("slot"), nb::arg("table"), nb::arg("transition_seq") = -1,
       "Validates a compiled table and stages it: active from the first launch after the transition point "
-      "(the largest sequence number issued so far); returns its version.");
+      "(the largest sequence number issued so far, or transition_seq when >= 0); returns its version.");
   m.def(
       "swap_state",
       [](int64_t slot) {

@@ -257,3 +257,55 @@ def detach() -> None:
 
     native.module().clear_process_group()
     _attached = None
+
+
+SWAP_KEY_PREFIX = "jaxccl/swap"
+DEFAULT_SWAP_MARGIN = 4
+
+
+def stage_agreed(
+    comm: Any,
+    collective: str,
+    schedule: Any,
+    *,
+    round_id: int,
+    margin: int = DEFAULT_SWAP_MARGIN,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> tuple[int, int]:
+    """Stages ``schedule`` in every process to become current at one agreed sequence number.
+
+    MCCL Sec. 6.2.2 across processes: every process calls this with the same schedule (it is
+    plain data: synthesize it deterministically in each process or load the same JSON) and the
+    same ``round_id``. Each publishes the largest sequence number its ranks issued on the slot;
+    the transition point is the largest of them plus ``margin`` (the calls a process may issue
+    while the others are still agreeing), so every process runs the old table up to it and the
+    new one from the next call. Returns ``(version, transition_seq)``.
+
+    Raises:
+        ScheduleError: ``schedule`` fails the reference interpreter.
+        DeadlineError: a process did not publish within ``timeout_s``.
+        ExecutorError: this process already issued past the agreed point (raise ``margin``).
+    """
+    from jax._src import distributed
+
+    from jaxccl.runtime import native
+    from jaxccl.schedule.table import compile_table
+
+    client = distributed.global_state.client
+    if client is None:
+        raise ExecutorError("stage_agreed() needs jax.distributed.initialize(...) first")
+    if not schedule.validated:
+        schedule.validate()
+    me, n = distributed.global_state.process_id, distributed.global_state.num_processes
+    slot = comm.slot(collective)
+    key = f"{SWAP_KEY_PREFIX}/{slot}/{round_id}"
+    client.key_value_set(f"{key}/{me}", str(native.swap_state(slot)["issued"]))
+    issued = []
+    for p in range(n):
+        try:
+            issued.append(int(client.blocking_key_value_get(f"{key}/{p}", int(timeout_s * 1000))))
+        except Exception as e:  # XLA raises its own error type for a missed deadline
+            raise DeadlineError(f"process {p} did not publish its swap point within {timeout_s} s: {e}") from e
+    transition = max(issued) + int(margin)
+    version = native.stage(slot, compile_table(schedule, num_slots=8), transition_seq=transition)
+    return version, transition
