@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from jaxccl.netlab import LinkShape, NetLab, NetlabError, measure_throughput, unavailable_reason
-from jaxccl.netlab.commands import list_namespaces, netem_available
+from jaxccl.netlab.commands import NETNS_ETC, list_namespaces, netem_available
 
 ROOT = Path(__file__).resolve().parent.parent
 REASON = unavailable_reason()
@@ -42,6 +42,9 @@ def test_bad_input_is_named():
 def test_shaped_rate_is_measured_and_a_live_cut_drops_it():
     with NetLab(2, LinkShape(rate_mbit=RATE_MBIT)) as lab:
         assert sorted(lab.leftovers()) == sorted([lab.switch, lab.namespace(0), lab.namespace(1)])
+        resolve = [sys.executable, "-c", "import socket; print(socket.gethostbyname(socket.gethostname()))"]
+        own = lab.popen(1, resolve, stdout=subprocess.PIPE, text=True).communicate(timeout=30)[0].strip()
+        assert own == lab.address(1)  # programs that advertise their host's address advertise the node's
         healthy = measure_throughput(lab, 0, 1, 4 << 20)
         rate = LinkShape(rate_mbit=RATE_MBIT).rate_bytes_per_s
         assert 0.7 * rate < healthy < 1.1 * rate, (healthy, rate)
@@ -86,6 +89,7 @@ def test_killed_owner_leaves_nothing():
         while time.monotonic() < deadline and any(n.startswith(prefix) for n in list_namespaces()):
             time.sleep(0.2)
         assert not any(n.startswith(prefix) for n in list_namespaces())
+        assert not any(n.startswith(prefix) for n in os.listdir(NETNS_ETC))
     finally:
         if owner.poll() is None:
             owner.kill()

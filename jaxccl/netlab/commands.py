@@ -19,6 +19,7 @@ from jaxccl.errors import JaxcclError
 
 COMMAND_TIMEOUT_S = 20.0
 LAB_PREFIX = "jxl-"  # every namespace a lab makes starts with it
+NETNS_ETC = "/etc/netns"  # `ip netns exec NAME` bind-mounts the files of NETNS_ETC/NAME over /etc
 
 
 class NetlabError(JaxcclError, RuntimeError):
@@ -65,8 +66,9 @@ def list_namespaces() -> list[str]:
 def delete_namespaces(prefix: str) -> list[str]:
     """Kills the processes in every namespace whose name starts with ``prefix``, then deletes it.
 
-    Deleting a namespace deletes the interfaces (veths, bridges) and qdiscs inside it. Returns
-    the names it deleted; never raises for a namespace that vanished meanwhile.
+    Deleting a namespace deletes the interfaces (veths, bridges) and qdiscs inside it; its
+    ``/etc/netns`` folder goes too. Returns the names it deleted; never raises for a namespace
+    that vanished meanwhile.
     """
     gone = []
     for name in list_namespaces():
@@ -77,6 +79,10 @@ def delete_namespaces(prefix: str) -> list[str]:
                 os.kill(int(pid), 9)
         run(["ip", "netns", "delete", name], check=False)
         gone.append(name)
+    if os.path.isdir(NETNS_ETC):
+        for name in os.listdir(NETNS_ETC):
+            if name.startswith(prefix):
+                shutil.rmtree(os.path.join(NETNS_ETC, name), ignore_errors=True)
     return gone
 
 

@@ -6,8 +6,9 @@ shaped in both directions: its uplink on ``eth0``'s egress, its downlink on the 
 each an HTB class (rate) with a netem child (delay, where the kernel has netem). :meth:`NetLab.shape` changes one node's
 classes live, which is how a gray failure is injected.
 
-Everything the lab creates lives in namespaces named ``jxl-<id>-…``; deleting a namespace
-deletes its interfaces and qdiscs. The lab removes them on :meth:`NetLab.close` (also at the end
+Everything the lab creates lives in namespaces named ``jxl-<id>-…`` (and their ``/etc/netns``
+folders, where each node's host name resolves to its own address); deleting a namespace deletes
+its interfaces and qdiscs. The lab removes them on :meth:`NetLab.close` (also at the end
 of a ``with`` block and at interpreter exit), and a reaper process removes them when the owner
 dies without closing (``kill -9``).
 
@@ -20,6 +21,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
+import socket
 import subprocess
 import sys
 import uuid
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 
 from jaxccl.netlab.commands import (
     LAB_PREFIX,
+    NETNS_ETC,
     NetlabError,
     delete_namespaces,
     in_namespace,
@@ -170,6 +174,7 @@ class NetLab:
         for node in range(self.num_nodes):
             ns, peer = self.namespace(node), self._peer(node)
             run(["ip", "netns", "add", ns])
+            self._write_hosts(node)
             run(["ip", "-n", sw, "link", "add", peer, "type", "veth", "peer", "name", "eth0", "netns", ns])
             run(["ip", "-n", sw, "link", "set", peer, "master", "br0", "up"])
             run(["ip", "-n", ns, "addr", "add", f"{node_address(node)}/16", "dev", "eth0"])
@@ -179,6 +184,14 @@ class NetLab:
             shape = self._initial.get(node)
             if shape is not None:
                 self.shape(node, shape)
+
+    def _write_hosts(self, node: int) -> None:
+        # Inside the node the machine's host name resolves to the node's own address (not 127.0.0.1), so
+        # programs that advertise "their" address (gloo, jax.distributed) advertise one the others reach.
+        folder = os.path.join(NETNS_ETC, self.namespace(node))
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "hosts"), "w") as f:
+            f.write(f"127.0.0.1 localhost\n{node_address(node)} {socket.gethostname()}\n")
 
     def close(self) -> None:
         """Kills the processes started in the lab and removes every namespace it created (idempotent)."""
@@ -201,8 +214,11 @@ class NetLab:
         atexit.unregister(self.close)
 
     def leftovers(self) -> list[str]:
-        """The namespaces of this lab that exist now (empty after :meth:`close`)."""
-        return [name for name in list_namespaces() if name.startswith(self.prefix)]
+        """The namespaces of this lab (or their ``/etc/netns`` folders) that exist now (empty after :meth:`close`)."""
+        names = set(list_namespaces())
+        if os.path.isdir(NETNS_ETC):
+            names.update(os.listdir(NETNS_ETC))
+        return sorted(name for name in names if name.startswith(self.prefix))
 
     # ------------------------------------------------------------------ shaping
 
