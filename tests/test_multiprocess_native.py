@@ -193,3 +193,80 @@ def test_hot_swap_at_one_agreed_sequence_number_across_processes():
     assert len(staged) == 1 and len(swaps) == 1, report  # one version, one transition point, everywhere
     (version, seq), (current, swapped_at) = staged.pop(), swaps.pop()
     assert current == version and int(swapped_at) == int(seq) + 1, report
+
+
+# ------------------------------------------------------------------ in one process (no jax.distributed)
+
+
+def _pair():
+    from jaxccl.runtime.multiprocess import ProcessTransport
+
+    a, b = ProcessTransport(0, 2), ProcessTransport(1, 2)
+    a.connect(1, b.address())
+    b.connect(0, a.address())
+    return a, b
+
+
+def test_transport_moves_bytes_and_reports_completion_times():
+    import threading
+
+    import numpy as np
+
+    a, b = _pair()
+    with a, b:
+        data = np.random.default_rng(3).integers(1, 2**31 - 1, 1 << 20, dtype=np.int32)  # 4 MiB, never zero
+        inbox = np.zeros_like(data)
+        recv = b.irecv(0, 5, inbox)
+        send = a.isend(1, 5, data)
+        sent = {}
+        # Each side progresses its own worker, as each process does.
+        th = threading.Thread(target=lambda: sent.update(c=a.wait(send, 30)))
+        th.start()
+        got = b.wait(recv, 30)
+        th.join(30)
+        assert inbox.tobytes() == data.tobytes()
+        assert got.bytes == data.nbytes and sent["c"].bytes == data.nbytes
+        assert 0 < got.post_ns <= got.done_ns and got.seconds > 0
+
+
+def test_transport_errors_are_named():
+    import numpy as np
+
+    from jaxccl.errors import DeadlineError
+    from jaxccl.runtime.multiprocess import ProcessTransport, TransportArgumentError
+
+    a, b = _pair()
+    with a, b:
+        buf = np.ones(16, np.int32)
+        with pytest.raises(TransportArgumentError, match="not another process"):
+            a.isend(0, 1, buf)
+        with pytest.raises(TransportArgumentError, match="not another process"):
+            a.irecv(7, 1, buf)
+        with pytest.raises(TransportArgumentError, match="48 bits"):
+            a.isend(1, 1 << 48, buf)
+        with pytest.raises(TransportArgumentError, match="no request"):
+            a.wait(12345, 1.0)
+        start = time.monotonic()
+        with pytest.raises(DeadlineError, match="process 0"):
+            b.wait(b.irecv(0, 9, buf), 0.3)  # nobody sends it
+        assert time.monotonic() - start < 5
+    with pytest.raises(TransportArgumentError, match="option"):
+        ProcessTransport(0, 2, options={"NO_SUCH_UCX_VARIABLE": "1"})
+    with pytest.raises(TransportArgumentError, match="process id"):
+        ProcessTransport(2, 2)
+
+
+def test_attach_checks_the_mesh_and_the_process():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from jaxccl.errors import ExecutorError
+    from jaxccl.runtime.multiprocess import ProcessTransport, attach
+
+    devices = np.array(jax.devices())
+    with ProcessTransport(1, 2) as t:
+        with pytest.raises(ExecutorError, match="1-D mesh"):
+            attach(t, Mesh(devices.reshape(2, -1), ("a", "b")), "a")
+        with pytest.raises(ExecutorError, match="no rank in this process"):
+            attach(t, Mesh(devices, ("d",)), "d")  # every device is process 0's
