@@ -270,3 +270,33 @@ def test_attach_checks_the_mesh_and_the_process():
             attach(t, Mesh(devices.reshape(2, -1), ("a", "b")), "a")
         with pytest.raises(ExecutorError, match="no rank in this process"):
             attach(t, Mesh(devices, ("d",)), "d")  # every device is process 0's
+
+
+@needs_netns
+def test_measured_inter_process_rates_follow_a_live_cut():
+    shaped = LinkShape(rate_mbit=200)
+    rates: list[tuple[bool, float]] = []  # (after the cut, process 0's measured send rate)
+
+    def cut_after_three(procs: list[subprocess.Popen]) -> None:
+        for line in procs[0].stdout:
+            if line.startswith("METER "):
+                rates.append((len(rates) >= 3, float(line.split()[2])))
+                if len(rates) == 3:
+                    lab.shape(1, LinkShape(rate_mbit=shaped.rate_mbit / 5))  # process 1's NIC, both ways
+
+    with NetLab(2, shaped) as lab:
+        results = launch(
+            [sys.executable, str(WORKER), "meter", "2", "8"],
+            2,
+            lab=lab,
+            env={"JAXCCL_TIMEOUT_S": "60", **NETWORK_ONLY},
+            timeout_s=300,
+            during=cut_after_three,
+        )
+    assert results[1].returncode == 0, _report(results)
+    print(f"measured send rates of process 0, bytes/s (after the cut?, rate): {rates}")
+    before = sorted(r for cut, r in rates if not cut)
+    after = sorted(r for cut, r in rates[4:] if cut)  # the step that straddles the cut is left out
+    assert len(before) == 3 and len(after) >= 3, rates
+    assert before[1] < 1.3 * shaped.rate_bytes_per_s, rates  # no pair measures more than its NIC carries
+    assert after[len(after) // 2] < 0.5 * before[1], rates  # the cut is visible in the measured rates

@@ -16,6 +16,9 @@ Usage: python tests/test_multiprocess_native_worker.py MODE [ARGS]
   against ``jax.lax``; at a step drawn from a seed every process shares, a ring schedule is
   staged everywhere at one agreed sequence number (``stage_agreed``); prints ``SWAP version seq``
   from the registry after the run.
+- ``meter LOCAL_DEVICES STEPS``: native AllGather steps of 1 MiB per rank; after each, this
+  process's measured send rates to the other process's ranks (``METER k bytes/s``, the median
+  over pairs, from the transport's completion times).
 - ``kill``: the last process sends one message to process 0, prints ``SENT`` and sleeps (the test
   kills it); process 0 waits for a second message and prints ``ERROR <type> after <s> s: <message>``.
 - ``killnative LOCAL_DEVICES``: native AllGather steps in a loop (``STEP k``) until one fails; the
@@ -206,6 +209,34 @@ def swap(t, steps: int) -> bool:
     return ok
 
 
+def meter(t, steps: int) -> bool:
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+    from jaxccl.runtime.multiprocess import TransportMeter, attach
+
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    attach(t, mesh, "d")
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    body = lambda v: jaxccl.all_gather(v, "d", axis=0, tiled=True)  # noqa: E731
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    raw = np.random.default_rng(5).standard_normal((n * 256, 1024)).astype(np.float32)  # 1 MiB per rank
+    x = jax.make_array_from_callback(raw.shape, NamedSharding(mesh, P("d")), lambda idx: raw[idx])
+    m = TransportMeter(n)
+    with comm:
+        for k in range(steps):
+            step(x).block_until_ready()
+            rates = m.rates()
+            mine = [i for i, d in enumerate(jax.devices()) if d.process_index == jax.process_index()]
+            remote = [rates[s, d] for s in mine for d in range(n) if d not in mine and np.isfinite(rates[s, d])]
+            print(f"METER {k} {float(np.median(remote)) if remote else float('nan'):.0f}", flush=True)
+    comm.close()
+    return True
+
+
 def kill(t) -> bool:
     from jaxccl.errors import ExecutorError
 
@@ -264,7 +295,7 @@ def main(argv: list[str]) -> int:
     from jaxccl.runtime.multiprocess_launch import initialize_from_env
 
     mode = argv[0]
-    initialize_from_env(local_devices=int(argv[1]) if mode in ("collectives", "swap", "killnative") else 1)
+    initialize_from_env(local_devices=int(argv[1]) if mode in ("collectives", "swap", "killnative", "meter") else 1)
     t = ProcessTransport.bootstrap(timeout_s=TIMEOUT_S, options=transport_options())
     if mode == "exchange":
         ok = exchange(t)
@@ -274,6 +305,8 @@ def main(argv: list[str]) -> int:
         ok = kill(t)
     elif mode == "collectives":
         ok = collectives(t)
+    elif mode == "meter":
+        ok = meter(t, int(argv[2]))
     elif mode == "killnative":
         ok = kill_native(t)
     elif mode == "swap":

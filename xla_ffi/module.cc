@@ -130,6 +130,18 @@ NB_MODULE(_native, m) {
       nb::arg("transport"), nb::arg("process_id"), nb::arg("process_of_rank"),
       "Attaches the transport (a capsule of jaxccl._transport) and the process of every rank of the axis.");
   m.def("clear_process_group", [] { SetProcessGroup(nullptr); }, "Detaches the process group.");
+  m.def(
+      "transport_drain",
+      [] {
+        int64_t dropped = 0;
+        std::vector<TransportRecord> records = DrainTransportRecords(&dropped);
+        std::vector<int64_t> flat;
+        flat.reserve(records.size() * 5);
+        for (const TransportRecord& r : records) flat.insert(flat.end(), {r.src_rank, r.dst_rank, r.bytes, r.post_ns, r.done_ns});
+        return nb::make_tuple(flat, dropped);
+      },
+      "The sends to other processes since the last drain: a flat list of (src rank, dst rank, bytes, post ns, "
+      "done ns) and the number dropped.");
 
   m.def("new_slot", [] { return Registry::Get().NewSlot(); }, "Creates an empty schedule slot; returns its id.");
   m.def(

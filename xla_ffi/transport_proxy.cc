@@ -37,6 +37,33 @@ int64_t NextLaunchNumber(int64_t slot) {
   return LaunchNumbers()[slot]++;
 }
 
+namespace {
+std::mutex records_mu;
+std::vector<TransportRecord>& Records() {
+  static auto* r = new std::vector<TransportRecord>();
+  return *r;
+}
+int64_t records_dropped = 0;
+}  // namespace
+
+void AddTransportRecord(const TransportRecord& r) {
+  std::lock_guard<std::mutex> lock(records_mu);
+  if (Records().size() >= kMaxTransportRecords) {
+    ++records_dropped;
+    return;
+  }
+  Records().push_back(r);
+}
+
+std::vector<TransportRecord> DrainTransportRecords(int64_t* dropped) {
+  std::lock_guard<std::mutex> lock(records_mu);
+  std::vector<TransportRecord> out;
+  out.swap(Records());
+  *dropped = records_dropped;
+  records_dropped = 0;
+  return out;
+}
+
 ffi::ErrorOr<uint64_t> CpuProxy::TagOf(int32_t conn, int32_t msg) const {
   if (conn >= (1 << kConnBits) || msg >= (1 << kMsgBits)) {
     return ErrorResult<uint64_t>(ffi::Error::InvalidArgument(
@@ -234,6 +261,7 @@ void CpuProxy::Run() {
           failed = true;
           break;
         }
+        AddTransportRecord(TransportRecord{it->rank, it->peer_rank, static_cast<int64_t>(c->bytes), c->post_ns, c->done_ns});
         // The slot's bytes have left: the slot is free, and a direct send's buffer is released.
         l_->Flag(it->rank, layout.consumed(), layout.cell(it->conn, it->msg))
             ->store(Tag(epoch, it->msg + 1), std::memory_order_release);

@@ -55,6 +55,17 @@ std::shared_ptr<const ProcessGroup> CurrentProcessGroup();
 // a slot's collectives in the same order everywhere).
 int64_t NextLaunchNumber(int64_t slot);
 
+// One message to a rank in another process, as the sender's transport saw it: its post and its
+// completion (steady clock). Taken by the proxy for every completed send; drained by Python
+// (jaxccl.runtime.multiprocess.TransportMeter), which turns them into measured link rates.
+struct TransportRecord {
+  int64_t src_rank, dst_rank, bytes, post_ns, done_ns;
+};
+inline constexpr size_t kMaxTransportRecords = 1 << 16;
+void AddTransportRecord(const TransportRecord& r);
+// The records since the last drain, oldest first, and how many were dropped (the buffer was full).
+std::vector<TransportRecord> DrainTransportRecords(int64_t* dropped);
+
 class CpuProxy {
  public:
   // Posts the launch's receives from other processes; the thread starts with Start().

@@ -36,8 +36,10 @@ from jaxccl.errors import DeadlineError, ExecutorError, JaxcclError
 
 KEY_PREFIX = "jaxccl/transport"
 DEFAULT_TIMEOUT_S = 60.0
-# Keep every byte on the network links (a lab's veths): no shared memory between processes.
-NETWORK_ONLY = {"TLS": "tcp,self"}
+# Keep every byte on the network links (a lab's veths): no shared memory between processes. Small
+# socket buffers make a send complete when its bytes are (nearly) delivered, not when the kernel
+# buffered them, so its completion time measures the link (TransportMeter).
+NETWORK_ONLY = {"TLS": "tcp,self", "TCP_SNDBUF": "128k", "TCP_RCVBUF": "128k"}
 
 
 class TransportArgumentError(JaxcclError, ValueError):
@@ -309,3 +311,57 @@ def stage_agreed(
     transition = max(issued) + int(margin)
     version = native.stage(slot, compile_table(schedule, num_slots=8), transition_seq=transition)
     return version, transition
+
+
+MIN_MEASURED_BYTES = 32 << 10  # smaller sends finish in the transport's buffers: their time is not the link's
+
+
+class TransportMeter:
+    """Measured rates of this process's connections to ranks in other processes, from the transport.
+
+    Every send of the native executor to another process is recorded with its post and completion
+    times. :meth:`rates` drains them and, per (sending rank, receiving rank) pair, divides the bytes
+    sent by the time at least one of the pair's messages was in flight (the union of their
+    intervals; MCCL Sec. 5's "active while a message is in flight"). Sends under ``min_bytes``
+    are left out: they complete in the transport's buffers.
+
+    >>> TransportMeter.pair_rates([(0, 2, 1 << 20, 0, 1_000_000), (0, 2, 1 << 20, 500_000, 2_000_000)], 4)[0, 2]
+    1048576000.0
+    """
+
+    def __init__(self, num_ranks: int, *, min_bytes: int = MIN_MEASURED_BYTES):
+        self.num_ranks, self.min_bytes = int(num_ranks), int(min_bytes)
+        self.dropped = 0
+
+    def drain(self) -> list[tuple[int, int, int, int, int]]:
+        """The records since the last drain: (src rank, dst rank, bytes, post ns, done ns)."""
+        from jaxccl.runtime import native
+
+        flat, dropped = native.module().transport_drain()
+        self.dropped += int(dropped)
+        return [tuple(flat[i : i + 5]) for i in range(0, len(flat), 5)]
+
+    def rates(self) -> np.ndarray:
+        """Drains and returns the ``num_ranks x num_ranks`` matrix of measured bytes/s (NaN: not measured)."""
+        return self.pair_rates([r for r in self.drain() if r[2] >= self.min_bytes], self.num_ranks)
+
+    @staticmethod
+    def pair_rates(records: list[tuple[int, int, int, int, int]], num_ranks: int) -> np.ndarray:
+        """Per pair: bytes / (union of the messages' in-flight intervals), in bytes/s."""
+        by_pair: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for src, dst, nbytes, post, done in records:
+            by_pair.setdefault((int(src), int(dst)), []).append((int(post), int(done), int(nbytes)))
+        out = np.full((num_ranks, num_ranks), np.nan)
+        for (src, dst), msgs in by_pair.items():
+            msgs.sort()
+            busy, end = 0, None
+            for post, done, _ in msgs:
+                if end is None or post > end:
+                    busy += done - post
+                    end = done
+                elif done > end:
+                    busy += done - end
+                    end = done
+            if busy > 0:
+                out[src, dst] = sum(m[2] for m in msgs) / (busy * 1e-9)
+        return out
