@@ -325,7 +325,7 @@ class TransportMeter:
     intervals; MCCL Sec. 5's "active while a message is in flight"). Sends under ``min_bytes``
     are left out: they complete in the transport's buffers.
 
-    >>> TransportMeter.pair_rates([(0, 2, 1 << 20, 0, 1_000_000), (0, 2, 1 << 20, 500_000, 2_000_000)], 4)[0, 2]
+    >>> float(TransportMeter.pair_rates([(0, 2, 1 << 20, 0, 1_000_000), (0, 2, 1 << 20, 500_000, 2_000_000)], 4)[0, 2])
     1048576000.0
     """
 
