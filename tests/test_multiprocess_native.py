@@ -98,13 +98,13 @@ def test_transport_completion_times_follow_a_live_cut():
     assert after[len(after) // 2] < 0.35 * rate, rates  # the first may straddle the cut: take the median
 
 
-def _kill_last_after(marker: str, delay_s: float):
+def _kill_last_after(marker: str, delay_s: float, sig: int = signal.SIGKILL):
     def kill(procs: list[subprocess.Popen]) -> None:
         for line in procs[-1].stdout:
             if marker in line:
                 break
         time.sleep(delay_s)  # the others are inside the next collective now
-        os.kill(procs[-1].pid, signal.SIGKILL)
+        os.kill(procs[-1].pid, sig)  # SIGSTOP: hung, not dead (launch kills it at the end)
 
     return kill
 
@@ -132,6 +132,27 @@ def test_killed_peer_is_named_within_the_deadline(network):
     else:
         results = launch(argv, 2, env=env, timeout_s=120, during=kill)
     _check_named_failure(results, deadline_s, victim=1)
+
+
+def test_native_collective_fails_naming_a_hung_process_at_the_deadline():
+    deadline_s = 10.0
+
+    def hang_then_kill(procs: list[subprocess.Popen]) -> None:
+        _kill_last_after("STEP 2", 0.05, signal.SIGSTOP)(procs)
+        try:
+            procs[0].wait(timeout=deadline_s + 60)  # it reports the hung process and exits
+        finally:
+            procs[-1].kill()
+
+    results = launch(
+        [sys.executable, str(WORKER), "killnative", "2"],
+        2,
+        env={"JAXCCL_TIMEOUT_S": str(deadline_s)},
+        timeout_s=200,
+        during=hang_then_kill,
+    )
+    _check_named_failure(results, deadline_s, victim=1)
+    assert "DeadlineError" in results[0].output, _report(results)
 
 
 def test_native_collective_fails_naming_a_killed_process():

@@ -254,8 +254,12 @@ std::string CpuLaunch::Where(int32_t g, int32_t o) const {
   const int32_t i = o - (tb.first_op - rank_first_op_[tb.rank]);
   const OpCode kind = table_->ops[tb.first_op + i].kind;
   std::string peers;
-  if (OpReceives(kind)) peers += StrCat(" from rank ", tb.recv_peer);
-  if (OpSends(kind)) peers += StrCat(" to rank ", tb.send_peer);
+  // Across processes, a peer in another process is named with its process.
+  auto process = [&](int32_t peer) {
+    return Local(peer) ? std::string() : StrCat(" in process ", group_->process_of_rank[peer]);
+  };
+  if (OpReceives(kind)) peers += StrCat(" from rank ", tb.recv_peer, process(tb.recv_peer));
+  if (OpSends(kind)) peers += StrCat(" to rank ", tb.send_peer, process(tb.send_peer));
   return StrCat("rank ", tb.rank, ", threadblock ", g - table_->rank_first_tb[tb.rank], ", op ", i, " ('",
                 OpName(kind), "'", peers, ", channel ", tb.channel, ")");
 }
