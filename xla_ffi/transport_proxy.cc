@@ -124,12 +124,16 @@ ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std:
     proxy->order_.push_back(std::move(by_msg));
   }
   proxy->next_.assign(proxy->order_.size(), 0);
-  proxy->staging_.resize(std::max<size_t>(total, 64));
+  proxy->staging_ = std::make_unique<AlignedBuffer>();
+  if (!proxy->staging_->Reserve(std::max<size_t>(total, 64))) {
+    return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                                     StrCat("jaxccl: cannot allocate ", total, " bytes for messages from other processes")));
+  }
   proxy->recvs_.reserve(plan.size());
   for (const Planned& x : plan) {
     auto tag = proxy->TagOf(x.conn, x.msg);
     if (!tag.has_value()) return ErrorResult<R>(std::move(tag.error()));
-    char* data = proxy->staging_.data() + x.offset;
+    char* data = proxy->staging_->data() + x.offset;
     auto req = pg.transport->Irecv(pg.process_of_rank[x.peer_rank], *tag, data, x.bytes);
     if (!req.has_value()) {
       proxy->CancelAll();

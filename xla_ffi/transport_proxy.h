@@ -30,6 +30,7 @@
 
 namespace jaxccl {
 
+class AlignedBuffer;
 class CpuLaunch;
 
 // Which process runs each rank of the axis, and the transport between the processes.
@@ -101,7 +102,7 @@ class CpuProxy {
   CpuLaunch* l_ = nullptr;
   std::shared_ptr<const ProcessGroup> group_;
   int64_t launch_number_ = 0;
-  std::vector<char> staging_;
+  std::unique_ptr<AlignedBuffer> staging_;  // every remote message of the launch (64-byte aligned, not zeroed)
   std::vector<Recv> recvs_;                 // in (connection, message) order
   std::vector<std::vector<int32_t>> order_;  // per connection with remote sender: indices into recvs_, by message
   std::vector<int32_t> next_;               // per such connection: next message to deliver
