@@ -11,6 +11,7 @@
 #endif
 
 #include "dtype.h"
+#include "transport_proxy.h"
 
 namespace jaxccl {
 
@@ -113,7 +114,8 @@ size_t NumContextPools() {
 // ------------------------------------------------------------------ launch
 
 ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t axis_size,
-                                                          const std::vector<CpuArrival>& arrivals) {
+                                                          const std::vector<CpuArrival>& arrivals,
+                                                          std::shared_ptr<const ProcessGroup> group) {
   using R = std::shared_ptr<CpuLaunch>;
   int64_t seq = 0;  // the launch's sequence number: the largest any rank issued (MCCL Sec. 6.2.2)
   for (const CpuArrival& a : arrivals) seq = std::max(seq, a.seq);
@@ -125,8 +127,12 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
                                                              " installed on an axis of size ", axis_size,
                                                              " (slot ", slot, ", version ", snap->version, ")")));
   }
-  const CpuArrival& a0 = arrivals[0];
+  auto local = [&](int32_t r) { return !group || group->Local(r); };
+  int32_t first_local = 0;
+  while (first_local < axis_size - 1 && !local(first_local)) ++first_local;
+  const CpuArrival& a0 = arrivals[first_local];
   for (int32_t r = 0; r < axis_size; ++r) {
+    if (!local(r)) continue;
     const CpuArrival& a = arrivals[r];
     if (a.in_dtype != a0.in_dtype || a.out_dtype != a0.in_dtype) {
       return ErrorResult<R>(ffi::Error::InvalidArgument(
@@ -148,7 +154,7 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   if (!period.has_value()) return ErrorResult<R>(std::move(period.error()));
   const int64_t expected_out = OutputElements(t, *period);
   for (int32_t r = 0; r < axis_size; ++r) {
-    if (arrivals[r].out_elems != expected_out) {
+    if (local(r) && arrivals[r].out_elems != expected_out) {
       return ErrorResult<R>(ffi::Error::InvalidArgument(StrCat(
           "jaxccl: rank ", r, "'s output has ", arrivals[r].out_elems, " elements; ", CollectiveName(t.collective),
           " of ", a0.in_elems, " input elements over ", axis_size, " ranks produces ", expected_out)));
@@ -156,11 +162,11 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   }
   Reduction reduction;
   if (t.has_reduction) {
-    for (int32_t r = 1; r < axis_size; ++r) {
-      if (arrivals[r].reduce_op != a0.reduce_op) {
+    for (int32_t r = 0; r < axis_size; ++r) {
+      if (local(r) && arrivals[r].reduce_op != a0.reduce_op) {
         return ErrorResult<R>(ffi::Error::InvalidArgument(
-            StrCat("jaxccl: rank ", r, " asks for a ", ReduceOpName(arrivals[r].reduce_op), " reduction but rank 0 for a ",
-                   ReduceOpName(a0.reduce_op), " (", CollectiveName(t.collective), ")")));
+            StrCat("jaxccl: rank ", r, " asks for a ", ReduceOpName(arrivals[r].reduce_op), " reduction but rank ",
+                   first_local, " for a ", ReduceOpName(a0.reduce_op), " (", CollectiveName(t.collective), ")")));
       }
     }
     auto r = ReductionFor(dtype, a0.reduce_op);
@@ -178,7 +184,8 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   launch->timeout_s_ = Registry::Get().timeout_s();
   launch->slot_ = slot;
   launch->start_ns_ = NowNs();
-  launch->net_ = NetworkOfSlot(slot);
+  launch->group_ = group;
+  launch->net_ = group ? nullptr : NetworkOfSlot(slot);  // across processes the links are real
   if (launch->net_) {
     if (launch->net_->num_ranks() != t.num_ranks) {
       return ErrorResult<R>(ffi::Error::InvalidArgument(
@@ -225,13 +232,22 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
     }
     std::sort(launch->direct_sends_[r].begin(), launch->direct_sends_[r].end());
   }
-  launch->ranks_running_.store(axis_size);
+  launch->ranks_running_.store(group ? group->num_local : axis_size);
+  if (group) {
+    auto proxy = CpuProxy::Create(launch.get(), group, NextLaunchNumber(slot));
+    if (!proxy.has_value()) return ErrorResult<R>(std::move(proxy.error()));
+    launch->proxy_ = std::move(*proxy);
+    launch->proxy_->Start();
+  }
   return launch;
 }
 
 CpuLaunch::~CpuLaunch() {
+  proxy_.reset();  // joins its thread before the memory it uses goes back to the pool
   if (pool_ && ctx_) pool_->Release(std::move(ctx_));
 }
+
+bool CpuLaunch::Local(int32_t rank) const { return !group_ || group_->Local(rank); }
 
 std::atomic<uint64_t>* CpuLaunch::Flag(int32_t rank, size_t offset, size_t index) const {
   return reinterpret_cast<std::atomic<uint64_t>*>(ctx_->regions[rank]->data() + offset) + index;
@@ -246,8 +262,12 @@ std::string CpuLaunch::Where(int32_t g, int32_t o) const {
   const int32_t i = o - (tb.first_op - rank_first_op_[tb.rank]);
   const OpCode kind = table_->ops[tb.first_op + i].kind;
   std::string peers;
-  if (OpReceives(kind)) peers += StrCat(" from rank ", tb.recv_peer);
-  if (OpSends(kind)) peers += StrCat(" to rank ", tb.send_peer);
+  // Across processes, a peer in another process is named with its process.
+  auto process = [&](int32_t peer) {
+    return Local(peer) ? std::string() : StrCat(" in process ", group_->process_of_rank[peer]);
+  };
+  if (OpReceives(kind)) peers += StrCat(" from rank ", tb.recv_peer, process(tb.recv_peer));
+  if (OpSends(kind)) peers += StrCat(" to rank ", tb.send_peer, process(tb.send_peer));
   return StrCat("rank ", tb.rank, ", threadblock ", g - table_->rank_first_tb[tb.rank], ", op ", i, " ('",
                 OpName(kind), "'", peers, ", channel ", tb.channel, ")");
 }
@@ -619,6 +639,7 @@ int32_t CpuLaunch::FindPushes(int32_t rank, const ProgramView& p, const Unit* ch
     if (probe.Done(us.tile, s) || !UnitReady(p, tb, us, op, probe)) continue;
     // The receive of message us.send_msg at the peer: a plain copy whose other conditions hold.
     const int32_t peer = tb.send_peer;
+    if (!Local(peer)) continue;  // its buffer is in another process
     const ProgramView pp(table_->programs[peer].data());
     for (int32_t j = 0; j < pp.num_tbs(); ++j) {
       const ProgTb rtb = pp.tb(j);
@@ -755,6 +776,10 @@ void CpuLaunch::Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& o
       net_->OnPost(rank, tb.send_peer, timing.post_ns, became_busy, pace_ ? &t : nullptr);
     }
   }
+  if (!Local(tb.send_peer)) {
+    proxy_->Send(rank, tb.send_conn, u.send_msg, out.ptr, out.bytes, op.direct());
+    return;
+  }
   *Desc(tb.send_peer, cell) = MsgDesc{reinterpret_cast<unsigned long long>(out.ptr), out.bytes};
   Flag(tb.send_peer, layout_.posted(), cell)->store(Tag(epoch_, u.send_msg + 1), std::memory_order_release);
   Wake(tb.send_peer);
@@ -762,6 +787,8 @@ void CpuLaunch::Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& o
 
 ffi::Error CpuLaunch::WaitRank(int32_t rank) {
   RunRank(rank);
+  // Across processes: staged messages may still be on the wire; the launch's memory stays until they left.
+  if (proxy_) proxy_->WaitDone();
   RankState& rs = *ctx_->ranks[rank];
   // A rank returns once its direct messages were consumed: receivers read its buffers in place.
   {

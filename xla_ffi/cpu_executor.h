@@ -31,6 +31,9 @@
 
 namespace jaxccl {
 
+struct ProcessGroup;
+class CpuProxy;
+
 // One rank's buffers, as its FFI call saw them.
 struct CpuArrival {
   const void* in = nullptr;
@@ -124,9 +127,12 @@ inline constexpr int64_t kFoldPatienceMaxNs = 2'000'000;
 
 class CpuLaunch {
  public:
-  // Starts the launch: checks the arrivals against the table and runs its threadblocks.
+  // Starts the launch: checks the arrivals against the table and runs its threadblocks. With a process
+  // group (transport_proxy.h), only this process's ranks arrived (the others' entries are empty) and
+  // connections to other processes go through the group's transport.
   static ffi::ErrorOr<std::shared_ptr<CpuLaunch>> Start(int64_t slot, int32_t axis_size,
-                                                        const std::vector<CpuArrival>& arrivals);
+                                                        const std::vector<CpuArrival>& arrivals,
+                                                        std::shared_ptr<const ProcessGroup> group = nullptr);
   ~CpuLaunch();
 
   // Called by rank `rank`'s XLA thread: runs the rank's program, then waits until the rank may return.
@@ -136,6 +142,7 @@ class CpuLaunch {
 
  private:
   friend struct CpuProbe;
+  friend class CpuProxy;
   CpuLaunch() = default;
 
   // Runs rank `rank`'s threadblocks on the calling thread (its XLA thread), in dataflow order.
@@ -198,6 +205,11 @@ class CpuLaunch {
   // Per rank (its own thread's): until when a fold may wait for its late terms (0: none is waiting).
   std::vector<int64_t> fold_patience_until_;
   std::vector<std::vector<std::pair<int32_t, int32_t>>> direct_sends_;  // per rank: (dependency, op), sorted
+
+  // Across processes (null in one process): the group, the proxy of this launch's remote connections.
+  std::shared_ptr<const ProcessGroup> group_;
+  std::unique_ptr<CpuProxy> proxy_;
+  bool Local(int32_t rank) const;
 
   std::atomic<bool> aborted_{false};
   std::mutex error_mu_;

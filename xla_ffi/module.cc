@@ -2,6 +2,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <string>
 
@@ -12,6 +13,8 @@
 #include "registry.h"
 #include "rendezvous.h"
 #include "table.h"
+#include "transport_handler.h"
+#include "transport_proxy.h"
 
 namespace nb = nanobind;
 
@@ -103,8 +106,42 @@ NB_MODULE(_native, m) {
   m.def("registrations", [] {
     nb::dict d;
     d["jaxccl_cpu_collective"] = nb::capsule(reinterpret_cast<void*>(JaxcclCpuCollective));
+    d["jaxccl_cpu_mp_collective"] = nb::capsule(reinterpret_cast<void*>(JaxcclCpuMpCollective));
     return d;
   }, "FFI handler capsules by target name (platform cpu).");
+
+  m.def(
+      "set_process_group",
+      [](nb::capsule transport, int32_t process_id, std::vector<int32_t> process_of_rank) {
+        auto* h = static_cast<const TransportHandle*>(transport.data());
+        if (h == nullptr || h->version != kTransportVersion || h->transport == nullptr) {
+          throw nb::value_error("jaxccl: not a transport capsule of this version (rebuild jaxccl)");
+        }
+        auto g = std::make_shared<ProcessGroup>();
+        g->process_id = process_id;
+        g->process_of_rank = std::move(process_of_rank);
+        for (int32_t p : g->process_of_rank) {
+          g->local_index.push_back(p == process_id ? g->num_local++ : -1);
+        }
+        if (g->num_local == 0) throw nb::value_error("jaxccl: the process group has no rank in this process");
+        g->transport = h->transport;
+        SetProcessGroup(std::move(g));
+      },
+      nb::arg("transport"), nb::arg("process_id"), nb::arg("process_of_rank"),
+      "Attaches the transport (a capsule of jaxccl._transport) and the process of every rank of the axis.");
+  m.def("clear_process_group", [] { SetProcessGroup(nullptr); }, "Detaches the process group.");
+  m.def(
+      "transport_drain",
+      [] {
+        int64_t dropped = 0;
+        std::vector<TransportRecord> records = DrainTransportRecords(&dropped);
+        std::vector<int64_t> flat;
+        flat.reserve(records.size() * 5);
+        for (const TransportRecord& r : records) flat.insert(flat.end(), {r.src_rank, r.dst_rank, r.bytes, r.post_ns, r.done_ns});
+        return nb::make_tuple(flat, dropped);
+      },
+      "The sends to other processes since the last drain: a flat list of (src rank, dst rank, bytes, post ns, "
+      "done ns) and the number dropped.");
 
   m.def("new_slot", [] { return Registry::Get().NewSlot(); }, "Creates an empty schedule slot; returns its id.");
   m.def(
@@ -116,12 +153,12 @@ NB_MODULE(_native, m) {
       "Validates a compiled int32 table and makes it the slot's current version; returns the version.");
   m.def(
       "stage",
-      [](int64_t slot, TableArray table) {
-        return Unwrap(Registry::Get().Stage(slot, table.data(), table.shape(0)));
+      [](int64_t slot, TableArray table, int64_t transition_seq) {
+        return Unwrap(Registry::Get().Stage(slot, table.data(), table.shape(0), transition_seq));
       },
-      nb::arg("slot"), nb::arg("table"),
+      nb::arg("slot"), nb::arg("table"), nb::arg("transition_seq") = -1,
       "Validates a compiled table and stages it: active from the first launch after the transition point "
-      "(the largest sequence number issued so far); returns its version.");
+      "(the largest sequence number issued so far, or transition_seq when >= 0); returns its version.");
   m.def(
       "swap_state",
       [](int64_t slot) {

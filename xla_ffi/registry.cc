@@ -47,7 +47,8 @@ ffi::ErrorOr<int64_t> Registry::Install(int64_t slot, const int32_t* words, size
   return st->current.version;
 }
 
-ffi::ErrorOr<int64_t> Registry::Stage(int64_t slot, const int32_t* words, size_t num_words) {
+ffi::ErrorOr<int64_t> Registry::Stage(int64_t slot, const int32_t* words, size_t num_words,
+                                      int64_t transition_seq) {
   auto parsed = ParseTable(words, num_words);
   if (!parsed.has_value()) return ErrorResult<int64_t>(std::move(parsed.error()));
   std::lock_guard<std::mutex> lock(mu_);
@@ -61,8 +62,14 @@ ffi::ErrorOr<int64_t> Registry::Stage(int64_t slot, const int32_t* words, size_t
   }
   int64_t max_issued = 0;
   for (const auto& [rank, seq] : st->issued) max_issued = std::max(max_issued, seq);
+  if (transition_seq >= 0 && max_issued > transition_seq) {
+    return ErrorResult<int64_t>(ffi::Error(
+        ffi::ErrorCode::kFailedPrecondition,
+        StrCat("jaxccl: cannot stage at transition point ", transition_seq, " in slot ", slot, ": a rank already issued call ",
+               max_issued)));
+  }
   st->staged = TableSnapshot{std::move(*parsed), version};  // a newer staged table replaces an older one
-  st->transition_seq = max_issued;
+  st->transition_seq = transition_seq >= 0 ? transition_seq : max_issued;
   return version;
 }
 

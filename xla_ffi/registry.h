@@ -42,7 +42,9 @@ class Registry {
   // Parses/validates the table, makes it the slot's current version; returns that version (1, 2, ...).
   ffi::ErrorOr<int64_t> Install(int64_t slot, const int32_t* words, size_t num_words);
   // Parses/validates the table and stages it (see above); the slot's first table becomes current at once.
-  ffi::ErrorOr<int64_t> Stage(int64_t slot, const int32_t* words, size_t num_words);
+  // `transition_seq` >= 0 sets the transition point instead (agreed across processes); it is refused when
+  // a rank already issued a later call, whose launch may have run the old table.
+  ffi::ErrorOr<int64_t> Stage(int64_t slot, const int32_t* words, size_t num_words, int64_t transition_seq = -1);
   // Numbers one rank's collective call on the slot: returns its sequence number (1, 2, ...).
   ffi::ErrorOr<int64_t> NoteIssued(int64_t slot, int32_t rank);
   // Current version (0 if nothing was installed yet).

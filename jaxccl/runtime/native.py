@@ -119,18 +119,21 @@ def install(slot: int, table_or_schedule: Any, *, num_slots: int = 8) -> int:
     return int(_wrap(_native.install, int(slot), as_table(table_or_schedule, num_slots=num_slots)))
 
 
-def stage(slot: int, table_or_schedule: Any, *, num_slots: int = 8) -> int:
+def stage(slot: int, table_or_schedule: Any, *, num_slots: int = 8, transition_seq: int | None = None) -> int:
     """Stages a table (MCCL Sec. 6.2.2 hot-swap): it becomes current at the first launch after the
     transition point, the largest collective sequence number any rank has issued on the slot so far.
 
     Collectives already issued by some rank finish on the old table, so all
     ranks switch at the same call. The slot's first table is current at once.
-    Returns the staged version.
+    ``transition_seq`` sets the transition point instead (one agreed by several
+    processes, :func:`jaxccl.runtime.multiprocess.stage_agreed`); it is refused
+    when a rank already issued a later call. Returns the staged version.
 
     Raises:
         ExecutorError: the table is malformed or the slot does not exist.
     """
-    return int(_wrap(_native.stage, int(slot), as_table(table_or_schedule, num_slots=num_slots)))
+    transition = -1 if transition_seq is None else int(transition_seq)
+    return int(_wrap(_native.stage, int(slot), as_table(table_or_schedule, num_slots=num_slots), transition))
 
 
 def swap_state(slot: int) -> dict[str, int]:

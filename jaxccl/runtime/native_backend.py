@@ -11,7 +11,10 @@ slot of that collective, whose table the executor reads at run time, which is
 what makes hot-swap recompile-free), ``site`` (a unique id of the lowered call
 site, part of the rendezvous key), ``axis_size`` and ``reduce_op`` (the
 operator of a reducing table, :class:`~jaxccl.schedule.reduction.ReduceOp`:
-one table serves sum, max and min).
+one table serves sum, max and min). In a job of several
+processes the CPU call is ``jaxccl_cpu_mp_collective``, which runs this
+process's ranks and reaches the others through the transport attached with
+:func:`jaxccl.runtime.multiprocess.attach`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from jaxccl.schedule.ir import Collective
 __all__ = ["TARGETS", "flat_collective", "output_elems"]
 
 TARGETS = {"cpu": "jaxccl_cpu_collective", "cuda": "jaxccl_cuda_collective"}
+MULTIPROCESS_CPU_TARGET = "jaxccl_cpu_mp_collective"
 
 
 def output_elems(coll: Collective, input_elems: int, n: int) -> int:
@@ -74,7 +78,8 @@ def flat_collective(
     if dep is not None:
         coords = coords + dep
     out = jax.ShapeDtypeStruct((output_elems(coll, int(flat.shape[0]), n),), flat.dtype)
-    call = jax.ffi.ffi_call(TARGETS[backend], out, has_side_effect=True)
+    target = MULTIPROCESS_CPU_TARGET if backend == "cpu" and jax.process_count() > 1 else TARGETS[backend]
+    call = jax.ffi.ffi_call(target, out, has_side_effect=True)
     return call(
         flat, coords, slot=np.int64(slot), site=np.int64(site), axis_size=np.int64(n), reduce_op=np.int64(reduce_op)
     )

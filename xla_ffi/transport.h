@@ -1,0 +1,101 @@
+// The transport between processes: one interface for every connection whose peer rank lives in
+// another process (the executor drives it like NCCL's proxy thread drives a network plugin).
+//
+// A Transport joins the processes of one job. Each process publishes an opaque address through the
+// job's out-of-band channel (jax.distributed's key-value store), connects to every peer's, and then
+// moves the bytes of connection slots with nonblocking tagged sends and receives. A request
+// completes with the steady-clock times of its post and its completion (what the meter reads), or
+// fails with an error that names the peer process; every wait has a deadline.
+//
+// Implementations: UCX on CPUs (transport_ucx.cc, from the libucx wheel). On GPUs the same
+// interface maps onto NCCL:
+//   Address / Connect      -> ncclGetUniqueId on process 0, published through the same key-value
+//                             store; ncclCommInitRank(num_processes, id, process) (or
+//                             ncclCommInitRankConfig with blocking = 0 for a deadline on init)
+//   Isend / Irecv          -> ncclSend / ncclRecv of the slot's bytes on the executor's stream,
+//                             grouped per launch (ncclGroupStart/End); the tag is implicit: NCCL
+//                             matches send/recv pairs in issue order per peer, which the executor's
+//                             FIFO message index per connection already guarantees; where a kernel
+//                             must drive the network, the NCCL device API (ncclDevComm, GIN/LSA
+//                             put/signal) replaces the host calls with the same slot protocol
+//   Wait / Test, times     -> a cudaEvent recorded after the call (cudaEventQuery with a deadline,
+//                             cudaEventElapsedTime for the meter)
+//   peer failure, deadline -> ncclCommGetAsyncError polled in the wait; ncclCommAbort at the
+//                             deadline, so no process hangs in a collective
+//   Close                  -> ncclCommFinalize + ncclCommDestroy (ncclCommAbort after a failure)
+#ifndef JAXCCL_XLA_FFI_TRANSPORT_H_
+#define JAXCCL_XLA_FFI_TRANSPORT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+
+namespace jaxccl {
+
+// Version of this interface; an implementation reports the version it was built against.
+inline constexpr int32_t kTransportVersion = 1;
+
+// A message's tag within one (source process, destination process) pair: the executor encodes
+// (schedule slot, connection, message index) in it. Only the low kTransportTagBits bits are used.
+inline constexpr int kTransportTagBits = 48;
+inline constexpr uint64_t kTransportTagMask = (uint64_t{1} << kTransportTagBits) - 1;
+
+// What a completed request reports (steady clock, NowNs()).
+struct TransportCompletion {
+  size_t bytes = 0;     // bytes moved (a receive: the bytes that arrived)
+  int64_t post_ns = 0;  // when the request was posted
+  int64_t done_ns = 0;  // when the transport reported it complete
+};
+
+using TransportRequest = int64_t;  // a handle; valid until its Wait returns
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+
+  virtual const char* name() const = 0;
+  virtual int32_t version() const = 0;
+  virtual int32_t process_id() const = 0;
+  virtual int32_t num_processes() const = 0;
+
+  // This process's address, to publish for the peers (opaque bytes).
+  virtual ffi::ErrorOr<std::string> Address() = 0;
+  // Connects to peer process `peer` at the address it published.
+  virtual ffi::Error Connect(int32_t peer, const std::string& address) = 0;
+
+  // Posts a send of `bytes` at `data` to process `peer` with `tag`; `data` must stay valid and
+  // unchanged until the request completes.
+  virtual ffi::ErrorOr<TransportRequest> Isend(int32_t peer, uint64_t tag, const void* data, size_t bytes) = 0;
+  // Posts a receive of at most `bytes` into `data` from process `peer` with `tag`.
+  virtual ffi::ErrorOr<TransportRequest> Irecv(int32_t peer, uint64_t tag, void* data, size_t bytes) = 0;
+  // Whether `request` completed (it makes progress); an error when it failed.
+  virtual ffi::ErrorOr<bool> Test(TransportRequest request) = 0;
+  // Waits until `request` completes or `deadline`; frees the request. An error that names the peer
+  // process when the peer failed (kUnavailable) or the deadline passed (kDeadlineExceeded); the
+  // request is cancelled then.
+  virtual ffi::ErrorOr<TransportCompletion> Wait(TransportRequest request, Clock::time_point deadline) = 0;
+  // The error that ended the connection to `peer`, if one did (kOk while it is healthy).
+  virtual ffi::Error PeerError(int32_t peer) = 0;
+  // Closes every connection (forcibly: a dead peer never holds it up) and frees the transport's resources.
+  virtual void Close() = 0;
+};
+
+// The transports this build has ("ucx" when the libucx wheel was found at build time).
+const char* TransportsBuilt();
+
+// Options of a transport: (name, value) pairs it passes to its library (UCX: its configuration
+// variables without the UCX_ prefix, e.g. ("TLS", "tcp") to keep every byte on the network links).
+using TransportOptions = std::vector<std::pair<std::string, std::string>>;
+
+// Creates the transport `name` for process `process_id` of `num_processes`.
+ffi::ErrorOr<std::unique_ptr<Transport>> MakeTransport(const std::string& name, int32_t process_id,
+                                                       int32_t num_processes, const TransportOptions& options);
+
+}  // namespace jaxccl
+
+#endif  // JAXCCL_XLA_FFI_TRANSPORT_H_

@@ -1,0 +1,321 @@
+#include "transport_proxy.h"
+
+#include <algorithm>
+
+#include "cpu_executor.h"
+
+namespace jaxccl {
+
+namespace {
+std::mutex group_mu;
+std::shared_ptr<const ProcessGroup>& Group() {
+  static auto* g = new std::shared_ptr<const ProcessGroup>();
+  return *g;
+}
+std::map<int64_t, int64_t>& LaunchNumbers() {
+  static auto* m = new std::map<int64_t, int64_t>();
+  return *m;
+}
+
+constexpr int kSlotBits = 8, kLaunchBits = 16, kConnBits = 12, kMsgBits = 12;
+static_assert(kSlotBits + kLaunchBits + kConnBits + kMsgBits == kTransportTagBits, "tag layout fills the tag");
+}  // namespace
+
+void SetProcessGroup(std::shared_ptr<const ProcessGroup> group) {
+  std::lock_guard<std::mutex> lock(group_mu);
+  Group() = std::move(group);
+  LaunchNumbers().clear();
+}
+
+std::shared_ptr<const ProcessGroup> CurrentProcessGroup() {
+  std::lock_guard<std::mutex> lock(group_mu);
+  return Group();
+}
+
+int64_t NextLaunchNumber(int64_t slot) {
+  std::lock_guard<std::mutex> lock(group_mu);
+  return LaunchNumbers()[slot]++;
+}
+
+namespace {
+std::mutex records_mu;
+std::vector<TransportRecord>& Records() {
+  static auto* r = new std::vector<TransportRecord>();
+  return *r;
+}
+int64_t records_dropped = 0;
+}  // namespace
+
+void AddTransportRecord(const TransportRecord& r) {
+  std::lock_guard<std::mutex> lock(records_mu);
+  if (Records().size() >= kMaxTransportRecords) {
+    ++records_dropped;
+    return;
+  }
+  Records().push_back(r);
+}
+
+std::vector<TransportRecord> DrainTransportRecords(int64_t* dropped) {
+  std::lock_guard<std::mutex> lock(records_mu);
+  std::vector<TransportRecord> out;
+  out.swap(Records());
+  *dropped = records_dropped;
+  records_dropped = 0;
+  return out;
+}
+
+ffi::ErrorOr<uint64_t> CpuProxy::TagOf(int32_t conn, int32_t msg) const {
+  if (conn >= (1 << kConnBits) || msg >= (1 << kMsgBits)) {
+    return ErrorResult<uint64_t>(ffi::Error::InvalidArgument(
+        StrCat("jaxccl: a schedule across processes may have at most ", 1 << kConnBits, " connections and ",
+               1 << kMsgBits, " messages per connection and launch; connection ", conn, " message ", msg,
+               " is beyond")));
+  }
+  const uint64_t slot = static_cast<uint64_t>(l_->slot_) & ((1u << kSlotBits) - 1);
+  const uint64_t launch = static_cast<uint64_t>(launch_number_) & ((1u << kLaunchBits) - 1);
+  return (((slot << kLaunchBits | launch) << kConnBits | static_cast<uint64_t>(conn)) << kMsgBits) |
+         static_cast<uint64_t>(msg);
+}
+
+ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std::shared_ptr<const ProcessGroup> group,
+                                                         int64_t launch_number) {
+  using R = std::unique_ptr<CpuProxy>;
+  R proxy(new CpuProxy());
+  proxy->l_ = launch;
+  proxy->group_ = std::move(group);
+  proxy->launch_number_ = launch_number;
+  const ProcessGroup& pg = *proxy->group_;
+  const Table& t = *launch->table_;
+  const int32_t tiles = launch->tiles_;
+  // The receives from other processes, with their sizes, from the receiving ranks' programs.
+  struct Planned {
+    int32_t conn, msg, rank, peer_rank;
+    size_t bytes, offset;
+  };
+  std::vector<Planned> plan;
+  size_t total = 0;
+  for (int32_t c = 0; c < t.num_conns(); ++c) {
+    const TableConn& conn = t.conns[c];
+    const bool in = pg.Local(conn.receiver) && !pg.Local(conn.sender);
+    const bool out = pg.Local(conn.sender) && !pg.Local(conn.receiver);
+    if (out) proxy->sends_expected_ += static_cast<int64_t>(tiles) * ProgramView(t.programs[conn.sender].data()).conn_msgs(c);
+    if (!in) continue;
+    const int32_t rank = conn.receiver;
+    const ProgramView p(t.programs[rank].data());
+    const ProgTb tb = p.tb(conn.recv_tb - t.rank_first_tb[rank]);
+    const int32_t num_msgs = tiles * p.conn_msgs(c);
+    std::vector<int32_t> by_msg(num_msgs, -1);
+    for (int32_t v = 0; v < tiles * tb.num_ops; ++v) {
+      const Unit u = UnitOf(p, tb, v);
+      const ProgOp op = p.op(u.op);
+      if (!op.receives()) continue;
+      if (u.recv_msg < 0 || u.recv_msg >= num_msgs || by_msg[u.recv_msg] >= 0) {
+        return ErrorResult<R>(ffi::Error::Internal(StrCat("jaxccl: connection ", c, " has a malformed message ", u.recv_msg)));
+      }
+      const size_t bytes = launch->buffers_[rank].RecvBytes(op, u.tile);
+      by_msg[u.recv_msg] = static_cast<int32_t>(plan.size());
+      plan.push_back(Planned{c, u.recv_msg, rank, conn.sender, bytes, total});
+      total += (bytes + 63) / 64 * 64;
+    }
+    if (std::find(by_msg.begin(), by_msg.end(), -1) != by_msg.end()) {
+      return ErrorResult<R>(ffi::Error::Internal(StrCat("jaxccl: connection ", c, " has a message no op receives")));
+    }
+    proxy->remote_in_conns_.push_back(c);
+    proxy->order_.push_back(std::move(by_msg));
+  }
+  proxy->next_.assign(proxy->order_.size(), 0);
+  proxy->staging_ = std::make_unique<AlignedBuffer>();
+  if (!proxy->staging_->Reserve(std::max<size_t>(total, 64))) {
+    return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                                     StrCat("jaxccl: cannot allocate ", total, " bytes for messages from other processes")));
+  }
+  proxy->recvs_.reserve(plan.size());
+  for (const Planned& x : plan) {
+    auto tag = proxy->TagOf(x.conn, x.msg);
+    if (!tag.has_value()) return ErrorResult<R>(std::move(tag.error()));
+    char* data = proxy->staging_->data() + x.offset;
+    auto req = pg.transport->Irecv(pg.process_of_rank[x.peer_rank], *tag, data, x.bytes);
+    if (!req.has_value()) {
+      proxy->CancelAll();
+      return ErrorResult<R>(ffi::Error(req.error().errc().value_or(ffi::ErrorCode::kInternal),
+                                       StrCat("jaxccl: rank ", x.rank, " cannot receive from rank ", x.peer_rank,
+                                              ": ", req.error().message())));
+    }
+    proxy->recvs_.push_back(Recv{x.conn, x.msg, x.rank, x.peer_rank, x.bytes, data, *req});
+  }
+  return proxy;
+}
+
+CpuProxy::~CpuProxy() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void CpuProxy::Start() { thread_ = std::thread([this] { Run(); }); }
+
+void CpuProxy::Send(int32_t rank, int32_t conn, int32_t msg, const void* data, size_t bytes, bool direct) {
+  const int32_t peer = l_->table_->conns[conn].receiver;
+  auto tag = TagOf(conn, msg);
+  if (!tag.has_value()) {
+    l_->Fail(tag.error().message(), ffi::ErrorCode::kInvalidArgument);
+    return;
+  }
+  auto req = group_->transport->Isend(group_->process_of_rank[peer], *tag, data, bytes);
+  if (!req.has_value()) {
+    l_->Fail(StrCat("jaxccl: rank ", rank, " cannot send message ", msg, " to rank ", peer, ": ", req.error().message()),
+             req.error().errc().value_or(ffi::ErrorCode::kInternal));
+    return;
+  }
+  std::lock_guard<std::mutex> lock(send_mu_);
+  sends_.push_back(Send_{rank, conn, msg, peer, *req, direct});
+}
+
+void CpuProxy::FailWith(const std::string& message, ffi::ErrorCode code) {
+  l_->Fail(message, code);
+  CancelAll();
+}
+
+void CpuProxy::CancelAll() {
+  // Waiting with a deadline that has passed cancels and frees a request.
+  const auto now = Clock::now();
+  for (Recv& r : recvs_) {
+    if (!r.arrived) {
+      (void)group_->transport->Wait(r.request, now);
+      r.arrived = true;
+    }
+  }
+  std::lock_guard<std::mutex> lock(send_mu_);
+  for (const Send_& s : sends_) (void)group_->transport->Wait(s.request, now);
+  sends_.clear();
+}
+
+void CpuProxy::Run() {
+  Transport& tr = *group_->transport;
+  const RegionLayout& layout = l_->layout_;
+  const uint64_t epoch = l_->epoch_;
+  int idle = 0;
+  auto peer_error = [&](int32_t rank, int32_t peer_rank, const char* what, const ffi::Error& e) {
+    FailWith(StrCat("jaxccl: rank ", rank, " ", what, " rank ", peer_rank, " in process ", group_->process_of_rank[peer_rank],
+                    ": ", e.message()),
+             e.errc().value_or(ffi::ErrorCode::kInternal));
+  };
+  while (true) {
+    if (l_->aborted_.load()) {
+      CancelAll();
+      break;
+    }
+    bool progress = false, failed = false;
+    size_t delivered = 0;
+    for (size_t k = 0; k < order_.size() && !failed; ++k) {
+      const int32_t conn = remote_in_conns_[k];
+      for (; next_[k] < static_cast<int32_t>(order_[k].size()); ++next_[k]) {
+        Recv& r = recvs_[order_[k][next_[k]]];
+        if (!r.arrived) {
+          auto st = tr.Test(r.request);
+          if (!st.has_value()) {
+            r.arrived = true;
+            peer_error(r.rank, r.peer_rank, "receiving from", st.error());
+            failed = true;
+            break;
+          }
+          if (!*st) break;
+          auto c = tr.Wait(r.request, Clock::now());
+          r.arrived = true;
+          if (!c.has_value() || c->bytes != r.bytes) {
+            peer_error(r.rank, r.peer_rank, "receiving from",
+                       c.has_value() ? ffi::Error::Internal(StrCat("message ", r.msg, " has ", c->bytes,
+                                                                   " bytes, expected ", r.bytes))
+                                     : c.error());
+            failed = true;
+            break;
+          }
+        }
+        // Message m owns slot m % num_slots: it may be posted once message m - num_slots was consumed.
+        if (r.msg >= layout.num_slots &&
+            l_->Flag(r.peer_rank, layout.consumed(), layout.cell(conn, r.msg - layout.num_slots))
+                    ->load(std::memory_order_acquire) < Tag(epoch, r.msg - layout.num_slots + 1)) {
+          break;
+        }
+        const size_t cell = layout.cell(conn, r.msg);
+        *l_->Desc(r.rank, cell) = MsgDesc{reinterpret_cast<unsigned long long>(r.data), r.bytes};
+        l_->ctx_->timing[cell] = MessageTiming{};
+        l_->Flag(r.rank, layout.posted(), cell)->store(Tag(epoch, r.msg + 1), std::memory_order_release);
+        r.delivered = true;
+        l_->Wake(r.rank);
+        progress = true;
+      }
+      if (next_[k] == static_cast<int32_t>(order_[k].size())) ++delivered;
+    }
+    if (failed) break;
+    bool sends_left;
+    {
+      std::lock_guard<std::mutex> lock(send_mu_);
+      for (auto it = sends_.begin(); it != sends_.end() && !failed;) {
+        auto st = tr.Test(it->request);
+        if (st.has_value() && !*st) {
+          ++it;
+          continue;
+        }
+        auto c = tr.Wait(it->request, Clock::now());
+        if (!st.has_value() || !c.has_value()) {
+          const Send_ s = *it;
+          sends_.erase(it);
+          send_mu_.unlock();
+          peer_error(s.rank, s.peer_rank, "sending to", st.has_value() ? c.error() : st.error());
+          send_mu_.lock();
+          failed = true;
+          break;
+        }
+        AddTransportRecord(TransportRecord{it->rank, it->peer_rank, static_cast<int64_t>(c->bytes), c->post_ns, c->done_ns});
+        // The slot's bytes have left: the slot is free, and a direct send's buffer is released.
+        l_->Flag(it->rank, layout.consumed(), layout.cell(it->conn, it->msg))
+            ->store(Tag(epoch, it->msg + 1), std::memory_order_release);
+        l_->Wake(it->rank);
+        if (it->direct) {
+          RankState& sender = *l_->ctx_->ranks[it->rank];
+          std::lock_guard<std::mutex> rl(sender.mu);
+          if (--sender.pending_direct == 0 && sender.waiting) sender.cv.notify_all();
+        }
+        ++sends_done_;
+        progress = true;
+        it = sends_.erase(it);
+      }
+      sends_left = sends_done_ < sends_expected_;
+    }
+    if (failed) break;
+    if (delivered == order_.size() && !sends_left) break;
+    if (Clock::now() >= l_->deadline_) {
+      std::string what;
+      for (size_t k = 0; k < order_.size() && what.empty(); ++k) {
+        if (next_[k] < static_cast<int32_t>(order_[k].size())) {
+          const Recv& r = recvs_[order_[k][next_[k]]];
+          what = StrCat("rank ", r.rank, " waited for message ", r.msg, " of connection ", r.conn, " from rank ",
+                        r.peer_rank, " in process ", group_->process_of_rank[r.peer_rank],
+                        r.arrived ? " (arrived; its slot stayed full)" : ", which never arrived (a failed or hung process?)");
+        }
+      }
+      if (what.empty()) what = StrCat(sends_expected_ - sends_done_, " message(s) to other processes were not sent or did not complete");
+      FailWith(StrCat("jaxccl: deadline exceeded: ", what, " for ", Seconds(l_->timeout_s_)),
+               ffi::ErrorCode::kDeadlineExceeded);
+      break;
+    }
+    if (progress) {
+      idle = 0;
+    } else if (++idle < 64) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+    }
+  }
+  {
+    std::lock_guard<std::mutex> lock(done_mu_);
+    done_.store(true);
+  }
+  done_cv_.notify_all();
+}
+
+void CpuProxy::WaitDone() {
+  std::unique_lock<std::mutex> lock(done_mu_);
+  done_cv_.wait_until(lock, l_->deadline_ + std::chrono::seconds(2), [&] { return done_.load(); });
+}
+
+}  // namespace jaxccl

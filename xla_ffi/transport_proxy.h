@@ -1,0 +1,122 @@
+// The CPU executor across processes: the process group of an axis, and the proxy that carries a
+// launch's connections to ranks in other processes through the transport (transport.h), as NCCL's
+// proxy thread drives its network plugin.
+//
+// Each process runs the ranks of its local devices; the flag protocol (core/protocol.h) is unchanged
+// for connections between local ranks. For a connection whose peer is in another process:
+//   * a local sender's post hands the message to the proxy (an Isend of the slot's bytes) instead of
+//     writing the receiver's descriptor; the send's completion stores the `consumed` tag in the
+//     sender's region (the slot is free again) and releases a direct send's buffer;
+//   * the proxy posts every receive of the launch up front into its own staging memory and, in
+//     message order, once the slot is free, writes the local receiver's descriptor and `posted` tag,
+//     so the receiver's op reads the message as it reads a local one.
+// Every message of a launch carries the tag (slot, launch number, connection, message); every wait
+// ends at the launch deadline, and a failed peer fails the launch with an error naming its process.
+#ifndef JAXCCL_XLA_FFI_TRANSPORT_PROXY_H_
+#define JAXCCL_XLA_FFI_TRANSPORT_PROXY_H_
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common.h"
+#include "transport.h"
+
+namespace jaxccl {
+
+class AlignedBuffer;
+class CpuLaunch;
+
+// Which process runs each rank of the axis, and the transport between the processes.
+struct ProcessGroup {
+  int32_t process_id = 0;
+  std::vector<int32_t> process_of_rank;  // per rank of the axis
+  std::vector<int32_t> local_index;      // per rank: its index among this process's ranks, or -1
+  int32_t num_local = 0;
+  Transport* transport = nullptr;  // owned by Python (jaxccl.runtime.multiprocess), alive while attached
+  bool Local(int32_t rank) const { return process_of_rank[rank] == process_id; }
+};
+
+// What the transport module hands the native module (a capsule): a versioned handle.
+struct TransportHandle {
+  int32_t version = kTransportVersion;
+  Transport* transport = nullptr;
+};
+
+// The process-wide group (one axis spanning processes); null when none is attached.
+void SetProcessGroup(std::shared_ptr<const ProcessGroup> group);
+std::shared_ptr<const ProcessGroup> CurrentProcessGroup();
+// Numbers the launches of a slot in this process (the same in every process: SPMD programs launch
+// a slot's collectives in the same order everywhere).
+int64_t NextLaunchNumber(int64_t slot);
+
+// One message to a rank in another process, as the sender's transport saw it: its post and its
+// completion (steady clock). Taken by the proxy for every completed send; drained by Python
+// (jaxccl.runtime.multiprocess.TransportMeter), which turns them into measured link rates.
+struct TransportRecord {
+  int64_t src_rank, dst_rank, bytes, post_ns, done_ns;
+};
+inline constexpr size_t kMaxTransportRecords = 1 << 16;
+void AddTransportRecord(const TransportRecord& r);
+// The records since the last drain, oldest first, and how many were dropped (the buffer was full).
+std::vector<TransportRecord> DrainTransportRecords(int64_t* dropped);
+
+class CpuProxy {
+ public:
+  // Posts the launch's receives from other processes; the thread starts with Start().
+  static ffi::ErrorOr<std::unique_ptr<CpuProxy>> Create(CpuLaunch* launch, std::shared_ptr<const ProcessGroup> group,
+                                                         int64_t launch_number);
+  ~CpuProxy();
+  void Start();
+  // A local rank posts message `msg` of connection `conn` to a rank in another process.
+  void Send(int32_t rank, int32_t conn, int32_t msg, const void* data, size_t bytes, bool direct);
+  // Waits until every message of the launch to or from other processes completed, or the launch failed.
+  void WaitDone();
+
+ private:
+  struct Recv {
+    int32_t conn, msg, rank, peer_rank;
+    size_t bytes;
+    char* data;
+    TransportRequest request;
+    bool arrived = false, delivered = false;
+  };
+  struct Send_ {
+    int32_t rank, conn, msg, peer_rank;
+    TransportRequest request;
+    bool direct;
+  };
+  CpuProxy() = default;
+  void Run();
+  ffi::ErrorOr<uint64_t> TagOf(int32_t conn, int32_t msg) const;
+  // Fails the launch with `e` (naming the peer process), cancels what is in flight.
+  void FailWith(const std::string& message, ffi::ErrorCode code);
+  void CancelAll();
+
+  CpuLaunch* l_ = nullptr;
+  std::shared_ptr<const ProcessGroup> group_;
+  int64_t launch_number_ = 0;
+  std::unique_ptr<AlignedBuffer> staging_;  // every remote message of the launch (64-byte aligned, not zeroed)
+  std::vector<Recv> recvs_;                 // in (connection, message) order
+  std::vector<std::vector<int32_t>> order_;  // per connection with remote sender: indices into recvs_, by message
+  std::vector<int32_t> next_;               // per such connection: next message to deliver
+  std::vector<int32_t> remote_in_conns_;
+  int64_t sends_expected_ = 0;
+  std::mutex send_mu_;
+  std::vector<Send_> sends_;  // posted, not yet complete
+  int64_t sends_done_ = 0;
+  std::atomic<bool> done_{false};
+  std::mutex done_mu_;
+  std::condition_variable done_cv_;
+  std::thread thread_;
+};
+
+}  // namespace jaxccl
+
+#endif  // JAXCCL_XLA_FFI_TRANSPORT_PROXY_H_

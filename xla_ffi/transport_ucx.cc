@@ -1,0 +1,376 @@
+// The UCX transport (transport.h): one UCP worker per process with the tag-matching API, an endpoint
+// per peer process in peer-failure mode (a dead peer fails its requests instead of aborting the job).
+//
+// Tags: the source process in the high 16 bits, the caller's 48-bit tag below, so a receive matches
+// exactly one (peer, tag). All UCP calls of a transport run under one mutex; a waiting thread
+// drives progress itself.
+#include <ucp/api/ucp.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "transport.h"
+
+namespace jaxccl {
+namespace {
+
+struct UcxRequestState {
+  bool done = false;
+  ucs_status_t status = UCS_OK;
+  size_t bytes = 0;
+  int64_t done_ns = 0;
+};
+
+struct UcxRequest {
+  UcxRequestState state;
+  void* ucp_request = nullptr;  // null when UCP completed it inline
+  int32_t peer = 0;
+  bool is_send = false;
+  size_t posted_bytes = 0;
+  int64_t post_ns = 0;
+};
+
+ffi::Error UcxError(const std::string& what, ucs_status_t status) {
+  return ffi::Error::Internal(StrCat("jaxccl transport ucx: ", what, ": ", ucs_status_string(status)));
+}
+
+void OnSend(void* request, ucs_status_t status, void* user_data) {
+  auto* s = static_cast<UcxRequestState*>(user_data);
+  s->status = status;
+  s->done_ns = NowNs();
+  s->done = true;
+}
+
+void OnRecv(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info, void* user_data) {
+  auto* s = static_cast<UcxRequestState*>(user_data);
+  s->status = status;
+  if (status == UCS_OK) s->bytes = info->length;
+  s->done_ns = NowNs();
+  s->done = true;
+}
+
+class UcxTransport final : public Transport {
+ public:
+  UcxTransport(int32_t process_id, int32_t num_processes)
+      : process_id_(process_id), num_processes_(num_processes), eps_(num_processes, nullptr),
+        peer_status_(num_processes, UCS_OK) {}
+  ~UcxTransport() override { Close(); }
+
+  ffi::Error Init(const TransportOptions& options) {
+    ucp_config_t* config = nullptr;
+    ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+    if (st != UCS_OK) return UcxError("ucp_config_read", st);
+    for (const auto& [key, value] : options) {
+      st = ucp_config_modify(config, key.c_str(), value.c_str());
+      if (st != UCS_OK) {
+        ucp_config_release(config);
+        return ffi::Error::InvalidArgument(
+            StrCat("jaxccl transport ucx: option ", key, "=", value, ": ", ucs_status_string(st)));
+      }
+    }
+    ucp_params_t params{};
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_TAG;
+    params.mt_workers_shared = 0;
+    st = ucp_init(&params, config, &context_);
+    ucp_config_release(config);
+    if (st != UCS_OK) return UcxError("ucp_init", st);
+    ucp_worker_params_t wp{};
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // serialized by mu_
+    st = ucp_worker_create(context_, &wp, &worker_);
+    if (st != UCS_OK) return UcxError("ucp_worker_create", st);
+    return ffi::Error::Success();
+  }
+
+  const char* name() const override { return "ucx"; }
+  int32_t version() const override { return kTransportVersion; }
+  int32_t process_id() const override { return process_id_; }
+  int32_t num_processes() const override { return num_processes_; }
+
+  ffi::ErrorOr<std::string> Address() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_ == nullptr) return ErrorResult<std::string>(Closed());
+    ucp_address_t* addr = nullptr;
+    size_t len = 0;
+    ucs_status_t st = ucp_worker_get_address(worker_, &addr, &len);
+    if (st != UCS_OK) return ErrorResult<std::string>(UcxError("ucp_worker_get_address", st));
+    std::string out(reinterpret_cast<const char*>(addr), len);
+    ucp_worker_release_address(worker_, addr);
+    return out;
+  }
+
+  ffi::Error Connect(int32_t peer, const std::string& address) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_ == nullptr) return Closed();
+    if (peer < 0 || peer >= num_processes_ || peer == process_id_) {
+      return ffi::Error::InvalidArgument(
+          StrCat("jaxccl transport ucx: peer process ", peer, " is not another process of 0..", num_processes_ - 1));
+    }
+    if (eps_[peer] != nullptr) return ffi::Error::Success();
+    if (address.empty()) return ffi::Error::InvalidArgument(StrCat("jaxccl transport ucx: empty address of process ", peer));
+    peer_args_.resize(num_processes_);
+    peer_args_[peer] = {this, peer};
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = &UcxTransport::OnPeerError;
+    ep.err_handler.arg = &peer_args_[peer];
+    ucs_status_t st = ucp_ep_create(worker_, &ep, &eps_[peer]);
+    if (st != UCS_OK) {
+      eps_[peer] = nullptr;
+      return UcxError(StrCat("connecting to process ", peer), st);
+    }
+    return ffi::Error::Success();
+  }
+
+  ffi::ErrorOr<TransportRequest> Isend(int32_t peer, uint64_t tag, const void* data, size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto e = CheckPeer(peer, tag); e.failure()) return ErrorResult<TransportRequest>(std::move(e));
+    auto req = std::make_unique<UcxRequest>();
+    req->peer = peer;
+    req->is_send = true;
+    req->posted_bytes = bytes;
+    req->post_ns = NowNs();
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.send = &OnSend;
+    p.user_data = &req->state;
+    ucs_status_ptr_t r = ucp_tag_send_nbx(eps_[peer], data, bytes, WireTag(process_id_, tag), &p);
+    return Track(std::move(req), r, "send");
+  }
+
+  ffi::ErrorOr<TransportRequest> Irecv(int32_t peer, uint64_t tag, void* data, size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (auto e = CheckPeer(peer, tag); e.failure()) return ErrorResult<TransportRequest>(std::move(e));
+    auto req = std::make_unique<UcxRequest>();
+    req->peer = peer;
+    req->posted_bytes = bytes;
+    req->post_ns = NowNs();
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.cb.recv = &OnRecv;
+    p.user_data = &req->state;
+    ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_, data, bytes, WireTag(peer, tag), ~uint64_t{0}, &p);
+    return Track(std::move(req), r, "receive");
+  }
+
+  ffi::ErrorOr<bool> Test(TransportRequest request) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = requests_.find(request);
+    if (it == requests_.end()) return ErrorResult<bool>(UnknownRequest(request));
+    ucp_worker_progress(worker_);
+    UcxRequest& r = *it->second;
+    if (r.state.done && r.state.status != UCS_OK) return ErrorResult<bool>(RequestError(r));
+    if (!r.state.done && !peer_status_.empty() && peer_status_[r.peer] != UCS_OK) {
+      return ErrorResult<bool>(PeerFailed(r.peer, peer_status_[r.peer]));
+    }
+    return r.state.done;
+  }
+
+  ffi::ErrorOr<TransportCompletion> Wait(TransportRequest request, Clock::time_point deadline) override {
+    using R = TransportCompletion;
+    int spins = 0;
+    while (true) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = requests_.find(request);
+        if (it == requests_.end()) return ErrorResult<R>(UnknownRequest(request));
+        UcxRequest& r = *it->second;
+        // Progress until nothing more happens, then look at the request.
+        while (worker_ != nullptr && ucp_worker_progress(worker_) != 0) {
+        }
+        if (r.state.done) {
+          ffi::Error e = r.state.status == UCS_OK ? ffi::Error::Success() : RequestError(r);
+          R out{r.is_send ? r.posted_bytes : r.state.bytes, r.post_ns, r.state.done_ns};
+          Free(it);
+          if (e.failure()) return ErrorResult<R>(std::move(e));
+          return out;
+        }
+        const bool peer_down = peer_status_[r.peer] != UCS_OK;
+        if (peer_down || Clock::now() >= deadline) {
+          ffi::Error e = peer_down ? PeerFailed(r.peer, peer_status_[r.peer])
+                                   : ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                                                StrCat("jaxccl transport ucx: ", r.is_send ? "send to" : "receive from",
+                                                       " process ", r.peer, " (", r.posted_bytes,
+                                                       " bytes) did not complete before its deadline; process ",
+                                                       r.peer, " may be dead or hung"));
+          Cancel(r);
+          Free(it);
+          return ErrorResult<R>(std::move(e));
+        }
+      }
+      // Nothing to do: let the other threads (and processes: 2 cores) run.
+      if (++spins < 64) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  }
+
+  ffi::Error PeerError(int32_t peer) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (peer < 0 || peer >= num_processes_) {
+      return ffi::Error::InvalidArgument(StrCat("jaxccl transport ucx: no process ", peer));
+    }
+    if (peer_status_[peer] != UCS_OK) return PeerFailed(peer, peer_status_[peer]);
+    return ffi::Error::Success();
+  }
+
+  void Close() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_ != nullptr) {
+      for (auto it = requests_.begin(); it != requests_.end();) {
+        Cancel(*it->second);
+        it = Free(it);
+      }
+      for (ucp_ep_h& ep : eps_) {
+        if (ep == nullptr) continue;
+        ucp_request_param_t p{};
+        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+        p.flags = UCP_EP_CLOSE_FLAG_FORCE;  // never waits for a peer that may be dead
+        ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
+        if (UCS_PTR_IS_PTR(r)) {
+          const auto until = DeadlineAfter(5.0);
+          while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until) ucp_worker_progress(worker_);
+          ucp_request_free(r);
+        }
+        ep = nullptr;
+      }
+      ucp_worker_destroy(worker_);
+      worker_ = nullptr;
+    }
+    if (context_ != nullptr) {
+      ucp_cleanup(context_);
+      context_ = nullptr;
+    }
+  }
+
+ private:
+  struct PeerArg {
+    UcxTransport* self;
+    int32_t peer;
+  };
+
+  static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status) {
+    auto* a = static_cast<PeerArg*>(arg);
+    a->self->peer_status_[a->peer] = status;  // runs inside ucp_worker_progress, under mu_
+  }
+
+  static uint64_t WireTag(int32_t source, uint64_t tag) {
+    return (static_cast<uint64_t>(source) << kTransportTagBits) | (tag & kTransportTagMask);
+  }
+
+  ffi::Error CheckPeer(int32_t peer, uint64_t tag) {
+    if (worker_ == nullptr) return Closed();
+    if (peer < 0 || peer >= num_processes_ || peer == process_id_) {
+      return ffi::Error::InvalidArgument(
+          StrCat("jaxccl transport ucx: peer process ", peer, " is not another process of 0..", num_processes_ - 1));
+    }
+    if (tag > kTransportTagMask) {
+      return ffi::Error::InvalidArgument(StrCat("jaxccl transport ucx: tag ", tag, " has more than ",
+                                                kTransportTagBits, " bits"));
+    }
+    if (eps_[peer] == nullptr) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, StrCat("jaxccl transport ucx: process ", peer, " is not connected"));
+    }
+    if (peer_status_[peer] != UCS_OK) return PeerFailed(peer, peer_status_[peer]);
+    return ffi::Error::Success();
+  }
+
+  ffi::ErrorOr<TransportRequest> Track(std::unique_ptr<UcxRequest> req, ucs_status_ptr_t r, const char* what) {
+    if (UCS_PTR_IS_ERR(r)) {
+      return ErrorResult<TransportRequest>(
+          UcxError(StrCat(what, " with process ", req->peer, " (", req->posted_bytes, " bytes)"), UCS_PTR_STATUS(r)));
+    }
+    if (r == nullptr) {  // completed inline; the callback was not called
+      req->state.done = true;
+      req->state.bytes = req->posted_bytes;
+      req->state.done_ns = NowNs();
+    } else {
+      req->ucp_request = r;
+    }
+    const TransportRequest id = next_id_++;
+    requests_.emplace(id, std::move(req));
+    return id;
+  }
+
+  void Cancel(UcxRequest& r) {
+    if (r.ucp_request == nullptr || r.state.done) return;
+    ucp_request_cancel(worker_, r.ucp_request);
+    const auto until = DeadlineAfter(1.0);
+    while (!r.state.done && Clock::now() < until) ucp_worker_progress(worker_);
+  }
+
+  std::map<TransportRequest, std::unique_ptr<UcxRequest>>::iterator Free(
+      std::map<TransportRequest, std::unique_ptr<UcxRequest>>::iterator it) {
+    UcxRequest& r = *it->second;
+    if (r.ucp_request != nullptr) {
+      if (!r.state.done) {
+        // Still owned by UCP (a cancel that did not finish): leak it rather than free memory UCP writes.
+        it->second.release();
+      } else {
+        ucp_request_free(r.ucp_request);
+      }
+    }
+    return requests_.erase(it);
+  }
+
+  ffi::Error RequestError(const UcxRequest& r) {
+    if (peer_status_[r.peer] != UCS_OK) return PeerFailed(r.peer, peer_status_[r.peer]);
+    if (r.state.status == UCS_ERR_MESSAGE_TRUNCATED) {
+      return ffi::Error::InvalidArgument(StrCat("jaxccl transport ucx: message from process ", r.peer,
+                                                " is larger than the ", r.posted_bytes, "-byte receive"));
+    }
+    return UcxError(StrCat(r.is_send ? "send to" : "receive from", " process ", r.peer), r.state.status);
+  }
+
+  static ffi::Error PeerFailed(int32_t peer, ucs_status_t status) {
+    return ffi::Error(ffi::ErrorCode::kUnavailable, StrCat("jaxccl transport ucx: process ", peer,
+                                                           " failed (its connection reported: ",
+                                                           ucs_status_string(status), ")"));
+  }
+  static ffi::Error Closed() { return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "jaxccl transport ucx: transport is closed"); }
+  static ffi::Error UnknownRequest(TransportRequest r) {
+    return ffi::Error::InvalidArgument(StrCat("jaxccl transport ucx: no request ", r, " (already waited for?)"));
+  }
+
+  const int32_t process_id_;
+  const int32_t num_processes_;
+  std::mutex mu_;
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::vector<ucp_ep_h> eps_;
+  std::vector<ucs_status_t> peer_status_;
+  std::vector<PeerArg> peer_args_;
+  std::map<TransportRequest, std::unique_ptr<UcxRequest>> requests_;
+  TransportRequest next_id_ = 1;
+};
+
+}  // namespace
+
+const char* TransportsBuilt() { return "ucx"; }
+
+ffi::ErrorOr<std::unique_ptr<Transport>> MakeTransport(const std::string& name, int32_t process_id,
+                                                       int32_t num_processes, const TransportOptions& options) {
+  using R = std::unique_ptr<Transport>;
+  if (name != "ucx") {
+    return ErrorResult<R>(ffi::Error::InvalidArgument(
+        StrCat("jaxccl: unknown transport '", name, "'; this build has: ", TransportsBuilt())));
+  }
+  if (num_processes < 1 || process_id < 0 || process_id >= num_processes || num_processes > 65535) {
+    return ErrorResult<R>(ffi::Error::InvalidArgument(
+        StrCat("jaxccl transport: process ", process_id, " of ", num_processes, " is not a valid process id")));
+  }
+  auto t = std::make_unique<UcxTransport>(process_id, num_processes);
+  if (auto e = t->Init(options); e.failure()) return ErrorResult<R>(std::move(e));
+  return R(std::move(t));
+}
+
+}  // namespace jaxccl
