@@ -117,7 +117,9 @@ def _check_named_failure(results: list[ProcessResult], deadline_s: float, victim
     kind, seconds, message = match.group(1), float(match.group(2)), match.group(3)
     assert kind in ("ExecutorError", "DeadlineError"), message
     assert f"process {victim}" in message, message
-    assert seconds <= deadline_s + 5, seconds
+    # Measured from the last completed step: the stuck wait's own deadline starts when that wait begins, which
+    # on a loaded 2-core machine can be seconds into the collective (15.0 s seen for a 10 s deadline).
+    assert seconds <= deadline_s + 10, seconds
 
 
 @pytest.mark.parametrize("network", ["loopback", pytest.param("netns", marks=needs_netns)])
