@@ -34,10 +34,12 @@ from jaxccl.sim.model import (
     DEFAULT_PIPELINE_BYTES,
     DEFAULT_SLOTS,
     EXECUTIONS,
+    SHARINGS,
     Job,
     Program,
     auto_iterations,
     compile_jobs,
+    tiles_of,
 )
 from jaxccl.sim.routes import ROUTING_METHODS, Router
 from jaxccl.topology import Topology
@@ -46,6 +48,7 @@ __all__ = [
     "DEFAULT_PIPELINE_BYTES",
     "DEFAULT_SLOTS",
     "EXECUTIONS",
+    "SHARINGS",
     "ROUTING_METHODS",
     "EngineStats",
     "Job",
@@ -53,6 +56,7 @@ __all__ = [
     "Router",
     "SimResult",
     "auto_iterations",
+    "tiles_of",
     "max_min_rates",
     "run",
     "run_jobs",
@@ -149,6 +153,7 @@ def run_jobs(
     num_slots: int | None = DEFAULT_SLOTS,
     routing: str = "primary",
     execution: str = "dataflow",
+    sharing: str = "tiles",
     progress: Callable[[float], None] | None = None,
     max_wall_s: float | None = None,
 ) -> SimResult:
@@ -168,6 +173,10 @@ def run_jobs(
             and its slot: jaxccl's executors) or ``"in_order"`` (MSCCL's
             runtime: also the previous op of its threadblock); see
             :mod:`jaxccl.sim.model`.
+        sharing: ``"tiles"`` (links are shared max-min fairly, each flow
+            weighted by its tile bytes: the executors' tile-by-tile service)
+            or ``"messages"`` (every flow weighs the same); see
+            :mod:`jaxccl.sim.model`.
         progress: called with the fraction of messages done.
         max_wall_s: give up (``RuntimeError``) after this much wall time.
 
@@ -177,7 +186,9 @@ def run_jobs(
     """
     t0 = time.perf_counter()
     router = _router(topo, routing)
-    prog = compile_jobs(jobs, router, pipeline_bytes=pipeline_bytes, num_slots=num_slots, execution=execution)
+    prog = compile_jobs(
+        jobs, router, pipeline_bytes=pipeline_bytes, num_slots=num_slots, execution=execution, sharing=sharing
+    )
     t1 = time.perf_counter()
     tnode, stats = simulate(prog, progress=progress, max_wall_s=max_wall_s)
     return _result(prog, router, jobs, tnode, stats, t0, t1)

@@ -89,6 +89,7 @@ class _Sim:
         self.ptr = memoryview(prog.succ_ptr)
         self.sidx = memoryview(prog.succ_idx)
         self.lat = memoryview(prog.msg_latency)
+        self.wv = memoryview(prog.msg_weight)
         self.size = memoryview(prog.msg_bytes)
         self.fp_rem = prog.msg_bytes - prog.msg_fp_bytes  # remaining bytes once the first piece is out
         self.fpr = memoryview(self.fp_rem)
@@ -555,17 +556,24 @@ class _Sim:
                 break
 
     def _cap(self, f: int, inside) -> float:
-        """The rate cap of a forwarding flow from its sources outside ``inside``: their current rates."""
+        """The rate cap of a forwarding flow from its sources outside ``inside``: their current paces.
+
+        A forward gets no further ahead than each source, in weighted terms
+        (:mod:`jaxccl.sim.fairness`): ``rate[f] <= rate[u] * w[f] / w[u]``.
+        """
         us = self.ups.get(f)
         if not us:
             return _INF
-        rv = self.rv
+        rv, wv = self.rv, self.wv
+        wf = wv[f]
         cap = _INF
         for u in us:
             if u not in inside:
                 r = rv[u]
-                if 0 < r < cap:
-                    cap = r
+                if r > 0:
+                    r = r * (wf / wv[u]) if wf != wv[u] else r
+                    if r < cap:
+                        cap = r
         return cap
 
     def _rates_py(self, comp: list[int]) -> list[float]:
@@ -574,21 +582,22 @@ class _Sim:
         Forwards whose sources are in the component freeze with them; sources
         outside cap them (a private link of the cap's capacity).
         """
-        links, cap = self.links, self.capl
+        links, cap, wv = self.links, self.capl, self.wv
         inside = set(comp)
-        count: dict[int, int] = {}
+        count: dict[int, float] = {}
         rem: dict[int, float] = {}
         cap_of: dict[int, float] = {}
         coupled = []
         for f in comp:
+            wf = wv[f]
             for link in links[f]:
-                count[link] = count.get(link, 0) + 1
+                count[link] = count.get(link, 0) + wf
             us = self.ups.get(f)
             if us:
                 c = self._cap(f, inside)
                 if c < _INF:
                     # the cap is a private link of the flow: key -1 - f never collides with link ids
-                    count[-1 - f] = 1
+                    count[-1 - f] = wf
                     rem[-1 - f] = c
                     cap_of[-1 - f] = c
                 ins = [u for u in us if u in inside]
@@ -621,10 +630,12 @@ class _Sim:
                             newly.add(f)
                             grew = True
             for f in newly:
-                rate[f] = level
+                wf = wv[f]
+                rate[f] = level * wf
                 unfrozen.discard(f)
                 for link in links[f]:
-                    count[link] -= 1
+                    left = count[link] - wf
+                    count[link] = left if left > 1e-9 * wf else 0
                 if -1 - f in count:
                     count[-1 - f] = 0
             for link in sat:
@@ -651,7 +662,9 @@ class _Sim:
             inside = pu >= 0
             if inside.any():
                 coupled = (pd[inside], pu[inside])
+            wgt = self.p.msg_weight
             out_d, out_r = pd[~inside], self.rate[src[~inside]]
+            out_r = out_r * (wgt[act[out_d]] / wgt[src[~inside]])
             ok = out_r > 0
             if ok.any():
                 # sources outside ``act`` cap their forwards at their current rates: a private link per forward
@@ -662,7 +675,7 @@ class _Sim:
                 link_ids = np.concatenate([link_ids, link_cap.size + np.arange(capped.size)])
                 link_cap = np.concatenate([link_cap, caps[capped]])
         pos[act] = -1
-        return max_min_rates(fl, link_ids, link_cap, act.size, coupled=coupled)
+        return max_min_rates(fl, link_ids, link_cap, act.size, coupled=coupled, weight=self.p.msg_weight[act])
 
     # -------------------------------------------------------------------- loop
     def run(self) -> None:

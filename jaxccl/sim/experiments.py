@@ -178,15 +178,25 @@ def _sim(topo: Topology, sched: Schedule, nbytes: float, exec_model: str = "data
     """Simulates ``sched`` as jaxccl's executors run it (dataflow), or in order with MSCCL's tiling (``"in_order"``).
 
     Dataflow execution has no head-of-line blocking to hide, so it runs the
-    schedule once over the whole buffer; in-order execution gets MSCCL's loop
+    schedule once over the whole buffer, its links shared per tile as the
+    executors serve them; in-order execution gets MSCCL's loop
     (:func:`_iterations`), as MSCCL's runtime would run it. NCCL's baselines
     always run in order, one pass: NCCL's kernels walk their steps in order.
+    In order, MSCCL's and NCCL's runtimes pipeline in 512 KiB protocol steps
+    and every message weighs the same on a link (``sharing="messages"``).
     """
     if exec_model not in EXEC_MODELS:
         raise ValueError(f"unknown execution model {exec_model!r}; expected one of {EXEC_MODELS}")
     if exec_model == "dataflow" and sched.info.get("baseline") != "nccl":
         return sim_run(topo, sched, nbytes)
-    return sim_run(topo, sched, nbytes, iterations=_iterations(sched, nbytes, flow_budget), execution="in_order")
+    return sim_run(
+        topo,
+        sched,
+        nbytes,
+        iterations=_iterations(sched, nbytes, flow_budget),
+        execution="in_order",
+        sharing="messages",
+    )
 
 
 def _row(sched: Schedule, topo: Topology, nbytes: float, exec_model: str = "dataflow", **extra: Any) -> dict:

@@ -33,15 +33,19 @@ The model is MSCCL's (``docs/schedule-ir.md``) seen at flow level:
   sending op whose data comes from a receive (its own fused receive, a
   ``dep`` on a receiving op, or under dataflow execution an earlier receiving
   op of its threadblock that writes what it reads) starts only once that
-  receiving op is ready and the first *pipeline piece* (``pipeline_bytes``) of
-  the incoming message has arrived; while the incoming flow is still running,
-  the outgoing flow is rate-coupled to it (it cannot send faster than data
-  arrives), and the forwarding op completes only after the receiving op. This is
-  cut-through forwarding at piece granularity, the fluid limit of MSCCL/NCCL
-  slicing a chunk into protocol-sized steps. ``pipeline_bytes=None`` is
-  store-and-forward (the whole message must have arrived). A message no larger
-  than one piece is always store-and-forward. Other dependencies (a local op on
-  a receive, a receive on a send...) wait for full completion.
+  receiving op is ready and the first *pipeline piece* of the incoming
+  message has arrived; while the incoming flow is still running, the outgoing
+  flow is rate-coupled to it (it cannot get ahead of the data it forwards:
+  ``rate / weight`` no larger than its source's, see **Rates**), and the
+  forwarding op completes only after the receiving op. This is cut-through
+  forwarding at piece granularity. Under ``sharing="tiles"`` a piece is one
+  tile of the message (a forward's tile ``t`` waits for tile ``t`` of its
+  receive, as in the executors); under ``sharing="messages"`` it is
+  ``pipeline_bytes``, the fluid limit of MSCCL/NCCL slicing a chunk into
+  protocol-sized steps. ``pipeline_bytes=None`` is store-and-forward (the
+  whole message must have arrived) under both. A message no larger than one
+  piece is always store-and-forward. Other dependencies (a local op on a
+  receive, a receive on a send...) wait for full completion.
 * **Tiling (MSCCL's loop).** With ``Job.iterations = P`` the schedule runs
   ``P`` times on ``1/P`` of the buffer, each threadblock going through its ops
   once per iteration, so a threadblock stalled on one op of iteration ``p``
@@ -49,8 +53,18 @@ The model is MSCCL's (``docs/schedule-ir.md``) seen at flow level:
   :func:`auto_iterations` picks MSCCL's count, one protocol step per chunk and
   iteration. Tiling matters for in-order execution; dataflow execution needs
   none, and the default is one iteration.
-* **Rates.** Concurrent flows share every link max-min fairly; a forward's rate
-  is also capped by its sources' (see :mod:`jaxccl.sim.engine`).
+* **Rates.** Concurrent flows share every link max-min fairly, weighted by the
+  bytes of their *tiles* (``sharing="tiles"``, the default): jaxccl's
+  executors cut a launch into tiles (``xla_ffi/core/protocol.h``,
+  ``ChooseTiles``: the largest message over 64 KiB, at most 32 tiles), a
+  threadblock walks its units tile by tile, and a link serves the posted
+  tiles of its connections in turn, so every active message advances by one
+  tile per turn: its rate is proportional to its tile bytes, and the messages
+  of one tree period finish together as the synthesizer plans them.
+  ``sharing="messages"`` gives every message an equal share whatever its size
+  (the earlier model). A forward's rate is also capped by its sources' (see
+  :mod:`jaxccl.sim.engine`); it rises at the pace of the smaller of its own
+  weight and its source's.
 
 :func:`compile_jobs` turns jobs into a static event DAG (:class:`Program`);
 :mod:`jaxccl.sim.engine` runs it. Node kinds per op: READY, COMPLETE; per
@@ -81,6 +95,7 @@ __all__ = [
     "DEFAULT_PIPELINE_BYTES",
     "DEFAULT_SLOTS",
     "EXECUTIONS",
+    "SHARINGS",
     "Job",
     "Program",
     "auto_iterations",
@@ -92,6 +107,10 @@ DEFAULT_SLOTS = 8  # MSCCL's slots per connection
 DEFAULT_FLOW_BUDGET = 400_000  # messages x iterations that iterations="auto" allows
 MAX_AUTO_ITERATIONS = 16
 EXECUTIONS = ("dataflow", "in_order")  # how a threadblock runs its ops; see the module docstring
+SHARINGS = ("tiles", "messages")  # how flows weigh in max-min link sharing; see the module docstring
+# The executor's tiling rule (xla_ffi/core/protocol.h: kMaxTiles, kMinTileBytes, ChooseTiles).
+MAX_TILES = 32
+MIN_TILE_BYTES = 64 << 10
 
 # Message node kinds, in block order after the 2 * num_ops op nodes.
 LAUNCH, END, ARR, GOT = range(4)
@@ -138,6 +157,7 @@ class Program:
     msg_bytes: np.ndarray  # float64 [num_msgs]
     msg_fp_bytes: np.ndarray  # float64 [num_msgs]: bytes of the first pipeline piece
     msg_latency: np.ndarray  # float64 [num_msgs]
+    msg_weight: np.ndarray  # float64 [num_msgs]: weight in max-min link sharing (tile bytes, or 1)
     msg_path_ptr: np.ndarray  # int64 [num_msgs + 1]
     msg_path_links: np.ndarray  # int64: link ids
     msg_src_ptr: np.ndarray  # int64 [num_msgs + 1]: stream sources (launch gates and rate coupling)
@@ -228,6 +248,7 @@ def compile_jobs(
     pipeline_bytes: float | None = DEFAULT_PIPELINE_BYTES,
     num_slots: int | None = DEFAULT_SLOTS,
     execution: str = "dataflow",
+    sharing: str = "tiles",
 ) -> Program:
     """Builds the event DAG of ``jobs`` on ``router``'s topology.
 
@@ -247,6 +268,8 @@ def compile_jobs(
         raise ValueError(f"num_slots must be a positive integer or None, got {num_slots!r}")
     if execution not in EXECUTIONS:
         raise ValueError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
+    if sharing not in SHARINGS:
+        raise ValueError(f"sharing must be one of {SHARINGS}, got {sharing!r}")
     in_order = execution == "in_order"
     num_gpus = router.topo.num_gpus
 
@@ -372,6 +395,9 @@ def compile_jobs(
     chunk_a = np.asarray(job_chunk_bytes, dtype=np.float64)
     msg_bytes = op_count_a[msg_sender] * chunk_a[op_job_a[msg_sender]] if n_msgs else np.zeros(0)
     msg_fp = msg_bytes.copy() if pipeline_bytes is None else np.minimum(msg_bytes, float(pipeline_bytes))
+    msg_weight = _tile_weights(msg_bytes, op_job_a[msg_sender], len(jobs)) if sharing == "tiles" else np.ones(n_msgs)
+    if sharing == "tiles" and pipeline_bytes is not None:
+        msg_fp = msg_weight.copy()  # a tile is the executor's pipelining unit
     received_by = np.full(n_ops, -1, dtype=np.int64)
     received_by[msg_receiver] = np.arange(n_msgs)
     sent_by = np.full(n_ops, -1, dtype=np.int64)
@@ -481,6 +507,7 @@ def compile_jobs(
         msg_bytes=msg_bytes,
         msg_fp_bytes=msg_fp,
         msg_latency=msg_latency,
+        msg_weight=msg_weight,
         msg_path_ptr=msg_path_ptr,
         msg_path_links=msg_path_links,
         msg_src_ptr=msg_src_ptr,
@@ -498,6 +525,26 @@ def compile_jobs(
         job_out_bytes=np.asarray(job_out_bytes, dtype=np.float64),
         link_capacity=router.capacity,
     )
+
+
+def tiles_of(largest_message_bytes: float) -> int:
+    """Tiles the executor cuts a launch into: its largest message over 64 KiB, between 1 and 32 (``ChooseTiles``).
+
+    >>> tiles_of(128 << 20), tiles_of(1 << 20), tiles_of(1000)
+    (32, 16, 1)
+    """
+    return int(min(max(largest_message_bytes // MIN_TILE_BYTES, 1), MAX_TILES))
+
+
+def _tile_weights(msg_bytes: np.ndarray, msg_job: np.ndarray, num_jobs: int) -> np.ndarray:
+    """Each message's tile bytes: its bytes over its job's tile count (:func:`tiles_of`)."""
+    if msg_bytes.size == 0:
+        return np.zeros(0)
+    largest = np.zeros(num_jobs)
+    np.maximum.at(largest, msg_job, msg_bytes)
+    tiles = np.asarray([tiles_of(b) for b in largest.tolist()], dtype=np.float64)
+    # empty messages never become flows; a positive weight keeps the solver's arithmetic clean
+    return np.maximum(msg_bytes / tiles[msg_job], 1e-300)
 
 
 def _check_peers(tb: Threadblock, has_send_peer: bool, has_recv_peer: bool, where: str) -> None:
