@@ -326,6 +326,29 @@ def test_giant_component_backoff_agrees(monkeypatch):
         assert close(giant.time_s, ref.time_s, 1e-6)
 
 
+def test_route_groups_agree_with_flows_solved_one_by_one(monkeypatch):
+    # numpy solves merge the flows of one route that no source caps; solving every flow alone must agree
+    from jaxccl.synth.allgather import allgather
+
+    healthy = rail(hosts=2, gpus_per_host=4)
+    monkeypatch.setattr(engine, "_NUMPY_SET", 0)
+    monkeypatch.setattr(engine, "_BIG_COMPONENT", 2)
+    merged = 0
+    for sc in ("none", "fail1", "fail2"):
+        topo = scenario(healthy, sc) if sc != "none" else healthy
+        for s in (nccl_alltoall(topo), allgather(topo), direct_alltoall(8)):
+            for sharing in sim.SHARINGS:
+                grouped = sim.run(topo, s, 8 << 20, sharing=sharing)
+                monkeypatch.setattr(engine, "_GROUP_ROUTES", False)
+                alone = sim.run(topo, s, 8 << 20, sharing=sharing)
+                monkeypatch.setattr(engine, "_GROUP_ROUTES", True)
+                assert alone.stats["merged_flows"] == 0
+                assert close(grouped.time_s, alone.time_s, 1e-9)
+                assert np.allclose(grouped.jobs[0].rank_finish_s, alone.jobs[0].rank_finish_s, rtol=1e-9)
+                merged += grouped.stats["merged_flows"]
+    assert merged > 0
+
+
 def test_iterations_tile_the_buffer():
     topo = scenario(rail(hosts=2, gpus_per_host=4), "fail2")
     s = nccl_allgather(topo)

@@ -34,6 +34,7 @@ from jaxccl.sim.model import (
     DEFAULT_PIPELINE_BYTES,
     DEFAULT_SLOTS,
     EXECUTIONS,
+    MAX_TILES,
     SHARINGS,
     Job,
     Program,
@@ -154,6 +155,7 @@ def run_jobs(
     routing: str = "primary",
     execution: str = "dataflow",
     sharing: str = "tiles",
+    max_tiles: int = MAX_TILES,
     progress: Callable[[float], None] | None = None,
     max_wall_s: float | None = None,
 ) -> SimResult:
@@ -177,6 +179,8 @@ def run_jobs(
             weighted by its tile bytes: the executors' tile-by-tile service)
             or ``"messages"`` (every flow weighs the same); see
             :mod:`jaxccl.sim.model`.
+        max_tiles: the executor's cap on tiles per launch (32), replaced
+            for what-if studies (``sharing="tiles"``).
         progress: called with the fraction of messages done.
         max_wall_s: give up (``RuntimeError``) after this much wall time.
 
@@ -187,7 +191,13 @@ def run_jobs(
     t0 = time.perf_counter()
     router = _router(topo, routing)
     prog = compile_jobs(
-        jobs, router, pipeline_bytes=pipeline_bytes, num_slots=num_slots, execution=execution, sharing=sharing
+        jobs,
+        router,
+        pipeline_bytes=pipeline_bytes,
+        num_slots=num_slots,
+        execution=execution,
+        sharing=sharing,
+        max_tiles=max_tiles,
     )
     t1 = time.perf_counter()
     tnode, stats = simulate(prog, progress=progress, max_wall_s=max_wall_s)

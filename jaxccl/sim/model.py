@@ -160,6 +160,7 @@ class Program:
     msg_weight: np.ndarray  # float64 [num_msgs]: weight in max-min link sharing (tile bytes, or 1)
     msg_path_ptr: np.ndarray  # int64 [num_msgs + 1]
     msg_path_links: np.ndarray  # int64: link ids
+    msg_route: np.ndarray  # int64 [num_msgs]: route id (messages with one id cross the same links)
     msg_src_ptr: np.ndarray  # int64 [num_msgs + 1]: stream sources (launch gates and rate coupling)
     msg_src_idx: np.ndarray  # int64
     msg_streamed: np.ndarray  # bool: some forwarding op streams from this message (its FP matters)
@@ -249,6 +250,7 @@ def compile_jobs(
     num_slots: int | None = DEFAULT_SLOTS,
     execution: str = "dataflow",
     sharing: str = "tiles",
+    max_tiles: int = MAX_TILES,
 ) -> Program:
     """Builds the event DAG of ``jobs`` on ``router``'s topology.
 
@@ -270,6 +272,8 @@ def compile_jobs(
         raise ValueError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
     if sharing not in SHARINGS:
         raise ValueError(f"sharing must be one of {SHARINGS}, got {sharing!r}")
+    if not isinstance(max_tiles, int) or isinstance(max_tiles, bool) or max_tiles < 1:
+        raise ValueError(f"max_tiles must be a positive integer, got {max_tiles!r}")
     in_order = execution == "in_order"
     num_gpus = router.topo.num_gpus
 
@@ -395,7 +399,10 @@ def compile_jobs(
     chunk_a = np.asarray(job_chunk_bytes, dtype=np.float64)
     msg_bytes = op_count_a[msg_sender] * chunk_a[op_job_a[msg_sender]] if n_msgs else np.zeros(0)
     msg_fp = msg_bytes.copy() if pipeline_bytes is None else np.minimum(msg_bytes, float(pipeline_bytes))
-    msg_weight = _tile_weights(msg_bytes, op_job_a[msg_sender], len(jobs)) if sharing == "tiles" else np.ones(n_msgs)
+    if sharing == "tiles":
+        msg_weight = _tile_weights(msg_bytes, op_job_a[msg_sender], len(jobs), max_tiles)
+    else:
+        msg_weight = np.ones(n_msgs)
     if sharing == "tiles" and pipeline_bytes is not None:
         msg_fp = msg_weight.copy()  # a tile is the executor's pipelining unit
     received_by = np.full(n_ops, -1, dtype=np.int64)
@@ -434,6 +441,7 @@ def compile_jobs(
     msg_path_ptr = np.concatenate([[0], np.cumsum(mlen)])
     msg_path_links = rlinks[_ranges(rptr[inv], mlen)] if n_msgs else np.zeros(0, dtype=np.int64)
     msg_latency = rlat[inv] if n_msgs else np.zeros(0)
+    msg_route = inv.astype(np.int64).reshape(-1) if n_msgs else np.zeros(0, dtype=np.int64)
 
     # ---- edges
     n_jobs = len(jobs)
@@ -510,6 +518,7 @@ def compile_jobs(
         msg_weight=msg_weight,
         msg_path_ptr=msg_path_ptr,
         msg_path_links=msg_path_links,
+        msg_route=msg_route,
         msg_src_ptr=msg_src_ptr,
         msg_src_idx=msg_src_idx,
         msg_streamed=msg_streamed,
@@ -527,22 +536,24 @@ def compile_jobs(
     )
 
 
-def tiles_of(largest_message_bytes: float) -> int:
+def tiles_of(largest_message_bytes: float, max_tiles: int = MAX_TILES) -> int:
     """Tiles the executor cuts a launch into: its largest message over 64 KiB, between 1 and 32 (``ChooseTiles``).
 
-    >>> tiles_of(128 << 20), tiles_of(1 << 20), tiles_of(1000)
-    (32, 16, 1)
+    ``max_tiles`` replaces the executor's cap of 32 (for what-if studies).
+
+    >>> tiles_of(128 << 20), tiles_of(1 << 20), tiles_of(1000), tiles_of(128 << 20, max_tiles=256)
+    (32, 16, 1, 256)
     """
-    return int(min(max(largest_message_bytes // MIN_TILE_BYTES, 1), MAX_TILES))
+    return int(min(max(largest_message_bytes // MIN_TILE_BYTES, 1), max_tiles))
 
 
-def _tile_weights(msg_bytes: np.ndarray, msg_job: np.ndarray, num_jobs: int) -> np.ndarray:
+def _tile_weights(msg_bytes: np.ndarray, msg_job: np.ndarray, num_jobs: int, max_tiles: int) -> np.ndarray:
     """Each message's tile bytes: its bytes over its job's tile count (:func:`tiles_of`)."""
     if msg_bytes.size == 0:
         return np.zeros(0)
     largest = np.zeros(num_jobs)
     np.maximum.at(largest, msg_job, msg_bytes)
-    tiles = np.asarray([tiles_of(b) for b in largest.tolist()], dtype=np.float64)
+    tiles = np.asarray([tiles_of(b, max_tiles) for b in largest.tolist()], dtype=np.float64)
     # empty messages never become flows; a positive weight keeps the solver's arithmetic clean
     return np.maximum(msg_bytes / tiles[msg_job], 1e-300)
 
