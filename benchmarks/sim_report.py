@@ -87,12 +87,20 @@ def fig8(d: dict[str, Any]) -> str:
                 re = got["reopt"]
                 pred = re["predicted_algbw"] / nccl[(h, coll, sc)] if re.get("predicted_algbw") else None
                 line.append(f"{_x(got['orig']['ratio'])} / **{_x(re['ratio'])}** ({_x(pred)})")
-                frac.append(_x(re["algbw"] / re["predicted_algbw"]) if re.get("predicted_algbw") else "-")
+                if not re.get("predicted_algbw"):
+                    frac.append("-")
+                    continue
+                cell = _x(re["algbw"] / re["predicted_algbw"])
+                if re.get("algbw_what_if_tiles"):
+                    cell += f" [{_x(re['algbw_what_if_tiles'] / re['predicted_algbw'])}]"
+                frac.append(cell)
             body.append(line)
             fractions.append(frac)
         out.append(f"**{coll}**\n\n" + _table(["topology", *d["config"]["scenarios"]], body))
+        what_if = d["config"].get("what_if_tiles")
+        note = f" [with at most {what_if} tiles per launch instead of 32]" if what_if else ""
         out.append(
-            f"**{coll}, reopt: simulated / predicted algbw**\n\n"
+            f"**{coll}, reopt: simulated / predicted algbw{note}**\n\n"
             + _table(["topology", *d["config"]["scenarios"]], fractions)
         )
     return "\n\n".join(out)

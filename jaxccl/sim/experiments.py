@@ -37,7 +37,7 @@ from jaxccl.schedule.ir import Collective, Schedule
 from jaxccl.sim import run as sim_run
 from jaxccl.sim.analytic import ring_time
 from jaxccl.sim.groups import subtopology
-from jaxccl.sim.model import EXECUTIONS, auto_iterations
+from jaxccl.sim.model import EXECUTIONS, MAX_TILES, auto_iterations
 from jaxccl.sim.workloads import WORKLOADS, CollectiveCall, Workload, group_gpus
 from jaxccl.synth.nccl import nccl_schedule, rail_channel_orders
 from jaxccl.topology import Topology, rail, scenario
@@ -174,7 +174,14 @@ def _iterations(sched: Schedule, nbytes: float, flow_budget: int = FLOW_BUDGET) 
 EXEC_MODELS = EXECUTIONS
 
 
-def _sim(topo: Topology, sched: Schedule, nbytes: float, exec_model: str = "dataflow", flow_budget: int = FLOW_BUDGET):
+def _sim(
+    topo: Topology,
+    sched: Schedule,
+    nbytes: float,
+    exec_model: str = "dataflow",
+    flow_budget: int = FLOW_BUDGET,
+    max_tiles: int = MAX_TILES,
+):
     """Simulates ``sched`` as jaxccl's executors run it (dataflow), or in order with MSCCL's tiling (``"in_order"``).
 
     Dataflow execution has no head-of-line blocking to hide, so it runs the
@@ -188,7 +195,7 @@ def _sim(topo: Topology, sched: Schedule, nbytes: float, exec_model: str = "data
     if exec_model not in EXEC_MODELS:
         raise ValueError(f"unknown execution model {exec_model!r}; expected one of {EXEC_MODELS}")
     if exec_model == "dataflow" and sched.info.get("baseline") != "nccl":
-        return sim_run(topo, sched, nbytes)
+        return sim_run(topo, sched, nbytes, max_tiles=max_tiles)
     return sim_run(
         topo,
         sched,
@@ -199,9 +206,17 @@ def _sim(topo: Topology, sched: Schedule, nbytes: float, exec_model: str = "data
     )
 
 
-def _row(sched: Schedule, topo: Topology, nbytes: float, exec_model: str = "dataflow", **extra: Any) -> dict:
+def _row(
+    sched: Schedule,
+    topo: Topology,
+    nbytes: float,
+    exec_model: str = "dataflow",
+    what_if_tiles: int | None = None,
+    **extra: Any,
+) -> dict:
+    """One simulated row; ``what_if_tiles`` adds ``algbw_what_if_tiles`` (dataflow with that tile cap)."""
     res = _sim(topo, sched, nbytes, exec_model)
-    return {
+    row = {
         **extra,
         "schedule_name": sched.name,
         "iterations": res.jobs[0].iterations,
@@ -211,6 +226,12 @@ def _row(sched: Schedule, topo: Topology, nbytes: float, exec_model: str = "data
         "flows": res.num_flows,
         "sim_wall_s": res.wall_s,
     }
+    if what_if_tiles is not None and exec_model == "dataflow" and sched.info.get("baseline") != "nccl":
+        alt = _sim(topo, sched, nbytes, exec_model, max_tiles=what_if_tiles)
+        row["max_tiles_what_if"] = what_if_tiles
+        row["algbw_what_if_tiles"] = alt.algbw
+        row["sim_wall_s"] += alt.wall_s
+    return row
 
 
 def _with_ratios(rows: list[dict[str, Any]], keys: Sequence[str]) -> None:
@@ -295,6 +316,9 @@ def fig1(
 
 
 # --------------------------------------------------------------------------- Fig. 8
+WHAT_IF_TILES = 256  # 512 KiB tiles at 128 MiB messages: NCCL's protocol step
+
+
 def fig8(
     *,
     quick: bool = False,
@@ -303,6 +327,7 @@ def fig8(
     size: int = 128 * MiB,
     collectives: Sequence[str] = ("all_gather", "all_to_all"),
     exec_model: str = "dataflow",
+    what_if_tiles: int | None = WHAT_IF_TILES,
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """MCCL Fig. 8: 128 MB per source on 1x{2,4,8,16,32}x8 with no failure and Fail1-3.
@@ -316,6 +341,9 @@ def fig8(
         scenarios: ``"none"``, ``"fail1"``, ``"fail2"``, ``"fail3"`` (default all).
         size: bytes per source.
         collectives: which collectives.
+        what_if_tiles: also simulate the synthesized schedules (dataflow) with
+            this cap on the executor's tiles per launch instead of its 32
+            (``algbw_what_if_tiles`` in their rows); ``None``: skip.
         show_progress: draw a progress bar on stderr.
     """
     t0 = time.perf_counter()
@@ -336,7 +364,7 @@ def fig8(
         for label, s in _compared(synth, col, topo, base, degraded=sc != "none"):
             if s is not None:
                 meta = {"topology": f"1x{h}x8", "hosts": h, "collective": c, "scenario": sc, "schedule": label}
-                rows.append(_row(s, topo, size, exec_model, **meta))
+                rows.append(_row(s, topo, size, exec_model, what_if_tiles if label == "reopt" else None, **meta))
     _with_ratios(rows, ("hosts", "collective", "scenario"))
     config = {
         "hosts": hosts,
@@ -344,6 +372,8 @@ def fig8(
         "size_bytes": size,
         "collectives": list(collectives),
         "exec_model": exec_model,
+        "max_tiles": MAX_TILES,
+        "what_if_tiles": what_if_tiles,
     }
     return _finish("fig8", config, rows, synth, t0)
 
