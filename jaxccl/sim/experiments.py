@@ -380,7 +380,7 @@ def fig8(
 
 # --------------------------------------------------------------------------- Fig. 11
 SIM_GROUP_LIMIT = 64  # NCCL rings over more GPUs use the analytic ring model (validated against the simulator)
-VARIANTS = ("nccl", "mccl", "mccl_rs")
+VARIANTS = ("nccl", "mccl", "mccl_static_rs")
 
 
 def _cluster(num_gpus: int) -> Topology:
@@ -390,7 +390,7 @@ def _cluster(num_gpus: int) -> Topology:
     return rail(hosts=16, gpus_per_host=8, segments=num_gpus // 128)
 
 
-RS_SYNTH_LIMIT = 64  # mccl_rs leaves larger ReduceScatters static, as MCCL leaves its 1024-GPU AllGather
+RS_SYNTH_LIMIT = 64  # larger ReduceScatters stay static, as MCCL leaves its 1024-GPU AllGather
 FIG11_FLOW_BUDGET = 40_000  # tiling budget per collective call (Fig. 11 runs ~100 of them)
 
 
@@ -401,11 +401,15 @@ def _shape_key(topo: Topology) -> str:
 
 
 def _synthesized(call: CollectiveCall, variant: str, group_size: int) -> bool:
-    """Whether ``variant`` re-synthesizes ``call`` (``mccl``: what MCCL optimizes; ``mccl_rs``: also ReduceScatter)."""
+    """Whether ``variant`` re-synthesizes ``call``.
+
+    ``mccl`` (jaxccl: its closed loop manages ReduceScatter too): what MCCL
+    optimizes and the ReduceScatters; ``mccl_static_rs``: ReduceScatter static.
+    """
     if variant == "nccl":
         return False
     if call.collective is Collective.REDUCE_SCATTER:
-        return variant == "mccl_rs" and group_size <= RS_SYNTH_LIMIT
+        return variant == "mccl" and group_size <= RS_SYNTH_LIMIT
     return call.optimize
 
 
@@ -482,7 +486,7 @@ def _step(workload: Workload, num_gpus: int, sc: str, synth: Synthesizers, cache
         out[f"comm_{v}_s"] = totals[v]
         out[f"{v}_step_s"] = compute + totals[v]
     out["speedup"] = out["nccl_step_s"] / out["mccl_step_s"]
-    out["speedup_rs"] = out["nccl_step_s"] / out["mccl_rs_step_s"]
+    out["speedup_static_rs"] = out["nccl_step_s"] / out["mccl_static_rs_step_s"]
     return out
 
 
@@ -496,12 +500,14 @@ def fig11(
 ) -> dict[str, Any]:
     """MCCL Fig. 11 / App. E: training time per batch of one pipeline stage, NCCL vs jaxccl.
 
-    ``mccl`` re-synthesizes the AllGather and AllToAll collectives MCCL
-    optimizes (warm-started from the healthy schedule) and keeps the static
-    NCCL ReduceScatter and AllReduce; ``mccl_rs`` also replaces the
-    ReduceScatter by the reversed AllGather trees
-    (``jaxccl.synth.allgather.reduce_scatter``), except DeepSeek's 1024-GPU
-    one. See :mod:`jaxccl.sim.workloads` for the step model.
+    ``mccl`` (jaxccl, whose closed loop manages ReduceScatter too)
+    re-synthesizes the AllGather and AllToAll collectives MCCL optimizes
+    (warm-started from the healthy schedule) and the ReduceScatters (the
+    reversed AllGather trees, ``jaxccl.synth.allgather.reduce_scatter``;
+    groups over 64 GPUs, DeepSeek's 1024-GPU one, stay static), and keeps
+    the static NCCL AllReduce; ``mccl_static_rs`` keeps the ReduceScatters
+    static too (MCCL's own choice). See :mod:`jaxccl.sim.workloads` for the
+    step model.
 
     Args:
         quick: Llama 405B on 128 GPUs, no failure and Fail2.
