@@ -44,8 +44,14 @@ The model is MSCCL's (``docs/schedule-ir.md``) seen at flow level:
   ``pipeline_bytes``, the fluid limit of MSCCL/NCCL slicing a chunk into
   protocol-sized steps. ``pipeline_bytes=None`` is store-and-forward (the
   whole message must have arrived) under both. A message no larger than one
-  piece is always store-and-forward. Other dependencies (a local op on a
-  receive, a receive on a send...) wait for full completion.
+  piece is always store-and-forward. Under ``sharing="tiles"`` every
+  dependency on a receiving or local op is resolved tile by tile, as the
+  executors do (``UnitReady``: tile ``t`` of an op waits for tile ``t`` of
+  its dependencies): a receive that reduces into what an earlier receive
+  wrote (``rrc`` after ``rrc``) runs alongside it, and a send after such a
+  chain streams from every message of the chain. Dependencies on a send, and
+  under ``sharing="messages"`` every dependency but a send's on a receive,
+  wait for full completion.
 * **Tiling (MSCCL's loop).** With ``Job.iterations = P`` the schedule runs
   ``P`` times on ``1/P`` of the buffer, each threadblock going through its ops
   once per iteration, so a threadblock stalled on one op of iteration ``p``
@@ -465,13 +471,29 @@ def compile_jobs(
     first = op_pos_a == 0 if in_order else np.ones(n_ops, dtype=bool)
     edge(complete[:-1][~first[1:]], ready[1:][~first[1:]])  # program order
     edge(base + MSG_KINDS * n_msgs + op_job_a[first].astype(np.int64), ready[first])  # job start
-    stream = sends[dep_of_a] & recvs[deps] if deps.size else np.zeros(0, dtype=bool)
-    edge(complete[deps[~stream]], ready[dep_of_a[~stream]])  # control deps
+    local = ~sends & ~recvs
+    if sharing == "tiles":
+        # the executors resolve every dependency per tile: an op may follow a receiving or local op
+        # tile by tile (a reduction chain rrc -> rrc -> s streams; a send after a send still waits)
+        piped = (recvs[deps] | local[deps]) if deps.size else np.zeros(0, dtype=bool)
+        stream = sends[dep_of_a] & piped
+        chain = ~sends[dep_of_a] & piped
+    else:
+        stream = sends[dep_of_a] & recvs[deps] if deps.size else np.zeros(0, dtype=bool)
+        chain = np.zeros(stream.shape, dtype=bool)
+    full = ~stream & ~chain
+    edge(complete[deps[full]], ready[dep_of_a[full]])  # control deps
+    edge(ready[deps[chain]], ready[dep_of_a[chain]])  # tile-pipelined deps of ops that send nothing...
+    edge(complete[deps[chain]], complete[dep_of_a[chain]])  # ...complete after what they follow
     sd_op, sd_dep = dep_of_a[stream], deps[stream]
-    sd_msg, sd_src = sent_by[sd_op], received_by[sd_dep]
-    edge(ready[sd_dep], mnode(LAUNCH, sd_msg))  # stream deps: the receiving op is under way...
+    edge(ready[sd_dep], mnode(LAUNCH, sent_by[sd_op]))  # stream deps: the receiving op is under way...
     # ...and its first piece is here: a *gate* on the source message, kept by the engine (msg_src_*)
     edge(complete[sd_dep], complete[sd_op])  # the forward completes after the receive
+    if chain.any() or local[sd_dep].any():
+        g_op, sd_src = _stream_sources(sd_op, sd_dep, dep_of_a[stream | chain], deps[stream | chain], received_by)
+    else:
+        g_op, sd_src = sd_op, received_by[sd_dep]
+    sd_msg = sent_by[g_op]
     m_all = np.arange(n_msgs, dtype=np.int64)
     edge(ready[msg_receiver], mnode(GOT, m_all))
     edge(mnode(ARR, m_all), mnode(GOT, m_all))
@@ -486,7 +508,6 @@ def compile_jobs(
     msg_streamed = np.zeros(n_msgs, dtype=bool)  # some forward streams from it
     msg_streamed[sd_src] = True
     msg_streamed[f_src] = True
-    local = ~sends & ~recvs
     edge(ready[local], complete[local])
     pred = np.concatenate(preds)
     succ = np.concatenate(succs)
@@ -556,6 +577,47 @@ def _tile_weights(msg_bytes: np.ndarray, msg_job: np.ndarray, num_jobs: int, max
     tiles = np.asarray([tiles_of(b, max_tiles) for b in largest.tolist()], dtype=np.float64)
     # empty messages never become flows; a positive weight keeps the solver's arithmetic clean
     return np.maximum(msg_bytes / tiles[msg_job], 1e-300)
+
+
+def _stream_sources(
+    sd_op: np.ndarray, sd_dep: np.ndarray, p_op: np.ndarray, p_dep: np.ndarray, received_by: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The messages each streaming send follows, through chains of tile-pipelined dependencies.
+
+    ``(sd_op, sd_dep)``: a sending op and a receiving or local op it follows
+    tile by tile; ``(p_op, p_dep)``: every such pair, sends or not. An op's
+    data is there, tile by tile, as fast as the message it receives (if any)
+    and the data of the ops it follows: the sources of a send are the
+    received messages of its dependency and, transitively, of theirs.
+    Returns ``(op, source message)`` pairs, one per source.
+    """
+    follows: dict[int, list[int]] = {}
+    for o, d in zip(p_op.tolist(), p_dep.tolist()):
+        follows.setdefault(o, []).append(d)
+    memo: dict[int, frozenset[int]] = {}
+
+    def sources(x: int) -> frozenset[int]:
+        stack = [x]
+        while stack:
+            y = stack[-1]
+            pending = [d for d in follows.get(y, ()) if d not in memo]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            own = {int(received_by[y])} if received_by[y] >= 0 else set()
+            for d in follows.get(y, ()):
+                own |= memo[d]
+            memo[y] = frozenset(own)
+        return memo[x]
+
+    ops: list[int] = []
+    srcs: list[int] = []
+    for o, d in zip(sd_op.tolist(), sd_dep.tolist()):
+        for m in sorted(sources(d)):
+            ops.append(o)
+            srcs.append(m)
+    return np.asarray(ops, dtype=np.int64), np.asarray(srcs, dtype=np.int64)
 
 
 def _check_peers(tb: Threadblock, has_send_peer: bool, has_recv_peer: bool, where: str) -> None:
