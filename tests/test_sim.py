@@ -320,8 +320,11 @@ def test_concurrent_jobs_share_links():
 
 
 def test_python_and_numpy_paths_agree(monkeypatch):
+    from jaxccl.synth.allgather import allgather, reduce_scatter
+
     topo = scenario(rail(hosts=2, gpus_per_host=4), "fail2")
-    for s in (nccl_alltoall(topo), nccl_allgather(topo)):
+    # the synthesized ones carry unequal tile weights, forwards and reduction chains
+    for s in (nccl_alltoall(topo), nccl_allgather(topo), allgather(topo), reduce_scatter(topo)):
         ref = sim.run(topo, s, 8 << 20)
         monkeypatch.setattr(engine, "_NUMPY_SET", 0)
         monkeypatch.setattr(engine, "_BIG_FRONTIER", 1)
