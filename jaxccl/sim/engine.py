@@ -19,17 +19,20 @@ One iteration takes every event within a relative tolerance of the earliest one
    queues for one (a receiving op that starts frees the slot of the message
    waiting for it and hands it to the first queued message); ARR is queued
    at ``time + latency``.
-3. Rates are recomputed max-min fairly only in the connected components (flows
-   linked by shared links) of the flows that started or ended: allocations of
-   disjoint components are independent. A forward's rate is capped by the
-   current rates of the sources it streams from (cut-through cannot outrun the
-   data); when a flow's rate changes, the flows streaming from it are re-rated
-   in turn. Flows whose rate changed get a new predicted END.
+3. Rates are recomputed max-min fairly, each flow weighted by its
+   ``Program.msg_weight`` (its tile bytes under per-tile sharing), only in the
+   connected components (flows linked by shared links) of the flows that
+   started or ended: allocations of disjoint components are independent. A
+   forward keeps at most the pace (rate over weight) of the sources it
+   streams from (cut-through cannot outrun the data); when a flow's rate
+   changes, the flows streaming from it are re-rated in turn. Flows whose
+   rate changed get a new predicted END.
 
 Work per batch is proportional to what changed, not to the number of active
 flows: small batches and components run as plain Python over memoryviews of
 the DAG arrays, large ones (a whole AllToAll starting) switch to numpy
-(vectorized DAG waves, :func:`jaxccl.sim.fairness.max_min_rates`). When a
+(vectorized DAG waves, :func:`jaxccl.sim.fairness.max_min_rates`, the flows
+of one route that no source caps solved as one). When a
 component search meets a component of more than ``_BIG_COMPONENT`` flows
 (a tree packing on one rail: every flow shares a NIC with another), all
 active flows are solved in one numpy call, and the next searches are
