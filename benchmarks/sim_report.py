@@ -87,19 +87,27 @@ def fig8(d: dict[str, Any]) -> str:
                 re = got["reopt"]
                 pred = re["predicted_algbw"] / nccl[(h, coll, sc)] if re.get("predicted_algbw") else None
                 line.append(f"{_x(got['orig']['ratio'])} / **{_x(re['ratio'])}** ({_x(pred)})")
-                frac.append(_x(re["algbw"] / re["predicted_algbw"]) if re.get("predicted_algbw") else "-")
+                if not re.get("predicted_algbw"):
+                    frac.append("-")
+                    continue
+                cell = _x(re["algbw"] / re["predicted_algbw"])
+                if re.get("algbw_what_if_tiles"):
+                    cell += f" [{_x(re['algbw_what_if_tiles'] / re['predicted_algbw'])}]"
+                frac.append(cell)
             body.append(line)
             fractions.append(frac)
         out.append(f"**{coll}**\n\n" + _table(["topology", *d["config"]["scenarios"]], body))
+        what_if = d["config"].get("what_if_tiles")
+        note = f" [with at most {what_if} tiles per launch instead of 32]" if what_if else ""
         out.append(
-            f"**{coll}, reopt: simulated / predicted algbw**\n\n"
+            f"**{coll}, reopt: simulated / predicted algbw{note}**\n\n"
             + _table(["topology", *d["config"]["scenarios"]], fractions)
         )
     return "\n\n".join(out)
 
 
 def fig11(d: dict[str, Any]) -> str:
-    """Workload x cluster rows; per scenario the step speedup of ``jaxccl`` and ``jaxccl+RS`` over NCCL."""
+    """Workload x cluster rows; per scenario the step speedup over NCCL of jaxccl and of jaxccl with a static RS."""
     scens = d["config"]["scenarios"]
     by = {(r["workload"], r["gpus"], r["scenario"]): r for r in d["rows"]}
     body = []
@@ -110,9 +118,14 @@ def fig11(d: dict[str, Any]) -> str:
             line.append(f"{healthy['nccl_step_s']:.0f}" if healthy else "-")
             for sc in scens:
                 r = by.get((w, n, sc))
-                line.append("-" if r is None else f"{_x(r['speedup'])} / {_x(r['speedup_rs'])}")
+                if r is None:
+                    line.append("-")
+                elif "speedup_static_rs" in r:
+                    line.append(f"{_x(r['speedup'])} / {_x(r['speedup_static_rs'])}")
+                else:  # results of the harness before ReduceScatter was re-synthesized by default
+                    line.append(f"{_x(r['speedup_rs'])} / {_x(r['speedup'])}")
             body.append(line)
-    header = ["workload", "GPUs", "healthy NCCL step (s)", *[f"{sc}: jaxccl / +RS" for sc in scens]]
+    header = ["workload", "GPUs", "healthy NCCL step (s)", *[f"{sc}: jaxccl / static RS" for sc in scens]]
     return _table(header, body)
 
 

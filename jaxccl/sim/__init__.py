@@ -34,10 +34,13 @@ from jaxccl.sim.model import (
     DEFAULT_PIPELINE_BYTES,
     DEFAULT_SLOTS,
     EXECUTIONS,
+    MAX_TILES,
+    SHARINGS,
     Job,
     Program,
     auto_iterations,
     compile_jobs,
+    tiles_of,
 )
 from jaxccl.sim.routes import ROUTING_METHODS, Router
 from jaxccl.topology import Topology
@@ -46,6 +49,7 @@ __all__ = [
     "DEFAULT_PIPELINE_BYTES",
     "DEFAULT_SLOTS",
     "EXECUTIONS",
+    "SHARINGS",
     "ROUTING_METHODS",
     "EngineStats",
     "Job",
@@ -53,6 +57,7 @@ __all__ = [
     "Router",
     "SimResult",
     "auto_iterations",
+    "tiles_of",
     "max_min_rates",
     "run",
     "run_jobs",
@@ -149,6 +154,8 @@ def run_jobs(
     num_slots: int | None = DEFAULT_SLOTS,
     routing: str = "primary",
     execution: str = "dataflow",
+    sharing: str = "tiles",
+    max_tiles: int = MAX_TILES,
     progress: Callable[[float], None] | None = None,
     max_wall_s: float | None = None,
 ) -> SimResult:
@@ -168,6 +175,12 @@ def run_jobs(
             and its slot: jaxccl's executors) or ``"in_order"`` (MSCCL's
             runtime: also the previous op of its threadblock); see
             :mod:`jaxccl.sim.model`.
+        sharing: ``"tiles"`` (links are shared max-min fairly, each flow
+            weighted by its tile bytes: the executors' tile-by-tile service)
+            or ``"messages"`` (every flow weighs the same); see
+            :mod:`jaxccl.sim.model`.
+        max_tiles: the executor's cap on tiles per launch (32), replaced
+            for what-if studies (``sharing="tiles"``).
         progress: called with the fraction of messages done.
         max_wall_s: give up (``RuntimeError``) after this much wall time.
 
@@ -177,7 +190,15 @@ def run_jobs(
     """
     t0 = time.perf_counter()
     router = _router(topo, routing)
-    prog = compile_jobs(jobs, router, pipeline_bytes=pipeline_bytes, num_slots=num_slots, execution=execution)
+    prog = compile_jobs(
+        jobs,
+        router,
+        pipeline_bytes=pipeline_bytes,
+        num_slots=num_slots,
+        execution=execution,
+        sharing=sharing,
+        max_tiles=max_tiles,
+    )
     t1 = time.perf_counter()
     tnode, stats = simulate(prog, progress=progress, max_wall_s=max_wall_s)
     return _result(prog, router, jobs, tnode, stats, t0, t1)

@@ -19,17 +19,20 @@ One iteration takes every event within a relative tolerance of the earliest one
    queues for one (a receiving op that starts frees the slot of the message
    waiting for it and hands it to the first queued message); ARR is queued
    at ``time + latency``.
-3. Rates are recomputed max-min fairly only in the connected components (flows
-   linked by shared links) of the flows that started or ended: allocations of
-   disjoint components are independent. A forward's rate is capped by the
-   current rates of the sources it streams from (cut-through cannot outrun the
-   data); when a flow's rate changes, the flows streaming from it are re-rated
-   in turn. Flows whose rate changed get a new predicted END.
+3. Rates are recomputed max-min fairly, each flow weighted by its
+   ``Program.msg_weight`` (its tile bytes under per-tile sharing), only in the
+   connected components (flows linked by shared links) of the flows that
+   started or ended: allocations of disjoint components are independent. A
+   forward keeps at most the pace (rate over weight) of the sources it
+   streams from (cut-through cannot outrun the data); when a flow's rate
+   changes, the flows streaming from it are re-rated in turn. Flows whose
+   rate changed get a new predicted END.
 
 Work per batch is proportional to what changed, not to the number of active
 flows: small batches and components run as plain Python over memoryviews of
 the DAG arrays, large ones (a whole AllToAll starting) switch to numpy
-(vectorized DAG waves, :func:`jaxccl.sim.fairness.max_min_rates`). When a
+(vectorized DAG waves, :func:`jaxccl.sim.fairness.max_min_rates`, the flows
+of one route that no source caps solved as one). When a
 component search meets a component of more than ``_BIG_COMPONENT`` flows
 (a tree packing on one rail: every flow shares a NIC with another), all
 active flows are solved in one numpy call, and the next searches are
@@ -59,6 +62,7 @@ _BIG_COMPONENT = 256  # components above this are allocated with numpy
 _MAX_ROUNDS = 64  # cap-propagation rounds per batch
 _GIANT_BACKOFF = 64  # after a component search hits _BIG_COMPONENT, skip up to this many searches (solve all)
 _NUMPY_SET = 48  # flows in multi-flow components above which one numpy call solves them all
+_GROUP_ROUTES = True  # numpy solves merge the flows of one route that no source caps (see _rates_np)
 _INF = float("inf")
 _heappush, _heappop = heapq.heappush, heapq.heappop
 _E_NODE, _E_END, _E_WATCH, _E_LAUNCH = 0, 1, 2, 3
@@ -66,7 +70,12 @@ _IDLE, _RUN, _DONE = 0, 1, 2
 
 
 class EngineStats(dict):
-    """Counters of one run: ``batches``, ``rate_updates``, ``numpy_allocations``, ``max_active``, ``wall_s``."""
+    """Counters of one run.
+
+    ``batches``, ``rate_updates``, ``numpy_allocations``, ``max_active``,
+    ``wall_s``; ``merged_flows`` counts, over all numpy solves, the flows solved as part
+    of a route group rather than alone.
+    """
 
 
 class _Sim:
@@ -89,6 +98,7 @@ class _Sim:
         self.ptr = memoryview(prog.succ_ptr)
         self.sidx = memoryview(prog.succ_idx)
         self.lat = memoryview(prog.msg_latency)
+        self.wv = memoryview(prog.msg_weight)
         self.size = memoryview(prog.msg_bytes)
         self.fp_rem = prog.msg_bytes - prog.msg_fp_bytes  # remaining bytes once the first piece is out
         self.fpr = memoryview(self.fp_rem)
@@ -131,7 +141,7 @@ class _Sim:
         self.now = 0.0
         self.limit = 0.0
         self.done_msgs = 0
-        self.stats = EngineStats(batches=0, rate_updates=0, numpy_allocations=0, max_active=0)
+        self.stats = EngineStats(batches=0, rate_updates=0, numpy_allocations=0, merged_flows=0, max_active=0)
         self.t_wall = _time.perf_counter()
         # Solving every active flow is always exact (disjoint components are independent), so after a
         # component search finds a giant component the next few searches are skipped (exponential backoff).
@@ -555,17 +565,24 @@ class _Sim:
                 break
 
     def _cap(self, f: int, inside) -> float:
-        """The rate cap of a forwarding flow from its sources outside ``inside``: their current rates."""
+        """The rate cap of a forwarding flow from its sources outside ``inside``: their current paces.
+
+        A forward gets no further ahead than each source, in weighted terms
+        (:mod:`jaxccl.sim.fairness`): ``rate[f] <= rate[u] * w[f] / w[u]``.
+        """
         us = self.ups.get(f)
         if not us:
             return _INF
-        rv = self.rv
+        rv, wv = self.rv, self.wv
+        wf = wv[f]
         cap = _INF
         for u in us:
             if u not in inside:
                 r = rv[u]
-                if 0 < r < cap:
-                    cap = r
+                if r > 0:
+                    r = r * (wf / wv[u]) if wf != wv[u] else r
+                    if r < cap:
+                        cap = r
         return cap
 
     def _rates_py(self, comp: list[int]) -> list[float]:
@@ -574,21 +591,22 @@ class _Sim:
         Forwards whose sources are in the component freeze with them; sources
         outside cap them (a private link of the cap's capacity).
         """
-        links, cap = self.links, self.capl
+        links, cap, wv = self.links, self.capl, self.wv
         inside = set(comp)
-        count: dict[int, int] = {}
+        count: dict[int, float] = {}
         rem: dict[int, float] = {}
         cap_of: dict[int, float] = {}
         coupled = []
         for f in comp:
+            wf = wv[f]
             for link in links[f]:
-                count[link] = count.get(link, 0) + 1
+                count[link] = count.get(link, 0) + wf
             us = self.ups.get(f)
             if us:
                 c = self._cap(f, inside)
                 if c < _INF:
                     # the cap is a private link of the flow: key -1 - f never collides with link ids
-                    count[-1 - f] = 1
+                    count[-1 - f] = wf
                     rem[-1 - f] = c
                     cap_of[-1 - f] = c
                 ins = [u for u in us if u in inside]
@@ -621,10 +639,12 @@ class _Sim:
                             newly.add(f)
                             grew = True
             for f in newly:
-                rate[f] = level
+                wf = wv[f]
+                rate[f] = level * wf
                 unfrozen.discard(f)
                 for link in links[f]:
-                    count[link] -= 1
+                    left = count[link] - wf
+                    count[link] = left if left > 1e-9 * wf else 0
                 if -1 - f in count:
                     count[-1 - f] = 0
             for link in sat:
@@ -632,37 +652,67 @@ class _Sim:
         return [rate[f] for f in comp]
 
     def _rates_np(self, act: np.ndarray) -> np.ndarray:
-        """Max-min rates of the flows ``act`` with numpy; forwards couple jointly to sources among ``act``."""
+        """Max-min rates of the flows ``act`` with numpy; forwards couple jointly to sources among ``act``.
+
+        Flows that are no forward (nothing caps them but their links) and
+        share a route are solved as one flow of their summed weight: they
+        cross the same links, so they freeze together at one level, and each
+        gets its weight's part of the group's rate (exactly what solving them
+        one by one gives). Forwards are solved one by one.
+        """
         self.stats["numpy_allocations"] += 1
-        pp = self.path_ptr
-        lens = pp[act + 1] - pp[act]
-        link_ids = self.path_links[_ranges(pp[act], lens)]
-        fl = np.repeat(np.arange(act.size), lens)
-        link_cap = self.cap
+        weight = self.p.msg_weight[act]
         pos = self._pos
         pos[act] = np.arange(act.size)
         pairs = [(f, u) for f, us in self.ups.items() for u in us]
-        coupled = None
+        pd = pu = out_d = out_r = None
         if pairs:
             pa = np.asarray(pairs, dtype=np.int64)
             pd, pu = pos[pa[:, 0]], pos[pa[:, 1]]
             mine = pd >= 0
             pd, pu, src = pd[mine], pu[mine], pa[mine, 1]
-            inside = pu >= 0
-            if inside.any():
-                coupled = (pd[inside], pu[inside])
-            out_d, out_r = pd[~inside], self.rate[src[~inside]]
+            out = pu < 0
+            out_d = pd[out]
+            out_r = self.rate[src[out]] * (weight[out_d] / self.p.msg_weight[src[out]])
+            pd, pu = pd[~out], pu[~out]
+        pos[act] = -1
+        # group: flows that are not forwards, by route; every forward alone (a key no route has)
+        key = self.p.msg_route[act].copy()
+        if pairs:
+            key[pd] = -1 - pd
+            key[out_d] = -1 - out_d
+        uniq, grp = np.unique(key, return_inverse=True)
+        grp = grp.reshape(-1)
+        n_groups = uniq.size if _GROUP_ROUTES else act.size
+        if n_groups < act.size:
+            self.stats["merged_flows"] += act.size - n_groups
+            rep = np.empty(n_groups, dtype=np.int64)
+            rep[grp[::-1]] = np.arange(act.size - 1, -1, -1)  # the first member of each group
+            group_weight = np.bincount(grp, weights=weight, minlength=n_groups)
+        else:
+            grp = rep = np.arange(act.size)
+            group_weight = weight
+        members = act[rep]
+        pp = self.path_ptr
+        lens = pp[members + 1] - pp[members]
+        link_ids = self.path_links[_ranges(pp[members], lens)]
+        fl = np.repeat(np.arange(n_groups), lens)
+        link_cap = self.cap
+        coupled = (grp[pd], grp[pu]) if pd is not None and pd.size else None
+        if out_r is not None:
             ok = out_r > 0
             if ok.any():
-                # sources outside ``act`` cap their forwards at their current rates: a private link per forward
-                caps = np.full(act.size, _INF)
-                np.minimum.at(caps, out_d[ok], out_r[ok])
+                # sources outside ``act`` cap their forwards at their current paces: a private link per forward
+                caps = np.full(n_groups, _INF)
+                np.minimum.at(caps, grp[out_d[ok]], out_r[ok])
                 capped = np.flatnonzero(caps < _INF)
                 fl = np.concatenate([fl, capped])
                 link_ids = np.concatenate([link_ids, link_cap.size + np.arange(capped.size)])
                 link_cap = np.concatenate([link_cap, caps[capped]])
-        pos[act] = -1
-        return max_min_rates(fl, link_ids, link_cap, act.size, coupled=coupled)
+        rates = max_min_rates(fl, link_ids, link_cap, n_groups, coupled=coupled, weight=group_weight)
+        if n_groups == act.size:
+            return rates
+        return rates[grp] * (weight / group_weight[grp])
 
     # -------------------------------------------------------------------- loop
     def run(self) -> None:

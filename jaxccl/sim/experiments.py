@@ -37,7 +37,7 @@ from jaxccl.schedule.ir import Collective, Schedule
 from jaxccl.sim import run as sim_run
 from jaxccl.sim.analytic import ring_time
 from jaxccl.sim.groups import subtopology
-from jaxccl.sim.model import EXECUTIONS, auto_iterations
+from jaxccl.sim.model import EXECUTIONS, MAX_TILES, auto_iterations
 from jaxccl.sim.workloads import WORKLOADS, CollectiveCall, Workload, group_gpus
 from jaxccl.synth.nccl import nccl_schedule, rail_channel_orders
 from jaxccl.topology import Topology, rail, scenario
@@ -174,24 +174,49 @@ def _iterations(sched: Schedule, nbytes: float, flow_budget: int = FLOW_BUDGET) 
 EXEC_MODELS = EXECUTIONS
 
 
-def _sim(topo: Topology, sched: Schedule, nbytes: float, exec_model: str = "dataflow", flow_budget: int = FLOW_BUDGET):
+def _sim(
+    topo: Topology,
+    sched: Schedule,
+    nbytes: float,
+    exec_model: str = "dataflow",
+    flow_budget: int = FLOW_BUDGET,
+    max_tiles: int = MAX_TILES,
+):
     """Simulates ``sched`` as jaxccl's executors run it (dataflow), or in order with MSCCL's tiling (``"in_order"``).
 
     Dataflow execution has no head-of-line blocking to hide, so it runs the
-    schedule once over the whole buffer; in-order execution gets MSCCL's loop
+    schedule once over the whole buffer, its links shared per tile as the
+    executors serve them; in-order execution gets MSCCL's loop
     (:func:`_iterations`), as MSCCL's runtime would run it. NCCL's baselines
     always run in order, one pass: NCCL's kernels walk their steps in order.
+    In order, MSCCL's and NCCL's runtimes pipeline in 512 KiB protocol steps
+    and every message weighs the same on a link (``sharing="messages"``).
     """
     if exec_model not in EXEC_MODELS:
         raise ValueError(f"unknown execution model {exec_model!r}; expected one of {EXEC_MODELS}")
     if exec_model == "dataflow" and sched.info.get("baseline") != "nccl":
-        return sim_run(topo, sched, nbytes)
-    return sim_run(topo, sched, nbytes, iterations=_iterations(sched, nbytes, flow_budget), execution="in_order")
+        return sim_run(topo, sched, nbytes, max_tiles=max_tiles)
+    return sim_run(
+        topo,
+        sched,
+        nbytes,
+        iterations=_iterations(sched, nbytes, flow_budget),
+        execution="in_order",
+        sharing="messages",
+    )
 
 
-def _row(sched: Schedule, topo: Topology, nbytes: float, exec_model: str = "dataflow", **extra: Any) -> dict:
+def _row(
+    sched: Schedule,
+    topo: Topology,
+    nbytes: float,
+    exec_model: str = "dataflow",
+    what_if_tiles: int | None = None,
+    **extra: Any,
+) -> dict:
+    """One simulated row; ``what_if_tiles`` adds ``algbw_what_if_tiles`` (dataflow with that tile cap)."""
     res = _sim(topo, sched, nbytes, exec_model)
-    return {
+    row = {
         **extra,
         "schedule_name": sched.name,
         "iterations": res.jobs[0].iterations,
@@ -201,6 +226,12 @@ def _row(sched: Schedule, topo: Topology, nbytes: float, exec_model: str = "data
         "flows": res.num_flows,
         "sim_wall_s": res.wall_s,
     }
+    if what_if_tiles is not None and exec_model == "dataflow" and sched.info.get("baseline") != "nccl":
+        alt = _sim(topo, sched, nbytes, exec_model, max_tiles=what_if_tiles)
+        row["max_tiles_what_if"] = what_if_tiles
+        row["algbw_what_if_tiles"] = alt.algbw
+        row["sim_wall_s"] += alt.wall_s
+    return row
 
 
 def _with_ratios(rows: list[dict[str, Any]], keys: Sequence[str]) -> None:
@@ -285,6 +316,9 @@ def fig1(
 
 
 # --------------------------------------------------------------------------- Fig. 8
+WHAT_IF_TILES = 256  # 512 KiB tiles at 128 MiB messages: NCCL's protocol step
+
+
 def fig8(
     *,
     quick: bool = False,
@@ -293,6 +327,7 @@ def fig8(
     size: int = 128 * MiB,
     collectives: Sequence[str] = ("all_gather", "all_to_all"),
     exec_model: str = "dataflow",
+    what_if_tiles: int | None = WHAT_IF_TILES,
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """MCCL Fig. 8: 128 MB per source on 1x{2,4,8,16,32}x8 with no failure and Fail1-3.
@@ -306,6 +341,9 @@ def fig8(
         scenarios: ``"none"``, ``"fail1"``, ``"fail2"``, ``"fail3"`` (default all).
         size: bytes per source.
         collectives: which collectives.
+        what_if_tiles: also simulate the synthesized schedules (dataflow) with
+            this cap on the executor's tiles per launch instead of its 32
+            (``algbw_what_if_tiles`` in their rows); ``None``: skip.
         show_progress: draw a progress bar on stderr.
     """
     t0 = time.perf_counter()
@@ -326,7 +364,7 @@ def fig8(
         for label, s in _compared(synth, col, topo, base, degraded=sc != "none"):
             if s is not None:
                 meta = {"topology": f"1x{h}x8", "hosts": h, "collective": c, "scenario": sc, "schedule": label}
-                rows.append(_row(s, topo, size, exec_model, **meta))
+                rows.append(_row(s, topo, size, exec_model, what_if_tiles if label == "reopt" else None, **meta))
     _with_ratios(rows, ("hosts", "collective", "scenario"))
     config = {
         "hosts": hosts,
@@ -334,13 +372,15 @@ def fig8(
         "size_bytes": size,
         "collectives": list(collectives),
         "exec_model": exec_model,
+        "max_tiles": MAX_TILES,
+        "what_if_tiles": what_if_tiles,
     }
     return _finish("fig8", config, rows, synth, t0)
 
 
 # --------------------------------------------------------------------------- Fig. 11
 SIM_GROUP_LIMIT = 64  # NCCL rings over more GPUs use the analytic ring model (validated against the simulator)
-VARIANTS = ("nccl", "mccl", "mccl_rs")
+VARIANTS = ("nccl", "mccl", "mccl_static_rs")
 
 
 def _cluster(num_gpus: int) -> Topology:
@@ -350,7 +390,7 @@ def _cluster(num_gpus: int) -> Topology:
     return rail(hosts=16, gpus_per_host=8, segments=num_gpus // 128)
 
 
-RS_SYNTH_LIMIT = 64  # mccl_rs leaves larger ReduceScatters static, as MCCL leaves its 1024-GPU AllGather
+RS_SYNTH_LIMIT = 64  # larger ReduceScatters stay static, as MCCL leaves its 1024-GPU AllGather
 FIG11_FLOW_BUDGET = 40_000  # tiling budget per collective call (Fig. 11 runs ~100 of them)
 
 
@@ -361,11 +401,15 @@ def _shape_key(topo: Topology) -> str:
 
 
 def _synthesized(call: CollectiveCall, variant: str, group_size: int) -> bool:
-    """Whether ``variant`` re-synthesizes ``call`` (``mccl``: what MCCL optimizes; ``mccl_rs``: also ReduceScatter)."""
+    """Whether ``variant`` re-synthesizes ``call``.
+
+    ``mccl`` (jaxccl: its closed loop manages ReduceScatter too): what MCCL
+    optimizes and the ReduceScatters; ``mccl_static_rs``: ReduceScatter static.
+    """
     if variant == "nccl":
         return False
     if call.collective is Collective.REDUCE_SCATTER:
-        return variant == "mccl_rs" and group_size <= RS_SYNTH_LIMIT
+        return variant == "mccl" and group_size <= RS_SYNTH_LIMIT
     return call.optimize
 
 
@@ -442,7 +486,7 @@ def _step(workload: Workload, num_gpus: int, sc: str, synth: Synthesizers, cache
         out[f"comm_{v}_s"] = totals[v]
         out[f"{v}_step_s"] = compute + totals[v]
     out["speedup"] = out["nccl_step_s"] / out["mccl_step_s"]
-    out["speedup_rs"] = out["nccl_step_s"] / out["mccl_rs_step_s"]
+    out["speedup_static_rs"] = out["nccl_step_s"] / out["mccl_static_rs_step_s"]
     return out
 
 
@@ -456,12 +500,14 @@ def fig11(
 ) -> dict[str, Any]:
     """MCCL Fig. 11 / App. E: training time per batch of one pipeline stage, NCCL vs jaxccl.
 
-    ``mccl`` re-synthesizes the AllGather and AllToAll collectives MCCL
-    optimizes (warm-started from the healthy schedule) and keeps the static
-    NCCL ReduceScatter and AllReduce; ``mccl_rs`` also replaces the
-    ReduceScatter by the reversed AllGather trees
-    (``jaxccl.synth.allgather.reduce_scatter``), except DeepSeek's 1024-GPU
-    one. See :mod:`jaxccl.sim.workloads` for the step model.
+    ``mccl`` (jaxccl, whose closed loop manages ReduceScatter too)
+    re-synthesizes the AllGather and AllToAll collectives MCCL optimizes
+    (warm-started from the healthy schedule) and the ReduceScatters (the
+    reversed AllGather trees, ``jaxccl.synth.allgather.reduce_scatter``;
+    groups over 64 GPUs, DeepSeek's 1024-GPU one, stay static), and keeps
+    the static NCCL AllReduce; ``mccl_static_rs`` keeps the ReduceScatters
+    static too (MCCL's own choice). See :mod:`jaxccl.sim.workloads` for the
+    step model.
 
     Args:
         quick: Llama 405B on 128 GPUs, no failure and Fail2.

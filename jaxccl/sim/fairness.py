@@ -7,10 +7,16 @@ freeze at the current level and the others keep rising. The result is the
 unique allocation in which no flow can get more without taking from a flow that
 has no more than it.
 
-A flow may also be *coupled* to another (``rate[down] <= rate[up]``): a forwarded
-message cannot leave faster than its data arrives (pipelining, see
-:mod:`jaxccl.sim.model`). Coupling fits progressive filling naturally: when an
-upstream flow freezes, its downstream flows freeze at the same level.
+Flows may carry *weights*: a flow of weight ``w`` rises at ``w`` times the
+common level (weighted max-min fairness). The simulator weighs a message by
+the bytes of its tiles, the fluid limit of an executor that serves one tile of
+every active message in turn (see :mod:`jaxccl.sim.model`).
+
+A flow may also be *coupled* to another (``rate[down] / w[down] <= rate[up] /
+w[up]``, ``rate[down] <= rate[up]`` unweighted): a forwarded message cannot get
+ahead of the data it forwards (pipelining, see :mod:`jaxccl.sim.model`).
+Coupling fits progressive filling naturally: when an upstream flow freezes, its
+downstream flows freeze at the same level.
 
 Each filling round costs a few numpy passes over the incidence entries of the
 flows still rising, so the cost is ``O(levels x nnz)``.
@@ -38,6 +44,7 @@ def max_min_rates(
     num_flows: int,
     *,
     coupled: tuple[np.ndarray, np.ndarray] | None = None,
+    weight: np.ndarray | None = None,
 ) -> np.ndarray:
     """Max-min fair rates of ``num_flows`` flows.
 
@@ -49,6 +56,9 @@ def max_min_rates(
         num_flows: number of flows.
         coupled: optional ``(down, up)`` arrays of flow indices meaning
             ``rate[down] <= rate[up]`` (no cycles).
+        weight: optional positive weight per flow (default 1); a flow's
+            rate is its weight times the level at which it freezes. Coupling
+            then reads ``rate[down] / weight[down] <= rate[up] / weight[up]``.
 
     Returns:
         ``float64`` array of rates; a flow crossing no link gets ``inf``
@@ -66,13 +76,15 @@ def max_min_rates(
         down, up = down[keep], up[keep]
         if down.size == 0:
             down = up = None
+    w = np.ones(num_flows) if weight is None else np.asarray(weight, dtype=np.float64)
     # Only the links some flow crosses take part; a link whose flows are all frozen gets rem = inf, so that
     # rem / n is inf for it (and for unused links) without masking every round.
     links, el = np.unique(link_of, return_inverse=True)
     cap = capacity[links]
     rem = cap.copy()
     tol = _REL_TOL * cap
-    n = np.bincount(el, minlength=cap.size).astype(np.float64)
+    n = np.bincount(el, weights=w[flow_of], minlength=cap.size).astype(np.float64)
+    residue = 1e-9 * float(w.min()) if num_flows else 0.0
     ef = flow_of
     level = 0.0
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -98,10 +110,11 @@ def max_min_rates(
                     down, up = down[live], up[live]
                     if down.size == 0:
                         down = up = None
-            rate[newly] = level
+            rate[newly] = level * w[newly]
             frozen |= newly
             gone = newly[ef]
-            n -= np.bincount(el[gone], minlength=cap.size)
+            n -= np.bincount(el[gone], weights=w[ef[gone]], minlength=cap.size)
+            n[n < residue] = 0.0  # rounding left-overs of links whose flows all froze
             keep = ~gone
             ef, el = ef[keep], el[keep]
             rem[sat] = np.inf
@@ -111,7 +124,7 @@ def max_min_rates(
         free[flow_of] = False
         if free.any():
             for _ in range(down.size + 1):
-                c = np.minimum(rate[down], rate[up])
+                c = np.minimum(rate[down], rate[up] * (w[down] / w[up]))
                 changed = free[down] & (c < rate[down])
                 if not changed.any():
                     break

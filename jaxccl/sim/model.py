@@ -33,15 +33,25 @@ The model is MSCCL's (``docs/schedule-ir.md``) seen at flow level:
   sending op whose data comes from a receive (its own fused receive, a
   ``dep`` on a receiving op, or under dataflow execution an earlier receiving
   op of its threadblock that writes what it reads) starts only once that
-  receiving op is ready and the first *pipeline piece* (``pipeline_bytes``) of
-  the incoming message has arrived; while the incoming flow is still running,
-  the outgoing flow is rate-coupled to it (it cannot send faster than data
-  arrives), and the forwarding op completes only after the receiving op. This is
-  cut-through forwarding at piece granularity, the fluid limit of MSCCL/NCCL
-  slicing a chunk into protocol-sized steps. ``pipeline_bytes=None`` is
-  store-and-forward (the whole message must have arrived). A message no larger
-  than one piece is always store-and-forward. Other dependencies (a local op on
-  a receive, a receive on a send...) wait for full completion.
+  receiving op is ready and the first *pipeline piece* of the incoming
+  message has arrived; while the incoming flow is still running, the outgoing
+  flow is rate-coupled to it (it cannot get ahead of the data it forwards:
+  ``rate / weight`` no larger than its source's, see **Rates**), and the
+  forwarding op completes only after the receiving op. This is cut-through
+  forwarding at piece granularity. Under ``sharing="tiles"`` a piece is one
+  tile of the message (a forward's tile ``t`` waits for tile ``t`` of its
+  receive, as in the executors); under ``sharing="messages"`` it is
+  ``pipeline_bytes``, the fluid limit of MSCCL/NCCL slicing a chunk into
+  protocol-sized steps. ``pipeline_bytes=None`` is store-and-forward (the
+  whole message must have arrived) under both. A message no larger than one
+  piece is always store-and-forward. Under ``sharing="tiles"`` every
+  dependency on a receiving or local op is resolved tile by tile, as the
+  executors do (``UnitReady``: tile ``t`` of an op waits for tile ``t`` of
+  its dependencies): a receive that reduces into what an earlier receive
+  wrote (``rrc`` after ``rrc``) runs alongside it, and a send after such a
+  chain streams from every message of the chain. Dependencies on a send, and
+  under ``sharing="messages"`` every dependency but a send's on a receive,
+  wait for full completion.
 * **Tiling (MSCCL's loop).** With ``Job.iterations = P`` the schedule runs
   ``P`` times on ``1/P`` of the buffer, each threadblock going through its ops
   once per iteration, so a threadblock stalled on one op of iteration ``p``
@@ -49,8 +59,18 @@ The model is MSCCL's (``docs/schedule-ir.md``) seen at flow level:
   :func:`auto_iterations` picks MSCCL's count, one protocol step per chunk and
   iteration. Tiling matters for in-order execution; dataflow execution needs
   none, and the default is one iteration.
-* **Rates.** Concurrent flows share every link max-min fairly; a forward's rate
-  is also capped by its sources' (see :mod:`jaxccl.sim.engine`).
+* **Rates.** Concurrent flows share every link max-min fairly, weighted by the
+  bytes of their *tiles* (``sharing="tiles"``, the default): jaxccl's
+  executors cut a launch into tiles (``xla_ffi/core/protocol.h``,
+  ``ChooseTiles``: the largest message over 64 KiB, at most 32 tiles), a
+  threadblock walks its units tile by tile, and a link serves the posted
+  tiles of its connections in turn, so every active message advances by one
+  tile per turn: its rate is proportional to its tile bytes, and the messages
+  of one tree period finish together as the synthesizer plans them.
+  ``sharing="messages"`` gives every message an equal share whatever its size
+  (the earlier model). A forward's rate is also capped by its sources' (see
+  :mod:`jaxccl.sim.engine`); it rises at the pace of the smaller of its own
+  weight and its source's.
 
 :func:`compile_jobs` turns jobs into a static event DAG (:class:`Program`);
 :mod:`jaxccl.sim.engine` runs it. Node kinds per op: READY, COMPLETE; per
@@ -81,6 +101,7 @@ __all__ = [
     "DEFAULT_PIPELINE_BYTES",
     "DEFAULT_SLOTS",
     "EXECUTIONS",
+    "SHARINGS",
     "Job",
     "Program",
     "auto_iterations",
@@ -92,6 +113,10 @@ DEFAULT_SLOTS = 8  # MSCCL's slots per connection
 DEFAULT_FLOW_BUDGET = 400_000  # messages x iterations that iterations="auto" allows
 MAX_AUTO_ITERATIONS = 16
 EXECUTIONS = ("dataflow", "in_order")  # how a threadblock runs its ops; see the module docstring
+SHARINGS = ("tiles", "messages")  # how flows weigh in max-min link sharing; see the module docstring
+# The executor's tiling rule (xla_ffi/core/protocol.h: kMaxTiles, kMinTileBytes, ChooseTiles).
+MAX_TILES = 32
+MIN_TILE_BYTES = 64 << 10
 
 # Message node kinds, in block order after the 2 * num_ops op nodes.
 LAUNCH, END, ARR, GOT = range(4)
@@ -138,8 +163,10 @@ class Program:
     msg_bytes: np.ndarray  # float64 [num_msgs]
     msg_fp_bytes: np.ndarray  # float64 [num_msgs]: bytes of the first pipeline piece
     msg_latency: np.ndarray  # float64 [num_msgs]
+    msg_weight: np.ndarray  # float64 [num_msgs]: weight in max-min link sharing (tile bytes, or 1)
     msg_path_ptr: np.ndarray  # int64 [num_msgs + 1]
     msg_path_links: np.ndarray  # int64: link ids
+    msg_route: np.ndarray  # int64 [num_msgs]: route id (messages with one id cross the same links)
     msg_src_ptr: np.ndarray  # int64 [num_msgs + 1]: stream sources (launch gates and rate coupling)
     msg_src_idx: np.ndarray  # int64
     msg_streamed: np.ndarray  # bool: some forwarding op streams from this message (its FP matters)
@@ -228,6 +255,8 @@ def compile_jobs(
     pipeline_bytes: float | None = DEFAULT_PIPELINE_BYTES,
     num_slots: int | None = DEFAULT_SLOTS,
     execution: str = "dataflow",
+    sharing: str = "tiles",
+    max_tiles: int = MAX_TILES,
 ) -> Program:
     """Builds the event DAG of ``jobs`` on ``router``'s topology.
 
@@ -247,6 +276,10 @@ def compile_jobs(
         raise ValueError(f"num_slots must be a positive integer or None, got {num_slots!r}")
     if execution not in EXECUTIONS:
         raise ValueError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
+    if sharing not in SHARINGS:
+        raise ValueError(f"sharing must be one of {SHARINGS}, got {sharing!r}")
+    if not isinstance(max_tiles, int) or isinstance(max_tiles, bool) or max_tiles < 1:
+        raise ValueError(f"max_tiles must be a positive integer, got {max_tiles!r}")
     in_order = execution == "in_order"
     num_gpus = router.topo.num_gpus
 
@@ -372,6 +405,12 @@ def compile_jobs(
     chunk_a = np.asarray(job_chunk_bytes, dtype=np.float64)
     msg_bytes = op_count_a[msg_sender] * chunk_a[op_job_a[msg_sender]] if n_msgs else np.zeros(0)
     msg_fp = msg_bytes.copy() if pipeline_bytes is None else np.minimum(msg_bytes, float(pipeline_bytes))
+    if sharing == "tiles":
+        msg_weight = _tile_weights(msg_bytes, op_job_a[msg_sender], len(jobs), max_tiles)
+    else:
+        msg_weight = np.ones(n_msgs)
+    if sharing == "tiles" and pipeline_bytes is not None:
+        msg_fp = msg_weight.copy()  # a tile is the executor's pipelining unit
     received_by = np.full(n_ops, -1, dtype=np.int64)
     received_by[msg_receiver] = np.arange(n_msgs)
     sent_by = np.full(n_ops, -1, dtype=np.int64)
@@ -408,6 +447,7 @@ def compile_jobs(
     msg_path_ptr = np.concatenate([[0], np.cumsum(mlen)])
     msg_path_links = rlinks[_ranges(rptr[inv], mlen)] if n_msgs else np.zeros(0, dtype=np.int64)
     msg_latency = rlat[inv] if n_msgs else np.zeros(0)
+    msg_route = inv.astype(np.int64).reshape(-1) if n_msgs else np.zeros(0, dtype=np.int64)
 
     # ---- edges
     n_jobs = len(jobs)
@@ -431,13 +471,29 @@ def compile_jobs(
     first = op_pos_a == 0 if in_order else np.ones(n_ops, dtype=bool)
     edge(complete[:-1][~first[1:]], ready[1:][~first[1:]])  # program order
     edge(base + MSG_KINDS * n_msgs + op_job_a[first].astype(np.int64), ready[first])  # job start
-    stream = sends[dep_of_a] & recvs[deps] if deps.size else np.zeros(0, dtype=bool)
-    edge(complete[deps[~stream]], ready[dep_of_a[~stream]])  # control deps
+    local = ~sends & ~recvs
+    if sharing == "tiles":
+        # the executors resolve every dependency per tile: an op may follow a receiving or local op
+        # tile by tile (a reduction chain rrc -> rrc -> s streams; a send after a send still waits)
+        piped = (recvs[deps] | local[deps]) if deps.size else np.zeros(0, dtype=bool)
+        stream = sends[dep_of_a] & piped
+        chain = ~sends[dep_of_a] & piped
+    else:
+        stream = sends[dep_of_a] & recvs[deps] if deps.size else np.zeros(0, dtype=bool)
+        chain = np.zeros(stream.shape, dtype=bool)
+    full = ~stream & ~chain
+    edge(complete[deps[full]], ready[dep_of_a[full]])  # control deps
+    edge(ready[deps[chain]], ready[dep_of_a[chain]])  # tile-pipelined deps of ops that send nothing...
+    edge(complete[deps[chain]], complete[dep_of_a[chain]])  # ...complete after what they follow
     sd_op, sd_dep = dep_of_a[stream], deps[stream]
-    sd_msg, sd_src = sent_by[sd_op], received_by[sd_dep]
-    edge(ready[sd_dep], mnode(LAUNCH, sd_msg))  # stream deps: the receiving op is under way...
+    edge(ready[sd_dep], mnode(LAUNCH, sent_by[sd_op]))  # stream deps: the receiving op is under way...
     # ...and its first piece is here: a *gate* on the source message, kept by the engine (msg_src_*)
     edge(complete[sd_dep], complete[sd_op])  # the forward completes after the receive
+    if chain.any() or local[sd_dep].any():
+        g_op, sd_src = _stream_sources(sd_op, sd_dep, dep_of_a[stream | chain], deps[stream | chain], received_by)
+    else:
+        g_op, sd_src = sd_op, received_by[sd_dep]
+    sd_msg = sent_by[g_op]
     m_all = np.arange(n_msgs, dtype=np.int64)
     edge(ready[msg_receiver], mnode(GOT, m_all))
     edge(mnode(ARR, m_all), mnode(GOT, m_all))
@@ -452,7 +508,6 @@ def compile_jobs(
     msg_streamed = np.zeros(n_msgs, dtype=bool)  # some forward streams from it
     msg_streamed[sd_src] = True
     msg_streamed[f_src] = True
-    local = ~sends & ~recvs
     edge(ready[local], complete[local])
     pred = np.concatenate(preds)
     succ = np.concatenate(succs)
@@ -481,8 +536,10 @@ def compile_jobs(
         msg_bytes=msg_bytes,
         msg_fp_bytes=msg_fp,
         msg_latency=msg_latency,
+        msg_weight=msg_weight,
         msg_path_ptr=msg_path_ptr,
         msg_path_links=msg_path_links,
+        msg_route=msg_route,
         msg_src_ptr=msg_src_ptr,
         msg_src_idx=msg_src_idx,
         msg_streamed=msg_streamed,
@@ -498,6 +555,69 @@ def compile_jobs(
         job_out_bytes=np.asarray(job_out_bytes, dtype=np.float64),
         link_capacity=router.capacity,
     )
+
+
+def tiles_of(largest_message_bytes: float, max_tiles: int = MAX_TILES) -> int:
+    """Tiles the executor cuts a launch into: its largest message over 64 KiB, between 1 and 32 (``ChooseTiles``).
+
+    ``max_tiles`` replaces the executor's cap of 32 (for what-if studies).
+
+    >>> tiles_of(128 << 20), tiles_of(1 << 20), tiles_of(1000), tiles_of(128 << 20, max_tiles=256)
+    (32, 16, 1, 256)
+    """
+    return int(min(max(largest_message_bytes // MIN_TILE_BYTES, 1), max_tiles))
+
+
+def _tile_weights(msg_bytes: np.ndarray, msg_job: np.ndarray, num_jobs: int, max_tiles: int) -> np.ndarray:
+    """Each message's tile bytes: its bytes over its job's tile count (:func:`tiles_of`)."""
+    if msg_bytes.size == 0:
+        return np.zeros(0)
+    largest = np.zeros(num_jobs)
+    np.maximum.at(largest, msg_job, msg_bytes)
+    tiles = np.asarray([tiles_of(b, max_tiles) for b in largest.tolist()], dtype=np.float64)
+    # empty messages never become flows; a positive weight keeps the solver's arithmetic clean
+    return np.maximum(msg_bytes / tiles[msg_job], 1e-300)
+
+
+def _stream_sources(
+    sd_op: np.ndarray, sd_dep: np.ndarray, p_op: np.ndarray, p_dep: np.ndarray, received_by: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The messages each streaming send follows, through chains of tile-pipelined dependencies.
+
+    ``(sd_op, sd_dep)``: a sending op and a receiving or local op it follows
+    tile by tile; ``(p_op, p_dep)``: every such pair, sends or not. An op's
+    data is there, tile by tile, as fast as the message it receives (if any)
+    and the data of the ops it follows: the sources of a send are the
+    received messages of its dependency and, transitively, of theirs.
+    Returns ``(op, source message)`` pairs, one per source.
+    """
+    follows: dict[int, list[int]] = {}
+    for o, d in zip(p_op.tolist(), p_dep.tolist()):
+        follows.setdefault(o, []).append(d)
+    memo: dict[int, frozenset[int]] = {}
+
+    def sources(x: int) -> frozenset[int]:
+        stack = [x]
+        while stack:
+            y = stack[-1]
+            pending = [d for d in follows.get(y, ()) if d not in memo]
+            if pending:
+                stack.extend(pending)
+                continue
+            stack.pop()
+            own = {int(received_by[y])} if received_by[y] >= 0 else set()
+            for d in follows.get(y, ()):
+                own |= memo[d]
+            memo[y] = frozenset(own)
+        return memo[x]
+
+    ops: list[int] = []
+    srcs: list[int] = []
+    for o, d in zip(sd_op.tolist(), sd_dep.tolist()):
+        for m in sorted(sources(d)):
+            ops.append(o)
+            srcs.append(m)
+    return np.asarray(ops, dtype=np.int64), np.asarray(srcs, dtype=np.int64)
 
 
 def _check_peers(tb: Threadblock, has_send_peer: bool, has_recv_peer: bool, where: str) -> None:

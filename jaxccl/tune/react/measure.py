@@ -253,7 +253,11 @@ class SimulatorRunner:
             return self._cache[key]
         jobs = self._jobs(schedule, topology)
         prog = compile_jobs(
-            jobs, Router(topology, self.routing), pipeline_bytes=self.pipeline_bytes, num_slots=self.num_slots
+            jobs,
+            Router(topology, self.routing),
+            pipeline_bytes=self.pipeline_bytes,
+            num_slots=self.num_slots,
+            sharing="messages",  # fixed pieces of pipeline_bytes, equal shares per message
         )
         tnode, _ = simulate(prog)
         self.runs += 1
