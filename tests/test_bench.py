@@ -12,7 +12,7 @@ import pytest
 
 import jaxccl
 from jaxccl.cli import main
-from jaxccl.cli.bench_sweep import COLLECTIVES, bus_factor, sweep
+from jaxccl.cli.bench_sweep import COLLECTIVES, REDOP, bus_factor, refusal, sweep
 from jaxccl.runtime.default_schedules import direct_allgather
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -64,7 +64,7 @@ def _bench(tmp_path, *argv):
 def test_sweep_and_bus_factors_follow_nccl_tests():
     assert sweep(4 << 10, 64 << 20, 4) == [4 << 10 << (2 * i) for i in range(8)]
     assert sweep(1000, 7999, 2) == [1000, 2000, 4000]
-    assert [bus_factor(c, 8) for c in COLLECTIVES] == [7 / 8, 7 / 8, 7 / 8, 14 / 8]
+    assert [bus_factor(c, 8) for c in COLLECTIVES] == [7 / 8] * 3 + [14 / 8] * 4
 
 
 def test_table_columns_and_json_keys(tmp_path, capsys):
@@ -132,6 +132,43 @@ def test_synthesized_schedules_on_degraded_emulated_links_and_other_dtypes(tmp_p
     assert all(r["wrong"] == 0 and r["type"] == "bfloat16" for r in data["rows"])
 
 
+DTYPE_CASES = ["int8", "uint16", "int64", "uint64", "float64", "complex64", "complex128", "bool"]
+
+
+@pytest.mark.parametrize("dtype", DTYPE_CASES)
+def test_every_dtype_runs_the_collectives_that_take_it_bitwise_equal_to_jax_lax(tmp_path, capsys, dtype):
+    import jax
+    import numpy as np
+
+    x64_before = jax.config.jax_enable_x64
+    rc, data = _bench(tmp_path, "-b", "1K", "-e", "1K", "--dtype", dtype)
+    assert rc == 0, capsys.readouterr().out
+    assert jax.config.jax_enable_x64 == x64_before  # the 64-bit types turn x64 on for the run only
+    taking = [c for c in COLLECTIVES if refusal(c, dtype) is None]
+    assert [r["collective"] for r in data["rows"]] == taking
+    assert ("pmax" in taking) == (not dtype.startswith("complex")) and ("psum_scatter" in taking) == (dtype != "bool")
+    itemsize = np.dtype(dtype).itemsize
+    for row in data["rows"]:
+        assert row["type"] == dtype and row["wrong"] == 0 and row["count"] * itemsize == row["size"] == 1024
+        assert row["redop"] == REDOP.get(row["collective"], "none")
+
+
+def test_the_reductions_check_catches_a_wrong_allreduce(tmp_path, capsys):
+    """A ring AllReduce whose rank 0 leaves its term out of one block: #wrong counts it for every operator."""
+    from jaxccl.synth.baselines import ring_allreduce
+
+    data = json.loads(ring_allreduce(8).to_json())
+    first = next(op for tb in data["ranks"][0] for op in tb["ops"] if op[0] == "rrs")
+    first[:5] = ["rcs", "i", 6, "o", 6]  # rank 0 forwards block 6 without its own term
+    path = tmp_path / "bad_allreduce.json"
+    path.write_text(json.dumps(data))
+    rc, data = _bench(tmp_path, "--schedule", str(path), "--no-validate", "--collectives", "psum,pmax,pmin,pmean")
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    assert [r["collective"] for r in data["rows"]] == ["psum", "psum", "pmax", "pmax", "pmin", "pmin", "pmean", "pmean"]
+    assert all(r["wrong"] > 0 for r in data["rows"]), data["rows"]
+
+
 @pytest.mark.skipif(jaxccl.has_cuda_support(), reason="this machine has CUDA")
 def test_the_cuda_backend_without_cuda_is_one_line(capsys):
     assert main(["bench", *QUICK, "--backend", "cuda"]) == 2
@@ -147,7 +184,9 @@ BAD = [
     ["-b", "four"],
     ["-n", "0"],
     ["-w", "-1"],
-    ["--dtype", "float64"],
+    ["--dtype", "float8"],
+    ["--dtype", "complex64", "--collectives", "psum,pmax"],
+    ["--dtype", "bool", "--collectives", "psum_scatter"],
     ["--backend", "tpu"],
     ["--schedule", "fastest"],
     ["--topology", "rail:2x"],

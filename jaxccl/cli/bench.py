@@ -31,16 +31,16 @@ from typing import Any
 
 from jaxccl.cli.args import UsageError, parse_size, positive_float, positive_int, topology
 from jaxccl.cli.bench_schedules import NAMES, load_file
-from jaxccl.cli.bench_sweep import COLLECTIVES, print_table, summary, sweep
+from jaxccl.cli.bench_sweep import COLLECTIVES, DTYPES, SCHEDULE_COLLECTIVE, print_table, refusal, summary, sweep
 
 __all__ = ["BACKENDS", "DTYPES", "register"]
 
-DTYPES = ("float32", "float16", "bfloat16", "int32")
 BACKENDS = ("cpu", "cuda", "ppermute")
 DEFAULT_DEVICES = 8
 SCENARIOS = ("fail1", "fail2", "fail3")
 ENV = {"coordinator": "JAXCCL_COORDINATOR", "num_processes": "JAXCCL_NUM_PROCESSES", "process_id": "JAXCCL_PROCESS_ID"}
 INIT_TIMEOUT_S = 60
+X64_DTYPES = ("float64", "int64", "uint64", "complex128")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,21 +51,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Sweeps sizes (-b to -e, times -f) for each collective and prints nccl-tests' table for jaxccl with "
             "jax.lax's time and the ratio beside every row (interleaved, same run). size = bytes of one rank's "
-            "larger buffer; busbw = algbw x (N-1)/N (all_gather, all_to_all, psum_scatter) or 2(N-1)/N (psum). "
+            "larger buffer; busbw = algbw x (N-1)/N (all_gather, all_to_all, psum_scatter) or 2(N-1)/N (psum, pmax, "
+            "pmin, pmean). "
             "#wrong = elements differing bitwise from jax.lax's result. Exit status 1 if any #wrong."
         ),
     )
     p.add_argument(
         "--collectives",
         metavar="LIST",
-        help=f"comma-separated, from {', '.join(COLLECTIVES)} (default: all; with a schedule file, its collective)",
+        help=f"comma-separated, from {', '.join(COLLECTIVES)} (default: all that take --dtype; with a schedule "
+        "file, its collective)",
     )
     p.add_argument("-b", "--min-bytes", type=parse_size, default=4 << 10, metavar="SIZE", help="smallest size (4K)")
     p.add_argument("-e", "--max-bytes", type=parse_size, default=16 << 20, metavar="SIZE", help="largest size (16M)")
     p.add_argument("-f", "--step-factor", type=positive_int, default=4, metavar="F", help="size multiplier (4)")
     p.add_argument("-n", "--iters", type=positive_int, default=20, help="timed iterations per size (20)")
     p.add_argument("-w", "--warmup", type=_non_negative, default=5, help="warm-up iterations per size (5)")
-    p.add_argument("-d", "--dtype", choices=DTYPES, default="float32", help="element type (float32)")
+    p.add_argument(
+        "-d",
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        metavar="TYPE",
+        help=f"element type, one of {', '.join(DTYPES)} (float32; the 64-bit ones turn on JAX's x64 mode)",
+    )
     p.add_argument("--backend", choices=BACKENDS, default="cpu", help="jaxccl's executor (cpu)")
     p.add_argument(
         "--schedule",
@@ -199,15 +208,19 @@ def _check(args: argparse.Namespace, processes: int) -> None:
 
 
 def _collectives_of(args: argparse.Namespace) -> tuple[str, ...]:
-    """``--collectives``; with a schedule file, by default the collective it implements (and it must be listed)."""
+    """``--collectives``, each taking ``--dtype``; by default all that take it, or a schedule file's collective."""
     if args.schedule in NAMES:
-        return _collectives(args.collectives or ",".join(COLLECTIVES))
-    collective, _ = load_file(args.schedule)  # fails early, before JAX starts, on a bad file
-    if args.collectives is None:
-        return (collective,)
-    chosen = _collectives(args.collectives)
-    if collective not in chosen:
-        raise UsageError(f"--schedule {args.schedule!r} implements {collective}, which --collectives leaves out")
+        if args.collectives is None:
+            return tuple(c for c in COLLECTIVES if refusal(c, args.dtype) is None)
+        chosen = _collectives(args.collectives)
+    else:
+        collective, _ = load_file(args.schedule)  # fails early, before JAX starts, on a bad file
+        chosen = _collectives(args.collectives) if args.collectives is not None else (collective,)
+        if SCHEDULE_COLLECTIVE[collective] not in {SCHEDULE_COLLECTIVE[c] for c in chosen}:
+            raise UsageError(f"--schedule {args.schedule!r} implements {collective}, which --collectives leaves out")
+    for c in chosen:
+        if (why := refusal(c, args.dtype)) is not None:
+            raise UsageError(f"--dtype {args.dtype}: {why}; leave {c} out of --collectives")
     return chosen
 
 
@@ -255,12 +268,15 @@ def _run(args: argparse.Namespace) -> int:
     _check(args, processes)
     scenario = _scenario(args.scenario)
     _start_jax(args, coordinator, processes, pid)
+    import jax
+
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", x64 or args.dtype in X64_DTYPES)
     try:
         return _bench(args, collectives, sizes, scenario, processes, pid)
     finally:
+        jax.config.update("jax_enable_x64", x64)
         if coordinator is not None:
-            import jax
-
             jax.distributed.shutdown()
 
 
