@@ -12,8 +12,11 @@ average busbw, the worst ratio, the total ``#wrong`` (exit status 1 if not
 In a multi-process job (``--coordinator HOST:PORT --num-processes P
 --process-id I``, or ``JAXCCL_COORDINATOR``, ``JAXCCL_NUM_PROCESSES``,
 ``JAXCCL_PROCESS_ID``) every process runs the same command over the devices
-of all processes and process 0 prints; only the ``ppermute`` backend runs
-across processes (the native executors meet their ranks inside one process).
+of all processes and process 0 prints. The ``ppermute`` backend runs across
+processes through XLA; the native ``cpu`` backend through jaxccl's transport
+(UCX, the ``multiprocess`` extra), bootstrapped and attached by the bench.
+``--processes P`` starts such a job itself, on loopback or one process per
+node of a network-namespace lab (:mod:`jaxccl.cli.bench_launch`).
 
 Example:
     >>> from jaxccl.cli import main
@@ -29,6 +32,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from jaxccl.cli import bench_launch
 from jaxccl.cli.args import UsageError, parse_size, positive_float, positive_int, topology
 from jaxccl.cli.bench_schedules import NAMES, load_file
 from jaxccl.cli.bench_sweep import COLLECTIVES, DTYPES, SCHEDULE_COLLECTIVE, print_table, refusal, summary, sweep
@@ -85,7 +89,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--topology",
-        type=topology,
         metavar="SPEC|FILE",
         help="rail:SxHxN, rail:HxN, single:N, ring:N, fattree:LxG or a topology JSON file "
         "(default single:N where a topology is needed)",
@@ -110,6 +113,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--num-processes", type=positive_int, help=f"multi-process job: processes (${ENV['num_processes']})")
     p.add_argument("--process-id", type=_non_negative, help=f"multi-process job: this process (${ENV['process_id']})")
+    p.add_argument(
+        "--network",
+        choices=bench_launch.NETWORKS,
+        default="loopback",
+        help="across processes: loopback (default), or netns: a network-namespace lab, one node per process "
+        "(root), the transport on TCP only so every byte crosses the lab's links",
+    )
+    bench_launch.add_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=_run)
 
@@ -185,11 +196,8 @@ def _processes(args: argparse.Namespace) -> tuple[str | None, int, int]:
 def _check(args: argparse.Namespace, processes: int) -> None:
     from jaxccl.runtime.emulated import MIN_TIME_SCALE
 
-    if processes > 1 and args.backend != "ppermute":
-        raise UsageError(
-            f"--backend {args.backend} runs in one process (the native executor's ranks meet in-process); "
-            "use --backend ppermute across processes"
-        )
+    if processes > 1:
+        _check_across_processes(args)
     if args.emulate_links and args.backend != "cpu":
         raise UsageError(f"--emulate-links needs --backend cpu, not {args.backend}")
     if args.scenario is not None and not args.emulate_links:
@@ -205,6 +213,18 @@ def _check(args: argparse.Namespace, processes: int) -> None:
             raise UsageError("--backend cuda: jaxccl was built without CUDA or no CUDA device is visible")
     if args.no_validate and args.schedule in NAMES:
         raise UsageError("--no-validate applies to a schedule file (--schedule PATH)")
+
+
+def _check_across_processes(args: argparse.Namespace) -> None:
+    if args.backend == "cuda":
+        raise UsageError("--backend cuda runs in one process; use --backend cpu or ppermute across processes")
+    if args.emulate_links:
+        raise UsageError("--emulate-links paces links inside one process; across processes the links are real")
+    if args.backend == "cpu":
+        from jaxccl.runtime.multiprocess import unavailable_reason
+
+        if (reason := unavailable_reason()) is not None:
+            raise UsageError(f"--backend cpu across processes: {reason}")
 
 
 def _collectives_of(args: argparse.Namespace) -> tuple[str, ...]:
@@ -264,8 +284,15 @@ def _run(args: argparse.Namespace) -> int:
         sizes = sweep(args.min_bytes, args.max_bytes, args.step_factor)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    topo = topology(args.topology) if args.topology is not None else None
+    if args.processes is not None:
+        _check(args, args.processes)
+        _scenario(args.scenario)
+        return bench_launch.run_job(args)
     coordinator, processes, pid = _processes(args)
     _check(args, processes)
+    if args.network == "netns" and processes == 1:
+        raise UsageError("--network netns is for a job of several processes: add --processes P")
     scenario = _scenario(args.scenario)
     _start_jax(args, coordinator, processes, pid)
     import jax
@@ -273,7 +300,7 @@ def _run(args: argparse.Namespace) -> int:
     x64 = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", x64 or args.dtype in X64_DTYPES)
     try:
-        return _bench(args, collectives, sizes, scenario, processes, pid)
+        return _bench(args, collectives, sizes, topo, scenario, processes, pid)
     finally:
         jax.config.update("jax_enable_x64", x64)
         if coordinator is not None:
@@ -284,6 +311,7 @@ def _bench(
     args: argparse.Namespace,
     collectives: tuple[str, ...],
     sizes: list[int],
+    topo: Any,
     scenario: Callable[[Any], Any] | None,
     processes: int,
     pid: int,
@@ -299,12 +327,13 @@ def _bench(
         dtype=args.dtype,
         backend=args.backend,
         schedule=args.schedule,
-        topology=args.topology,
+        topology=topo,
         scenario=scenario,
         emulate_links=args.emulate_links,
         time_scale=args.time_scale,
         validate=not args.no_validate,
         show_progress=pid == 0 and not args.quiet,
+        network_only=args.network == "netns",
     )
     bench, rows = run(cfg)
     result = summary(rows)

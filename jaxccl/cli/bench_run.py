@@ -31,6 +31,7 @@ from jaxccl.cli.bench_sweep import REDOP, SCHEDULE_COLLECTIVE, buffer_elements, 
 __all__ = ["BenchConfig", "run"]
 
 AXIS = "d"
+TRANSPORT_TIMEOUT_S = 60.0
 SUMS = ("psum_scatter", "psum", "pmean")
 
 
@@ -51,6 +52,7 @@ class BenchConfig:
     time_scale: float = 1e-3
     validate: bool = True
     show_progress: bool = True
+    network_only: bool = False
 
 
 @dataclasses.dataclass
@@ -63,6 +65,18 @@ class Bench:
     schedule_names: dict[str, str]
     topology: Any = None
     skipped: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    transport: Any = None
+
+    def close(self) -> None:
+        """Closes the communicator, then detaches and closes the transport between processes (if any)."""
+        if self.comm is not None:
+            self.comm.close()
+        if self.transport is not None:
+            from jaxccl.runtime.multiprocess import detach
+
+            detach()
+            self.transport.close()
+            self.transport = None
 
 
 def _body(lib: Any, collective: str) -> Callable[[Any], Any]:
@@ -168,7 +182,6 @@ def setup(cfg: BenchConfig) -> Bench:
 
     import jaxccl
     from jaxccl.cli.args import UsageError
-    from jaxccl.cli.bench_schedules import NAMES, load_file, schedules
     from jaxccl.runtime.emulated import LinkEmulation
     from jaxccl.topology import single_node
 
@@ -184,8 +197,41 @@ def setup(cfg: BenchConfig) -> Bench:
         raise UsageError(f"--topology has {topo.num_gpus} GPUs but the job has {n} devices")
     degraded = cfg.scenario(topo) if cfg.scenario is not None else topo
     emulation = LinkEmulation(time_scale=cfg.time_scale, measure=False) if cfg.emulate_links else None
-    comm = jaxccl.Communicator(mesh, AXIS, topology=topo, backend=cfg.backend, link_emulation=emulation)
-    if emulation is not None and degraded is not topo:
+    transport = _attached_transport(mesh, cfg) if cfg.backend == "cpu" and jax.process_count() > 1 else None
+    try:
+        comm = jaxccl.Communicator(mesh, AXIS, topology=topo, backend=cfg.backend, link_emulation=emulation)
+    except BaseException:
+        Bench(comm=None, mesh=mesh, num_ranks=n, schedule_names={}, transport=transport).close()
+        raise
+    bench = Bench(comm=comm, mesh=mesh, num_ranks=n, schedule_names={}, topology=topo, transport=transport)
+    try:
+        _install(bench, cfg, degraded, topo)
+    except BaseException:
+        bench.close()
+        raise
+    return bench
+
+
+def _attached_transport(mesh: Any, cfg: BenchConfig) -> Any:
+    """The native executor's transport between processes, bootstrapped on ``jax.distributed`` and attached."""
+    from jaxccl.runtime.multiprocess import NETWORK_ONLY, ProcessTransport, attach
+
+    options = NETWORK_ONLY if cfg.network_only else None
+    transport = ProcessTransport.bootstrap(timeout_s=TRANSPORT_TIMEOUT_S, options=options)
+    try:
+        attach(transport, mesh, AXIS)
+    except BaseException:
+        transport.close()
+        raise
+    return transport
+
+
+def _install(bench: Bench, cfg: BenchConfig, degraded: Any, topo: Any) -> None:
+    """Installs the schedules ``cfg`` names and records the name each collective runs."""
+    from jaxccl.cli.bench_schedules import NAMES, load_file, schedules
+
+    comm, n = bench.comm, bench.num_ranks
+    if cfg.emulate_links and degraded is not topo:
         comm.inject(degraded)
     if cfg.schedule in NAMES:
         plan = schedules(cfg.schedule, cfg.collectives, degraded if degraded is not None else n, topo)
@@ -198,11 +244,9 @@ def setup(cfg: BenchConfig) -> Bench:
         else:
             # --no-validate exists to test the checker: the file runs as it is, the interpreter skipped.
             comm.stage_validated(schedule.collective.value, schedule, interpreter=False)
-    names = {}
     for c in cfg.collectives:
         active = comm.schedule(SCHEDULE_COLLECTIVE[c])
-        names[c] = active.name if active is not None else "reduce_scatter + all_gather"
-    return Bench(comm=comm, mesh=mesh, num_ranks=n, schedule_names=names, topology=topo)
+        bench.schedule_names[c] = active.name if active is not None else "reduce_scatter + all_gather"
 
 
 def _timed(fn: Callable[[Any], Any], x: Any) -> float:
@@ -277,5 +321,5 @@ def run(cfg: BenchConfig) -> tuple[Bench, list[dict[str, Any]]]:
                 else:
                     rows.append(row)
     finally:
-        bench.comm.close()
+        bench.close()
     return bench, rows
