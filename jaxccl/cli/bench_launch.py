@@ -30,6 +30,7 @@ __all__ = ["NETWORKS", "add_arguments", "run_job", "worker_argv"]
 
 NETWORKS = ("loopback", "netns")
 DEFAULT_JOB_TIMEOUT_S = 1800.0
+HEADER_START = "# jaxccl bench:"  # the first line the bench prints (jaxccl.cli.bench)
 # The options every process of the job gets as given (dest, flag); the launching ones stay here.
 _VALUED = (
     ("collectives", "--collectives"),
@@ -98,6 +99,16 @@ def _check(args: argparse.Namespace) -> None:
             raise UsageError(f"--network netns: {reason}")
 
 
+def _table(output: str) -> str:
+    r"""Process 0's output from the bench's header on (the libraries' log lines before it left out).
+
+    >>> _table("[Gloo] Rank 0 is connected to 7 peer ranks\n# jaxccl bench: 8 devices\n...\n")
+    '# jaxccl bench: 8 devices\n...\n'
+    """
+    start = output.find(HEADER_START)
+    return output[start:] if start >= 0 else output
+
+
 def run_job(args: argparse.Namespace) -> int:
     """Runs the job, writes process 0's output to stdout; a failed process is one line on stderr each.
 
@@ -116,9 +127,9 @@ def run_job(args: argparse.Namespace) -> int:
             shape = LinkShape(rate_mbit=args.nic_rate_mbit) if args.nic_rate_mbit is not None else None
             lab = stack.enter_context(NetLab(args.processes, shape))
         results = launch(worker_argv(args), args.processes, lab=lab, timeout_s=args.job_timeout)
-    sys.stdout.write(results[0].output)
-    sys.stdout.flush()
     status = results[0].returncode
+    sys.stdout.write(_table(results[0].output) if status in (0, 1) else results[0].output)
+    sys.stdout.flush()
     for r in results:
         if r.returncode not in (0, status) or r.returncode is None:
             last = next((line for line in reversed(r.output.splitlines()) if line.strip()), "no output")
