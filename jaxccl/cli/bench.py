@@ -12,8 +12,11 @@ average busbw, the worst ratio, the total ``#wrong`` (exit status 1 if not
 In a multi-process job (``--coordinator HOST:PORT --num-processes P
 --process-id I``, or ``JAXCCL_COORDINATOR``, ``JAXCCL_NUM_PROCESSES``,
 ``JAXCCL_PROCESS_ID``) every process runs the same command over the devices
-of all processes and process 0 prints; only the ``ppermute`` backend runs
-across processes (the native executors meet their ranks inside one process).
+of all processes and process 0 prints. The ``ppermute`` backend runs across
+processes through XLA; the native ``cpu`` backend through jaxccl's transport
+(UCX, the ``multiprocess`` extra), bootstrapped and attached by the bench.
+``--processes P`` starts such a job itself, on loopback or one process per
+node of a network-namespace lab (:mod:`jaxccl.cli.bench_launch`).
 
 Example:
     >>> from jaxccl.cli import main
@@ -29,18 +32,19 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from jaxccl.cli import bench_launch
 from jaxccl.cli.args import UsageError, parse_size, positive_float, positive_int, topology
 from jaxccl.cli.bench_schedules import NAMES, load_file
-from jaxccl.cli.bench_sweep import COLLECTIVES, print_table, summary, sweep
+from jaxccl.cli.bench_sweep import COLLECTIVES, DTYPES, SCHEDULE_COLLECTIVE, print_table, refusal, summary, sweep
 
 __all__ = ["BACKENDS", "DTYPES", "register"]
 
-DTYPES = ("float32", "float16", "bfloat16", "int32")
 BACKENDS = ("cpu", "cuda", "ppermute")
 DEFAULT_DEVICES = 8
 SCENARIOS = ("fail1", "fail2", "fail3")
 ENV = {"coordinator": "JAXCCL_COORDINATOR", "num_processes": "JAXCCL_NUM_PROCESSES", "process_id": "JAXCCL_PROCESS_ID"}
 INIT_TIMEOUT_S = 60
+X64_DTYPES = ("float64", "int64", "uint64", "complex128")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,21 +55,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Sweeps sizes (-b to -e, times -f) for each collective and prints nccl-tests' table for jaxccl with "
             "jax.lax's time and the ratio beside every row (interleaved, same run). size = bytes of one rank's "
-            "larger buffer; busbw = algbw x (N-1)/N (all_gather, all_to_all, psum_scatter) or 2(N-1)/N (psum). "
+            "larger buffer; busbw = algbw x (N-1)/N (all_gather, all_to_all, psum_scatter) or 2(N-1)/N (psum, pmax, "
+            "pmin, pmean). "
             "#wrong = elements differing bitwise from jax.lax's result. Exit status 1 if any #wrong."
         ),
     )
     p.add_argument(
         "--collectives",
         metavar="LIST",
-        help=f"comma-separated, from {', '.join(COLLECTIVES)} (default: all; with a schedule file, its collective)",
+        help=f"comma-separated, from {', '.join(COLLECTIVES)} (default: all that take --dtype; with a schedule "
+        "file, its collective)",
     )
     p.add_argument("-b", "--min-bytes", type=parse_size, default=4 << 10, metavar="SIZE", help="smallest size (4K)")
     p.add_argument("-e", "--max-bytes", type=parse_size, default=16 << 20, metavar="SIZE", help="largest size (16M)")
     p.add_argument("-f", "--step-factor", type=positive_int, default=4, metavar="F", help="size multiplier (4)")
     p.add_argument("-n", "--iters", type=positive_int, default=20, help="timed iterations per size (20)")
     p.add_argument("-w", "--warmup", type=_non_negative, default=5, help="warm-up iterations per size (5)")
-    p.add_argument("-d", "--dtype", choices=DTYPES, default="float32", help="element type (float32)")
+    p.add_argument(
+        "-d",
+        "--dtype",
+        choices=DTYPES,
+        default="float32",
+        metavar="TYPE",
+        help=f"element type, one of {', '.join(DTYPES)} (float32; the 64-bit ones turn on JAX's x64 mode)",
+    )
     p.add_argument("--backend", choices=BACKENDS, default="cpu", help="jaxccl's executor (cpu)")
     p.add_argument(
         "--schedule",
@@ -76,7 +89,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--topology",
-        type=topology,
         metavar="SPEC|FILE",
         help="rail:SxHxN, rail:HxN, single:N, ring:N, fattree:LxG or a topology JSON file "
         "(default single:N where a topology is needed)",
@@ -101,6 +113,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--num-processes", type=positive_int, help=f"multi-process job: processes (${ENV['num_processes']})")
     p.add_argument("--process-id", type=_non_negative, help=f"multi-process job: this process (${ENV['process_id']})")
+    p.add_argument(
+        "--network",
+        choices=bench_launch.NETWORKS,
+        default="loopback",
+        help="across processes: loopback (default), or netns: a network-namespace lab, one node per process "
+        "(root), the transport on TCP only so every byte crosses the lab's links",
+    )
+    bench_launch.add_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=_run)
 
@@ -176,11 +196,8 @@ def _processes(args: argparse.Namespace) -> tuple[str | None, int, int]:
 def _check(args: argparse.Namespace, processes: int) -> None:
     from jaxccl.runtime.emulated import MIN_TIME_SCALE
 
-    if processes > 1 and args.backend != "ppermute":
-        raise UsageError(
-            f"--backend {args.backend} runs in one process (the native executor's ranks meet in-process); "
-            "use --backend ppermute across processes"
-        )
+    if processes > 1:
+        _check_across_processes(args)
     if args.emulate_links and args.backend != "cpu":
         raise UsageError(f"--emulate-links needs --backend cpu, not {args.backend}")
     if args.scenario is not None and not args.emulate_links:
@@ -198,16 +215,32 @@ def _check(args: argparse.Namespace, processes: int) -> None:
         raise UsageError("--no-validate applies to a schedule file (--schedule PATH)")
 
 
+def _check_across_processes(args: argparse.Namespace) -> None:
+    if args.backend == "cuda":
+        raise UsageError("--backend cuda runs in one process; use --backend cpu or ppermute across processes")
+    if args.emulate_links:
+        raise UsageError("--emulate-links paces links inside one process; across processes the links are real")
+    if args.backend == "cpu":
+        from jaxccl.runtime.multiprocess import unavailable_reason
+
+        if (reason := unavailable_reason()) is not None:
+            raise UsageError(f"--backend cpu across processes: {reason}")
+
+
 def _collectives_of(args: argparse.Namespace) -> tuple[str, ...]:
-    """``--collectives``; with a schedule file, by default the collective it implements (and it must be listed)."""
+    """``--collectives``, each taking ``--dtype``; by default all that take it, or a schedule file's collective."""
     if args.schedule in NAMES:
-        return _collectives(args.collectives or ",".join(COLLECTIVES))
-    collective, _ = load_file(args.schedule)  # fails early, before JAX starts, on a bad file
-    if args.collectives is None:
-        return (collective,)
-    chosen = _collectives(args.collectives)
-    if collective not in chosen:
-        raise UsageError(f"--schedule {args.schedule!r} implements {collective}, which --collectives leaves out")
+        if args.collectives is None:
+            return tuple(c for c in COLLECTIVES if refusal(c, args.dtype) is None)
+        chosen = _collectives(args.collectives)
+    else:
+        collective, _ = load_file(args.schedule)  # fails early, before JAX starts, on a bad file
+        chosen = _collectives(args.collectives) if args.collectives is not None else (collective,)
+        if SCHEDULE_COLLECTIVE[collective] not in {SCHEDULE_COLLECTIVE[c] for c in chosen}:
+            raise UsageError(f"--schedule {args.schedule!r} implements {collective}, which --collectives leaves out")
+    for c in chosen:
+        if (why := refusal(c, args.dtype)) is not None:
+            raise UsageError(f"--dtype {args.dtype}: {why}; leave {c} out of --collectives")
     return chosen
 
 
@@ -251,16 +284,26 @@ def _run(args: argparse.Namespace) -> int:
         sizes = sweep(args.min_bytes, args.max_bytes, args.step_factor)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    topo = topology(args.topology) if args.topology is not None else None
+    if args.processes is not None:
+        _check(args, args.processes)
+        _scenario(args.scenario)
+        return bench_launch.run_job(args)
     coordinator, processes, pid = _processes(args)
     _check(args, processes)
+    if args.network == "netns" and processes == 1:
+        raise UsageError("--network netns is for a job of several processes: add --processes P")
     scenario = _scenario(args.scenario)
     _start_jax(args, coordinator, processes, pid)
-    try:
-        return _bench(args, collectives, sizes, scenario, processes, pid)
-    finally:
-        if coordinator is not None:
-            import jax
+    import jax
 
+    x64 = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", x64 or args.dtype in X64_DTYPES)
+    try:
+        return _bench(args, collectives, sizes, topo, scenario, processes, pid)
+    finally:
+        jax.config.update("jax_enable_x64", x64)
+        if coordinator is not None:
             jax.distributed.shutdown()
 
 
@@ -268,6 +311,7 @@ def _bench(
     args: argparse.Namespace,
     collectives: tuple[str, ...],
     sizes: list[int],
+    topo: Any,
     scenario: Callable[[Any], Any] | None,
     processes: int,
     pid: int,
@@ -283,12 +327,13 @@ def _bench(
         dtype=args.dtype,
         backend=args.backend,
         schedule=args.schedule,
-        topology=args.topology,
+        topology=topo,
         scenario=scenario,
         emulate_links=args.emulate_links,
         time_scale=args.time_scale,
         validate=not args.no_validate,
         show_progress=pid == 0 and not args.quiet,
+        network_only=args.network == "netns",
     )
     bench, rows = run(cfg)
     result = summary(rows)

@@ -7,12 +7,15 @@ alternating order, so both see the same load; times are medians. One more
 call of each (nccl-tests' check iteration) is compared bitwise, element by
 element, over every shard: the differing elements are the row's ``#wrong``.
 
-The data is random and never all zero: for AllGather and AllToAll, normal
-samples (any bit pattern must arrive intact); for the reductions,
-integer-valued numbers small enough that every partial sum is exact in the
-dtype, so any summation order gives the same bits and ``#wrong`` counts
-misplaced or lost data, not rounding (across processes XLA's gloo
-reductions do not promise jaxccl's rank order; see the multi-process guide).
+The data is random and never all zero: for AllGather, AllToAll, ``pmax``
+and ``pmin``, normal samples for floats (real and imaginary parts for
+complex numbers), random bits for integers, coin flips for bool (any value
+must arrive intact, any max is exact); for the sums (``psum_scatter``,
+``psum``, ``pmean``), integer-valued numbers small enough that every partial
+sum is exact in the dtype, so any summation order gives the same bits and
+``#wrong`` counts misplaced or lost data, not rounding (across processes
+XLA's gloo reductions do not promise jaxccl's rank order; see the
+multi-process guide).
 """
 
 from __future__ import annotations
@@ -23,13 +26,13 @@ from collections.abc import Callable
 from typing import Any
 
 from jaxccl import report
-from jaxccl.cli.bench_sweep import REDUCTIONS, SCHEDULE_COLLECTIVE, buffer_elements, bus_factor, input_elements
+from jaxccl.cli.bench_sweep import REDOP, SCHEDULE_COLLECTIVE, buffer_elements, bus_factor, input_elements
 
 __all__ = ["BenchConfig", "run"]
 
 AXIS = "d"
-# Integers with |x| <= this are exact in the dtype (its significand's reach).
-_EXACT = {"float32": 1 << 24, "float16": 1 << 11, "bfloat16": 1 << 8, "int32": 1 << 31}
+TRANSPORT_TIMEOUT_S = 60.0
+SUMS = ("psum_scatter", "psum", "pmean")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +52,7 @@ class BenchConfig:
     time_scale: float = 1e-3
     validate: bool = True
     show_progress: bool = True
+    network_only: bool = False
 
 
 @dataclasses.dataclass
@@ -61,6 +65,18 @@ class Bench:
     schedule_names: dict[str, str]
     topology: Any = None
     skipped: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    transport: Any = None
+
+    def close(self) -> None:
+        """Closes the communicator, then detaches and closes the transport between processes (if any)."""
+        if self.comm is not None:
+            self.comm.close()
+        if self.transport is not None:
+            from jaxccl.runtime.multiprocess import detach
+
+            detach()
+            self.transport.close()
+            self.transport = None
 
 
 def _body(lib: Any, collective: str) -> Callable[[Any], Any]:
@@ -70,20 +86,47 @@ def _body(lib: Any, collective: str) -> Callable[[Any], Any]:
         return lambda v: lib.all_to_all(v, AXIS, 0, 0, tiled=True)
     if collective == "psum_scatter":
         return lambda v: lib.psum_scatter(v, AXIS, scatter_dimension=0, tiled=True)
-    return lambda v: lib.psum(v, AXIS)
+    reduce = getattr(lib, collective)  # psum, pmax, pmin, pmean
+    return lambda v: reduce(v, AXIS)
 
 
-def _sample(rng: Any, shape: tuple[int, ...], dtype: str, reduction: bool, num_ranks: int) -> Any:
+def _exact_bound(dt: Any, num_ranks: int) -> int:
+    """A bound on |x| that keeps every partial sum of ``num_ranks`` such integers exact in ``dt``."""
+    import ml_dtypes
+    import numpy as np
+
+    if dt.kind in "iu":
+        reach = int(np.iinfo(dt).max)
+    else:
+        part = np.dtype(np.float32 if dt.itemsize == 8 else np.float64) if dt.kind == "c" else dt
+        reach = 1 << (int(ml_dtypes.finfo(part).nmant) + 1)  # the significand's reach
+    return max(1, min(1000, reach // (2 * num_ranks)))
+
+
+def _sample(rng: Any, shape: tuple[int, ...], dtype: str, exact_sum: bool, num_ranks: int) -> Any:
     import jax.numpy as jnp
     import numpy as np
 
-    if reduction or dtype == "int32":
-        bound = max(1, min(1000, _EXACT[dtype] // (2 * num_ranks)))
-        values = rng.integers(-bound, bound + 1, size=shape)
+    dt = jnp.dtype(dtype)
+    if dt.kind == "b":
+        values = rng.random(shape) < 0.5
+        values[..., 0] = True  # never all zero
+        return values
+    if exact_sum:
+        bound = _exact_bound(dt, num_ranks)
+        values = rng.integers(0 if dt.kind == "u" else -bound, bound + 1, size=shape)
+        if dt.kind == "c":
+            values = values + 1j * rng.integers(-bound, bound + 1, size=shape)
         values[..., 0] = bound  # never all zero
+    elif dt.kind in "iu":
+        info = np.iinfo(dt)
+        values = rng.integers(info.min, info.max, size=shape, dtype=dt, endpoint=True)
+        values[..., 0] = info.max
     else:
         values = rng.standard_normal(shape) * 1000
-    return values.astype(jnp.dtype(dtype) if dtype == "bfloat16" else np.dtype(dtype))
+        if dt.kind == "c":
+            values = values + 1j * rng.standard_normal(shape) * 1000
+    return values.astype(dt)
 
 
 def _input(mesh: Any, collective: str, elems: int, dtype: str, num_ranks: int, seed: int) -> Any:
@@ -97,7 +140,7 @@ def _input(mesh: Any, collective: str, elems: int, dtype: str, num_ranks: int, s
         start = index[0].start or 0
         stop = index[0].stop if index[0].stop is not None else num_ranks * elems
         rng = np.random.default_rng((seed, start))
-        return _sample(rng, (stop - start,), dtype, collective in REDUCTIONS, num_ranks)
+        return _sample(rng, (stop - start,), dtype, collective in SUMS, num_ranks)
 
     return jax.make_array_from_callback((num_ranks * elems,), NamedSharding(mesh, P(AXIS)), shard)
 
@@ -112,8 +155,10 @@ def _differing(a: Any, b: Any) -> int:
     by_device = {s.device: s for s in b.addressable_shards}
     for s in a.addressable_shards:
         x, y = np.asarray(s.data), np.asarray(by_device[s.device].data)
-        bits = np.dtype(f"u{x.dtype.itemsize}")
-        wrong += int(np.count_nonzero(x.view(bits) != y.view(bits)))
+        if x.dtype != y.dtype:
+            return int(np.prod(b.shape))
+        xb, yb = (np.ascontiguousarray(v).view(np.uint8).reshape(v.size, v.dtype.itemsize) for v in (x, y))
+        wrong += int(np.count_nonzero((xb != yb).any(axis=1)))
     return wrong
 
 
@@ -137,7 +182,6 @@ def setup(cfg: BenchConfig) -> Bench:
 
     import jaxccl
     from jaxccl.cli.args import UsageError
-    from jaxccl.cli.bench_schedules import NAMES, load_file, schedules
     from jaxccl.runtime.emulated import LinkEmulation
     from jaxccl.topology import single_node
 
@@ -153,8 +197,41 @@ def setup(cfg: BenchConfig) -> Bench:
         raise UsageError(f"--topology has {topo.num_gpus} GPUs but the job has {n} devices")
     degraded = cfg.scenario(topo) if cfg.scenario is not None else topo
     emulation = LinkEmulation(time_scale=cfg.time_scale, measure=False) if cfg.emulate_links else None
-    comm = jaxccl.Communicator(mesh, AXIS, topology=topo, backend=cfg.backend, link_emulation=emulation)
-    if emulation is not None and degraded is not topo:
+    transport = _attached_transport(mesh, cfg) if cfg.backend == "cpu" and jax.process_count() > 1 else None
+    try:
+        comm = jaxccl.Communicator(mesh, AXIS, topology=topo, backend=cfg.backend, link_emulation=emulation)
+    except BaseException:
+        Bench(comm=None, mesh=mesh, num_ranks=n, schedule_names={}, transport=transport).close()
+        raise
+    bench = Bench(comm=comm, mesh=mesh, num_ranks=n, schedule_names={}, topology=topo, transport=transport)
+    try:
+        _install(bench, cfg, degraded, topo)
+    except BaseException:
+        bench.close()
+        raise
+    return bench
+
+
+def _attached_transport(mesh: Any, cfg: BenchConfig) -> Any:
+    """The native executor's transport between processes, bootstrapped on ``jax.distributed`` and attached."""
+    from jaxccl.runtime.multiprocess import NETWORK_ONLY, ProcessTransport, attach
+
+    options = NETWORK_ONLY if cfg.network_only else None
+    transport = ProcessTransport.bootstrap(timeout_s=TRANSPORT_TIMEOUT_S, options=options)
+    try:
+        attach(transport, mesh, AXIS)
+    except BaseException:
+        transport.close()
+        raise
+    return transport
+
+
+def _install(bench: Bench, cfg: BenchConfig, degraded: Any, topo: Any) -> None:
+    """Installs the schedules ``cfg`` names and records the name each collective runs."""
+    from jaxccl.cli.bench_schedules import NAMES, load_file, schedules
+
+    comm, n = bench.comm, bench.num_ranks
+    if cfg.emulate_links and degraded is not topo:
         comm.inject(degraded)
     if cfg.schedule in NAMES:
         plan = schedules(cfg.schedule, cfg.collectives, degraded if degraded is not None else n, topo)
@@ -167,11 +244,9 @@ def setup(cfg: BenchConfig) -> Bench:
         else:
             # --no-validate exists to test the checker: the file runs as it is, the interpreter skipped.
             comm.stage_validated(schedule.collective.value, schedule, interpreter=False)
-    names = {}
     for c in cfg.collectives:
         active = comm.schedule(SCHEDULE_COLLECTIVE[c])
-        names[c] = active.name if active is not None else "reduce_scatter + all_gather"
-    return Bench(comm=comm, mesh=mesh, num_ranks=n, schedule_names=names, topology=topo)
+        bench.schedule_names[c] = active.name if active is not None else "reduce_scatter + all_gather"
 
 
 def _timed(fn: Callable[[Any], Any], x: Any) -> float:
@@ -219,7 +294,7 @@ def measure(bench: Bench, cfg: BenchConfig, collective: str, size: int) -> dict[
         "size": nbytes,
         "count": count,
         "type": cfg.dtype,
-        "redop": "sum" if collective in REDUCTIONS else "none",
+        "redop": REDOP.get(collective, "none"),
         "time_us": t_ours * 1e6,
         "algbw_GBs": algbw,
         "busbw_GBs": algbw * factor,
@@ -246,5 +321,5 @@ def run(cfg: BenchConfig) -> tuple[Bench, list[dict[str, Any]]]:
                 else:
                     rows.append(row)
     finally:
-        bench.comm.close()
+        bench.close()
     return bench, rows

@@ -11,6 +11,9 @@ Names (each for every collective of the sweep):
 - ``synth``: jaxccl's synthesizers for the topology, degraded by
   ``--scenario`` if one is given (AllReduce: synthesized ReduceScatter +
   AllGather).
+
+``psum``, ``pmax``, ``pmin`` and ``pmean`` share one AllReduce schedule (the
+operator is the call's): the plan holds it once, under the first of them.
 - ``static``: synthesized for the healthy topology (what runs before the
   closed loop reacts to ``--scenario``).
 
@@ -31,13 +34,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxccl.cli.args import UsageError, read_text
-from jaxccl.cli.bench_sweep import SCHEDULE_COLLECTIVE
+from jaxccl.cli.bench_sweep import ALL_REDUCES, SCHEDULE_COLLECTIVE
 from jaxccl.errors import JaxcclError
 
 __all__ = ["NAMES", "load_file", "schedules"]
 
 NAMES = ("direct", "ring", "nccl", "synth", "static")
-_BY_SCHEDULE_COLLECTIVE = {v: k for k, v in SCHEDULE_COLLECTIVE.items()}
+# A schedule file's collective as the bench names it (an AllReduce: psum, the family's first).
+_BY_SCHEDULE_COLLECTIVE = {v: k for k, v in reversed(SCHEDULE_COLLECTIVE.items())}
 
 
 def load_file(path: str) -> tuple[str, Any]:
@@ -80,7 +84,7 @@ def _baseline(name: str, collective: str, topo: Any) -> list[Any]:
         "all_gather": baselines.ring_allgather,
         "all_to_all": baselines.direct_alltoall,
         "psum_scatter": baselines.ring_reduce_scatter,
-        "psum": baselines.ring_allreduce,
+        **dict.fromkeys(ALL_REDUCES, baselines.ring_allreduce),
     }[collective]
     return [fn(topo)]
 
@@ -99,6 +103,8 @@ def schedules(name: str, collectives: Sequence[str], topo: Any, healthy: Any) ->
     if name == "direct":
         return plan
     for collective in collectives:
+        if collective in ALL_REDUCES and any(c in plan for c in ALL_REDUCES):
+            continue  # the family's AllReduce schedule is already planned
         try:
             if name in ("synth", "static"):
                 found = _synthesized(collective, topo if name == "synth" else healthy)

@@ -23,24 +23,49 @@ from typing import Any, TextIO
 
 __all__ = [
     "COLLECTIVES",
+    "DTYPES",
+    "REDOP",
     "SCHEDULE_COLLECTIVE",
     "bus_factor",
     "buffer_elements",
     "input_elements",
     "print_table",
+    "refusal",
     "summary",
     "sweep",
 ]
 
-COLLECTIVES = ("all_gather", "all_to_all", "psum_scatter", "psum")
+COLLECTIVES = ("all_gather", "all_to_all", "psum_scatter", "psum", "pmax", "pmin", "pmean")
+# The all-reduce family: one AllReduce schedule serves them all, with the call's operator.
+ALL_REDUCES = ("psum", "pmax", "pmin", "pmean")
 # The schedule IR's name of each collective (jaxccl.schedule.Collective values).
 SCHEDULE_COLLECTIVE = {
     "all_gather": "all_gather",
     "all_to_all": "all_to_all",
     "psum_scatter": "reduce_scatter",
-    "psum": "all_reduce",
+    **{c: "all_reduce" for c in ALL_REDUCES},
 }
-REDUCTIONS = ("psum_scatter", "psum")
+# nccl-tests' redop column (pmean: psum, then a division by N, as jax.lax.pmean).
+REDOP = {"psum_scatter": "sum", "psum": "sum", "pmax": "max", "pmin": "min", "pmean": "avg"}
+REDUCTIONS = tuple(REDOP)
+# Every dtype jaxccl moves; the 64-bit ones turn on JAX's x64 mode for the run.
+DTYPES = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "complex64",
+    "complex128",
+    "bool",
+)
 MAX_POINTS = 64
 
 
@@ -66,19 +91,51 @@ def bus_factor(collective: str, num_ranks: int) -> float:
     """busbw / algbw as nccl-tests defines it: what each rank's busiest link carries, per byte of ``size``.
 
     AllGather, ReduceScatter and AllToAll move ``(N-1)/N`` of the buffer over
-    the links of each rank; AllReduce is a ReduceScatter plus an AllGather,
-    ``2(N-1)/N``. With these factors busbw is comparable with the link speed
+    the links of each rank; AllReduce (``psum``, ``pmax``, ``pmin``, ``pmean``)
+    is a ReduceScatter plus an AllGather, ``2(N-1)/N``. With these factors busbw is comparable with the link speed
     whatever the collective and the rank count.
 
     >>> bus_factor("all_gather", 4), bus_factor("all_to_all", 4), bus_factor("psum_scatter", 4)
     (0.75, 0.75, 0.75)
     """
     n = num_ranks
-    if collective == "psum":
+    if collective in ALL_REDUCES:
         return 2 * (n - 1) / n
     if collective in COLLECTIVES:
         return (n - 1) / n
     raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+
+
+def refusal(collective: str, dtype: str) -> str | None:
+    """Why ``collective`` does not take ``dtype`` (``None`` when it does), as jaxccl and ``jax.lax`` decide.
+
+    AllGather and AllToAll move every dtype; sums take integers, floats and
+    complex numbers (``psum`` and ``pmean`` also bool, summed as int32);
+    ``pmax``/``pmin`` take integers, floats and bool (complex numbers have no order).
+
+    >>> refusal("pmax", "complex64")
+    'pmax has no max of complex64 (complex numbers have no order)'
+    >>> refusal("psum", "bool") is None, refusal("psum_scatter", "bool")
+    (True, 'psum_scatter has no sum of bool')
+    """
+    from jaxccl.schedule.reduction import ReduceOp, supports
+
+    if collective not in REDOP:
+        return None
+    op = {"max": ReduceOp.MAX, "min": ReduceOp.MIN}.get(REDOP[collective], ReduceOp.SUM)
+    if dtype == "bool" and collective in ("psum", "pmean"):
+        return None
+    if supports(op, _numpy_dtype(dtype)):
+        return None
+    why = " (complex numbers have no order)" if dtype.startswith("complex") else ""
+    return f"{collective} has no {op.name.lower()} of {dtype}{why}"
+
+
+def _numpy_dtype(name: str) -> Any:
+    import ml_dtypes
+    import numpy as np
+
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
 def buffer_elements(collective: str, size: int, *, num_ranks: int, itemsize: int) -> int:
