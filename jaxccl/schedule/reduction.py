@@ -7,14 +7,14 @@ result is bitwise equal to XLA:CPU's all-reduce, which folds the ranks in
 ascending order starting from the operator's identity, one step at a time in
 the element type (measured bit for bit, ``tests/test_reductions.py``):
 
-====== ============================== ==========================================
-op     step (``acc`` so far, ``x`` new) identity and what it implies
-====== ============================== ==========================================
-sum    ``x + acc``                     ``+0``: a sum of negative zeros is ``+0``
-max    ``x if acc < x else acc``       ``-inf``: NaN terms are skipped, ties keep
-                                       the earlier term (``max(-0, +0) = -0``)
-min    ``x if x < acc else acc``       ``+inf``
-====== ============================== ==========================================
+====== ================================== ==========================================
+op     step (``acc`` so far, ``x`` new)   identity and what it implies
+====== ================================== ==========================================
+sum    ``x + acc``                        ``+0``: a sum of negative zeros is ``+0``
+max    ``x if acc < x else acc``          ``-inf``: NaN terms are skipped, ties keep
+                                          the earlier term (``max(-0, +0) = -0``)
+min    ``x if x < acc else acc``          ``+inf``
+====== ================================== ==========================================
 
 float16 therefore rounds to float16 after every step. Of two NaNs a float32,
 float64 or complex64 sum keeps the new term's, a float16 sum the accumulator's
