@@ -9,6 +9,7 @@ import jaxccl
 from jaxccl.cli import main
 from jaxccl.cli.bench_sweep import COLLECTIVES, REDOP, bus_factor, refusal, sweep
 from jaxccl.runtime.default_schedules import direct_allgather
+from jaxccl.runtime.multiprocess import unavailable_reason as transport_unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["-b", "4K", "-e", "16K", "-f", "4", "-n", "2", "-w", "1", "--quiet"]
@@ -232,6 +233,10 @@ def test_a_missing_transport_or_lab_is_one_line_naming_what_to_install(monkeypat
     assert err.count("\n") == 1 and "need root" in err
 
 
+TRANSPORT_MISSING = transport_unavailable()
+needs_transport = pytest.mark.skipif(TRANSPORT_MISSING is not None, reason=f"{TRANSPORT_MISSING}")
+
+
 def _launched(tmp_path, capsys, *argv):
     out_json = tmp_path / "job.json"
     rc = main(["bench", *QUICK, "-e", "4K", "--processes", "2", "--devices", "2", "--json", str(out_json), *argv])
@@ -241,7 +246,7 @@ def _launched(tmp_path, capsys, *argv):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("backend", ["cpu", "ppermute"])
+@pytest.mark.parametrize("backend", [pytest.param("cpu", marks=needs_transport), "ppermute"])
 def test_processes_launches_two_processes_of_two_devices_and_prints_process_0s_table(tmp_path, capsys, backend):
     out, data = _launched(tmp_path, capsys, "--backend", backend)
     assert out.startswith("# jaxccl bench: 4 devices in 2 process(es)")  # the table, not the libraries' logs
@@ -252,6 +257,7 @@ def test_processes_launches_two_processes_of_two_devices_and_prints_process_0s_t
 
 
 @pytest.mark.multiprocess
+@needs_transport
 def test_the_native_backend_across_processes_catches_a_wrong_schedule(tmp_path, capsys):
     path = _swapped_allgather(tmp_path, num_ranks=4)
     out_json = tmp_path / "job.json"
@@ -262,6 +268,7 @@ def test_the_native_backend_across_processes_catches_a_wrong_schedule(tmp_path, 
 
 
 @pytest.mark.multiprocess
+@needs_transport
 @pytest.mark.skipif(
     __import__("jaxccl.netlab").netlab.unavailable_reason() is not None, reason="network namespaces unavailable"
 )
