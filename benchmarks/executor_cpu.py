@@ -24,6 +24,7 @@ import time
 
 import jaxccl
 from jaxccl import report
+from jaxccl.cli.bench_run import collective_body  # axis "d"
 
 NUM_DEVICES = 8
 COLLECTIVES = ("all_gather", "all_to_all", "psum_scatter", "psum")
@@ -31,16 +32,6 @@ IMPLS = ("jaxccl-cpu", "lax", "jaxccl-ppermute")
 FULL_SIZES = [4 << 10 << (2 * i) for i in range(7)]  # 4 KiB, 16 KiB, ..., 16 MiB
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20]
 ACCEPT = ((1 << 20, None, 1.0), (4 << 10, 4 << 10, 1.3))  # (from size, to size or None, largest ratio)
-
-
-def _body(lib, collective: str):
-    if collective == "all_gather":
-        return lambda v: lib.all_gather(v, "d", tiled=True)
-    if collective == "all_to_all":
-        return lambda v: lib.all_to_all(v, "d", 0, 0, tiled=True)
-    if collective == "psum_scatter":
-        return lambda v: lib.psum_scatter(v, "d", scatter_dimension=0, tiled=True)
-    return lambda v: lib.psum(v, "d")
 
 
 def _bound(size: int) -> float | None:
@@ -87,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def build(collective: str, impl: str):
         lib = jax.lax if impl == "lax" else jaxccl
-        f = jax.jit(jax.shard_map(_body(lib, collective), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        f = jax.jit(jax.shard_map(collective_body(lib, collective), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
         comm = comms.get(impl)
         if comm is None:
             return f

@@ -22,21 +22,12 @@ import sys
 import time
 
 from jaxccl import report
+from jaxccl.cli.bench_run import collective_body  # axis "d"
 
 COLLECTIVES = ("all_gather", "all_to_all", "psum_scatter", "psum")
 IMPLS = ("jaxccl-cpu", "lax", "jaxccl-ppermute")
 FULL_SIZES = [4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20]
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20]
-
-
-def _body(lib, collective: str):
-    if collective == "all_gather":
-        return lambda v: lib.all_gather(v, "d", tiled=True)
-    if collective == "all_to_all":
-        return lambda v: lib.all_to_all(v, "d", 0, 0, tiled=True)
-    if collective == "psum_scatter":
-        return lambda v: lib.psum_scatter(v, "d", scatter_dimension=0, tiled=True)
-    return lambda v: lib.psum(v, "d")
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -64,7 +55,7 @@ def worker(args: argparse.Namespace) -> int:
 
     def build(collective: str, impl: str):
         lib = jax.lax if impl == "lax" else jaxccl
-        f = jax.jit(jax.shard_map(_body(lib, collective), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+        f = jax.jit(jax.shard_map(collective_body(lib, collective), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
         comm = comms.get(impl)
         if comm is None:
             return f

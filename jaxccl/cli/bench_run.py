@@ -79,7 +79,14 @@ class Bench:
             self.transport = None
 
 
-def _body(lib: Any, collective: str) -> Callable[[Any], Any]:
+def collective_body(lib: Any, collective: str) -> Callable[[Any], Any]:
+    """The per-device function calling ``collective`` of ``lib`` (``jaxccl`` or ``jax.lax``) over mesh axis ``AXIS``.
+
+    Example:
+        >>> import jax
+        >>> collective_body(jax.lax, "pmax").__name__
+        '<lambda>'
+    """
     if collective == "all_gather":
         return lambda v: lib.all_gather(v, AXIS, tiled=True)
     if collective == "all_to_all":
@@ -271,7 +278,9 @@ def measure(bench: Bench, cfg: BenchConfig, collective: str, size: int) -> dict[
     x = _input(bench.mesh, collective, input_elements(collective, count, n), cfg.dtype, n, seed=size)
 
     def compiled(lib: Any) -> Callable[[Any], Any]:
-        return jax.jit(jax.shard_map(_body(lib, collective), mesh=bench.mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+        return jax.jit(
+            jax.shard_map(collective_body(lib, collective), mesh=bench.mesh, in_specs=P(AXIS), out_specs=P(AXIS))
+        )
 
     ours, lax = compiled(jaxccl), compiled(jax.lax)
     for _ in range(cfg.warmup):
