@@ -293,7 +293,15 @@ void CpuProxy::Run() {
                         r.arrived ? " (arrived; its slot stayed full)" : ", which never arrived (a failed or hung process?)");
         }
       }
-      if (what.empty()) what = StrCat(sends_expected_ - sends_done_, " message(s) to other processes were not sent or did not complete");
+      if (what.empty()) {
+        std::lock_guard<std::mutex> lock(send_mu_);
+        what = StrCat(sends_expected_ - sends_done_, " message(s) to other processes were not sent or did not complete");
+        if (!sends_.empty()) {  // name the process the oldest pending send goes to, as for a receive
+          const Send_& s = sends_.front();
+          what += StrCat(" (rank ", s.rank, "'s message ", s.msg, " of connection ", s.conn, " to rank ", s.peer_rank,
+                         " in process ", group_->process_of_rank[s.peer_rank], ": a failed or hung process?)");
+        }
+      }
       FailWith(StrCat("jaxccl: deadline exceeded: ", what, " for ", Seconds(l_->timeout_s_)),
                ffi::ErrorCode::kDeadlineExceeded);
       break;
