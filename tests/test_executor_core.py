@@ -93,6 +93,33 @@ def test_tiled_synthesized_all_gather_on_emulated_links():
     assert messages > sends and messages % sends == 0, "the relays did not run in tiles"
 
 
+def test_the_simulator_models_the_executors_tiling_rule():
+    """The simulator's tile cap and smallest tile are the values the executor core was built with."""
+    from jaxccl.sim import model
+
+    assert (model.MAX_TILES, model.MIN_TILE_BYTES) == (native.module().MAX_TILES, native.module().MIN_TILE_BYTES)
+
+
+def test_large_relayed_messages_run_in_more_than_32_tiles():
+    """A 4 MiB relayed message moves in 64 KiB tiles (64 of them), the count the simulator assumes."""
+    from jaxccl.sim.model import tiles_of
+
+    s = overtaking_all_gather().validate()
+    net = EmulatedNetwork(single_node(3), LinkEmulation(time_scale=1e-2, trace=True, measure=False))
+    try:
+        x = random((3 * (1 << 20),), np.float32, seed=5)  # one chunk of 4 MiB per rank and message
+        got = _run_on_network(s, x, net)
+        trace = net.take_trace()
+    finally:
+        net.close()
+    assert_bitwise(got, lax_ref(lambda v: lax.all_gather(v, AXIS, tiled=True), 3, x))
+    tiles = tiles_of(4 << 20)
+    assert tiles == 64
+    sends = sum(op.kind.value == "s" for rank in s.ranks for tb in rank for op in tb.ops)
+    assert len(trace) == sends * tiles
+    assert set(trace["bytes"].tolist()) == {(4 << 20) // tiles}
+
+
 @pytest.mark.parametrize("n", [1, 2, 5, 8])
 def test_direct_allgather(n):
     x = random((n * 1031,), np.float32, seed=n)

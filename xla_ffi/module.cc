@@ -342,4 +342,6 @@ NB_MODULE(_native, m) {
   m.attr("TABLE_VERSION") = kTableVersion;
   m.attr("TABLE_MAGIC") = kTableMagic;
   m.attr("CORE_API_VERSION") = kCoreApiVersion;
+  m.attr("MAX_TILES") = kMaxTiles;  // the tiling rule (core/protocol.h), which the simulator models
+  m.attr("MIN_TILE_BYTES") = kMinTileBytes;
 }

@@ -179,7 +179,7 @@ def run_jobs(
             weighted by its tile bytes: the executors' tile-by-tile service)
             or ``"messages"`` (every flow weighs the same); see
             :mod:`jaxccl.sim.model`.
-        max_tiles: the executor's cap on tiles per launch (32), replaced
+        max_tiles: the executor's cap on tiles per launch (256), replaced
             for what-if studies (``sharing="tiles"``).
         progress: called with the fraction of messages done.
         max_wall_s: give up (``RuntimeError``) after this much wall time.

@@ -316,7 +316,6 @@ def fig1(
 
 
 # --------------------------------------------------------------------------- Fig. 8
-WHAT_IF_TILES = 256  # 512 KiB tiles at 128 MiB messages: NCCL's protocol step
 
 
 def fig8(
@@ -327,7 +326,7 @@ def fig8(
     size: int = 128 * MiB,
     collectives: Sequence[str] = ("all_gather", "all_to_all"),
     exec_model: str = "dataflow",
-    what_if_tiles: int | None = WHAT_IF_TILES,
+    what_if_tiles: int | None = None,
     show_progress: bool = True,
 ) -> dict[str, Any]:
     """MCCL Fig. 8: 128 MB per source on 1x{2,4,8,16,32}x8 with no failure and Fail1-3.
@@ -342,8 +341,8 @@ def fig8(
         size: bytes per source.
         collectives: which collectives.
         what_if_tiles: also simulate the synthesized schedules (dataflow) with
-            this cap on the executor's tiles per launch instead of its 32
-            (``algbw_what_if_tiles`` in their rows); ``None``: skip.
+            this cap on the executor's tiles per launch instead of its
+            ``MAX_TILES`` (``algbw_what_if_tiles`` in their rows); ``None``: skip.
         show_progress: draw a progress bar on stderr.
     """
     t0 = time.perf_counter()

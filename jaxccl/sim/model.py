@@ -62,7 +62,7 @@ The model is MSCCL's (``docs/schedule-ir.md``) seen at flow level:
 * **Rates.** Concurrent flows share every link max-min fairly, weighted by the
   bytes of their *tiles* (``sharing="tiles"``, the default): jaxccl's
   executors cut a launch into tiles (``xla_ffi/core/protocol.h``,
-  ``ChooseTiles``: the largest message over 64 KiB, at most 32 tiles), a
+  ``ChooseTiles``: the largest message over 64 KiB, at most 256 tiles), a
   threadblock walks its units tile by tile, and a link serves the posted
   tiles of its connections in turn, so every active message advances by one
   tile per turn: its rate is proportional to its tile bytes, and the messages
@@ -114,8 +114,9 @@ DEFAULT_FLOW_BUDGET = 400_000  # messages x iterations that iterations="auto" al
 MAX_AUTO_ITERATIONS = 16
 EXECUTIONS = ("dataflow", "in_order")  # how a threadblock runs its ops; see the module docstring
 SHARINGS = ("tiles", "messages")  # how flows weigh in max-min link sharing; see the module docstring
-# The executor's tiling rule (xla_ffi/core/protocol.h: kMaxTiles, kMinTileBytes, ChooseTiles).
-MAX_TILES = 32
+# The executor's tiling rule (xla_ffi/core/protocol.h: kMaxTiles, kMinTileBytes, ChooseTiles); the native
+# module exports the executor's values as MAX_TILES and MIN_TILE_BYTES, and a test checks these against them.
+MAX_TILES = 256
 MIN_TILE_BYTES = 64 << 10
 
 # Message node kinds, in block order after the 2 * num_ops op nodes.
@@ -558,12 +559,12 @@ def compile_jobs(
 
 
 def tiles_of(largest_message_bytes: float, max_tiles: int = MAX_TILES) -> int:
-    """Tiles the executor cuts a launch into: its largest message over 64 KiB, between 1 and 32 (``ChooseTiles``).
+    """Tiles the executor cuts a launch into: its largest message over 64 KiB, between 1 and 256 (``ChooseTiles``).
 
-    ``max_tiles`` replaces the executor's cap of 32 (for what-if studies).
+    ``max_tiles`` replaces the executor's cap of 256 (for what-if studies).
 
-    >>> tiles_of(128 << 20), tiles_of(1 << 20), tiles_of(1000), tiles_of(128 << 20, max_tiles=256)
-    (32, 16, 1, 256)
+    >>> tiles_of(128 << 20), tiles_of(1 << 20), tiles_of(1000), tiles_of(128 << 20, max_tiles=32)
+    (256, 16, 1, 32)
     """
     return int(min(max(largest_message_bytes // MIN_TILE_BYTES, 1), max_tiles))
 

@@ -34,12 +34,16 @@ namespace jaxccl {
 // Ops of a threadblock a backend considers at once, from its first unfinished op (the in-order next op
 // is always among them, so dataflow order can never make less progress than program order).
 inline constexpr int32_t kLookahead = 256;
-// Most tiles a launch runs, and the smallest message a tile should still carry.
-inline constexpr int32_t kMaxTiles = 32;
+// Most tiles a launch runs, and the smallest message a tile should still carry: a 128 MiB message moves
+// in 512 KiB tiles (NCCL's protocol step), so a relay idles for 1/256 of it while its first tile arrives.
+// The simulator models the same rule with the values the native module exports as MAX_TILES and
+// MIN_TILE_BYTES (jaxccl/sim/model.py; tests/test_executor_core.py checks that they agree).
+inline constexpr int32_t kMaxTiles = 256;
 inline constexpr size_t kMinTileBytes = 64 << 10;
 
 // Tiles of a launch: one unless the program is tileable and the executor pipelines (a GPU always, the
-// CPU when it emulates links); then as many as keep its largest message >= kMinTileBytes per tile.
+// CPU when it emulates links); then as many as keep its largest message >= kMinTileBytes per tile, at
+// most kMaxTiles.
 JAXCCL_HD int32_t ChooseTiles(bool tileable, bool pipelined, size_t largest_message_bytes) {
   if (!tileable || !pipelined) return 1;
   const size_t t = largest_message_bytes / kMinTileBytes;
