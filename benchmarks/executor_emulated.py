@@ -8,10 +8,14 @@ untiled: the executor before dataflow order) and the ring baseline on the same
 fabric, interleaved, in the same run; algbw (emulated bytes/s: one rank's output bytes over the real time divided
 by the time scale) is the median over repetitions. The default time scale (1e-4) keeps the
 host's own work (copies, thread wake-ups) small against the emulated transfers. The acceptance ratio is
-measured / predicted (the synthesizer's large-message algbw).
+measured / predicted (the synthesizer's large-message algbw). ``--tile-cap N`` adds the synthesized
+schedule with at most N tiles per launch (``native.set_tile_cap``), interleaved with the others: what
+the executor's tile cap buys at sizes whose messages exceed N x 64 KiB; ``--no-baselines`` leaves out
+program order and the ring (slow at large sizes).
 
 Usage:
     PYTHONPATH=. nice -n 10 python benchmarks/executor_emulated.py [--quick] [--json results.json]
+    PYTHONPATH=. nice -n 10 python benchmarks/executor_emulated.py --mib 64 --tile-cap 32 --no-baselines
 """
 
 from __future__ import annotations
@@ -46,16 +50,22 @@ def _run(args: argparse.Namespace) -> dict:
     x = rng.standard_normal(8 * shard_elems).astype(np.float32)
     out_bytes = x.nbytes
     rows = []
+    capped = f"synthesized, at most {args.tile_cap} tiles"
+
+    def configure(key: str) -> None:
+        native.set_program_order(key == "synthesized, program order")
+        native.set_tile_cap(args.tile_cap if key == capped else None)
+
     for name in SCENARIOS:
         topo = base if name == "none" else scenario(base, name)
         emulation = LinkEmulation(time_scale=args.time_scale)
         synthesized = jaxccl.synth.allgather(topo)
-        schedules = {
-            "synthesized": synthesized,
-            "synthesized, program order": synthesized,
-            "ring": baselines.ring_allgather(8),
-        }
-        in_order = {"synthesized, program order"}
+        schedules = {"synthesized": synthesized}
+        if args.tile_cap:
+            schedules[capped] = synthesized
+        if not args.no_baselines:
+            schedules["synthesized, program order"] = synthesized
+            schedules["ring"] = baselines.ring_allgather(8)
         comms, fns = {}, {}
         for key, s in schedules.items():
             comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu", link_emulation=emulation)
@@ -65,7 +75,7 @@ def _run(args: argparse.Namespace) -> dict:
                     lambda v: jaxccl.all_gather(v, "d", tiled=True), mesh=mesh, in_specs=P("d"), out_specs=P("d")
                 )
             )
-            native.set_program_order(key in in_order)
+            configure(key)
             with comm:
                 out = np.asarray(f(x)).reshape(8, -1)
             if not all(np.array_equal(row, x) for row in out):
@@ -74,7 +84,7 @@ def _run(args: argparse.Namespace) -> dict:
         times = {k: [] for k in schedules}
         for _ in range(args.reps):
             for key in schedules:  # interleaved
-                native.set_program_order(key in in_order)
+                configure(key)
                 with comms[key]:
                     t0 = time.perf_counter()
                     fns[key](x).block_until_ready()
@@ -93,7 +103,15 @@ def _run(args: argparse.Namespace) -> dict:
                 }
             )
     native.set_program_order(False)
-    return {"time_scale": args.time_scale, "reps": args.reps, "rows": rows}
+    native.set_tile_cap(None)
+    return {
+        "time_scale": args.time_scale,
+        "reps": args.reps,
+        "mib": args.mib,
+        "max_tiles": native.module().MAX_TILES,
+        "tile_cap_compared": args.tile_cap,
+        "rows": rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.add_argument("--mib", type=int, default=16, help="one rank's AllGather output in MiB")
     p.add_argument("--time-scale", type=float, default=1e-4)
+    p.add_argument("--tile-cap", type=int, default=None, help="also run the synthesized schedule with this tile cap")
+    p.add_argument("--no-baselines", action="store_true", help="leave out program order and the ring")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.reps = 5 if args.quick else 11

@@ -100,24 +100,36 @@ def test_the_simulator_models_the_executors_tiling_rule():
     assert (model.MAX_TILES, model.MIN_TILE_BYTES) == (native.module().MAX_TILES, native.module().MIN_TILE_BYTES)
 
 
-def test_large_relayed_messages_run_in_more_than_32_tiles():
-    """A 4 MiB relayed message moves in 64 KiB tiles (64 of them), the count the simulator assumes."""
+@pytest.mark.parametrize("cap", [None, 16])
+def test_large_relayed_messages_run_in_more_than_32_tiles(cap):
+    """A 4 MiB relayed message moves in 64 KiB tiles (64 of them), the count the simulator assumes; a
+    comparison cap (``native.set_tile_cap``) cuts it into fewer, larger tiles."""
     from jaxccl.sim.model import tiles_of
 
     s = overtaking_all_gather().validate()
     net = EmulatedNetwork(single_node(3), LinkEmulation(time_scale=1e-2, trace=True, measure=False))
+    native.set_tile_cap(cap)
     try:
         x = random((3 * (1 << 20),), np.float32, seed=5)  # one chunk of 4 MiB per rank and message
         got = _run_on_network(s, x, net)
         trace = net.take_trace()
     finally:
+        native.set_tile_cap(None)
         net.close()
     assert_bitwise(got, lax_ref(lambda v: lax.all_gather(v, AXIS, tiled=True), 3, x))
-    tiles = tiles_of(4 << 20)
-    assert tiles == 64
+    tiles = tiles_of(4 << 20) if cap is None else tiles_of(4 << 20, max_tiles=cap)
+    assert tiles == (64 if cap is None else cap)
     sends = sum(op.kind.value == "s" for rank in s.ranks for tb in rank for op in tb.ops)
     assert len(trace) == sends * tiles
     assert set(trace["bytes"].tolist()) == {(4 << 20) // tiles}
+
+
+def test_tile_cap_out_of_range_is_refused():
+    for bad in (0, native.module().MAX_TILES + 1):
+        with pytest.raises(ValueError, match="tile cap"):
+            native.set_tile_cap(bad)
+    native.set_tile_cap(None)
+    assert native.module().tile_cap() == native.module().MAX_TILES
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 8])

@@ -89,10 +89,18 @@ std::map<int64_t, std::shared_ptr<ExecContextPool>>& Pools() {
 
 namespace {
 std::atomic<bool> g_program_order{false};
+std::atomic<int32_t> g_tile_cap{kMaxTiles};
 }  // namespace
 
 void SetProgramOrder(bool on) { g_program_order.store(on); }
 bool ProgramOrder() { return g_program_order.load(); }
+
+bool SetTileCap(int32_t max_tiles) {
+  if (max_tiles < 1 || max_tiles > kMaxTiles) return false;
+  g_tile_cap.store(max_tiles);
+  return true;
+}
+int32_t TileCap() { return g_tile_cap.load(); }
 
 std::shared_ptr<ExecContextPool> ContextPoolFor(int64_t slot) {
   std::lock_guard<std::mutex> lock(pools_mu);
@@ -203,7 +211,7 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
     if (OpSends(op.kind)) largest = std::max(largest, RangeBytes(t.chunks_per_period, *period, esize, op.send_offset(), op.count));
   }
   const bool tileable = !t.programs.empty() && ProgramView(t.programs[0].data()).tileable();
-  launch->tiles_ = ProgramOrder() ? 1 : ChooseTiles(tileable, launch->pace_, largest);
+  launch->tiles_ = ProgramOrder() ? 1 : ChooseTiles(tileable, launch->pace_, largest, TileCap());
   launch->lookahead_ = ProgramOrder() ? 1 : kLookahead;
   launch->op_stride_ = t.programs.empty() ? 0 : ProgramView(t.programs[0].data()).max_ops();
   launch->layout_ = RegionLayout{launch->op_stride_ * launch->tiles_, t.num_conns(), t.num_slots};

@@ -223,6 +223,9 @@ class CpuLaunch {
 // Program order (for comparisons): every threadblock runs its ops in order, untiled. Off by default.
 void SetProgramOrder(bool on);
 bool ProgramOrder();
+// Cap on the tiles of a launch (for comparisons): 1..kMaxTiles; kMaxTiles by default.
+bool SetTileCap(int32_t max_tiles);
+int32_t TileCap();
 
 // The context pool of a schedule slot (created on first use, dropped with remove()).
 std::shared_ptr<ExecContextPool> ContextPoolFor(int64_t slot);

@@ -309,6 +309,16 @@ NB_MODULE(_native, m) {
         "Comparisons only: the CPU executor runs every threadblock in program order, untiled (default off: "
         "dataflow order, tiles under link emulation).");
   m.def("program_order", &ProgramOrder);
+  m.def(
+      "set_tile_cap",
+      [](int32_t max_tiles) {
+        if (!SetTileCap(max_tiles)) {
+          throw nb::value_error(StrCat("jaxccl: the tile cap must be in 1..", kMaxTiles, ", got ", max_tiles).c_str());
+        }
+      },
+      nb::arg("max_tiles"),
+      "Comparisons only: the CPU executor runs at most this many tiles per launch (default MAX_TILES).");
+  m.def("tile_cap", &TileCap);
   m.def("stats", [] {
     nb::dict d;
     d["pending_rendezvous"] = CpuPendingRendezvous();

@@ -187,6 +187,20 @@ def set_program_order(on: bool) -> None:
     _native.set_program_order(bool(on))
 
 
+def set_tile_cap(max_tiles: int | None) -> None:
+    """For comparisons: the CPU executor cuts a launch into at most ``max_tiles`` tiles (``None``: the default).
+
+    The default is the executor core's ``MAX_TILES`` (docs/executor.md, "Tiles"); launches that start
+    afterwards use the cap.
+
+    >>> set_tile_cap(None)
+
+    Raises:
+        ValueError: ``max_tiles`` is outside ``1..MAX_TILES``.
+    """
+    _native.set_tile_cap(int(_native.MAX_TILES if max_tiles is None else max_tiles))
+
+
 def get_timeout() -> float:
     """The current deadline of rendezvous and executor waits, in seconds."""
     return float(_native.get_timeout())

@@ -43,11 +43,12 @@ inline constexpr size_t kMinTileBytes = 64 << 10;
 
 // Tiles of a launch: one unless the program is tileable and the executor pipelines (a GPU always, the
 // CPU when it emulates links); then as many as keep its largest message >= kMinTileBytes per tile, at
-// most kMaxTiles.
-JAXCCL_HD int32_t ChooseTiles(bool tileable, bool pipelined, size_t largest_message_bytes) {
+// most `max_tiles` (kMaxTiles; a smaller cap only for comparisons).
+JAXCCL_HD int32_t ChooseTiles(bool tileable, bool pipelined, size_t largest_message_bytes,
+                              int32_t max_tiles = kMaxTiles) {
   if (!tileable || !pipelined) return 1;
   const size_t t = largest_message_bytes / kMinTileBytes;
-  return t < 1 ? 1 : t > static_cast<size_t>(kMaxTiles) ? kMaxTiles : static_cast<int32_t>(t);
+  return t < 1 ? 1 : t > static_cast<size_t>(max_tiles) ? max_tiles : static_cast<int32_t>(t);
 }
 
 enum ProtocolError : int32_t {
