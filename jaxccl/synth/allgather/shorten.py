@@ -7,8 +7,16 @@ them: for a GPU at a tree's deepest level it moves the shallowest of its
 ancestors that can go under a parent at least two levels higher -- one
 outside its own subtree whose logical link still has room for the tree's
 chunks -- and the whole subtree rises with it; level by level, for as long
-as every deepest GPU can be lifted. Link loads stay within the
-capacities, so the rate (and its certificate) stays.
+as every deepest GPU can be lifted.
+
+Where the links into that ancestor are full (a GPU that needs every unit of
+its in-capacity, e.g. the one whose NVLink degraded), it swaps instead: a
+tree ``t2`` that takes the ancestor from the shallow parent ``q`` takes it
+from the old parent ``p`` instead, if ``t2`` stays shallow enough, and the
+lifted tree takes ``q``'s link. When the two trees carry different numbers
+of chunks, the larger one is split (both parts keep the same route except
+at the ancestor), so exactly as many chunks cross each link as before. Link
+loads stay within the capacities, so the rate (and its certificate) stays.
 """
 
 from __future__ import annotations
@@ -16,6 +24,34 @@ from __future__ import annotations
 import numpy as np
 
 from jaxccl.synth.allgather.packing import Packing, _all_depths
+
+
+class _Trees:
+    """Arborescences as growable arrays: ``root``, ``weight`` (chunks), ``parent`` and ``depth`` per tree."""
+
+    def __init__(self, roots: np.ndarray, weights: np.ndarray, parent: np.ndarray):
+        self.size = len(roots)
+        self.root = roots.astype(np.int64)
+        self.weight = weights.astype(np.int64)
+        self.parent = parent.astype(np.int64)
+        self.depth = _all_depths(self.parent, self.root)
+
+    def split(self, t: int, m: int) -> int:
+        """Moves ``m`` of tree ``t``'s chunks into a new tree with the same route; returns its index."""
+        if self.size == len(self.root):
+            self.root, self.weight = np.resize(self.root, 2 * self.size), np.resize(self.weight, 2 * self.size)
+            self.parent = np.concatenate([self.parent, self.parent])
+            self.depth = np.concatenate([self.depth, self.depth])
+        h = self.size
+        self.size += 1
+        self.root[h], self.weight[h] = self.root[t], m
+        self.weight[t] -= m
+        self.parent[h], self.depth[h] = self.parent[t], self.depth[t]
+        return h
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        s = self.size
+        return self.root[:s], self.weight[:s], self.parent[:s], self.depth[:s]
 
 
 def shorten(packing: Packing, links: dict[tuple[int, int], int]) -> Packing:
@@ -27,20 +63,20 @@ def shorten(packing: Packing, links: dict[tuple[int, int], int]) -> Packing:
     roots, weights, parent = packing.tree_arrays()
     if not len(roots):
         return packing
-    depth = _all_depths(parent, roots)
+    f = _Trees(roots, weights, parent)
     spare = np.zeros((n, n), dtype=np.int64)
     for (u, v), c in links.items():
         spare[u, v] += c
-    t_idx, v_idx = np.nonzero(parent >= 0)
-    np.subtract.at(spare, (parent[t_idx, v_idx], v_idx), weights[t_idx])
-    best = int(depth.max())
+    t_idx, v_idx = np.nonzero(f.parent >= 0)
+    np.subtract.at(spare, (f.parent[t_idx, v_idx], v_idx), f.weight[t_idx])
+    best = int(f.depth.max())
     moved = 0
     while best > 1:
         stuck = False
-        for t in np.flatnonzero(depth.max(axis=1) == best).tolist():
-            while not stuck and depth[t].max() == best:
-                x = int(np.argmax(depth[t]))
-                if _lift(t, x, roots, weights, parent, depth, spare):
+        for t in np.flatnonzero(f.depth[: f.size].max(axis=1) == best).tolist():
+            while not stuck and f.depth[t].max() == best:
+                x = int(np.argmax(f.depth[t]))
+                if _lift(f, t, x, spare):
                     moved += 1
                 else:
                     stuck = True
@@ -51,54 +87,63 @@ def shorten(packing: Packing, links: dict[tuple[int, int], int]) -> Packing:
         best -= 1
     if not moved:
         return packing
-    return Packing(n, packing.k, _pieces(n, roots, weights, parent, depth), packing.key, packing.method, packing.stats)
+    stats = {**packing.stats, "shorten_moves": moved}
+    return Packing(n, packing.k, _pieces(n, *f.arrays()), packing.key, packing.method, stats)
 
 
-def _lift(t: int, x: int, roots, weights, parent, depth, spare) -> bool:
+def _lift(f: _Trees, t: int, x: int, spare: np.ndarray) -> bool:
     """Moves one ancestor of GPU ``x`` in tree ``t`` (or ``x``) under a shallower parent with room; True if one moved.
 
     The shallowest ancestor that can move goes first: its whole subtree,
-    ``x`` included, rises with it.
+    ``x`` included, rises with it. Only part of tree ``t`` may move (a
+    split); the rest stays for the next call.
     """
-    w = int(weights[t])
+    root, parent, depth = f.root, f.parent, f.depth
+    w = int(f.weight[t])
     chain = [x]
     while depth[t, chain[-1]] > 2:
         chain.append(int(parent[t, chain[-1]]))
     best = int(depth[t, x])
     for a in reversed(chain):
         cand = np.flatnonzero(depth[t] <= depth[t, a] - 2)
-        cand = cand[~_inside(parent[t], roots[t], cand, a)]  # a parent in a's own subtree would close a cycle
+        cand = cand[~_inside(parent[t], root[t], cand, a)]  # a parent in a's own subtree would close a cycle
         if not cand.size:
             continue
         p = int(parent[t, a])
         room = cand[spare[cand, a] >= w]
         if room.size:
             q = int(room[np.lexsort((-spare[room, a], depth[t, room]))[0]])
-            _move(t, a, p, q, w, roots, parent, depth, spare)
+            _move(f, t, a, p, q, w, spare)
             return True
-        # Swap: a tree t2 that takes a from q gives that link up and takes a from p instead.
+        # Swap: a tree t2 that takes a from q gives (part of) that link up and takes a from p instead.
+        users = parent[: f.size, a]
         for q in cand[np.argsort(depth[t, cand], kind="stable")].tolist():
-            for t2 in np.flatnonzero(parent[:, a] == q).tolist():
-                w2 = int(weights[t2])
-                if t2 == t or spare[q, a] + w2 < w or spare[p, a] + w < w2:
+            for t2 in np.flatnonzero(users == q).tolist():
+                if t2 == t:
                     continue
-                if _inside(parent[t2], roots[t2], np.array([p]), a)[0]:
+                w2 = int(f.weight[t2])
+                m = min(w, w2 + int(spare[q, a]))  # chunks of t that move to q
+                m2 = max(0, m - int(spare[q, a]))  # chunks of t2 that make room for them, moving to p
+                if m2 > int(spare[p, a]) + m:
+                    continue
+                if _inside(parent[t2], root[t2], np.array([p]), a)[0]:
                     continue
                 shift = depth[t2, p] - depth[t2, q]
-                sub = _inside(parent[t2], roots[t2], np.arange(parent.shape[1]), a)
+                sub = _inside(parent[t2], root[t2], np.arange(parent.shape[1]), a)
                 if depth[t2, sub].max() + shift > best - 1:
                     continue
-                _move(t2, a, q, p, w2, roots, parent, depth, spare)
-                _move(t, a, p, q, w, roots, parent, depth, spare)
+                if m2:
+                    _move(f, t2 if m2 == w2 else f.split(t2, m2), a, q, p, m2, spare)
+                _move(f, t if m == w else f.split(t, m), a, p, q, m, spare)
                 return True
     return False
 
 
-def _move(t: int, a: int, old: int, new: int, w: int, roots, parent, depth, spare) -> None:
+def _move(f: _Trees, t: int, a: int, old: int, new: int, w: int, spare: np.ndarray) -> None:
     spare[old, a] += w
     spare[new, a] -= w
-    parent[t, a] = new
-    depth[t] = _all_depths(parent[t : t + 1], roots[t : t + 1])[0]
+    f.parent[t, a] = new
+    f.depth[t] = _all_depths(f.parent[t : t + 1], f.root[t : t + 1])[0]
 
 
 def _inside(parent_row: np.ndarray, root: int, nodes: np.ndarray, a: int) -> np.ndarray:
