@@ -43,7 +43,7 @@ import scipy.sparse as sp
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from jaxccl.errors import SynthesisError
-from jaxccl.synth.allgather.flow import INF, FlowNetwork
+from jaxccl.synth.allgather.flow import INF, FlowNetwork, small_bipartite_flow
 
 
 @dataclasses.dataclass
@@ -72,13 +72,27 @@ class Packing:
     method: str
     stats: dict
 
+    def _memo(self, name: str, make):
+        """``make()``, computed once per packing (its pieces do not change) and returned read-only."""
+        cached = self.__dict__.get(name)
+        if cached is None:
+            cached = make()
+            for a in cached if isinstance(cached, tuple) else (cached,):
+                a.flags.writeable = False
+            self.__dict__[name] = cached
+        return cached
+
     def all_pieces(self) -> np.ndarray:
-        """Rows ``(root, parent, child, first, count, level)`` of every piece."""
-        rows = [
-            np.column_stack([p[:, 0], p[:, 1], np.full(len(p), v), p[:, 2], p[:, 3], p[:, 4]])
-            for v, p in enumerate(self.pieces)
-        ]
-        return np.concatenate(rows) if rows else np.zeros((0, 6), dtype=np.int64)
+        """Rows ``(root, parent, child, first, count, level)`` of every piece (read-only)."""
+        return self._memo("_all_pieces", self._all_pieces)
+
+    def _all_pieces(self) -> np.ndarray:
+        counts = [len(p) for p in self.pieces]
+        if not sum(counts):
+            return np.zeros((0, 6), dtype=np.int64)
+        rows = np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1, 5) for p in self.pieces])
+        child = np.repeat(np.arange(len(self.pieces), dtype=np.int64), counts)
+        return np.column_stack([rows[:, :2], child, rows[:, 2:]])
 
     def link_load(self) -> dict[tuple[int, int], int]:
         """Chunks per period on every logical link."""
@@ -91,11 +105,14 @@ class Packing:
     def tree_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The distinct arborescences as arrays ``(root, chunks, parent)``: tree ``t`` of root ``root[t]`` carries
         ``chunks[t]`` consecutive chunks (trees of a root in chunk order) and gives every GPU its parent
-        ``parent[t]`` (``-1`` at the root).
+        ``parent[t]`` (``-1`` at the root). Read-only.
 
         Raises:
             SynthesisError: if the pieces do not form ``k`` spanning arborescences per root.
         """
+        return self._memo("_tree_arrays", self._tree_arrays)
+
+    def _tree_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n, k = self.n, self.k
         a = self.all_pieces()
         span = k + 1
@@ -118,8 +135,10 @@ class Packing:
 
     def max_depth(self) -> int:
         """The largest number of hops from a root to a GPU over all trees."""
-        roots, _, parent = self.tree_arrays()
-        return int(_all_depths(parent, roots).max()) if len(roots) else 0
+        if "_max_depth" not in self.__dict__:
+            roots, _, parent = self.tree_arrays()
+            self.__dict__["_max_depth"] = int(_all_depths(parent, roots).max()) if len(roots) else 0
+        return self.__dict__["_max_depth"]
 
     def trees(self) -> list[list[tuple[int, list[tuple[int, int]]]]]:
         """Per root, its distinct arborescences: ``(chunks, [(parent, child), ...])``, children ascending."""
@@ -502,76 +521,14 @@ def _edge_flows(flow: sp.csr_array, rows: np.ndarray, cols: np.ndarray) -> np.nd
     return np.asarray(f.data)[order][pos].astype(np.int64)
 
 
-def _small_bipartite(demand: np.ndarray, allowed: np.ndarray, icap: np.ndarray) -> np.ndarray:
-    """:func:`_bipartite` for small matrices in plain Python (numpy's and scipy's per-call overhead would dominate).
-
-    A greedy assignment in row order, then augmenting paths (Ford-Fulkerson: a group takes a link's capacity
-    that another group gives up by moving to a link with capacity left) until none is left: a maximum flow.
-    """
-    left = [int(x) for x in np.asarray(icap).tolist()]
-    rows = allowed.tolist()
-    m, d = len(rows), len(left)
-    need = [int(x) for x in np.asarray(demand).tolist()]
-    flow = [[0] * d for _ in range(m)]
-    for i in range(m):
-        row, out = rows[i], flow[i]
-        for j in range(d):
-            if need[i] <= 0:
-                break
-            if row[j] and left[j] > 0:
-                take = min(need[i], left[j])
-                out[j] += take
-                left[j] -= take
-                need[i] -= take
-    users = [[g for g in range(m) if flow[g][j] > 0] for j in range(d)]
-    for i in range(m):
-        while need[i] > 0:
-            via_edge: dict[int, int] = {}  # link -> the group that takes it
-            via_group: dict[int, int] = {i: -1}  # group -> the link it gives up
-            queue, head, end = [i], 0, -1
-            while head < len(queue) and end < 0:
-                g = queue[head]
-                head += 1
-                for j in range(d):
-                    if rows[g][j] and j not in via_edge:
-                        via_edge[j] = g
-                        if left[j] > 0:
-                            end = j
-                            break
-                        for g2 in users[j]:
-                            if g2 not in via_group and flow[g2][j] > 0:
-                                via_group[g2] = j
-                                queue.append(g2)
-            if end < 0:
-                break
-            amount, j = min(need[i], left[end]), end
-            path = []
-            while True:
-                g = via_edge[j]
-                back = via_group[g]
-                path.append((g, j, back))
-                if back < 0:
-                    break
-                amount = min(amount, flow[g][back])
-                j = back
-            for g, j, back in path:
-                if flow[g][j] == 0:
-                    users[j].append(g)
-                flow[g][j] += amount
-                if back >= 0:
-                    flow[g][back] -= amount
-            left[end] -= amount
-            need[i] -= amount
-    return np.array(flow, dtype=np.int64).reshape(allowed.shape)
-
-
 def _bipartite(demand: np.ndarray, allowed: np.ndarray, icap: np.ndarray, *, greedy: bool = False) -> np.ndarray:
     """Max-flow from groups (``demand``) to allowed in-links (capacity ``icap``); the flow per (group, link).
 
-    ``greedy=True`` uses :func:`_small_bipartite` (the same flow value, another assignment).
+    ``greedy=True`` uses :func:`~jaxccl.synth.allgather.flow.small_bipartite_flow` (the same flow value, another
+    assignment).
     """
     if greedy:
-        return _small_bipartite(demand, allowed, icap)
+        return small_bipartite_flow(demand, allowed, icap)
     m, d = allowed.shape
     ri, ei = np.nonzero(allowed)
     s, t = m + d, m + d + 1

@@ -17,6 +17,11 @@ lifted tree takes ``q``'s link. When the two trees carry different numbers
 of chunks, the larger one is split (both parts keep the same route except
 at the ancestor), so exactly as many chunks cross each link as before. Link
 loads stay within the capacities, so the rate (and its certificate) stays.
+
+A level is removed completely or not at all (its moves are undone when one
+of its GPUs cannot be lifted), and splits may at most double the number of
+trees (:data:`MAX_TREE_GROWTH`; a level that needs more stays): every tree
+adds operations to the schedule.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxccl.synth.allgather.packing import Packing, _all_depths
+
+MAX_TREE_GROWTH = 2  # splits may at most double the trees (the schedule's size grows with them)
 
 
 class _Trees:
@@ -49,6 +56,15 @@ class _Trees:
         self.parent[h], self.depth[h] = self.parent[t], self.depth[t]
         return h
 
+    def snapshot(self) -> tuple:
+        s = self.size
+        return s, self.root[:s].copy(), self.weight[:s].copy(), self.parent[:s].copy(), self.depth[:s].copy()
+
+    def restore(self, saved: tuple) -> None:
+        s, root, weight, parent, depth = saved
+        self.size = s
+        self.root[:s], self.weight[:s], self.parent[:s], self.depth[:s] = root, weight, parent, depth
+
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         s = self.size
         return self.root[:s], self.weight[:s], self.parent[:s], self.depth[:s]
@@ -71,19 +87,29 @@ def shorten(packing: Packing, links: dict[tuple[int, int], int]) -> Packing:
     np.subtract.at(spare, (f.parent[t_idx, v_idx], v_idx), f.weight[t_idx])
     best = int(f.depth.max())
     moved = 0
+    max_trees = MAX_TREE_GROWTH * f.size
     while best > 1:
+        saved, saved_spare, level_moves = f.snapshot(), spare.copy(), 0
+        if int((f.depth[: f.size] == best).sum()) > max_trees - f.size + len(roots):
+            break  # more GPUs to lift than splits left (most lifts on a tight level split a tree): keep this level
         stuck = False
-        for t in np.flatnonzero(f.depth[: f.size].max(axis=1) == best).tolist():
-            while not stuck and f.depth[t].max() == best:
-                x = int(np.argmax(f.depth[t]))
-                if _lift(f, t, x, spare):
-                    moved += 1
-                else:
-                    stuck = True
-            if stuck:
-                break
-        if stuck:
+        deep = np.flatnonzero(f.depth[: f.size].max(axis=1) == best)
+        while len(deep) and not stuck:
+            for t in deep.tolist():  # (a split may copy a tree that still has GPUs this deep: the next round)
+                while not stuck and f.depth[t].max() == best:
+                    x = int(np.argmax(f.depth[t]))
+                    if _lift(f, t, x, spare) and f.size <= max_trees:
+                        level_moves += 1
+                    else:
+                        stuck = True
+                if stuck:
+                    break
+            deep = np.flatnonzero(f.depth[: f.size].max(axis=1) == best)
+        if stuck:  # this level stays: undo its moves (and the splits they made)
+            f.restore(saved)
+            spare = saved_spare
             break
+        moved += level_moves
         best -= 1
     if not moved:
         return packing
@@ -98,7 +124,7 @@ def _lift(f: _Trees, t: int, x: int, spare: np.ndarray) -> bool:
     ``x`` included, rises with it. Only part of tree ``t`` may move (a
     split); the rest stays for the next call.
     """
-    root, parent, depth = f.root, f.parent, f.depth
+    parent, depth = f.parent, f.depth
     w = int(f.weight[t])
     chain = [x]
     while depth[t, chain[-1]] > 2:
@@ -106,57 +132,57 @@ def _lift(f: _Trees, t: int, x: int, spare: np.ndarray) -> bool:
     best = int(depth[t, x])
     for a in reversed(chain):
         cand = np.flatnonzero(depth[t] <= depth[t, a] - 2)
-        cand = cand[~_inside(parent[t], root[t], cand, a)]  # a parent in a's own subtree would close a cycle
+        if not cand.size:
+            continue
+        sub = _subtree(parent[t], depth[t], a)
+        cand = cand[~sub[cand]]  # a parent in a's own subtree would close a cycle
         if not cand.size:
             continue
         p = int(parent[t, a])
         room = cand[spare[cand, a] >= w]
         if room.size:
             q = int(room[np.lexsort((-spare[room, a], depth[t, room]))[0]])
-            _move(f, t, a, p, q, w, spare)
+            _move(f, t, a, p, q, w, spare, sub)
             return True
         # Swap: a tree t2 that takes a from q gives (part of) that link up and takes a from p instead.
-        users = parent[: f.size, a]
-        for q in cand[np.argsort(depth[t, cand], kind="stable")].tolist():
-            for t2 in np.flatnonzero(users == q).tolist():
-                if t2 == t:
-                    continue
-                w2 = int(f.weight[t2])
-                m = min(w, w2 + int(spare[q, a]))  # chunks of t that move to q
-                m2 = max(0, m - int(spare[q, a]))  # chunks of t2 that make room for them, moving to p
-                if m2 > int(spare[p, a]) + m:
-                    continue
-                if _inside(parent[t2], root[t2], np.array([p]), a)[0]:
-                    continue
-                shift = depth[t2, p] - depth[t2, q]
-                sub = _inside(parent[t2], root[t2], np.arange(parent.shape[1]), a)
-                if depth[t2, sub].max() + shift > best - 1:
-                    continue
-                if m2:
-                    _move(f, t2 if m2 == w2 else f.split(t2, m2), a, q, p, m2, spare)
-                _move(f, t if m == w else f.split(t, m), a, p, q, m, spare)
-                return True
+        is_cand = np.zeros(parent.shape[1], dtype=bool)
+        is_cand[cand] = True
+        t2s = np.flatnonzero(is_cand[np.maximum(parent[: f.size, a], 0)] & (parent[: f.size, a] >= 0))
+        t2s = t2s[t2s != t]
+        qs = parent[t2s, a]
+        shift = depth[t2s, p] - depth[t2s, qs]
+        fits = depth[t2s, a] + shift <= best - 1  # a itself ends shallow enough (its subtree is checked below)
+        t2s, qs, shift = t2s[fits], qs[fits], shift[fits]
+        for i in np.lexsort((t2s, depth[t, qs])).tolist():  # shallowest q first
+            t2, q = int(t2s[i]), int(qs[i])
+            sub2 = _subtree(parent[t2], depth[t2], a)
+            if sub2[p] or depth[t2, sub2].max() + shift[i] > best - 1:
+                continue
+            w2 = int(f.weight[t2])
+            m = min(w, w2 + int(spare[q, a]))  # chunks of t that move to q
+            m2 = max(0, m - int(spare[q, a]))  # chunks of t2 that make room for them, moving to p
+            if m2:
+                _move(f, t2 if m2 == w2 else f.split(t2, m2), a, q, p, m2, spare, sub2)
+            _move(f, t if m == w else f.split(t, m), a, p, q, m, spare, sub)
+            return True
     return False
 
 
-def _move(f: _Trees, t: int, a: int, old: int, new: int, w: int, spare: np.ndarray) -> None:
+def _move(f: _Trees, t: int, a: int, old: int, new: int, w: int, spare: np.ndarray, sub: np.ndarray) -> None:
+    """Re-hangs ``a`` (its subtree ``sub``) from ``old`` to ``new`` in tree ``t`` (``w`` chunks)."""
     spare[old, a] += w
     spare[new, a] -= w
     f.parent[t, a] = new
-    f.depth[t] = _all_depths(f.parent[t : t + 1], f.root[t : t + 1])[0]
+    f.depth[t, sub] += f.depth[t, new] + 1 - f.depth[t, a]
 
 
-def _inside(parent_row: np.ndarray, root: int, nodes: np.ndarray, a: int) -> np.ndarray:
-    """Which ``nodes`` lie in ``a``'s subtree of the tree ``parent_row``."""
-    inside = np.zeros(nodes.size, dtype=bool)
-    cur = nodes.copy()
-    for _ in range(parent_row.size):
-        inside |= cur == a
-        at_root = cur == root
-        if at_root.all():
-            break
-        cur = np.where(at_root, cur, parent_row[np.maximum(cur, 0)])
-    return inside
+def _subtree(parent_row: np.ndarray, depth_row: np.ndarray, a: int) -> np.ndarray:
+    """The mask of ``a`` and its descendants in the tree ``parent_row`` (depths ``depth_row``)."""
+    cur = np.arange(parent_row.size)
+    level = depth_row[a]
+    for _ in range(int(depth_row.max()) - level):  # climb every GPU up to a's level
+        cur = np.where(depth_row[cur] > level, parent_row[cur], cur)
+    return cur == a
 
 
 def _pieces(n: int, roots: np.ndarray, weights: np.ndarray, parent: np.ndarray, depth: np.ndarray) -> list[np.ndarray]:
