@@ -33,6 +33,7 @@ def half_link_torus() -> tuple[Topology, Topology]:
 CASES = {
     "demo": demo_fabric,
     "1x2x8 fail2": lambda: (rail(hosts=2), scenario(rail(hosts=2), "fail2")),
+    "1x4x8 fail1": lambda: (rail(hosts=4), scenario(rail(hosts=4), "fail1")),  # needs a lift in two steps
     "torus 8x8 one link at half": half_link_torus,
 }
 

@@ -122,7 +122,9 @@ def _lift(f: _Trees, t: int, x: int, spare: np.ndarray) -> bool:
 
     The shallowest ancestor that can move goes first: its whole subtree,
     ``x`` included, rises with it. Only part of tree ``t`` may move (a
-    split); the rest stays for the next call.
+    split); the rest stays for the next call. If no ancestor can move, one
+    whose link from a GPU one level up has room goes under that GPU after
+    lifting it first (two steps).
     """
     parent, depth = f.parent, f.depth
     w = int(f.weight[t])
@@ -131,40 +133,62 @@ def _lift(f: _Trees, t: int, x: int, spare: np.ndarray) -> bool:
         chain.append(int(parent[t, chain[-1]]))
     best = int(depth[t, x])
     for a in reversed(chain):
-        cand = np.flatnonzero(depth[t] <= depth[t, a] - 2)
-        if not cand.size:
-            continue
-        sub = _subtree(parent[t], depth[t], a)
-        cand = cand[~sub[cand]]  # a parent in a's own subtree would close a cycle
-        if not cand.size:
-            continue
-        p = int(parent[t, a])
-        room = cand[spare[cand, a] >= w]
-        if room.size:
-            q = int(room[np.lexsort((-spare[room, a], depth[t, room]))[0]])
-            _move(f, t, a, p, q, w, spare, sub)
+        if _rehang(f, t, a, int(depth[t, a]) - 2, best, spare):
             return True
-        # Swap: a tree t2 that takes a from q gives (part of) that link up and takes a from p instead.
-        is_cand = np.zeros(parent.shape[1], dtype=bool)
-        is_cand[cand] = True
-        t2s = np.flatnonzero(is_cand[np.maximum(parent[: f.size, a], 0)] & (parent[: f.size, a] >= 0))
-        t2s = t2s[t2s != t]
-        qs = parent[t2s, a]
-        shift = depth[t2s, p] - depth[t2s, qs]
-        fits = depth[t2s, a] + shift <= best - 1  # a itself ends shallow enough (its subtree is checked below)
-        t2s, qs, shift = t2s[fits], qs[fits], shift[fits]
-        for i in np.lexsort((t2s, depth[t, qs])).tolist():  # shallowest q first
-            t2, q = int(t2s[i]), int(qs[i])
-            sub2 = _subtree(parent[t2], depth[t2], a)
-            if sub2[p] or depth[t2, sub2].max() + shift[i] > best - 1:
-                continue
-            w2 = int(f.weight[t2])
-            m = min(w, w2 + int(spare[q, a]))  # chunks of t that move to q
-            m2 = max(0, m - int(spare[q, a]))  # chunks of t2 that make room for them, moving to p
-            if m2:
-                _move(f, t2 if m2 == w2 else f.split(t2, m2), a, q, p, m2, spare, sub2)
-            _move(f, t if m == w else f.split(t, m), a, p, q, m, spare, sub)
-            return True
+    for a in reversed(chain):
+        level = int(f.depth[t, a])
+        if level < 3:
+            continue
+        sub = _subtree(f.parent[t], f.depth[t], a)
+        p = int(f.parent[t, a])
+        for q in np.flatnonzero((f.depth[t] >= level - 1) & ~sub & (spare[:, a] >= w)).tolist():
+            if _rehang(f, t, q, level - 3, best, spare, split=False):
+                _move(f, t, a, p, q, w, spare, sub)
+                return True
+    return False
+
+
+def _rehang(f: _Trees, t: int, a: int, limit: int, best: int, spare: np.ndarray, *, split: bool = True) -> bool:
+    """Hangs ``a`` in tree ``t`` under a parent at most ``limit`` deep: over a link with room, else by a swap
+    with another tree (that stays above depth ``best``); True if it moved. ``split=False``: all of ``t`` or nothing."""
+    parent, depth = f.parent, f.depth
+    w = int(f.weight[t])
+    cand = np.flatnonzero(depth[t] <= limit)
+    if not cand.size:
+        return False
+    sub = _subtree(parent[t], depth[t], a)
+    cand = cand[~sub[cand]]  # a parent in a's own subtree would close a cycle
+    if not cand.size:
+        return False
+    p = int(parent[t, a])
+    room = cand[spare[cand, a] >= w]
+    if room.size:
+        q = int(room[np.lexsort((-spare[room, a], depth[t, room]))[0]])
+        _move(f, t, a, p, q, w, spare, sub)
+        return True
+    # Swap: a tree t2 that takes a from q gives (part of) that link up and takes a from p instead.
+    is_cand = np.zeros(parent.shape[1], dtype=bool)
+    is_cand[cand] = True
+    t2s = np.flatnonzero(is_cand[np.maximum(parent[: f.size, a], 0)] & (parent[: f.size, a] >= 0))
+    t2s = t2s[t2s != t]
+    qs = parent[t2s, a]
+    shift = depth[t2s, p] - depth[t2s, qs]
+    fits = depth[t2s, a] + shift <= best - 1  # a itself ends shallow enough (its subtree is checked below)
+    t2s, qs, shift = t2s[fits], qs[fits], shift[fits]
+    for i in np.lexsort((t2s, depth[t, qs])).tolist():  # shallowest q first
+        t2, q = int(t2s[i]), int(qs[i])
+        w2 = int(f.weight[t2])
+        m = min(w, w2 + int(spare[q, a]))  # chunks of t that move to q
+        if m < w and not split:
+            continue
+        sub2 = _subtree(parent[t2], depth[t2], a)
+        if sub2[p] or depth[t2, sub2].max() + shift[i] > best - 1:
+            continue
+        m2 = max(0, m - int(spare[q, a]))  # chunks of t2 that make room for them, moving to p
+        if m2:
+            _move(f, t2 if m2 == w2 else f.split(t2, m2), a, q, p, m2, spare, sub2)
+        _move(f, t if m == w else f.split(t, m), a, p, q, m, spare, sub)
+        return True
     return False
 
 
