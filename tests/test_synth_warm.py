@@ -79,3 +79,27 @@ def test_shorten_splits_a_tree_to_swap_a_full_link():
     assert sorted(chunks[roots == 1].tolist()) == [2, 3]  # root 1's tree split
     assert all(load <= links.get(e, 0) for e, load in short.link_load().items())
     allgather_schedule(short, name="shortened").validate()
+
+
+def test_demo_repair_needs_no_max_flow_check():
+    base, topo = demo_fabric()
+    warm = allgather(topo, previous=allgather(base)).validate()
+    stats = warm.info["packing_stats"]
+    assert stats["repaired_groups"] > 0  # something was re-grown ...
+    assert stats["checks"] == 0 and stats["repair_scarce_checked"] == 0  # ... by the unchecked repair
+
+
+def test_what_depends_only_on_the_links_is_computed_once_per_fabric():
+    from jaxccl.synth.allgather.bound import switch_cuts
+    from jaxccl.synth.allgather.driver import switch_groups
+    from jaxccl.synth.allgather.network import build_net
+
+    base, topo = demo_fabric()
+    healthy, degraded = build_net(base), build_net(topo)
+    assert not np.array_equal(healthy.units, degraded.units)
+    assert switch_groups(healthy) is switch_groups(degraded)
+    assert switch_cuts(healthy) is switch_cuts(degraded)
+    assert all(not a.flags.writeable for a in switch_groups(healthy) + switch_cuts(healthy))
+    other = build_net(rail(hosts=2, gpus_per_host=2))
+    assert switch_groups(other) is not switch_groups(healthy)
+    assert [g.tolist() for g in switch_groups(healthy)][:2] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # host 0, the rest
