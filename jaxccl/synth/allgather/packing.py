@@ -148,11 +148,16 @@ class Packing:
 def tree_lists(packing: Packing) -> list[list[list]]:
     """:meth:`Packing.trees` as plain lists, ``[[chunks, [[parent, child], ...]], ...]`` per root (JSON-ready)."""
     roots, weights, parent = packing.tree_arrays()
-    out: list[list[list]] = [[] for _ in range(packing.n)]
-    nodes = np.arange(packing.n)
-    for r, w, par in zip(roots.tolist(), weights.tolist(), parent):
-        keep = nodes != r
-        out[r].append([w, np.column_stack([par[keep], nodes[keep]]).tolist()])
+    n = packing.n
+    out: list[list[list]] = [[] for _ in range(n)]
+    if not len(roots):
+        return out
+    # every tree's (parent, child) pairs at once, the root's own entry dropped: one conversion to lists
+    keep = np.arange(n)[None, :] != roots[:, None]
+    children = np.broadcast_to(np.arange(n), parent.shape)[keep].reshape(len(roots), n - 1)
+    pairs = np.stack([parent[keep].reshape(len(roots), n - 1), children], axis=2).tolist()
+    for r, w, edges in zip(roots.tolist(), weights.tolist(), pairs):
+        out[r].append([w, edges])
     return out
 
 
