@@ -449,17 +449,18 @@ class _Matcher:
         return ~side[:n]  # the violated set: nodes on v's side
 
     def _apply(self, v: int, groups: np.ndarray, edges: np.ndarray, taken: np.ndarray, level: int) -> None:
-        holders = self.src[edges]
+        holders = self.src[edges].tolist()
         self.remaining[edges] -= taken.sum(axis=0)
-        got = taken.sum(axis=1)
-        self.missing[v] -= int(got.sum())
-        for gi in np.flatnonzero(got).tolist():
-            g = int(groups[gi])
+        got_a = taken.sum(axis=1)
+        self.missing[v] -= int(got_a.sum())
+        got, group_of, taken_l = got_a.tolist(), groups.tolist(), taken.tolist()
+        for gi in np.flatnonzero(got_a).tolist():
+            g = group_of[gi]
             if got[gi] < self.count[g]:  # split: the rest becomes a new group with the same history
                 self.root.append(self.root[g])
-                self.first.append(self.first[g] + int(got[gi]))
-                self.count.append(self.count[g] - int(got[gi]))
-                self.count[g] = int(got[gi])
+                self.first.append(self.first[g] + got[gi])
+                self.count.append(self.count[g] - got[gi])
+                self.count[g] = got[gi]
                 G = len(self.root)
                 if self.held.shape[0] < G:
                     self.held = np.concatenate([self.held, np.zeros_like(self.held)])
@@ -476,15 +477,15 @@ class _Matcher:
             self.held[g, v] = True
             if len(self.sets):
                 self.inside[self.sets_of[v], g] = True
-            first = self.first[g]
+            first, root, rows, depth = self.first[g], self.root[g], self.rows[v], self.depth[g]
             d = 0
-            for e in np.flatnonzero(taken[gi]).tolist():
-                c = int(taken[gi, e])
-                u = int(holders[e])
-                self.rows[v].append((self.root[g], u, first, c, level))
-                first += c
-                d = max(d, int(self.depth[g, u]) + 1)
-            self.depth[g, v] = d
+            for e, c in enumerate(taken_l[gi]):
+                if c:
+                    u = holders[e]
+                    rows.append((root, u, first, c, level))
+                    first += c
+                    d = max(d, int(depth[u]) + 1)
+            depth[v] = d
 
 
 def _preference_masks(n: int, src: np.ndarray, by_dst: list[np.ndarray], prefer: dict[int, np.ndarray]) -> dict:
