@@ -228,6 +228,9 @@ class PartialForest:
     level0: int
 
 
+_NEVER = np.iinfo(np.int64).max  # the score of a (group, link) pair that is not allowed
+
+
 class _Matcher:
     """State of :func:`match_pack`: chunk groups, their holders, remaining link capacity."""
 
@@ -338,7 +341,7 @@ class _Matcher:
             return False
         banned = np.zeros_like(allowed)
         slacks, waste = self._set_state(v, groups, holders)
-        need = int(np.asarray(self.count)[groups].sum())
+        need = sum(self.count[g] for g in groups.tolist())
         penalty = 2 * waste[slacks < need].sum(axis=0, dtype=np.int64)
         for _ in range(8):
             taken = self._propose(v, groups, edges, allowed & ~banned, penalty)
@@ -364,15 +367,15 @@ class _Matcher:
         self, v: int, groups: np.ndarray, edges: np.ndarray, allowed: np.ndarray, penalty: np.ndarray
     ) -> np.ndarray:
         holders = self.src[edges]
-        gsize = np.asarray(self.count)[groups]
-        never = np.iinfo(np.int64).max
+        gsize = np.array([self.count[g] for g in groups.tolist()], dtype=np.int64)
+        never = _NEVER
         score = np.where(allowed, self.depth[groups][:, holders] + self.cls[edges][None, :] + penalty, never)
         best = score.min(axis=1, keepdims=True)
         stages = []
         preferred = False
         if self.pref is not None and v in self.pref:
             local = np.searchsorted(self.by_dst[v], edges)  # edges are a sorted subset of by_dst[v]
-            pm = self.pref[v][np.asarray(self.root)[groups]][:, local] & allowed
+            pm = self.pref[v][[self.root[g] for g in groups.tolist()]][:, local] & allowed
             if pm.any():
                 stages.append(pm)
                 preferred = True
