@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import threading
 from collections.abc import Callable
 from fractions import Fraction
 from typing import Any
@@ -73,6 +74,7 @@ class Net:
 
 
 _SHAPE_CACHE: collections.OrderedDict = collections.OrderedDict()
+_SHAPE_LOCK = threading.Lock()
 SHAPE_CACHE_SIZE = 64
 
 
@@ -84,13 +86,16 @@ def shape_cached(net: Net, make: Callable[[Net], Any]) -> Any:
     ``make``'s result must not be modified by its users.
     """
     key = (make.__module__, make.__qualname__, net.shape_key())
-    value = _SHAPE_CACHE.get(key)
-    if value is None:
-        value = _SHAPE_CACHE[key] = make(net)
+    with _SHAPE_LOCK:  # synthesizers may run in several threads (a controller per communicator)
+        value = _SHAPE_CACHE.get(key)
+        if value is not None:
+            _SHAPE_CACHE.move_to_end(key)
+            return value
+    value = make(net)
+    with _SHAPE_LOCK:
+        _SHAPE_CACHE[key] = value
         while len(_SHAPE_CACHE) > SHAPE_CACHE_SIZE:
             _SHAPE_CACHE.popitem(last=False)
-    else:
-        _SHAPE_CACHE.move_to_end(key)
     return value
 
 
