@@ -1,23 +1,147 @@
 """Benchmark of the AllGather synthesizer (ForestColl phases, ForestColl-warm, latency-aware switch removal).
 
-Rail-optimized 1 x H x 8 topologies (MCCL Sec. 6.1) for H = 2..64 (16-512
-GPUs) in the states base, fail1, fail2, fail3: cold and warm (previous = the
-base schedule) solve times, algbw, bound, trees and max depth for both
-methods; a progress bar, a table and ``--json PATH``. The same code runs as
-``jaxccl synth allgather``; see :mod:`jaxccl.cli.synth_allgather`.
+Two benchmarks:
+
+* default: rail-optimized 1 x H x 8 topologies (MCCL Sec. 6.1) for H = 2..64
+  (16-512 GPUs) in the states base, fail1, fail2, fail3: cold and warm
+  (previous = the base schedule) solve times, algbw, bound, trees and max depth
+  for both methods; a progress bar, a table and ``--json PATH``. The same code
+  runs as ``jaxccl synth allgather --benchmark``; see :mod:`jaxccl.cli.synth_allgather`.
+* ``--warm``: the re-synthesis the closed loop waits for. Per case -- the demo's
+  fabric (rail 1 x 2 x 4, GPU 0's NIC at 200 Gbps, as ``jaxccl demo`` degrades it),
+  rails 1 x {2,4,8,16} x 8 in fail1 and fail2, an 8 x 8 torus with one link at
+  half -- the whole ``allgather(topo)`` call (cold) against the whole
+  ``allgather(topo, previous=healthy schedule)`` call (warm), interleaved run by
+  run in one process, medians of wall-clock and CPU time (CPU time is what a
+  loaded machine distorts least); max tree depth of both, and the time of
+  ``validate()`` on the warm result (the reference interpreter the controller
+  runs before staging). Both results must reach the same algbw and validate.
 
 Usage:
     PYTHONPATH=. nice -n 10 python benchmarks/synth_allgather.py [--max-hosts 8] [--json results.json]
+    PYTHONPATH=. nice -n 10 python benchmarks/synth_allgather.py --warm [--runs 20] [--json results.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
+import time
+from collections.abc import Callable
 
+from jaxccl import report
 from jaxccl.cli.synth_allgather import add_arguments, main
 
+WARM_COLUMNS = (
+    "case",
+    "gpus",
+    "runs",
+    "cold_ms",
+    "warm_ms",
+    "speedup",
+    "cold_cpu_ms",
+    "warm_cpu_ms",
+    "cpu_speedup",
+    "cold_depth",
+    "warm_depth",
+    "algbw_GBps",
+    "validate_ms",
+)
+
+
+def warm_cases(max_hosts: int = 16) -> list[tuple[str, Callable]]:
+    """``(name, make)`` per case; ``make()`` returns the healthy topology and the degraded one."""
+    from jaxccl.topology import rail, scenario, torus
+
+    def demo():
+        base = rail(hosts=2, gpus_per_host=4)
+        return base, base.degrade(0, "tor:s0r0", gbps=200)
+
+    def half_link_torus():
+        base = torus(8, 8)
+        return base, base.degrade(0, 1, capacity=base.capacity(0, 1) / 2)
+
+    cases = [("demo 1x2x4 NIC 200G", demo)]
+    for hosts in (h for h in (2, 4, 8, 16) if h <= max_hosts):
+        for state in ("fail1", "fail2"):
+            cases.append((f"1x{hosts}x8 {state}", lambda h=hosts, s=state: (rail(hosts=h), scenario(rail(hosts=h), s))))
+    cases.append(("torus 8x8 link at half", half_link_torus))
+    return cases
+
+
+def _call(fn: Callable, *args, **kwargs) -> tuple[object, float, float]:
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def run_warm(runs: int, max_hosts: int = 16, stream=None) -> list[dict]:
+    """Cold vs warm re-synthesis per case (see the module docstring); one row per case."""
+    from jaxccl.synth.allgather import allgather
+
+    rows = []
+    for name, make in report.progress(warm_cases(max_hosts), label="warm vs cold", stream=stream):
+        base, topo = make()
+        healthy = allgather(base)
+        n_runs = runs if topo.num_gpus <= 32 else max(3, runs // 4)
+        t: dict[str, list[float]] = {"cold": [], "warm": [], "cold_cpu": [], "warm_cpu": [], "validate": []}
+        for _ in range(n_runs):  # interleaved: both see the same machine load
+            cold, wall, cpu = _call(allgather, topo)
+            t["cold"].append(wall)
+            t["cold_cpu"].append(cpu)
+            warm, wall, cpu = _call(allgather, topo, previous=healthy)
+            t["warm"].append(wall)
+            t["warm_cpu"].append(cpu)
+            _, wall, _ = _call(warm.validate)
+            t["validate"].append(wall)
+        cold.validate()
+        if warm.algbw != cold.algbw or warm.info["certificate"] != "trees":
+            raise AssertionError(f"{name}: warm {warm.algbw} ({warm.info['certificate']}) vs cold {cold.algbw}")
+        med = {k: statistics.median(v) for k, v in t.items()}
+        rows.append(
+            {
+                "case": name,
+                "gpus": topo.num_gpus,
+                "runs": n_runs,
+                "cold_ms": med["cold"] * 1e3,
+                "warm_ms": med["warm"] * 1e3,
+                "speedup": med["cold"] / med["warm"],
+                "cold_cpu_ms": med["cold_cpu"] * 1e3,
+                "warm_cpu_ms": med["warm_cpu"] * 1e3,
+                "cpu_speedup": med["cold_cpu"] / med["warm_cpu"],
+                "cold_depth": cold.info["max_depth"],
+                "warm_depth": warm.info["max_depth"],
+                "algbw_GBps": warm.algbw / 1e9,
+                "validate_ms": med["validate"] * 1e3,
+                "warm_phase_ms": {k: v * 1e3 for k, v in warm.info["phase_times_s"].items()},
+                "warm_packing_stats": warm.info["packing_stats"],
+                "times_s": t,
+            }
+        )
+    return rows
+
+
+def warm_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description="warm vs cold AllGather re-synthesis (the closed loop's wait)")
+    ap.add_argument("--warm", action="store_true", required=True)
+    ap.add_argument("--runs", type=int, default=20, help="runs per case (a quarter, at least 3, above 32 GPUs)")
+    ap.add_argument("--max-hosts", type=int, default=16, help="largest H of the 1 x H x 8 rails (default 16)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    rows = run_warm(args.runs, args.max_hosts)
+    report.print_table(rows, WARM_COLUMNS)
+    deeper = [r["case"] for r in rows if r["warm_depth"] > r["cold_depth"]]
+    print("warm trees deeper than cold: " + (", ".join(deeper) if deeper else "none"))
+    if args.json:
+        report.write_json(args.json, {"rows": rows, "columns": list(WARM_COLUMNS)})
+        print(f"wrote {args.json}")
+    return 0
+
+
 if __name__ == "__main__":
+    if "--warm" in sys.argv[1:]:
+        sys.exit(warm_main(sys.argv[1:]))
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
     ap.set_defaults(benchmark=True)  # the script is the benchmark

@@ -488,18 +488,36 @@ def test_repair_frees_a_set_that_previous_trees_enter_twice():
     assert sum(len(p) for p in grown.pieces) == int((~f.held[part]).sum())
 
 
+def networkx_bipartite_value(demand, allowed, icap, entry) -> int:
+    g = nx.DiGraph()
+    for i, c in enumerate(demand.tolist()):
+        g.add_edge("s", ("r", i), capacity=c)
+    for j, c in enumerate(icap.tolist()):
+        g.add_edge(("c", j), "t", capacity=c)
+    for i, j in zip(*np.nonzero(allowed)):
+        g.add_edge(("r", int(i)), ("c", int(j)), capacity=int(entry[i, j]))
+    g.add_nodes_from(["s", "t"])
+    return nx.maximum_flow_value(g, "s", "t")
+
+
 def test_small_bipartite_matching_is_a_maximum_flow():
-    from jaxccl.synth.allgather.packing import _bipartite, _small_bipartite
+    from jaxccl.synth.allgather.flow import small_bipartite_flow
+    from jaxccl.synth.allgather.packing import _bipartite
 
     rng = np.random.default_rng(7)
     for _ in range(300):
         m, d = rng.integers(1, 10, size=2)
         allowed = rng.random((m, d)) < rng.random()
         demand, icap = rng.integers(0, 20, m), rng.integers(0, 20, d)
-        flow = _small_bipartite(demand, allowed, icap)
+        flow = small_bipartite_flow(demand, allowed, icap)
         assert (flow >= 0).all() and (flow[~allowed] == 0).all()
         assert (flow.sum(axis=1) <= demand).all() and (flow.sum(axis=0) <= icap).all()
         assert flow.sum() == _bipartite(demand, allowed, icap).sum()  # scipy's max-flow value
+        entry = rng.integers(0, 4, (m, d))
+        capped = small_bipartite_flow(demand, allowed, icap, entry)
+        assert (capped <= entry).all() and (capped[~allowed] == 0).all()
+        assert (capped.sum(axis=1) <= demand).all() and (capped.sum(axis=0) <= icap).all()
+        assert capped.sum() == networkx_bipartite_value(demand, allowed, icap, entry)
 
 
 def test_fast_compile_builds_the_reference_program():

@@ -18,7 +18,8 @@ Schedule IR. ``previous=`` warm-starts from an earlier schedule
 the previous critical cut, the cuts around every switch) instead of the
 max-flow search, and the previous trees kept wherever they still fit with
 only what they lost re-grown (:mod:`~jaxccl.synth.allgather.warm`,
-:mod:`~jaxccl.synth.allgather.repair`); the complete trees certify the
+:mod:`~jaxccl.synth.allgather.repair`), then lifted to shallower parents
+(:mod:`~jaxccl.synth.allgather.shorten`); the complete trees certify the
 rate. If that fails, the cold path runs. :mod:`~jaxccl.synth.allgather.driver`
 runs the phases; this package re-exports its entry points.
 """

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxccl.errors import SynthesisError
 from jaxccl.synth.allgather.flow import RootedCheck
-from jaxccl.synth.allgather.network import Net
+from jaxccl.synth.allgather.network import Net, shape_cached
 
 DEFAULT_MAX_CHUNKS = 512
 
@@ -98,11 +98,15 @@ def optimal_rate(net: Net, *, hint: np.ndarray | None = None) -> Bound:
 
 
 def switch_cuts(net: Net) -> list[np.ndarray]:
-    """Node masks of the cuts around every switch: the switch with its GPUs, and everything else.
+    """Node masks of the cuts around every switch: the switch with its GPUs, and everything else (read-only).
 
     A weakened link next to a switch most often makes one of them critical
     (e.g. a host's in-cut when one of its NICs degrades).
     """
+    return shape_cached(net, _switch_cuts)
+
+
+def _switch_cuts(net: Net) -> list[np.ndarray]:
     n = net.num_gpus
     out = []
     for w in range(n, net.num_nodes):
@@ -111,7 +115,9 @@ def switch_cuts(net: Net) -> list[np.ndarray]:
             inner = np.zeros(net.num_nodes, dtype=bool)
             inner[near] = True
             inner[w] = True
-            out.extend([inner, ~inner])
+            outer = ~inner
+            inner.flags.writeable = outer.flags.writeable = False
+            out.extend([inner, outer])
     return out
 
 
@@ -183,7 +189,6 @@ def tree_units(
     """
     p, q = bound.rate.numerator, bound.rate.denominator
     n = net.num_gpus
-    check = RootedCheck(net.num_nodes, n, net.src, net.dst)
     if max_chunks is not None and max_chunks < 1:
         raise ValueError(f"max_chunks must be >= 1, got {max_chunks}")
     if max_chunks is None or p <= max_chunks:
@@ -192,6 +197,8 @@ def tree_units(
         k0 = p // math.gcd(p, q * g)
         if not verify:
             return TreeUnits(k0, net.units * k0 * q // p, Fraction(p, q * k0), True, 0)
+    check = RootedCheck(net.num_nodes, n, net.src, net.dst)
+    if max_chunks is None or p <= max_chunks:
         for k in [d for d in range(k0, p, k0) if p % d == 0]:
             caps = net.units * k * q // p
             if check.violation(caps, k, n * k) is None:

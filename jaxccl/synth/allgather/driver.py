@@ -22,7 +22,7 @@ from jaxccl.schedule import Collective, Schedule
 from jaxccl.synth.allgather.balance import balance_switches
 from jaxccl.synth.allgather.bound import DEFAULT_MAX_CHUNKS, candidate_rate, optimal_rate, switch_cuts, tree_units
 from jaxccl.synth.allgather.compile import allgather_schedule, reduce_scatter_schedule
-from jaxccl.synth.allgather.network import Net, build_net
+from jaxccl.synth.allgather.network import Net, build_net, shape_cached
 from jaxccl.synth.allgather.packing import Packing, globally_tight, pack, tree_groups, tree_lists
 from jaxccl.synth.allgather.repair import repair_pack
 from jaxccl.synth.allgather.shorten import shorten
@@ -104,14 +104,22 @@ def reduce_scatter(
 
 
 def switch_groups(net: Net) -> list[np.ndarray]:
-    """The GPUs next to each switch, and their complements: the cuts a packing is most likely to exhaust."""
+    """The GPUs next to each switch, and their complements: the cuts a packing is most likely to exhaust.
+
+    Computed once per fabric (read-only arrays).
+    """
+    return shape_cached(net, _switch_groups)
+
+
+def _switch_groups(net: Net) -> list[np.ndarray]:
     n = net.num_gpus
     out = []
     for w in range(n, net.num_nodes):
         gpus = np.union1d(net.src[(net.dst == w) & (net.src < n)], net.dst[(net.src == w) & (net.dst < n)])
         if 1 < len(gpus) < n - 1:
-            out.append(gpus)
-            out.append(np.setdiff1d(np.arange(n), gpus))
+            rest = np.setdiff1d(np.arange(n), gpus)
+            gpus.flags.writeable = rest.flags.writeable = False
+            out.extend([gpus, rest])
     return out
 
 
@@ -264,10 +272,15 @@ def _warm_solve(net: Net, hints: dict, method: str, max_chunks, times: dict) -> 
     return None
 
 
+# (check, widen, verify the visits of GPUs with scarce slack), cheapest first
+_REPAIRS = (("local", False, False), ("local", False, True), ("full", True, True))
+
+
 def _repair(n: int, k: int, links: dict, trees, sets: list) -> Packing | None:
-    """Keeps and repairs the previous trees: the cheap repair (checked only where slack is scarce), then checked
-    everywhere after detaching whole touched trees; each with a budget of max-flow checks, so that a repair that
-    does not work out costs less than the cold solve that follows it.
+    """Keeps and repairs the previous trees: the cheap repair without any max-flow check, the same checked where
+    slack is scarce, then checked everywhere after detaching whole touched trees; each with a budget of max-flow
+    checks, so that a repair that does not work out costs less than the cold solve that follows it. (Whatever
+    completes is exact; a check only avoids dead ends, and a small re-growth rarely runs into one.)
 
     On a topology where most GPUs need every unit of their in-capacity (a healthy rail: the way back after a
     degradation clears) re-growing takes as many checks as a cold packing (measured), so there only trees that
@@ -275,15 +288,25 @@ def _repair(n: int, k: int, links: dict, trees, sets: list) -> Packing | None:
     """
     groups = tree_groups(n, k, trees)
     tight = globally_tight(n, k, links)
-    for check, widen in (("local", False),) if tight else (("local", False), ("full", True)):
+    for check, widen, scarce in _REPAIRS[1:2] if tight else _REPAIRS:
         try:
             packing = repair_pack(
-                n, k, links, groups, sets=sets, check=check, widen=widen, max_checks=2 * n, regrow=not tight
+                n,
+                k,
+                links,
+                groups,
+                sets=sets,
+                check=check,
+                widen=widen,
+                max_checks=2 * n,
+                regrow=not tight,
+                scarce=scarce,
             )
         except SynthesisError:
             continue
         packing.stats["repair_checked"] = int(check == "full")
         packing.stats["repair_widened"] = int(widen)
+        packing.stats["repair_scarce_checked"] = int(scarce)
         return packing
     return None
 
@@ -291,25 +314,30 @@ def _repair(n: int, k: int, links: dict, trees, sets: list) -> Packing | None:
 def _report(net: Net, bound, units, logical, packing: Packing, stats: SplitStats, method, hints) -> tuple:
     n = net.num_gpus
     load = logical.physical_load(packing.link_load())
-    used = load > 0
-    cap = [Fraction(int(u)) * net.unit for u in net.units]
-    # per-chunk rate of the schedule: min over used links of capacity / chunks
-    x_min = min(cap[i] / int(load[i]) for i in np.flatnonzero(used))
+    used = np.flatnonzero(load > 0)
+    cap_u, chunks = net.units[used].astype(np.int64), load[used]
+    # per-chunk rate of the schedule: min over used links of capacity / chunks, exactly (cross-multiplied)
+    best = int(np.argmin(cap_u / chunks))
+    while True:
+        lower = np.flatnonzero(cap_u * chunks[best] < cap_u[best] * chunks)
+        if not len(lower):
+            break
+        best = int(lower[0])
+    u_min, c_min = int(cap_u[best]), int(chunks[best])
+    x_min = Fraction(u_min, c_min) * net.unit
     algbw = float(x_min * units.k * n)
     bound_bw = bound.algbw(net)
     if algbw > bound_bw * (1 + 1e-12):  # pragma: no cover - would contradict max-flow optimality
         raise SynthesisError(f"schedule claims {algbw:.6g} B/s above the max-flow bound {bound_bw:.6g} B/s")
     names = net.names
-    critical = set(bound.cut_edges(net).tolist())
-    k_s, slacks = [], []
-    for i in range(len(load)):
-        n_a = int(load[i])
-        if n_a == 0:
-            continue
-        slack = 1 - float(n_a * x_min / cap[i])
-        if slack <= 1e-12 or i in critical:
-            k_s.append([names[net.src[i]], names[net.dst[i]]])
-            slacks.append(max(slack, 0.0))
+    # slack of a used link: 1 - chunks * x_min / capacity
+    full = c_min * cap_u
+    slack = (full - chunks * u_min) / full
+    critical = np.zeros(len(load), dtype=bool)
+    critical[bound.cut_edges(net)] = True
+    in_ks = (slack <= 1e-12) | critical[used]
+    k_s = [[names[net.src[i]], names[net.dst[i]]] for i in used[in_ks].tolist()]
+    slacks = np.maximum(slack[in_ks], 0.0).tolist()
     trees = tree_lists(packing)
     info: dict[str, Any] = {
         "method": method,
@@ -326,7 +354,9 @@ def _report(net: Net, bound, units, logical, packing: Packing, stats: SplitStats
         "bottleneck_cut": k_s,
         "base_slacks": slacks,
         "chunk_rate_bytes_per_s": float(x_min),
-        "link_chunks": [[names[net.src[i]], names[net.dst[i]], int(load[i])] for i in np.flatnonzero(used)],
+        "link_chunks": [
+            [names[u], names[v], c] for u, v, c in zip(net.src[used].tolist(), net.dst[used].tolist(), chunks.tolist())
+        ],
         "flows": {"bound": bound.flows, "tree_units": units.flows, "switch_removal": stats.flows},
         "switch_removal": {
             "greedy_switches": list(stats.greedy_switches),

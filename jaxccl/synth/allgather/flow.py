@@ -143,3 +143,76 @@ class RootedCheck:
                 value, side = self.net.min_cut(full, self.S, int(v))
                 return int(v), value, side[: self.n]
         return None
+
+
+def small_bipartite_flow(
+    demand: np.ndarray, allowed: np.ndarray, icap: np.ndarray, entry_cap: np.ndarray | None = None
+) -> np.ndarray:
+    """A maximum flow from rows (supplies ``demand``) to columns (capacities ``icap``) through ``allowed`` entries
+    (each at most ``entry_cap``, unbounded if None); the flow per entry.
+
+    For small matrices, in plain Python (numpy's and scipy's per-call overhead would dominate): a greedy
+    assignment in row order, then augmenting paths (a row takes a column's capacity that another row gives up by
+    moving to a column with capacity left) until none is left.
+
+    >>> small_bipartite_flow(np.array([2, 2]), np.array([[True, True], [True, False]]), np.array([2, 2])).tolist()
+    [[0, 2], [2, 0]]
+    """
+    left = [int(x) for x in np.asarray(icap).tolist()]
+    rows = np.asarray(allowed, dtype=bool).tolist()
+    m, d = len(rows), len(left)
+    need = [int(x) for x in np.asarray(demand).tolist()]
+    room = None if entry_cap is None else [[int(c) for c in r] for r in np.asarray(entry_cap).tolist()]
+    flow = [[0] * d for _ in range(m)]
+    for i in range(m):
+        row, out = rows[i], flow[i]
+        for j in range(d):
+            if need[i] <= 0:
+                break
+            if row[j] and left[j] > 0:
+                take = min(need[i], left[j]) if room is None else min(need[i], left[j], room[i][j])
+                out[j] += take
+                left[j] -= take
+                need[i] -= take
+    users = [[g for g in range(m) if flow[g][j] > 0] for j in range(d)]
+    for i in range(m):
+        while need[i] > 0:
+            via_edge: dict[int, int] = {}  # column -> the row that takes more of it
+            via_group: dict[int, int] = {i: -1}  # row -> the column it gives up
+            queue, head, end = [i], 0, -1
+            while head < len(queue) and end < 0:
+                g = queue[head]
+                head += 1
+                for j in range(d):
+                    if rows[g][j] and j not in via_edge and (room is None or flow[g][j] < room[g][j]):
+                        via_edge[j] = g
+                        if left[j] > 0:
+                            end = j
+                            break
+                        for g2 in users[j]:
+                            if g2 not in via_group and flow[g2][j] > 0:
+                                via_group[g2] = j
+                                queue.append(g2)
+            if end < 0:
+                break
+            amount, j = min(need[i], left[end]), end
+            path = []
+            while True:
+                g = via_edge[j]
+                back = via_group[g]
+                path.append((g, j, back))
+                if room is not None:
+                    amount = min(amount, room[g][j] - flow[g][j])
+                if back < 0:
+                    break
+                amount = min(amount, flow[g][back])
+                j = back
+            for g, j, back in path:
+                if flow[g][j] == 0:
+                    users[j].append(g)
+                flow[g][j] += amount
+                if back >= 0:
+                    flow[g][back] -= amount
+            left[end] -= amount
+            need[i] -= amount
+    return np.array(flow, dtype=np.int64).reshape(np.shape(allowed))

@@ -11,9 +11,13 @@ down to a grid fine enough for int32 arithmetic and :attr:`Net.exact` is False.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
+import threading
+from collections.abc import Callable
 from fractions import Fraction
+from typing import Any
 
 import numpy as np
 
@@ -60,9 +64,39 @@ class Net:
         """Total incoming capacity of every node, in units."""
         return np.bincount(self.dst, weights=self.units, minlength=self.num_nodes).astype(np.int64)
 
+    def shape_key(self) -> tuple:
+        """What identifies the links (not their capacities): equal keys, equal :func:`shape_cached` values."""
+        return (self.num_gpus, self.num_nodes, self.src.tobytes(), self.dst.tobytes())
+
     def edge_index(self) -> dict[tuple[int, int], int]:
         """``(u, v) -> position`` of every link in :attr:`src`/:attr:`dst`."""
         return {(int(u), int(v)): i for i, (u, v) in enumerate(zip(self.src.tolist(), self.dst.tolist()))}
+
+
+_SHAPE_CACHE: collections.OrderedDict = collections.OrderedDict()
+_SHAPE_LOCK = threading.Lock()
+SHAPE_CACHE_SIZE = 64
+
+
+def shape_cached(net: Net, make: Callable[[Net], Any]) -> Any:
+    """``make(net)`` for a function of the links alone (not their capacities), computed once per fabric.
+
+    The closed loop re-synthesizes on the same fabric with new capacities, so what depends only on which
+    links exist (the sets of GPUs around each switch, ...) is kept (the last :data:`SHAPE_CACHE_SIZE`).
+    ``make``'s result must not be modified by its users.
+    """
+    key = (make.__module__, make.__qualname__, net.shape_key())
+    with _SHAPE_LOCK:  # synthesizers may run in several threads (a controller per communicator)
+        value = _SHAPE_CACHE.get(key)
+        if value is not None:
+            _SHAPE_CACHE.move_to_end(key)
+            return value
+    value = make(net)
+    with _SHAPE_LOCK:
+        _SHAPE_CACHE[key] = value
+        while len(_SHAPE_CACHE) > SHAPE_CACHE_SIZE:
+            _SHAPE_CACHE.popitem(last=False)
+    return value
 
 
 def build_net(topo: Topology) -> Net:
@@ -106,15 +140,21 @@ def _integer_capacities(
     caps: list[float], src: np.ndarray, dst: np.ndarray, n_nodes: int, n_gpus: int
 ) -> tuple[np.ndarray, Fraction, bool]:
     budget = INT_BUDGET // n_gpus
-    fracs = [Fraction(c) for c in caps]
-    g = fracs[0]
-    for f in fracs[1:]:
-        g = Fraction(math.gcd(g.numerator, f.numerator), math.lcm(g.denominator, f.denominator))
-    exact_units = np.array([int(f / g) for f in fracs], dtype=object)
-    gpu_in = np.zeros(n_nodes, dtype=object)
-    np.add.at(gpu_in, dst, exact_units)
-    if max(int(exact_units.max()), int(gpu_in[:n_gpus].max())) <= budget:
-        return exact_units.astype(np.int64), g, True
+    if all(float(c).is_integer() for c in caps):  # whole bytes/s (every preset): integer arithmetic
+        ints = [int(c) for c in caps]
+        g = Fraction(math.gcd(*ints))
+        exact_units = np.array([c // g.numerator for c in ints], dtype=object)
+    else:
+        fracs = [Fraction(c) for c in caps]
+        g = fracs[0]
+        for f in fracs[1:]:
+            g = Fraction(math.gcd(g.numerator, f.numerator), math.lcm(g.denominator, f.denominator))
+        exact_units = np.array([int(f / g) for f in fracs], dtype=object)
+    biggest = int(exact_units.max())
+    if biggest <= budget:
+        gpu_in = np.bincount(dst, weights=exact_units.astype(np.float64), minlength=n_nodes)[:n_gpus]
+        if int(gpu_in.max()) <= budget:  # float sums of integers below 2**53: exact
+            return exact_units.astype(np.int64), g, True
     # No common unit fits: round down to a grid with `budget` steps for the largest link / GPU in-capacity.
     cap_f = np.asarray(caps, dtype=np.float64)
     in_f = np.bincount(dst, weights=cap_f, minlength=n_nodes)[:n_gpus]

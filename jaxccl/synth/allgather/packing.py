@@ -43,7 +43,7 @@ import scipy.sparse as sp
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from jaxccl.errors import SynthesisError
-from jaxccl.synth.allgather.flow import INF, FlowNetwork
+from jaxccl.synth.allgather.flow import INF, FlowNetwork, small_bipartite_flow
 
 
 @dataclasses.dataclass
@@ -72,13 +72,27 @@ class Packing:
     method: str
     stats: dict
 
+    def _memo(self, name: str, make):
+        """``make()``, computed once per packing (its pieces do not change) and returned read-only."""
+        cached = self.__dict__.get(name)
+        if cached is None:
+            cached = make()
+            for a in cached if isinstance(cached, tuple) else (cached,):
+                a.flags.writeable = False
+            self.__dict__[name] = cached
+        return cached
+
     def all_pieces(self) -> np.ndarray:
-        """Rows ``(root, parent, child, first, count, level)`` of every piece."""
-        rows = [
-            np.column_stack([p[:, 0], p[:, 1], np.full(len(p), v), p[:, 2], p[:, 3], p[:, 4]])
-            for v, p in enumerate(self.pieces)
-        ]
-        return np.concatenate(rows) if rows else np.zeros((0, 6), dtype=np.int64)
+        """Rows ``(root, parent, child, first, count, level)`` of every piece (read-only)."""
+        return self._memo("_all_pieces", self._all_pieces)
+
+    def _all_pieces(self) -> np.ndarray:
+        counts = [len(p) for p in self.pieces]
+        if not sum(counts):
+            return np.zeros((0, 6), dtype=np.int64)
+        rows = np.concatenate([np.asarray(p, dtype=np.int64).reshape(-1, 5) for p in self.pieces])
+        child = np.repeat(np.arange(len(self.pieces), dtype=np.int64), counts)
+        return np.column_stack([rows[:, :2], child, rows[:, 2:]])
 
     def link_load(self) -> dict[tuple[int, int], int]:
         """Chunks per period on every logical link."""
@@ -91,11 +105,14 @@ class Packing:
     def tree_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The distinct arborescences as arrays ``(root, chunks, parent)``: tree ``t`` of root ``root[t]`` carries
         ``chunks[t]`` consecutive chunks (trees of a root in chunk order) and gives every GPU its parent
-        ``parent[t]`` (``-1`` at the root).
+        ``parent[t]`` (``-1`` at the root). Read-only.
 
         Raises:
             SynthesisError: if the pieces do not form ``k`` spanning arborescences per root.
         """
+        return self._memo("_tree_arrays", self._tree_arrays)
+
+    def _tree_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         n, k = self.n, self.k
         a = self.all_pieces()
         span = k + 1
@@ -118,8 +135,10 @@ class Packing:
 
     def max_depth(self) -> int:
         """The largest number of hops from a root to a GPU over all trees."""
-        roots, _, parent = self.tree_arrays()
-        return int(_all_depths(parent, roots).max()) if len(roots) else 0
+        if "_max_depth" not in self.__dict__:
+            roots, _, parent = self.tree_arrays()
+            self.__dict__["_max_depth"] = int(_all_depths(parent, roots).max()) if len(roots) else 0
+        return self.__dict__["_max_depth"]
 
     def trees(self) -> list[list[tuple[int, list[tuple[int, int]]]]]:
         """Per root, its distinct arborescences: ``(chunks, [(parent, child), ...])``, children ascending."""
@@ -129,11 +148,16 @@ class Packing:
 def tree_lists(packing: Packing) -> list[list[list]]:
     """:meth:`Packing.trees` as plain lists, ``[[chunks, [[parent, child], ...]], ...]`` per root (JSON-ready)."""
     roots, weights, parent = packing.tree_arrays()
-    out: list[list[list]] = [[] for _ in range(packing.n)]
-    nodes = np.arange(packing.n)
-    for r, w, par in zip(roots.tolist(), weights.tolist(), parent):
-        keep = nodes != r
-        out[r].append([w, np.column_stack([par[keep], nodes[keep]]).tolist()])
+    n = packing.n
+    out: list[list[list]] = [[] for _ in range(n)]
+    if not len(roots):
+        return out
+    # every tree's (parent, child) pairs at once, the root's own entry dropped: one conversion to lists
+    keep = np.arange(n)[None, :] != roots[:, None]
+    children = np.broadcast_to(np.arange(n), parent.shape)[keep].reshape(len(roots), n - 1)
+    pairs = np.stack([parent[keep].reshape(len(roots), n - 1), children], axis=2).tolist()
+    for r, w, edges in zip(roots.tolist(), weights.tolist(), pairs):
+        out[r].append([w, edges])
     return out
 
 
@@ -202,6 +226,9 @@ class PartialForest:
     held: np.ndarray
     depth: np.ndarray
     level0: int
+
+
+_NEVER = np.iinfo(np.int64).max  # the score of a (group, link) pair that is not allowed
 
 
 class _Matcher:
@@ -314,7 +341,7 @@ class _Matcher:
             return False
         banned = np.zeros_like(allowed)
         slacks, waste = self._set_state(v, groups, holders)
-        need = int(np.asarray(self.count)[groups].sum())
+        need = sum(self.count[g] for g in groups.tolist())
         penalty = 2 * waste[slacks < need].sum(axis=0, dtype=np.int64)
         for _ in range(8):
             taken = self._propose(v, groups, edges, allowed & ~banned, penalty)
@@ -340,15 +367,15 @@ class _Matcher:
         self, v: int, groups: np.ndarray, edges: np.ndarray, allowed: np.ndarray, penalty: np.ndarray
     ) -> np.ndarray:
         holders = self.src[edges]
-        gsize = np.asarray(self.count)[groups]
-        never = np.iinfo(np.int64).max
+        gsize = np.array([self.count[g] for g in groups.tolist()], dtype=np.int64)
+        never = _NEVER
         score = np.where(allowed, self.depth[groups][:, holders] + self.cls[edges][None, :] + penalty, never)
         best = score.min(axis=1, keepdims=True)
         stages = []
         preferred = False
         if self.pref is not None and v in self.pref:
             local = np.searchsorted(self.by_dst[v], edges)  # edges are a sorted subset of by_dst[v]
-            pm = self.pref[v][np.asarray(self.root)[groups]][:, local] & allowed
+            pm = self.pref[v][[self.root[g] for g in groups.tolist()]][:, local] & allowed
             if pm.any():
                 stages.append(pm)
                 preferred = True
@@ -425,17 +452,18 @@ class _Matcher:
         return ~side[:n]  # the violated set: nodes on v's side
 
     def _apply(self, v: int, groups: np.ndarray, edges: np.ndarray, taken: np.ndarray, level: int) -> None:
-        holders = self.src[edges]
+        holders = self.src[edges].tolist()
         self.remaining[edges] -= taken.sum(axis=0)
-        got = taken.sum(axis=1)
-        self.missing[v] -= int(got.sum())
-        for gi in np.flatnonzero(got).tolist():
-            g = int(groups[gi])
+        got_a = taken.sum(axis=1)
+        self.missing[v] -= int(got_a.sum())
+        got, group_of, taken_l = got_a.tolist(), groups.tolist(), taken.tolist()
+        for gi in np.flatnonzero(got_a).tolist():
+            g = group_of[gi]
             if got[gi] < self.count[g]:  # split: the rest becomes a new group with the same history
                 self.root.append(self.root[g])
-                self.first.append(self.first[g] + int(got[gi]))
-                self.count.append(self.count[g] - int(got[gi]))
-                self.count[g] = int(got[gi])
+                self.first.append(self.first[g] + got[gi])
+                self.count.append(self.count[g] - got[gi])
+                self.count[g] = got[gi]
                 G = len(self.root)
                 if self.held.shape[0] < G:
                     self.held = np.concatenate([self.held, np.zeros_like(self.held)])
@@ -452,15 +480,15 @@ class _Matcher:
             self.held[g, v] = True
             if len(self.sets):
                 self.inside[self.sets_of[v], g] = True
-            first = self.first[g]
+            first, root, rows, depth = self.first[g], self.root[g], self.rows[v], self.depth[g]
             d = 0
-            for e in np.flatnonzero(taken[gi]).tolist():
-                c = int(taken[gi, e])
-                u = int(holders[e])
-                self.rows[v].append((self.root[g], u, first, c, level))
-                first += c
-                d = max(d, int(self.depth[g, u]) + 1)
-            self.depth[g, v] = d
+            for e, c in enumerate(taken_l[gi]):
+                if c:
+                    u = holders[e]
+                    rows.append((root, u, first, c, level))
+                    first += c
+                    d = max(d, int(depth[u]) + 1)
+            depth[v] = d
 
 
 def _preference_masks(n: int, src: np.ndarray, by_dst: list[np.ndarray], prefer: dict[int, np.ndarray]) -> dict:
@@ -502,76 +530,14 @@ def _edge_flows(flow: sp.csr_array, rows: np.ndarray, cols: np.ndarray) -> np.nd
     return np.asarray(f.data)[order][pos].astype(np.int64)
 
 
-def _small_bipartite(demand: np.ndarray, allowed: np.ndarray, icap: np.ndarray) -> np.ndarray:
-    """:func:`_bipartite` for small matrices in plain Python (numpy's and scipy's per-call overhead would dominate).
-
-    A greedy assignment in row order, then augmenting paths (Ford-Fulkerson: a group takes a link's capacity
-    that another group gives up by moving to a link with capacity left) until none is left: a maximum flow.
-    """
-    left = [int(x) for x in np.asarray(icap).tolist()]
-    rows = allowed.tolist()
-    m, d = len(rows), len(left)
-    need = [int(x) for x in np.asarray(demand).tolist()]
-    flow = [[0] * d for _ in range(m)]
-    for i in range(m):
-        row, out = rows[i], flow[i]
-        for j in range(d):
-            if need[i] <= 0:
-                break
-            if row[j] and left[j] > 0:
-                take = min(need[i], left[j])
-                out[j] += take
-                left[j] -= take
-                need[i] -= take
-    users = [[g for g in range(m) if flow[g][j] > 0] for j in range(d)]
-    for i in range(m):
-        while need[i] > 0:
-            via_edge: dict[int, int] = {}  # link -> the group that takes it
-            via_group: dict[int, int] = {i: -1}  # group -> the link it gives up
-            queue, head, end = [i], 0, -1
-            while head < len(queue) and end < 0:
-                g = queue[head]
-                head += 1
-                for j in range(d):
-                    if rows[g][j] and j not in via_edge:
-                        via_edge[j] = g
-                        if left[j] > 0:
-                            end = j
-                            break
-                        for g2 in users[j]:
-                            if g2 not in via_group and flow[g2][j] > 0:
-                                via_group[g2] = j
-                                queue.append(g2)
-            if end < 0:
-                break
-            amount, j = min(need[i], left[end]), end
-            path = []
-            while True:
-                g = via_edge[j]
-                back = via_group[g]
-                path.append((g, j, back))
-                if back < 0:
-                    break
-                amount = min(amount, flow[g][back])
-                j = back
-            for g, j, back in path:
-                if flow[g][j] == 0:
-                    users[j].append(g)
-                flow[g][j] += amount
-                if back >= 0:
-                    flow[g][back] -= amount
-            left[end] -= amount
-            need[i] -= amount
-    return np.array(flow, dtype=np.int64).reshape(allowed.shape)
-
-
 def _bipartite(demand: np.ndarray, allowed: np.ndarray, icap: np.ndarray, *, greedy: bool = False) -> np.ndarray:
     """Max-flow from groups (``demand``) to allowed in-links (capacity ``icap``); the flow per (group, link).
 
-    ``greedy=True`` uses :func:`_small_bipartite` (the same flow value, another assignment).
+    ``greedy=True`` uses :func:`~jaxccl.synth.allgather.flow.small_bipartite_flow` (the same flow value, another
+    assignment).
     """
     if greedy:
-        return _small_bipartite(demand, allowed, icap)
+        return small_bipartite_flow(demand, allowed, icap)
     m, d = allowed.shape
     ri, ei = np.nonzero(allowed)
     s, t = m + d, m + d + 1

@@ -115,6 +115,7 @@ def repair_pack(
     widen: bool = False,
     max_checks: int | None = None,
     regrow: bool = True,
+    scarce: bool = True,
 ) -> Packing:
     """Packs ``k`` trees per root by keeping ``groups`` (previous trees) where they fit and re-growing the rest.
 
@@ -130,6 +131,8 @@ def repair_pack(
             root (keeps less, re-grows more; for when the tight repair fails).
         max_checks: give up after this many max-flow checks of the re-growing matching.
         regrow: with False, raise instead of re-growing (keep-only: the previous trees fit as they are).
+        scarce: with ``check="local"``, verify the visits of GPUs whose tracked sets have little slack left
+            (False: no max-flow check at all; faster, but more likely to run into a dead end).
 
     Raises:
         SynthesisError: if the detached parts cannot be re-grown.
@@ -207,7 +210,7 @@ def repair_pack(
         if sets:
             # only sets some partial group has yet to enter can run short (the others hold every group already)
             sets = [x for x, need in zip(sets, _outside_need(f, _members(sets, n)).tolist()) if need > 0]
-        if check == "local" and sets:
+        if check == "local" and sets and scarce:
             verify = _scarce(f, n, sets, left)
             stats["verified_gpus"] = int(verify.sum())
         grown = match_pack(

@@ -7,8 +7,21 @@ them: for a GPU at a tree's deepest level it moves the shallowest of its
 ancestors that can go under a parent at least two levels higher -- one
 outside its own subtree whose logical link still has room for the tree's
 chunks -- and the whole subtree rises with it; level by level, for as long
-as every deepest GPU can be lifted. Link loads stay within the
-capacities, so the rate (and its certificate) stays.
+as every deepest GPU can be lifted.
+
+Where the links into that ancestor are full (a GPU that needs every unit of
+its in-capacity, e.g. the one whose NVLink degraded), it swaps instead: a
+tree ``t2`` that takes the ancestor from the shallow parent ``q`` takes it
+from the old parent ``p`` instead, if ``t2`` stays shallow enough, and the
+lifted tree takes ``q``'s link. When the two trees carry different numbers
+of chunks, the larger one is split (both parts keep the same route except
+at the ancestor), so exactly as many chunks cross each link as before. Link
+loads stay within the capacities, so the rate (and its certificate) stays.
+
+A level is removed completely or not at all (its moves are undone when one
+of its GPUs cannot be lifted), and splits may at most double the number of
+trees (:data:`MAX_TREE_GROWTH`; a level that needs more stays): every tree
+adds operations to the schedule.
 """
 
 from __future__ import annotations
@@ -16,6 +29,45 @@ from __future__ import annotations
 import numpy as np
 
 from jaxccl.synth.allgather.packing import Packing, _all_depths
+
+MAX_TREE_GROWTH = 2  # splits may at most double the trees (the schedule's size grows with them)
+
+
+class _Trees:
+    """Arborescences as growable arrays: ``root``, ``weight`` (chunks), ``parent`` and ``depth`` per tree."""
+
+    def __init__(self, roots: np.ndarray, weights: np.ndarray, parent: np.ndarray):
+        self.size = len(roots)
+        self.root = roots.astype(np.int64)
+        self.weight = weights.astype(np.int64)
+        self.parent = parent.astype(np.int64)
+        self.depth = _all_depths(self.parent, self.root)
+
+    def split(self, t: int, m: int) -> int:
+        """Moves ``m`` of tree ``t``'s chunks into a new tree with the same route; returns its index."""
+        if self.size == len(self.root):
+            self.root, self.weight = np.resize(self.root, 2 * self.size), np.resize(self.weight, 2 * self.size)
+            self.parent = np.concatenate([self.parent, self.parent])
+            self.depth = np.concatenate([self.depth, self.depth])
+        h = self.size
+        self.size += 1
+        self.root[h], self.weight[h] = self.root[t], m
+        self.weight[t] -= m
+        self.parent[h], self.depth[h] = self.parent[t], self.depth[t]
+        return h
+
+    def snapshot(self) -> tuple:
+        s = self.size
+        return s, self.root[:s].copy(), self.weight[:s].copy(), self.parent[:s].copy(), self.depth[:s].copy()
+
+    def restore(self, saved: tuple) -> None:
+        s, root, weight, parent, depth = saved
+        self.size = s
+        self.root[:s], self.weight[:s], self.parent[:s], self.depth[:s] = root, weight, parent, depth
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        s = self.size
+        return self.root[:s], self.weight[:s], self.parent[:s], self.depth[:s]
 
 
 def shorten(packing: Packing, links: dict[tuple[int, int], int]) -> Packing:
@@ -27,91 +79,134 @@ def shorten(packing: Packing, links: dict[tuple[int, int], int]) -> Packing:
     roots, weights, parent = packing.tree_arrays()
     if not len(roots):
         return packing
-    depth = _all_depths(parent, roots)
+    f = _Trees(roots, weights, parent)
     spare = np.zeros((n, n), dtype=np.int64)
     for (u, v), c in links.items():
         spare[u, v] += c
-    t_idx, v_idx = np.nonzero(parent >= 0)
-    np.subtract.at(spare, (parent[t_idx, v_idx], v_idx), weights[t_idx])
-    best = int(depth.max())
+    t_idx, v_idx = np.nonzero(f.parent >= 0)
+    np.subtract.at(spare, (f.parent[t_idx, v_idx], v_idx), f.weight[t_idx])
+    best = int(f.depth.max())
     moved = 0
+    max_trees = MAX_TREE_GROWTH * f.size
     while best > 1:
+        saved, saved_spare, level_moves = f.snapshot(), spare.copy(), 0
+        if int((f.depth[: f.size] == best).sum()) > max_trees - f.size + len(roots):
+            break  # more GPUs to lift than splits left (most lifts on a tight level split a tree): keep this level
         stuck = False
-        for t in np.flatnonzero(depth.max(axis=1) == best).tolist():
-            while not stuck and depth[t].max() == best:
-                x = int(np.argmax(depth[t]))
-                if _lift(t, x, roots, weights, parent, depth, spare):
-                    moved += 1
-                else:
-                    stuck = True
-            if stuck:
-                break
-        if stuck:
+        deep = np.flatnonzero(f.depth[: f.size].max(axis=1) == best)
+        while len(deep) and not stuck:
+            for t in deep.tolist():  # (a split may copy a tree that still has GPUs this deep: the next round)
+                while not stuck and f.depth[t].max() == best:
+                    x = int(np.argmax(f.depth[t]))
+                    if _lift(f, t, x, spare) and f.size <= max_trees:
+                        level_moves += 1
+                    else:
+                        stuck = True
+                if stuck:
+                    break
+            deep = np.flatnonzero(f.depth[: f.size].max(axis=1) == best)
+        if stuck:  # this level stays: undo its moves (and the splits they made)
+            f.restore(saved)
+            spare = saved_spare
             break
+        moved += level_moves
         best -= 1
     if not moved:
         return packing
-    return Packing(n, packing.k, _pieces(n, roots, weights, parent, depth), packing.key, packing.method, packing.stats)
+    stats = {**packing.stats, "shorten_moves": moved}
+    return Packing(n, packing.k, _pieces(n, *f.arrays()), packing.key, packing.method, stats)
 
 
-def _lift(t: int, x: int, roots, weights, parent, depth, spare) -> bool:
+def _lift(f: _Trees, t: int, x: int, spare: np.ndarray) -> bool:
     """Moves one ancestor of GPU ``x`` in tree ``t`` (or ``x``) under a shallower parent with room; True if one moved.
 
     The shallowest ancestor that can move goes first: its whole subtree,
-    ``x`` included, rises with it.
+    ``x`` included, rises with it. Only part of tree ``t`` may move (a
+    split); the rest stays for the next call. If no ancestor can move, one
+    whose link from a GPU one level up has room goes under that GPU after
+    lifting it first (two steps).
     """
-    w = int(weights[t])
+    parent, depth = f.parent, f.depth
+    w = int(f.weight[t])
     chain = [x]
     while depth[t, chain[-1]] > 2:
         chain.append(int(parent[t, chain[-1]]))
     best = int(depth[t, x])
     for a in reversed(chain):
-        cand = np.flatnonzero(depth[t] <= depth[t, a] - 2)
-        cand = cand[~_inside(parent[t], roots[t], cand, a)]  # a parent in a's own subtree would close a cycle
-        if not cand.size:
-            continue
-        p = int(parent[t, a])
-        room = cand[spare[cand, a] >= w]
-        if room.size:
-            q = int(room[np.lexsort((-spare[room, a], depth[t, room]))[0]])
-            _move(t, a, p, q, w, roots, parent, depth, spare)
+        if _rehang(f, t, a, int(depth[t, a]) - 2, best, spare):
             return True
-        # Swap: a tree t2 that takes a from q gives that link up and takes a from p instead.
-        for q in cand[np.argsort(depth[t, cand], kind="stable")].tolist():
-            for t2 in np.flatnonzero(parent[:, a] == q).tolist():
-                w2 = int(weights[t2])
-                if t2 == t or spare[q, a] + w2 < w or spare[p, a] + w < w2:
-                    continue
-                if _inside(parent[t2], roots[t2], np.array([p]), a)[0]:
-                    continue
-                shift = depth[t2, p] - depth[t2, q]
-                sub = _inside(parent[t2], roots[t2], np.arange(parent.shape[1]), a)
-                if depth[t2, sub].max() + shift > best - 1:
-                    continue
-                _move(t2, a, q, p, w2, roots, parent, depth, spare)
-                _move(t, a, p, q, w, roots, parent, depth, spare)
+    for a in reversed(chain):
+        level = int(f.depth[t, a])
+        if level < 3:
+            continue
+        sub = _subtree(f.parent[t], f.depth[t], a)
+        p = int(f.parent[t, a])
+        for q in np.flatnonzero((f.depth[t] >= level - 1) & ~sub & (spare[:, a] >= w)).tolist():
+            if _rehang(f, t, q, level - 3, best, spare, split=False):
+                _move(f, t, a, p, q, w, spare, sub)
                 return True
     return False
 
 
-def _move(t: int, a: int, old: int, new: int, w: int, roots, parent, depth, spare) -> None:
+def _rehang(f: _Trees, t: int, a: int, limit: int, best: int, spare: np.ndarray, *, split: bool = True) -> bool:
+    """Hangs ``a`` in tree ``t`` under a parent at most ``limit`` deep: over a link with room, else by a swap
+    with another tree (that stays above depth ``best``); True if it moved. ``split=False``: all of ``t`` or nothing."""
+    parent, depth = f.parent, f.depth
+    w = int(f.weight[t])
+    cand = np.flatnonzero(depth[t] <= limit)
+    if not cand.size:
+        return False
+    sub = _subtree(parent[t], depth[t], a)
+    cand = cand[~sub[cand]]  # a parent in a's own subtree would close a cycle
+    if not cand.size:
+        return False
+    p = int(parent[t, a])
+    room = cand[spare[cand, a] >= w]
+    if room.size:
+        q = int(room[np.lexsort((-spare[room, a], depth[t, room]))[0]])
+        _move(f, t, a, p, q, w, spare, sub)
+        return True
+    # Swap: a tree t2 that takes a from q gives (part of) that link up and takes a from p instead.
+    is_cand = np.zeros(parent.shape[1], dtype=bool)
+    is_cand[cand] = True
+    t2s = np.flatnonzero(is_cand[np.maximum(parent[: f.size, a], 0)] & (parent[: f.size, a] >= 0))
+    t2s = t2s[t2s != t]
+    qs = parent[t2s, a]
+    shift = depth[t2s, p] - depth[t2s, qs]
+    fits = depth[t2s, a] + shift <= best - 1  # a itself ends shallow enough (its subtree is checked below)
+    t2s, qs, shift = t2s[fits], qs[fits], shift[fits]
+    for i in np.lexsort((t2s, depth[t, qs])).tolist():  # shallowest q first
+        t2, q = int(t2s[i]), int(qs[i])
+        w2 = int(f.weight[t2])
+        m = min(w, w2 + int(spare[q, a]))  # chunks of t that move to q
+        if m < w and not split:
+            continue
+        sub2 = _subtree(parent[t2], depth[t2], a)
+        if sub2[p] or depth[t2, sub2].max() + shift[i] > best - 1:
+            continue
+        m2 = max(0, m - int(spare[q, a]))  # chunks of t2 that make room for them, moving to p
+        if m2:
+            _move(f, t2 if m2 == w2 else f.split(t2, m2), a, q, p, m2, spare, sub2)
+        _move(f, t if m == w else f.split(t, m), a, p, q, m, spare, sub)
+        return True
+    return False
+
+
+def _move(f: _Trees, t: int, a: int, old: int, new: int, w: int, spare: np.ndarray, sub: np.ndarray) -> None:
+    """Re-hangs ``a`` (its subtree ``sub``) from ``old`` to ``new`` in tree ``t`` (``w`` chunks)."""
     spare[old, a] += w
     spare[new, a] -= w
-    parent[t, a] = new
-    depth[t] = _all_depths(parent[t : t + 1], roots[t : t + 1])[0]
+    f.parent[t, a] = new
+    f.depth[t, sub] += f.depth[t, new] + 1 - f.depth[t, a]
 
 
-def _inside(parent_row: np.ndarray, root: int, nodes: np.ndarray, a: int) -> np.ndarray:
-    """Which ``nodes`` lie in ``a``'s subtree of the tree ``parent_row``."""
-    inside = np.zeros(nodes.size, dtype=bool)
-    cur = nodes.copy()
-    for _ in range(parent_row.size):
-        inside |= cur == a
-        at_root = cur == root
-        if at_root.all():
-            break
-        cur = np.where(at_root, cur, parent_row[np.maximum(cur, 0)])
-    return inside
+def _subtree(parent_row: np.ndarray, depth_row: np.ndarray, a: int) -> np.ndarray:
+    """The mask of ``a`` and its descendants in the tree ``parent_row`` (depths ``depth_row``)."""
+    cur = np.arange(parent_row.size)
+    level = depth_row[a]
+    for _ in range(int(depth_row.max()) - level):  # climb every GPU up to a's level
+        cur = np.where(depth_row[cur] > level, parent_row[cur], cur)
+    return cur == a
 
 
 def _pieces(n: int, roots: np.ndarray, weights: np.ndarray, parent: np.ndarray, depth: np.ndarray) -> list[np.ndarray]:

@@ -34,7 +34,7 @@ import numpy as np
 from scipy.sparse.csgraph import maximum_flow
 
 from jaxccl.errors import SynthesisError
-from jaxccl.synth.allgather.flow import INF, FlowNetwork, RootedCheck
+from jaxccl.synth.allgather.flow import INF, FlowNetwork, RootedCheck, small_bipartite_flow
 from jaxccl.synth.allgather.logical import Logical
 from jaxccl.synth.allgather.network import Net
 
@@ -177,13 +177,8 @@ def transport_plan(a: np.ndarray, b: np.ndarray, allowed: np.ndarray, weight: np
     for stage in (0, 1):
         if need_r.sum() == 0 or need_c.sum() == 0:
             break
-        if stage == 0:
-            cand = allowed & (frac - y > 1e-9)
-            ucap = np.where(cand, 1, 0)
-        else:
-            cand = allowed.copy()
-            ucap = np.where(cand, INF, 0)
-        add = _bipartite_flow(need_r, need_c, ucap)
+        cand = allowed & (frac - y > 1e-9) if stage == 0 else allowed
+        add = _bipartite_flow(need_r, need_c, cand, 1 if stage == 0 else None)
         y += add
         need_r = a - y.sum(axis=1)
         need_c = b - y.sum(axis=0)
@@ -211,14 +206,19 @@ def _shave(vec: np.ndarray, amount: int) -> None:
         amount -= take
 
 
-def _bipartite_flow(rows: np.ndarray, cols: np.ndarray, ucap: np.ndarray) -> np.ndarray:
-    """Max-flow from row supplies to column demands through entries of capacity ``ucap``."""
-    m, n = ucap.shape
-    ii, jj = np.nonzero(ucap > 0)
+SMALL_PLAN = 256  # entries up to which a plan is rounded in plain Python (scipy's per-call overhead dominates)
+
+
+def _bipartite_flow(rows: np.ndarray, cols: np.ndarray, allowed: np.ndarray, unit: int | None) -> np.ndarray:
+    """Max-flow from row supplies to column demands through ``allowed`` entries, each at most ``unit`` (or any)."""
+    m, n = allowed.shape
+    if m * n <= SMALL_PLAN:
+        return small_bipartite_flow(rows, allowed, cols, None if unit is None else np.where(allowed, unit, 0))
+    ii, jj = np.nonzero(allowed)
     s, t = m + n, m + n + 1
     src = np.concatenate([np.full(m, s), ii, m + np.arange(n)])
     dst = np.concatenate([np.arange(m), m + jj, np.full(n, t)])
-    cap = np.concatenate([rows, np.minimum(ucap[ii, jj], INF), cols])
+    cap = np.concatenate([rows, np.full(len(ii), INF if unit is None else unit), cols])
     net = FlowNetwork(m + n + 2, src, dst)
     _, flow = net.flows(cap, s, t)
     out = np.zeros((m, n), dtype=np.int64)
