@@ -154,6 +154,7 @@ def run_drill(config: DrillConfig, *, timeout_s: float = 300.0) -> dict[str, Any
     for cycle, ns in zip(report["cycles"], cut_ns):
         cycle["cut_ns"] = ns
     report["outputs"] = outputs
+    report["lab_prefix"] = lab.lab.prefix
     report["bitwise_ok"] = all("BITWISE ok" in out for out in outputs)
     return report
 
