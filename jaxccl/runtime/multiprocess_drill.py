@@ -172,12 +172,13 @@ class _Worker:
 
         import jaxccl
         from jaxccl.runtime import native
-        from jaxccl.runtime.multiprocess import ProcessTransport, attach
+        from jaxccl.runtime.multiprocess import ProcessTransport, attach, connect_every_pair
         from jaxccl.runtime.multiprocess_rail import rank_rail, transport_options_from_env
 
         self.config, self.folder = config, folder
         self.me = jax.process_index()
         self.transport = ProcessTransport.bootstrap(timeout_s=config.timeout_s, options=transport_options_from_env())
+        connect_every_pair(self.transport, timeout_s=config.timeout_s)
         n = jax.device_count()
         mesh = Mesh(np.array(jax.devices()), ("d",))
         attach(self.transport, mesh, "d")
@@ -212,9 +213,13 @@ class _Worker:
         """One checked AllGather; its time in seconds."""
         x = self.calls % len(self.inputs)
         t0 = time.perf_counter()
-        with self.comm:
-            y = self.ours(self.inputs[x])
-            y.block_until_ready()
+        try:
+            with self.comm:
+                y = self.ours(self.inputs[x])
+                y.block_until_ready()
+        except Exception:
+            print(f"FAILED call {self.calls}, registry {self.native.swap_state(self.slot)}", flush=True)
+            raise
         seconds = time.perf_counter() - t0
         self.mismatches += self._shards(y) != self.expected[x]
         self.calls += 1
