@@ -225,35 +225,6 @@ class ProcessTransport:
             raise _translate(e) from e
 
 
-WARM_UP_TAG = (1 << 48) - 1  # the widest tag: never one of the executor's
-
-
-def connect_every_pair(transport: ProcessTransport, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Opens the connection of every pair of processes, one pair at a time, before any collective runs.
-
-    UCX opens a connection at a pair's first message; when both ends send their first message at
-    once, both open one. Here the pairs take turns in one order every process agrees on (the
-    lower process sends first, the higher answers), so every connection opens from one side.
-    Call it in every process after :meth:`ProcessTransport.bootstrap`.
-
-    Raises:
-        DeadlineError: a peer did not answer within ``timeout_s``.
-        ExecutorError: a peer failed.
-    """
-    me, n = transport.process_id, transport.num_processes
-    token, inbox = np.array([me], np.int64), np.zeros(1, np.int64)
-    for a in range(n):
-        for b in range(a + 1, n):
-            if me not in (a, b):
-                continue
-            peer = b if me == a else a
-            if me == a:
-                transport.wait(transport.isend(peer, WARM_UP_TAG, token), timeout_s)
-            transport.wait(transport.irecv(peer, WARM_UP_TAG, inbox), timeout_s)
-            if me == b:
-                transport.wait(transport.isend(peer, WARM_UP_TAG, token), timeout_s)
-
-
 _attached: ProcessTransport | None = None
 
 

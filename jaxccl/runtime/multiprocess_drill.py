@@ -172,13 +172,12 @@ class _Worker:
 
         import jaxccl
         from jaxccl.runtime import native
-        from jaxccl.runtime.multiprocess import ProcessTransport, attach, connect_every_pair
+        from jaxccl.runtime.multiprocess import ProcessTransport, attach
         from jaxccl.runtime.multiprocess_rail import rank_rail, transport_options_from_env
 
         self.config, self.folder = config, folder
         self.me = jax.process_index()
         self.transport = ProcessTransport.bootstrap(timeout_s=config.timeout_s, options=transport_options_from_env())
-        connect_every_pair(self.transport, timeout_s=config.timeout_s)
         n = jax.device_count()
         mesh = Mesh(np.array(jax.devices()), ("d",))
         attach(self.transport, mesh, "d")
