@@ -70,12 +70,21 @@ class DemoConfig:
     quiet: bool = False
 
 
-def _model(rng: Any) -> tuple[list[Any], list[tuple[int, int]]]:
+def _model(rng: Any, sizes: tuple[int, ...] = SIZES) -> tuple[list[Any], list[tuple[int, int]]]:
     import numpy as np
 
-    shapes = list(zip(SIZES[:-1], SIZES[1:]))
+    shapes = list(zip(sizes[:-1], sizes[1:]))
     weights = [(rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32) for s in shapes]
     return weights, shapes
+
+
+def _batch(rng: Any, batch: int, sizes: tuple[int, ...] = SIZES) -> tuple[Any, Any]:
+    """The training batch: random inputs, labels from a random linear teacher (drawn after the weights)."""
+    import numpy as np
+
+    x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
+    y = np.argmax(x @ rng.standard_normal((sizes[0], sizes[-1])), axis=1).astype(np.int32)
+    return x, y
 
 
 def _flatten(weights: list[Any], multiple: int) -> Any:
@@ -86,10 +95,20 @@ def _flatten(weights: list[Any], multiple: int) -> Any:
     return np.concatenate([flat, np.zeros(pad, np.float32)])
 
 
-def _programs(lib: Any, mesh: Any, shapes: list[tuple[int, int]], cfg: DemoConfig) -> tuple[Any, Any]:
+def _programs(
+    lib: Any, mesh: Any, shapes: list[tuple[int, int]], cfg: DemoConfig, *, reductions: Any = None
+) -> tuple[Any, Any]:
+    """The jitted AllGather of the parameters and the training step, with ``lib``'s collectives.
+
+    ``reductions`` (default ``lib``) supplies the gradient reduce-scatter and the loss sum: across
+    processes both runs use ``jax.lax`` for them, whose float sums over sockets need not follow
+    jaxccl's rank order, so that the loss curves compare the AllGather alone.
+    """
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
+
+    red = lib if reductions is None else reductions
 
     def gather(shard):
         return lib.all_gather(shard, "data", axis=0, tiled=True)
@@ -113,8 +132,8 @@ def _programs(lib: Any, mesh: Any, shapes: list[tuple[int, int]], cfg: DemoConfi
             return -jnp.sum(jnp.take_along_axis(logp, yb[:, None], axis=1)) / cfg.batch
 
         loss, g = jax.value_and_grad(local_loss)(full)
-        g_shard = lib.psum_scatter(g, "data", scatter_dimension=0, tiled=True)
-        return shard - cfg.lr * g_shard, lib.psum(loss, "data")
+        g_shard = red.psum_scatter(g, "data", scatter_dimension=0, tiled=True)
+        return shard - cfg.lr * g_shard, red.psum(loss, "data")
 
     gather_fn = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
     step_fn = jax.jit(
@@ -193,8 +212,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     weights, shapes = _model(rng)
     flat = _flatten(weights, NUM_DEVICES)
-    x = rng.standard_normal((cfg.batch, SIZES[0])).astype(np.float32)
-    y = np.argmax(x @ rng.standard_normal((SIZES[0], SIZES[-1])), axis=1).astype(np.int32)
+    x, y = _batch(rng, cfg.batch)
     sharding = NamedSharding(mesh, P("data"))
     xb, yb = jax.device_put(x, sharding), jax.device_put(y, sharding)
     out_bytes = flat.size * 4  # one rank's AllGather output
@@ -389,13 +407,26 @@ def _step_at(rows: list[dict[str, Any]], t_ns: int) -> float:
     return float(rows[-1]["step"]) if t_ns >= rows[-1]["start_ns"] else float(rows[0]["step"])
 
 
-def _summary(r: dict[str, Any], say: Any) -> None:
-    g = 1e9
+def reaction_summary(r: dict[str, Any], say: Any, *, failed: str = "GPU 0's NIC", unit: str = "GB/s") -> None:
+    """Prints the loss check, the controller's counts, its first reaction and the algbw before/after.
+
+    Shared by the single-process and the real-socket demo; ``unit`` is ``"GB/s"`` or ``"MB/s"``.
+
+    >>> r = dict(loss_matches_reference=True, detections=1, false_detections=0, resyntheses=1, swaps=1,
+    ...     swap_steps=[9], detect_ms=5.0, confirm_ms=9.0, synth_ms=3.0, dispatch_ms=1.0, swap_ms=0.1, swap_step=9,
+    ...     algbw_healthy=4e6, algbw_stale=1e6, algbw_recovered=3e6, recovery_ratio=3.0)
+    >>> reaction_summary(r, print, unit="MB/s")  # doctest: +ELLIPSIS
+    <BLANKLINE>
+    loss curve equals the jax.lax reference bitwise: yes
+    ...
+    algbw healthy 4.0 MB/s; after the failure: stale schedule 1.0 MB/s, re-synthesized 3.0 MB/s (3.00x; ...)
+    """
+    g = {"GB/s": 1e9, "MB/s": 1e6}[unit]
     say("")
     say(f"loss curve equals the jax.lax reference bitwise: {'yes' if r['loss_matches_reference'] else 'NO'}")
     say(
         f"controller: {r['detections']} detection(s), {r['false_detections']} false (before the failure or not "
-        f"blaming GPU 0's NIC), {r['resyntheses']} re-synthesis(es), {r['swaps']} swap(s) at step(s) "
+        f"blaming {failed}), {r['resyntheses']} re-synthesis(es), {r['swaps']} swap(s) at step(s) "
         f"{', '.join(map(str, r['swap_steps'])) or '-'}"
     )
     say(
@@ -405,10 +436,15 @@ def _summary(r: dict[str, Any], say: Any) -> None:
         f"active from step {r['swap_step']}"
     )
     say(
-        f"algbw healthy {r['algbw_healthy'] / g:.1f} GB/s; after the failure: stale schedule "
-        f"{r['algbw_stale'] / g:.1f} GB/s, re-synthesized {r['algbw_recovered'] / g:.1f} GB/s "
+        f"algbw healthy {r['algbw_healthy'] / g:.1f} {unit}; after the failure: stale schedule "
+        f"{r['algbw_stale'] / g:.1f} {unit}, re-synthesized {r['algbw_recovered'] / g:.1f} {unit} "
         f"({r['recovery_ratio']:.2f}x; A/B medians on the degraded fabric)"
     )
+
+
+def _summary(r: dict[str, Any], say: Any) -> None:
+    g = 1e9
+    reaction_summary(r, say)
     say(
         f"healthy rate vs prediction: measured {r['algbw_healthy'] / g:.0f} GB/s = {r['measured_over_predicted']:.2f} "
         f"of the large-message limit {r['predicted_algbw_healthy'] / g:.0f} GB/s; at this size "
@@ -432,17 +468,20 @@ def _timeline_png(r: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    g = 1e9
+    unit = r.get("algbw_unit", "GB/s")
+    g = {"GB/s": 1e9, "MB/s": 1e6}[unit]
     steps = [row["step"] for row in r["steps"]]
     bw = [row["algbw"] / g for row in r["steps"]]
     last = steps[-1]
-    fail = r["fail_step"]
+    fail = r["fail_step"] if r["fail_step"] is not None else last  # None: a run without a failure
     fig, ax = plt.subplots(figsize=(9, 4.8))
     ax.plot(steps, bw, marker=".", color="tab:blue", lw=1.2, label="AllGather algbw of each training step")
     healthy = r["algbw_healthy"] / g
     ax.hlines(healthy, 0, fail, colors="tab:blue", linestyles=":", lw=1)
-    ax.text(0.2, healthy * 1.03, f"healthy: {healthy:.0f} GB/s", color="tab:blue", fontsize=8, va="bottom")
-    ax.axvline(fail, color="tab:red", ls="--", lw=1.5, label="gray failure: GPU 0's NIC 400 -> 200 Gbps")
+    ax.text(0.2, healthy * 1.03, f"healthy: {healthy:.0f} {unit}", color="tab:blue", fontsize=8, va="bottom")
+    failure = r.get("failure_label", "gray failure: GPU 0's NIC 400 -> 200 Gbps")
+    if r["fail_step"] is not None:
+        ax.axvline(fail, color="tab:red", ls="--", lw=1.5, label=failure)
     if r["detect_step"] is not None:
         ax.axvline(
             r["detect_step"], color="tab:orange", ls=":", lw=2, label=f"detected ({r['detect_ms']:.0f} ms later)"
@@ -471,7 +510,7 @@ def _timeline_png(r: dict[str, Any], path: str) -> None:
             ax.text(
                 last + 0.3,
                 med * 0.97,
-                f"A/B after the run, {name}: {med:.0f} GB/s",
+                f"A/B after the run, {name}: {med:.0f} {unit}",
                 color=color,
                 ha="right",
                 va="top",
@@ -481,7 +520,7 @@ def _timeline_png(r: dict[str, Any], path: str) -> None:
     ax.set_xlim(-0.5, last + 0.5)
     ax.set_ylim(0, max([*bw, healthy]) * 1.25)
     ax.set_xlabel("training step")
-    ax.set_ylabel("algbw, emulated GB/s")
+    ax.set_ylabel(r.get("algbw_axis_label", f"algbw, emulated {unit}"))
     ax.set_title(
         "jaxccl demo: a gray failure, detected, re-synthesized and hot-swapped\n"
         f"on the degraded fabric the re-synthesized schedule runs {r['recovery_ratio']:.2f}x the stale one "
