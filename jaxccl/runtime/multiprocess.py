@@ -270,7 +270,7 @@ def stage_agreed(
     collective: str,
     schedule: Any,
     *,
-    round_id: int,
+    round_id: int | str,
     margin: int = DEFAULT_SWAP_MARGIN,
     timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> tuple[int, int]:
@@ -278,10 +278,13 @@ def stage_agreed(
 
     MCCL Sec. 6.2.2 across processes: every process calls this with the same schedule (it is
     plain data: synthesize it deterministically in each process or load the same JSON) and the
-    same ``round_id``. Each publishes the largest sequence number its ranks issued on the slot;
+    same ``round_id`` (unique per swap of the job). Each publishes the largest sequence number
+    its ranks issued on the slot;
     the transition point is the largest of them plus ``margin`` (the calls a process may issue
     while the others are still agreeing), so every process runs the old table up to it and the
-    new one from the next call. Returns ``(version, transition_seq)``.
+    new one from the next call. The communicator then reports ``schedule`` as the collective's
+    (``comm.schedule(collective)``), as after :meth:`~jaxccl.Communicator.install`.
+    Returns ``(version, transition_seq)``.
 
     Raises:
         ScheduleError: ``schedule`` fails the reference interpreter.
@@ -310,7 +313,17 @@ def stage_agreed(
             raise DeadlineError(f"process {p} did not publish its swap point within {timeout_s} s: {e}") from e
     transition = max(issued) + int(margin)
     version = native.stage(slot, compile_table(schedule, num_slots=8), transition_seq=transition)
+    _record_schedule(comm, collective, schedule)
     return version, transition
+
+
+def _record_schedule(comm: Any, collective: str, schedule: Any) -> None:
+    # The registry holds the table; the communicator keeps the Schedule the controller profiles. Staging
+    # at an agreed point has no public Communicator method yet, so this writes its record directly.
+    from jaxccl.runtime.communicator import _canonical
+
+    with comm._lock:
+        comm._schedules[_canonical(collective)] = schedule
 
 
 MIN_MEASURED_BYTES = 32 << 10  # smaller sends finish in the transport's buffers: their time is not the link's
