@@ -150,12 +150,12 @@ def _say(quiet: bool) -> Callable[..., None]:
     return lambda *a, **k: print(*a, **k, flush=True)
 
 
-def _is_false_detection(event: Any, inject_ns: int) -> bool:
+def _is_false_detection(event: Any, inject_ns: int, failed_link: tuple[Any, Any] = FAILED_LINK) -> bool:
     """A detection before the failure, or one that does not blame the failed link (either direction)."""
     if not inject_ns or event.time_ns < inject_ns:
         return True
     blamed = event.detail.get("degraded", {})
-    u, v = FAILED_LINK
+    u, v = failed_link
     return f"{u}->{v}" not in blamed and f"{v}->{u}" not in blamed
 
 
@@ -172,12 +172,21 @@ def _describe(event: Any, labels: dict[int, str]) -> str:
     if event.kind == "cleared":
         return f"flag cleared after {d['flagged_samples']} samples (a burst): no action"
     if event.kind == "synthesized":
-        return f"re-synthesized warm-started in {d['synth_ms']:.1f} ms, predicted {d['predicted_algbw'] / 1e9:.0f} GB/s"
+        return f"re-synthesized warm-started in {d['synth_ms']:.1f} ms, predicted {_rate_text(d['predicted_algbw'])}"
     if event.kind == "staged":
         return f"staged as v{d['version']} (validated + compiled in {d['dispatch_ms']:.1f} ms)"
     if event.kind == "activated":
         return f"v{d['version']} ({labels.get(d['version'], '?')}) active {d['wait_ms']:.0f} ms after staging"
     return f"{event.kind}: {dict(d)}"
+
+
+def _rate_text(bytes_per_s: float) -> str:
+    """``"400 GB/s"`` for the emulated fabric's rates, ``"12.5 MB/s"`` for real sockets'.
+
+    >>> _rate_text(4e11), _rate_text(1.25e7)
+    ('400 GB/s', '12.5 MB/s')
+    """
+    return f"{bytes_per_s / 1e9:.0f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.1f} MB/s"
 
 
 def _simulated(topo: Any, schedule: Any, bytes_per_rank: float) -> tuple[float, float]:
@@ -309,19 +318,9 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     events = controller.events
     for e in events[told:]:
         say(f"          controller: {_describe(e, labels)}")
-    after = [e for e in events if e.time_ns >= inject_ns]
-    detections = [e for e in events if e.kind == "detected"]
-    detected = next((e for e in after if e.kind == "detected"), None)
-    first = {
-        k: next((e for e in after if e.kind == k), None) for k in ("confirmed", "synthesized", "staged", "activated")
-    }
     versions = [r["version"] for r in rows]
     v0 = versions[0]
-    swap_steps = [r["step"] for prev, r in zip(rows, rows[1:]) if r["version"] != prev["version"]]
-    swap_step = swap_steps[0] if swap_steps else None
-    healthy = [r["algbw"] for r in rows if 2 <= r["step"] < cfg.fail_step]
-    stale_steps = [r["algbw"] for r in rows if r["step"] > cfg.fail_step and r["version"] == v0]
-    recovered_steps = [r["algbw"] for r in rows if swap_step is not None and r["step"] > swap_step]
+    swap_step = next(iter(swap_steps_of(rows)), None)
 
     new_schedule = comm.schedule("all_gather")
     ab: dict[str, list[float]] = {"stale": [], "recovered": []}
@@ -335,23 +334,12 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     gather_fn(shard).block_until_ready()
                     ab[key].append(out_bytes / (time.perf_counter() - t0) / cfg.time_scale)
-    algbw_stale = report.median(ab["stale"]) if ab["stale"] else report.median(stale_steps)
-    algbw_recovered = report.median(ab["recovered"]) if ab["recovered"] else float("nan")
     matches = len(losses) == len(ref_losses) and all(a.tobytes() == b.tobytes() for a, b in zip(losses, ref_losses))
 
-    def ms(e: Any, key: str) -> float:
-        return float(e.detail[key]) if e is not None and key in e.detail else float("nan")
-
-    algbw_healthy = report.median(healthy)
+    reaction = reaction_fields(rows, events, inject_ns, cfg.fail_step, ab)
+    algbw_healthy = reaction["algbw_healthy"]
     result = {
-        "algbw_healthy": algbw_healthy,
-        "algbw_stale": algbw_stale,
-        "algbw_recovered": algbw_recovered,
-        "recovery_ratio": algbw_recovered / algbw_stale if algbw_stale else float("nan"),
-        "ab_stale": ab["stale"],
-        "ab_recovered": ab["recovered"],
-        "algbw_stale_timeline": report.median(stale_steps),
-        "algbw_recovered_timeline": report.median(recovered_steps),
+        **reaction,
         "bytes_per_rank": out_bytes // NUM_DEVICES,
         "predicted_algbw_healthy": healthy_schedule.algbw,
         "predicted_algbw_recovered": new_schedule.algbw,
@@ -365,21 +353,6 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
             "per-hop latencies, executing as the executor does (dataflow: no head-of-line blocking; _in_order: "
             "MSCCL's in-order threadblocks, for comparison); the measured rate is compared with both"
         ),
-        "detect_ms": (detected.time_ns - inject_ns) / 1e6 if detected is not None else float("nan"),
-        "detections": len(detections),
-        "false_detections": sum(1 for e in detections if _is_false_detection(e, inject_ns)),
-        "resyntheses": sum(1 for e in events if e.kind == "synthesized"),
-        "swaps": len(swap_steps),
-        "swap_steps": swap_steps,
-        "confirm_ms": ms(first["confirmed"], "confirm_ms"),
-        "synth_ms": ms(first["synthesized"], "synth_ms"),
-        "dispatch_ms": ms(first["staged"], "dispatch_ms"),
-        "swap_ms": ms(first["staged"], "swap_ms"),
-        "activation_wait_ms": ms(first["activated"], "wait_ms"),
-        "swap_step": swap_step,
-        "fail_step": cfg.fail_step,
-        "detect_step": _step_at(rows, detected.time_ns) if detected is not None else None,
-        "confirm_step": _step_at(rows, first["confirmed"].time_ns) if first["confirmed"] is not None else None,
         "loss_matches_reference": bool(matches),
         "losses": [float(v) for v in losses],
         "steps": rows,
@@ -397,6 +370,82 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         print(f"wrote {cfg.png}")
     sys.stdout.flush()
     return result
+
+
+def swap_steps_of(rows: list[dict[str, Any]]) -> list[int]:
+    """The steps whose AllGather ran another table version than the step before.
+
+    >>> swap_steps_of([{"step": 0, "version": 2}, {"step": 1, "version": 2}, {"step": 2, "version": 3}])
+    [2]
+    """
+    return [r["step"] for prev, r in zip(rows, rows[1:]) if r["version"] != prev["version"]]
+
+
+def reaction_fields(
+    rows: list[dict[str, Any]],
+    events: list[Any],
+    inject_ns: int,
+    fail_step: int | None,
+    ab: dict[str, list[float]],
+    *,
+    failed_link: tuple[Any, Any] = FAILED_LINK,
+) -> dict[str, Any]:
+    """The demo's rates and reaction times from its per-step rows, the controller's events and the A/B.
+
+    Shared by the single-process and the real-socket demo. ``rows`` hold ``step``, ``start_ns``,
+    ``algbw`` and ``version`` per training step; ``events`` are the controller's events;
+    ``inject_ns`` is the failure's ``time.monotonic_ns()`` (0 and ``fail_step`` ``None``: no
+    failure, so every detection is a false one); ``ab`` the A/B rates ``stale`` and ``recovered``.
+
+    >>> rows = [{"step": k, "start_ns": k, "algbw": 4.0 if k < 3 else 1.0, "version": 2} for k in range(5)]
+    >>> r = reaction_fields(rows, [], 0, None, {"stale": [], "recovered": []})
+    >>> r["swaps"], r["detections"], r["algbw_healthy"]
+    (0, 0, 1.0)
+    """
+    after = [e for e in events if inject_ns and e.time_ns >= inject_ns]
+    detections = [e for e in events if e.kind == "detected"]
+    first = {k: next((e for e in after if e.kind == k), None) for k in ("detected", *_REACTION_KINDS)}
+    swap_steps = swap_steps_of(rows)
+    swap_step = swap_steps[0] if swap_steps else None
+    v0 = rows[0]["version"]
+    healthy = [r["algbw"] for r in rows if r["step"] >= 2 and (fail_step is None or r["step"] < fail_step)]
+    stale = [r["algbw"] for r in rows if fail_step is not None and r["step"] > fail_step and r["version"] == v0]
+    recovered = [r["algbw"] for r in rows if swap_step is not None and r["step"] > swap_step]
+    algbw_stale = report.median(ab["stale"]) if ab["stale"] else report.median(stale)
+    algbw_recovered = report.median(ab["recovered"]) if ab["recovered"] else float("nan")
+    detected = first["detected"]
+
+    def ms(e: Any, key: str) -> float:
+        return float(e.detail[key]) if e is not None and key in e.detail else float("nan")
+
+    return {
+        "algbw_healthy": report.median(healthy),
+        "algbw_stale": algbw_stale,
+        "algbw_recovered": algbw_recovered,
+        "recovery_ratio": algbw_recovered / algbw_stale if algbw_stale else float("nan"),
+        "ab_stale": ab["stale"],
+        "ab_recovered": ab["recovered"],
+        "algbw_stale_timeline": report.median(stale),
+        "algbw_recovered_timeline": report.median(recovered),
+        "detect_ms": (detected.time_ns - inject_ns) / 1e6 if detected is not None else float("nan"),
+        "detections": len(detections),
+        "false_detections": sum(1 for e in detections if _is_false_detection(e, inject_ns, failed_link)),
+        "resyntheses": sum(1 for e in events if e.kind == "synthesized"),
+        "swaps": len(swap_steps),
+        "swap_steps": swap_steps,
+        "confirm_ms": ms(first["confirmed"], "confirm_ms"),
+        "synth_ms": ms(first["synthesized"], "synth_ms"),
+        "dispatch_ms": ms(first["staged"], "dispatch_ms"),
+        "swap_ms": ms(first["staged"], "swap_ms"),
+        "activation_wait_ms": ms(first["activated"], "wait_ms"),
+        "swap_step": swap_step,
+        "fail_step": fail_step,
+        "detect_step": _step_at(rows, detected.time_ns) if detected is not None else None,
+        "confirm_step": _step_at(rows, first["confirmed"].time_ns) if first["confirmed"] is not None else None,
+    }
+
+
+_REACTION_KINDS = ("confirmed", "synthesized", "staged", "activated")
 
 
 def _step_at(rows: list[dict[str, Any]], t_ns: int) -> float:

@@ -1,27 +1,26 @@
 """``jaxccl demo --network netns|loopback``: the closed loop across processes on real sockets.
 
 The single-process demo (:mod:`jaxccl.demo`) on real links: 8 ranks (2 emulated hosts x 4) in
-``processes`` JAX processes, the AllGather of the parameters on jaxccl's native executor with
-the bytes between processes on its transport (UCX over TCP, nothing through shared memory).
-With ``network="netns"`` (root) every process runs in its own network namespace of a
-:class:`~jaxccl.netlab.NetLab`, its NIC shaped with ``tc`` to ``nic_rate_mbit``; at
-``fail_step`` the launcher cuts process 0's uplink to ``cut_rate_mbit`` live. Each process
-measures its NIC from the transport's completion times, process 0 detects the drop, re-synthesizes
-the AllGather around the cut NIC and every process stages it at one agreed call
-(:mod:`jaxccl.demo_network_control`). The losses are compared bitwise with a ``jax.lax`` run of
-the same training in the same processes. With ``network="loopback"`` (the transport only, no
-root) the processes share the loopback device: there is no NIC to cut, and the run checks the
-loss, the measurement and that nothing is detected on a healthy network.
+separate JAX processes, the AllGather of the parameters on jaxccl's native executor with the
+bytes between processes on its transport (UCX over TCP), under the closed loop across processes
+(:class:`~jaxccl.runtime.multiprocess_loop.ProcessLoop`: the transport's completion times of
+every process gathered to one controller in process 0, Algorithm 1, warm re-synthesis, every
+process swapping at one agreed call).
 
-The default layout for ``netns`` is one process per rank (8): each rank has its own NIC, so the
-cut one can be routed around (the healthy schedule sends 7 shards through every uplink; the
-re-synthesized one sends rank 0's shard through its uplink once). With 2 processes (one per
-emulated host, 4 ranks sharing its memory) one NIC carries a whole host, which no schedule can
-avoid: the detector says so and keeps the schedule. Loopback defaults to 2 processes (less start
-time on a small machine).
+With ``network="netns"`` (root) the job runs in a
+:class:`~jaxccl.runtime.multiprocess_rail.RailLab`: every rank is a process with its own NIC
+(a veth shaped with ``tc`` to ``nic_rate_mbit``), the ranks of a host share its namespace and
+reach each other over its loopback. At ``fail_step`` the launcher cuts rank 1's NIC to
+``cut_rate_mbit`` live (both directions); the loop detects it and routes the AllGather around it
+through the host's loopback. With ``network="loopback"`` (the transport only, no root) the
+processes share the machine's loopback: there is no NIC to cut, and the run checks the loss, the
+measurement and that nothing is detected on a healthy network.
 
-The result has the single-process demo's keys plus ``processes``, ``network`` and
-``per_process`` (each process's ranks, NIC, measured uplink rates, AllGather times, versions).
+The losses are compared bitwise with a ``jax.lax`` run of the same training in the same
+processes (the gradient reduce-scatter and the loss sum are ``jax.lax`` in both runs: gloo's
+float sums across sockets need not follow jaxccl's rank order, so the comparison checks the
+AllGather). The result has the single-process demo's keys plus ``processes``, ``network`` and
+``per_process`` (each process's ranks, AllGather times, table versions, loop times and events).
 
 Example:
     >>> NetworkDemoConfig(network="netns").resolved_processes(), NetworkDemoConfig().resolved_processes()
@@ -30,7 +29,6 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -40,17 +38,25 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from jaxccl import report
-from jaxccl.demo import DemoConfig, _step_at, _timeline_png, reaction_summary
-from jaxccl.demo_network_layout import DemoNetworkError, check_processes, layout_topology, uplink
+from jaxccl.demo import DemoConfig, _timeline_png, reaction_summary
+from jaxccl.demo_network_layout import (
+    FAILED_RANK,
+    DemoNetworkError,
+    check_processes,
+    default_processes,
+    failed_link,
+)
 from jaxccl.demo_network_worker import CUT_DONE_FILE, CUT_REQUEST
 
+__all__ = ["NETWORKS", "SIZES", "DemoNetworkError", "NetworkDemoConfig", "check", "run", "unavailable_reason"]
+
 NETWORKS = ("loopback", "netns")
-FAILED_PROCESS = 0  # its NIC's uplink is cut
-# The MLP's widths: 790 KiB of parameters per rank, so that one rank's sends to a peer outlast what
-# the socket and the qdisc buffer (their completion times then measure the link, not the buffers).
+# The MLP's widths: 790 KiB of parameters per rank, so that one shard sent to another process
+# outlasts what the socket and the qdisc buffer (its completion time then measures the link).
 SIZES = (256, 1024, 1024, 256, 16)
 
 
@@ -58,23 +64,25 @@ SIZES = (256, 1024, 1024, 256, 16)
 class NetworkDemoConfig(DemoConfig):
     """The real-socket demo's knobs (the single-process demo's, plus the network and the processes).
 
-    ``processes`` ``None`` picks 8 for ``netns`` (a NIC per rank) and 2 for ``loopback``.
+    ``processes`` ``None`` picks 8 for ``netns`` (a process and a NIC per rank) and 2 for
+    ``loopback`` (a process per host). ``confirm`` is the controller's flagged samples before it
+    re-synthesizes; ``job_timeout_s`` the deadline of the whole job.
     """
 
-    steps: int = 16
-    fail_step: int = 6
-    ab_runs: int = 5
+    steps: int = 14
+    fail_step: int = 5
+    ab_runs: int = 3
+    gamma: float = 0.3  # Algorithm 1's threshold: 8 processes on a few shared cores make noisy samples
     network: str = "loopback"
     processes: int | None = None
     nic_rate_mbit: float = 200.0
     cut_rate_mbit: float = 40.0
+    confirm: int = 2
     job_timeout_s: float = 900.0
 
     def resolved_processes(self) -> int:
         """The number of processes this run starts."""
-        if self.processes is not None:
-            return self.processes
-        return 8 if self.network == "netns" else 2
+        return self.processes if self.processes is not None else default_processes(self.network)
 
 
 def unavailable_reason(network: str) -> str | None:
@@ -95,7 +103,7 @@ def unavailable_reason(network: str) -> str | None:
 
         reason = netns_reason()
         if reason is not None:
-            return f"--network netns: {reason} (--network loopback needs only the transport)"
+            return f"{reason} (--network loopback needs only the transport)"
     return None
 
 
@@ -109,15 +117,15 @@ def check(cfg: NetworkDemoConfig) -> int:
     if reason is not None:
         raise DemoNetworkError(f"jaxccl demo --network {cfg.network} cannot run here: {reason}")
     processes = cfg.resolved_processes()
-    check_processes(processes)
-    if not cfg.cut_rate_mbit < cfg.nic_rate_mbit:
+    check_processes(cfg.network, processes)
+    if not 0 < cfg.cut_rate_mbit < cfg.nic_rate_mbit:
         raise DemoNetworkError(
-            f"the cut rate {cfg.cut_rate_mbit:g} Mbit/s must be below the NIC's {cfg.nic_rate_mbit:g}"
+            f"the cut rate {cfg.cut_rate_mbit:g} Mbit/s must be between 0 and the NIC's {cfg.nic_rate_mbit:g}"
         )
-    if not 3 <= cfg.fail_step < cfg.steps - 2:
+    if not 2 <= cfg.fail_step < cfg.steps - 2:
         raise DemoNetworkError(
-            f"fail_step must be in 3..{cfg.steps - 3} for {cfg.steps} steps (3 healthy steps form each NIC's "
-            f"baseline), got {cfg.fail_step}"
+            f"fail_step must be in 2..{cfg.steps - 3} for {cfg.steps} steps (healthy steps first, then room "
+            f"to react), got {cfg.fail_step}"
         )
     return processes
 
@@ -135,21 +143,18 @@ def run(cfg: NetworkDemoConfig) -> dict[str, Any]:
     say(
         f"jaxccl demo --network {cfg.network}: 8 ranks (2 hosts x 4) in {processes} processes"
         + (
-            f", each in its own network namespace with a {cfg.nic_rate_mbit:g} Mbit/s NIC; process "
-            f"{FAILED_PROCESS}'s uplink cut to {cfg.cut_rate_mbit:g} Mbit/s at step {cfg.fail_step}"
+            f", a {cfg.nic_rate_mbit:g} Mbit/s NIC each (network namespaces, tc); rank {FAILED_RANK}'s NIC cut to "
+            f"{cfg.cut_rate_mbit:g} Mbit/s at step {cfg.fail_step}"
             if cfg.network == "netns"
             else " on loopback (no NIC to cut: the run checks the loss and that nothing is detected)"
         )
     )
-    with tempfile.TemporaryDirectory(prefix="jaxccl-demo-") as folder, contextlib.ExitStack() as stack:
-        lab = None
-        if cfg.network == "netns":
-            from jaxccl.netlab import LinkShape, NetLab
-
-            lab = stack.enter_context(NetLab(processes, LinkShape(rate_mbit=cfg.nic_rate_mbit)))
-        inject_wall = _run_job(cfg, processes, folder, lab, say)
-        result = _assemble(cfg, processes, folder, inject_wall)
-    reaction_summary(result, print, failed=result["failed_link"], unit="MB/s")
+    with tempfile.TemporaryDirectory(prefix="jaxccl-demo-") as folder:
+        cut_ns, lab_prefix = _run_job(cfg, processes, folder, say)
+        result = _assemble(cfg, processes, folder)
+    result["lab_prefix"] = lab_prefix
+    result["cut_ns"] = cut_ns
+    reaction_summary(result, print, failed=f"rank {FAILED_RANK}'s NIC", unit="MB/s")
     if cfg.json:
         report.write_json(cfg.json, result)
         print(f"wrote {cfg.json}")
@@ -161,155 +166,127 @@ def run(cfg: NetworkDemoConfig) -> dict[str, Any]:
 
 
 def _worker_config(cfg: NetworkDemoConfig, processes: int) -> str:
-    keys = ("steps", "fail_step", "ab_runs", "network", "nic_rate_mbit", "lr", "batch", "quiet")
-    return json.dumps({**{k: getattr(cfg, k) for k in keys}, "processes": processes, "sizes": SIZES})
+    keys = ("steps", "fail_step", "ab_runs", "network", "nic_rate_mbit", "lr", "batch", "quiet", "alpha", "gamma")
+    return json.dumps(
+        {**{k: getattr(cfg, k) for k in keys}, "confirm": cfg.confirm, "processes": processes, "sizes": SIZES}
+    )
 
 
-def _run_job(cfg: NetworkDemoConfig, processes: int, folder: str, lab: Any, say: Any) -> int | None:
-    """Starts the processes, relays process 0's output, cuts the NIC when it asks; returns the cut's time (ns)."""
-    from jaxccl.netlab import LinkShape
+def _run_job(cfg: NetworkDemoConfig, processes: int, folder: str, say: Callable[..., None]) -> tuple[int, str | None]:
+    """Runs the job; relays process 0's output and cuts the NIC when it asks. Returns the cut's time and the lab."""
     from jaxccl.runtime.multiprocess_launch import collect, start
 
+    argv = [sys.executable, "-m", "jaxccl.demo_network_worker"]
     env = {"JAXCCL_DEMO_CONFIG": _worker_config(cfg, processes), "JAXCCL_DEMO_DIR": folder}
-    procs = start([sys.executable, "-m", "jaxccl.demo_network_worker"], processes, lab=lab, env=env)
     deadline = time.monotonic() + cfg.job_timeout_s
-    lines: queue.Queue[str | None] = queue.Queue()
-    reader = threading.Thread(target=_pump, args=(procs[0].stdout, lines), daemon=True)
-    reader.start()
     output: list[str] = []
-    cut_ns = None
-    try:
-        while True:
-            try:
-                line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            output.append(line)
-            if line.startswith(CUT_REQUEST) and lab is not None:
-                lab.shape(FAILED_PROCESS, LinkShape(rate_mbit=cfg.cut_rate_mbit), direction="up")
-                cut_ns = time.monotonic_ns()
-                with open(os.path.join(folder, CUT_DONE_FILE), "w") as f:
-                    f.write(str(cut_ns))
-                say(f"          launcher: tc cut process {FAILED_PROCESS}'s uplink to {cfg.cut_rate_mbit:g} Mbit/s")
-            elif not line.startswith("[Gloo]"):
-                say(line.rstrip("\n"))
-        first = _finish(procs[0], deadline)
-        others = collect(procs[1:], max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    failed = [(0, first, "".join(output))] if first != 0 else []
-    failed += [(r.process_id + 1, r.returncode, r.output) for r in others if r.returncode != 0]
+    cut = {"ns": 0}
+    if cfg.network == "netns":
+        from jaxccl.netlab import LinkShape
+        from jaxccl.runtime.multiprocess_rail import RailLab
+
+        lab = RailLab(2, 4, LinkShape(rate_mbit=cfg.nic_rate_mbit))
+
+        def cut_nic() -> None:
+            lab.shape(FAILED_RANK, LinkShape(rate_mbit=cfg.cut_rate_mbit))
+
+        with lab:
+            results = lab.launch(
+                argv,
+                env=env,
+                timeout_s=cfg.job_timeout_s,
+                during=lambda procs: _relay(procs[0], deadline, folder, cut_nic, cut, output, say),
+            )
+        prefix = lab.lab.prefix
+    else:
+        procs = start(argv, processes, env=env)
+        try:
+            _relay(procs[0], deadline, folder, None, cut, output, say)
+            results = collect(procs, max(1.0, deadline - time.monotonic()))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        prefix = None
+    failed = [r for r in results if r.returncode != 0]
     if failed:
-        raise DemoNetworkError("; ".join(_failure(pid, code, out, cfg.job_timeout_s) for pid, code, out in failed))
-    return cut_ns
+        texts = {r.process_id: ("".join(output) + r.output if r.process_id == 0 else r.output) for r in failed}
+        raise DemoNetworkError(
+            "; ".join(_failure(r.process_id, r.returncode, texts[r.process_id], cfg.job_timeout_s) for r in failed)
+        )
+    return cut["ns"], prefix
 
 
-def _pump(stream: Any, lines: queue.Queue) -> None:
-    for line in stream:
-        lines.put(line)
-    lines.put(None)
+def _relay(
+    proc: subprocess.Popen,
+    deadline: float,
+    folder: str,
+    cut_nic: Callable[[], None] | None,
+    cut: dict[str, int],
+    output: list[str],
+    say: Callable[..., None],
+) -> None:
+    """Prints process 0's lines as they come (until it ends or the deadline); cuts the NIC when asked."""
+    lines: queue.Queue[str | None] = queue.Queue()
 
+    def pump() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
 
-def _finish(proc: subprocess.Popen, deadline: float) -> int | None:
-    try:
-        return proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        return None
+    threading.Thread(target=pump, daemon=True).start()
+    while True:
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            proc.kill()  # the job's deadline: the launcher's collect() reports it
+            return
+        if line is None:
+            return
+        output.append(line)
+        if line.startswith(CUT_REQUEST) and cut_nic is not None:
+            cut_nic()
+            cut["ns"] = time.monotonic_ns()
+            tmp = os.path.join(folder, f".{CUT_DONE_FILE}")
+            with open(tmp, "w") as f:
+                f.write(str(cut["ns"]))
+            os.replace(tmp, os.path.join(folder, CUT_DONE_FILE))  # the worker never reads half a file
+            say(f"          launcher: tc cut rank {FAILED_RANK}'s NIC")
+        elif not line.startswith("[Gloo]"):
+            say(line.rstrip("\n"))
 
 
 def _failure(process_id: int, code: int | None, output: str, timeout_s: float) -> str:
     last = next((line for line in reversed(output.splitlines()) if line.strip()), "no output")
-    ended = f"exit status {code}" if code is not None else f"killed after the job's deadline of {timeout_s:g} s"
+    ended = f"exit status {code}" if code is not None else f"killed at the job's deadline of {timeout_s:g} s"
     return f"process {process_id} {ended}: {last.strip()}"
 
 
-def _assemble(cfg: NetworkDemoConfig, processes: int, folder: str, inject_ns: int | None) -> dict[str, Any]:
-    """The single-process demo's keys from process 0's record, plus ``processes`` and ``per_process``."""
+def _assemble(cfg: NetworkDemoConfig, processes: int, folder: str) -> dict[str, Any]:
+    """Process 0's result (the single-process demo's keys) with ``processes`` and every process's detail."""
     with open(os.path.join(folder, "result.json")) as f:
-        r = json.load(f)
+        result = json.load(f)
     per_process = []
     for p in range(processes):
         with open(os.path.join(folder, f"process-{p}.json")) as f:
             per_process.append(json.load(f))
-    rows, events = r["rows"], r["events"]
-    inject_ns = inject_ns or 0
-    topo = layout_topology(processes, nic_rate_mbit=cfg.nic_rate_mbit)
-    u, v = uplink(topo, processes, FAILED_PROCESS)
-    failed_key = f"{u}->{v}"
-    detections = [e for e in events if e["kind"] == "detected"]
-    after = [e for e in events if inject_ns and e["time_ns"] >= inject_ns]
-    first = {k: next((e for e in after if e["kind"] == k), None) for k in ("detected", "confirmed", "synthesized")}
-    staged = next((e for e in after if e["kind"] == "staged"), None)
-    swap_steps = [b["step"] for a, b in zip(rows, rows[1:]) if b["version"] != a["version"]]
-    swap_step = swap_steps[0] if swap_steps else None
-    v0 = rows[0]["version"]
-    cut = cfg.network == "netns"
-    healthy = [row["algbw"] for row in rows if not cut or row["step"] < cfg.fail_step]
-    stale_steps = [row["algbw"] for row in rows if cut and row["step"] > cfg.fail_step and row["version"] == v0]
-    recovered_steps = [row["algbw"] for row in rows if swap_step is not None and row["step"] >= swap_step]
-    algbw_stale = report.median(r["ab_stale"]) if r["ab_stale"] else report.median(stale_steps)
-    algbw_recovered = report.median(r["ab_recovered"]) if r["ab_recovered"] else float("nan")
-
-    def since_cut(e: dict[str, Any] | None) -> float:
-        return (e["time_ns"] - inject_ns) / 1e6 if e is not None and inject_ns else float("nan")
-
-    def value(e: dict[str, Any] | None, key: str) -> float:
-        return float(e[key]) if e is not None and key in e else float("nan")
-
-    activated = next((row for row in rows if swap_step is not None and row["step"] == swap_step), None)
-    return {
-        "algbw_healthy": report.median(healthy),
-        "algbw_stale": algbw_stale,
-        "algbw_recovered": algbw_recovered,
-        "recovery_ratio": algbw_recovered / algbw_stale if algbw_stale else float("nan"),
-        "ab_stale": r["ab_stale"],
-        "ab_recovered": r["ab_recovered"],
-        "algbw_stale_timeline": report.median(stale_steps),
-        "algbw_recovered_timeline": report.median(recovered_steps),
-        "bytes_per_rank": r["bytes_per_rank"],
-        "predicted_algbw_healthy": r["predicted_algbw_healthy"],
-        "predicted_algbw_recovered": r["predicted_algbw_recovered"],
-        "detect_ms": since_cut(first["detected"]),
-        "detections": len(detections),
-        "false_detections": sum(
-            1 for e in detections if not inject_ns or e["time_ns"] < inject_ns or failed_key not in e["degraded"]
-        ),
-        "resyntheses": sum(1 for e in events if e["kind"] in ("synthesized", "kept")),
-        "swaps": len(swap_steps),
-        "swap_steps": swap_steps,
-        "confirm_ms": since_cut(first["confirmed"]) - since_cut(first["detected"]),
-        "synth_ms": value(first["synthesized"], "synth_ms"),
-        "dispatch_ms": value(staged, "dispatch_ms"),
-        "swap_ms": value(staged, "swap_ms"),
-        "activation_wait_ms": (activated["start_ns"] - staged["time_ns"]) / 1e6
-        if activated and staged
-        else float("nan"),
-        "swap_step": swap_step,
-        "fail_step": cfg.fail_step if cfg.network == "netns" else None,
-        "detect_step": _step_at(rows, first["detected"]["time_ns"]) if first["detected"] else None,
-        "confirm_step": _step_at(rows, first["confirmed"]["time_ns"]) if first["confirmed"] else None,
-        "loss_matches_reference": bool(all(pp["loss_matches_reference"] for pp in per_process)),
-        "losses": r["losses"],
-        "steps": rows,
-        "schedules": {f"v{k}": label for k, label in r["labels"].items()},
-        "events": events,
-        "config": dataclasses.asdict(cfg),
-        "processes": processes,
-        "network": cfg.network,
-        "topology": r["topology"],
-        "failed_link": f"process {FAILED_PROCESS}'s NIC uplink ({failed_key})",
-        "per_process": per_process,
-        "failure_label": (
-            f"tc: process {FAILED_PROCESS}'s uplink {cfg.nic_rate_mbit:g} -> {cfg.cut_rate_mbit:g} Mbit/s"
-            if cfg.network == "netns"
-            else "no failure (loopback)"
-        ),
-        "algbw_unit": "MB/s",
-        "algbw_axis_label": "algbw, MB/s over real sockets",
-        "time_scale_note": "algbw in real bytes/s over sockets (no emulation)",
-    }
+    u, v = failed_link()
+    result.update(
+        {
+            "loss_matches_reference": bool(all(p["loss_matches_reference"] for p in per_process)),
+            "config": dataclasses.asdict(cfg),
+            "processes": processes,
+            "network": cfg.network,
+            "per_process": per_process,
+            "failed_link": f"{u}->{v}",
+            "failure_label": (
+                f"tc: rank {FAILED_RANK}'s NIC {cfg.nic_rate_mbit:g} -> {cfg.cut_rate_mbit:g} Mbit/s"
+                if cfg.network == "netns"
+                else "no failure (loopback)"
+            ),
+            "algbw_unit": "MB/s",
+            "algbw_axis_label": "algbw, MB/s over real sockets",
+            "time_scale_note": "algbw in real bytes/s over sockets (no emulation)",
+        }
+    )
+    return result

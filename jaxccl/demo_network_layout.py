@@ -1,54 +1,54 @@
-"""The real-socket demo's layout: which process holds which ranks, and the Topology of those links.
+"""The real-socket demo's layout: 2 emulated hosts x 4 ranks, which process holds which ranks, its links.
 
-The demo runs 8 ranks (2 emulated hosts x 4) in ``P`` processes of ``8 / P`` ranks each. Every
-process sits in its own network namespace with one NIC (a shaped veth to the lab's bridge); the
-ranks of one process reach each other through its memory. The Topology given to jaxccl
-describes exactly that: each process's ranks meet at a memory switch ``mem:p`` (when it holds more
-than one), and each process has one NIC link, in each direction, to the bridge ``net``. With
-``P = 8`` every rank has its own NIC (the layout the issue asks for: a cut NIC can be routed
-around); with ``P = 2`` a process is a whole host behind one NIC, which no schedule can avoid.
+With ``--network netns`` every rank is one process with its own shaped NIC, and the ranks of a
+host share that host's network namespace (a :class:`~jaxccl.runtime.multiprocess_rail.RailLab`):
+they reach each other over its loopback, the "NVLink", so a cut NIC can be routed around, as on
+MCCL's rail-optimized hosts. The Topology is :func:`~jaxccl.runtime.multiprocess_rail.rank_rail`
+at the lab's NIC rate. With ``--network loopback`` there is no NIC: 2 processes (one per host, its
+4 ranks sharing the process's memory; the default, for less start time on a small machine) or 8
+(one per rank) talk over the machine's loopback, and the same Topology is the nominal one.
 
->>> topo = layout_topology(8, nic_rate_mbit=100)
->>> topo.num_gpus, uplink(topo, 8, 0), topo.capacity(*uplink(topo, 8, 0))
-(8, (0, 'net'), 12500000.0)
->>> uplink(layout_topology(2, nic_rate_mbit=100), 2, 1)
-('mem:1', 'net')
-
-A NIC cut in one direction leaves the bridge forwarding less than it could receive, which
-ForestColl's switch removal cannot split; :func:`pairwise_view` is the view the demo synthesizes
-on then.
+>>> process_of_rank(2)
+[0, 0, 0, 0, 1, 1, 1, 1]
+>>> check_processes("netns", 8), check_processes("loopback", 2)
+(1, 4)
 """
 
 from __future__ import annotations
 
-import networkx as nx
-
 from jaxccl.errors import JaxcclError
-from jaxccl.topology import Topology
 
-NUM_RANKS = 8
+HOSTS = 2
 RANKS_PER_HOST = 4
-PROCESS_CHOICES = (2, 8)  # one process per emulated host, or one per rank
-BRIDGE = "net"
-MEMORY_GBPS = 4.0  # ranks of one process: a copy in memory, 20x the default NIC (and within the
-# synthesizer's 1e4 range of capacities, under which a link counts as dead)
-NIC_LATENCY_S = 50e-6  # a veth hop through the bridge
+NUM_RANKS = HOSTS * RANKS_PER_HOST
+FAILED_RANK = 1  # its NIC is cut (rank 0's NIC carries the job's coordinator, as in the loop's drill)
 
 
 class DemoNetworkError(JaxcclError, RuntimeError):
     """The real-socket demo cannot run here (what is missing) or one of its processes failed (which, and why)."""
 
 
-def check_processes(processes: int) -> int:
-    """The number of ranks each of ``processes`` processes holds.
+def default_processes(network: str) -> int:
+    """One process per rank on namespaces (a NIC each), one per host on loopback.
+
+    >>> default_processes("netns"), default_processes("loopback")
+    (8, 2)
+    """
+    return NUM_RANKS if network == "netns" else HOSTS
+
+
+def check_processes(network: str, processes: int) -> int:
+    """The number of ranks each of ``processes`` processes holds on ``network``.
 
     Raises:
-        DemoNetworkError: ``processes`` is not one of :data:`PROCESS_CHOICES`.
-
-    >>> check_processes(8)
-    1
+        DemoNetworkError: the layout does not allow ``processes`` there.
     """
-    if processes not in PROCESS_CHOICES:
+    if network == "netns" and processes != NUM_RANKS:
+        raise DemoNetworkError(
+            f"--processes {processes}: on --network netns every rank is a process with its own NIC (8 processes); "
+            "with fewer, one NIC would carry several ranks and a cut one could not be routed around"
+        )
+    if processes not in (HOSTS, NUM_RANKS):
         raise DemoNetworkError(
             f"--processes {processes}: the demo runs 2 hosts x 4 ranks as 2 processes (one per host) or 8 "
             "(one per rank); a process never spans two hosts"
@@ -57,74 +57,29 @@ def check_processes(processes: int) -> int:
 
 
 def process_of_rank(processes: int) -> list[int]:
-    """Which process holds each rank (consecutive ranks share a process).
-
-    >>> process_of_rank(2)
-    [0, 0, 0, 0, 1, 1, 1, 1]
-    """
-    per = check_processes(processes)
+    """Which process holds each rank (consecutive ranks share a process)."""
+    per = NUM_RANKS // processes
     return [r // per for r in range(NUM_RANKS)]
 
 
-def layout_topology(processes: int, *, nic_rate_mbit: float) -> Topology:
-    """The links of the demo's lab as a Topology: memory inside a process, one NIC per process."""
-    per = check_processes(processes)
-    nic = nic_rate_mbit * 1e6 / 8
-    memory = MEMORY_GBPS * 1e9 / 8
-    g = nx.DiGraph()
-    g.add_node(BRIDGE, kind="switch", role="network")
-    for rank, p in enumerate(process_of_rank(processes)):
-        g.add_node(rank, kind="gpu", host=rank // RANKS_PER_HOST, rail=rank % RANKS_PER_HOST, segment=0)
-        end = rank if per == 1 else f"mem:{p}"
-        if per > 1:
-            g.add_node(end, kind="switch", role="memory", process=p)
-            _duplex(g, rank, end, memory, 0.0, "memory")
-        _duplex(g, end, BRIDGE, nic, NIC_LATENCY_S, "nic")
-    meta = {"preset": "demo_network", "processes": processes, "nic_rate_mbit": nic_rate_mbit}
-    return Topology(g, name=f"{processes} processes x {per} ranks, one NIC each", meta=meta)
+def demo_topology(nic_rate_mbit: float):
+    """The Topology of the demo's links: MCCL's rail of 2 hosts x 4 GPUs, every NIC at ``nic_rate_mbit``.
 
-
-def uplink(topo: Topology, processes: int, process: int) -> tuple[int | str, str]:
-    """The link that carries what ``process`` sends to other processes (its NIC's uplink)."""
-    per = check_processes(processes)
-    end: int | str = process if per == 1 else f"mem:{process}"
-    topo.capacity(end, BRIDGE)  # raises for a process the layout does not have
-    return end, BRIDGE
-
-
-def pairwise_view(topo: Topology, processes: int) -> Topology:
-    """The layout's links seen rank to rank: an inner approximation for synthesis on asymmetric NICs.
-
-    Every ordered pair of ranks gets one direct link. Ranks of one process share its memory;
-    ranks of different processes get an even share of both NICs the pair crosses: of the sender's
-    uplink (shared by its process's ranks times their remote peers) and of the receiver's
-    downlink (likewise). Any schedule that fits these links fits the real ones, and no switch is
-    left, so a NIC slowed in one direction can be synthesized around (ForestColl's switch removal
-    needs every switch to forward as much as it can receive).
-
-    >>> view = pairwise_view(layout_topology(8, nic_rate_mbit=70), 8)
-    >>> view.capacity(0, 5) * 7 == layout_topology(8, nic_rate_mbit=70).capacity(0, "net")
-    True
+    >>> demo_topology(100).capacity(FAILED_RANK, failed_link()[1])
+    12500000.0
     """
-    per = check_processes(processes)
-    owner = process_of_rank(processes)
-    remote = NUM_RANKS - per  # peers of a rank outside its process
-    g = nx.DiGraph()
-    for rank in range(NUM_RANKS):
-        g.add_node(rank, **topo.graph.nodes[rank])
-    for a in range(NUM_RANKS):
-        for b in range(NUM_RANKS):
-            if a == b:
-                continue
-            if owner[a] == owner[b]:
-                g.add_edge(a, b, capacity=topo.capacity(a, f"mem:{owner[a]}"), latency=0.0, kind="memory")
-                continue
-            up = topo.capacity(*uplink(topo, processes, owner[a])) / (per * remote)
-            down = topo.capacity(BRIDGE, uplink(topo, processes, owner[b])[0]) / (per * remote)
-            g.add_edge(a, b, capacity=min(up, down), latency=2 * NIC_LATENCY_S, kind="nic")
-    return Topology(g, name=f"{topo.name}, rank to rank", meta={**topo.meta, "view": "pairwise"})
+    from jaxccl.netlab import LinkShape
+    from jaxccl.runtime.multiprocess_rail import rank_rail
+
+    return rank_rail(HOSTS, RANKS_PER_HOST, LinkShape(rate_mbit=nic_rate_mbit))
 
 
-def _duplex(g: nx.DiGraph, a: int | str, b: int | str, capacity: float, latency: float, kind: str) -> None:
-    g.add_edge(a, b, capacity=capacity, latency=latency, kind=kind)
-    g.add_edge(b, a, capacity=capacity, latency=latency, kind=kind)
+def failed_link() -> tuple[int, str]:
+    """The cut NIC as a Topology link (rank -> its rail's ToR).
+
+    >>> failed_link()
+    (1, 'tor:s0r1')
+    """
+    from jaxccl.topology.presets import tor
+
+    return FAILED_RANK, tor(0, FAILED_RANK % RANKS_PER_HOST)

