@@ -69,7 +69,7 @@ class NetworkDemoConfig(DemoConfig):
     re-synthesizes; ``job_timeout_s`` the deadline of the whole job.
     """
 
-    steps: int = 14
+    steps: int = 16
     fail_step: int = 5
     ab_runs: int = 3
     gamma: float = 0.3  # Algorithm 1's threshold: 8 processes on a few shared cores make noisy samples

@@ -127,6 +127,22 @@ def test_bad_settings_are_named_errors():
             check(NetworkDemoConfig(network="loopback", steps=6, fail_step=4))
 
 
+def test_what_the_machine_lacks_is_named(monkeypatch, capsys):
+    import jaxccl.netlab
+    import jaxccl.runtime.multiprocess
+    from jaxccl.cli import main
+
+    monkeypatch.setattr(jaxccl.netlab, "unavailable_reason", lambda: "network namespaces need root (ip netns add)")
+    monkeypatch.setattr(jaxccl.runtime.multiprocess, "unavailable_reason", lambda: None)
+    with pytest.raises(DemoNetworkError, match=r"need root.*--network loopback needs only the transport"):
+        check(NetworkDemoConfig(network="netns"))
+    assert main(["demo", "--network", "netns"]) == 2
+    assert "cannot run here: network namespaces need root" in capsys.readouterr().err
+    monkeypatch.setattr(jaxccl.runtime.multiprocess, "unavailable_reason", lambda: "the transport was not built")
+    with pytest.raises(DemoNetworkError, match="loopback cannot run here: the transport was not built"):
+        check(NetworkDemoConfig(network="loopback"))
+
+
 def test_cli_names_what_netns_lacks():
     reason = unavailable_reason("netns")
     if reason is None:
