@@ -473,6 +473,12 @@ def reaction_summary(r: dict[str, Any], say: Any, *, failed: str = "GPU 0's NIC"
     g = {"GB/s": 1e9, "MB/s": 1e6}[unit]
     say("")
     say(f"loss curve equals the jax.lax reference bitwise: {'yes' if r['loss_matches_reference'] else 'NO'}")
+    if r.get("fail_step", 0) is None:  # a run without a failure: what the loop did on healthy links
+        say(
+            f"no failure injected: algbw {r['algbw_healthy'] / g:.1f} {unit}; the controller flagged "
+            f"{r['detections']} time(s) and swapped {r['swaps']} time(s)"
+        )
+        return
     say(
         f"controller: {r['detections']} detection(s), {r['false_detections']} false (before the failure or not "
         f"blaming {failed}), {r['resyntheses']} re-synthesis(es), {r['swaps']} swap(s) at step(s) "

@@ -159,6 +159,7 @@ def test_plain_demo_rejects_processes_without_network():
     assert done.returncode == 2 and "--network" in done.stderr + done.stdout
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(unavailable_reason("loopback") is not None, reason=str(unavailable_reason("loopback")))
 def test_loopback_demo_matches_lax_and_detects_nothing(tmp_path):
     r = _demo(tmp_path, "--network", "loopback", "--steps", "8", "--fail-step", "4")
@@ -166,6 +167,7 @@ def test_loopback_demo_matches_lax_and_detects_nothing(tmp_path):
     assert r["network"] == "loopback" and r["swaps"] == 0 and r["fail_step"] is None
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(unavailable_reason("netns") is not None, reason=str(unavailable_reason("netns")))
 def test_netns_demo_detects_the_cut_and_swaps(tmp_path):
     from jaxccl.netlab.commands import NETNS_ETC, list_namespaces
