@@ -149,7 +149,9 @@ def run_drill(config: DrillConfig, *, timeout_s: float = 300.0) -> dict[str, Any
         results = lab.launch(argv, timeout_s=timeout_s, during=cut_and_restore)
     outputs = ["".join(seen) + results[0].output] + [r.output for r in results[1:]]
     if any(r.returncode != 0 for r in results) or not report:
-        tails = "\n----\n".join(f"process {r.process_id} (rc {r.returncode}):\n{r.output[-3000:]}" for r in results)
+        tails = "\n----\n".join(
+            f"process {r.process_id} (rc {r.returncode}):\n{out[-3000:]}" for r, out in zip(results, outputs)
+        )
         raise RuntimeError(f"drill failed:\n{tails}")
     for cycle, ns in zip(report["cycles"], cut_ns):
         cycle["cut_ns"] = ns
@@ -239,10 +241,16 @@ class _Worker:
             gamma=cfg.gamma,
             confirm=cfg.confirm,
         )
-        healthy = []
+        healthy, loop_ms = [], []
+
+        def loop_step() -> None:
+            t0 = time.perf_counter()
+            loop.step()
+            loop_ms.append((time.perf_counter() - t0) * 1e3)
+
         for _ in range(cfg.healthy_steps):
             healthy.append(self.call())
-            loop.step()
+            loop_step()
         if self.me == 0:
             print(f"CUT {c}", flush=True)
             _wait_signal(self.folder, f"cut-{c}", cfg.timeout_s)
@@ -250,7 +258,7 @@ class _Worker:
         after_cut, swapped_at = [], None
         for k in range(cfg.max_steps):
             after_cut.append(self.call())
-            loop.step()
+            loop_step()
             if swapped_at is None and self.native.swap_state(self.slot)["current_version"] != version:
                 swapped_at = k  # the same call in every process: the swap point is agreed
             if swapped_at is not None and k >= swapped_at + 2:  # the controller records the activation
@@ -277,6 +285,7 @@ class _Worker:
             "stale_s": timed["stale"],
             "recovered_s": timed["recovered"],
             "loop_errors": len(loop.errors),
+            "loop_step_ms": loop_ms,
         }
 
     def run(self) -> bool:

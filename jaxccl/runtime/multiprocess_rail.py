@@ -123,6 +123,9 @@ class RailLab:
         # Several NICs in one subnet: answer ARP only on the NIC that holds the address, and send what a rank
         # sends from its address out of its own NIC (one routing table per NIC, chosen by source address).
         ns = self.lab.namespace(host)
+        # The loopback's 64 KiB MTU against the small socket buffers of NETWORK_ONLY stalled TCP for minutes
+        # (a message between two ranks of a host never arrived within the deadline); a NIC's MTU does not.
+        run(["ip", "-n", ns, "link", "set", "lo", "mtu", "1500"])
         for key in ("arp_ignore=1", "arp_announce=2", "rp_filter=0"):
             for scope in ("all", "default"):
                 run(in_namespace(ns, ["sysctl", "-q", "-w", f"net.ipv4.conf.{scope}.{key}"]))
