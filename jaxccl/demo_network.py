@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from jaxccl import report
@@ -51,6 +52,7 @@ from jaxccl.demo_network_layout import (
     failed_link,
 )
 from jaxccl.demo_network_worker import CUT_DONE_FILE, CUT_REQUEST
+from jaxccl.runtime.multiprocess_drill import _signal  # the drill's harness signal, shared with it
 
 __all__ = ["NETWORKS", "SIZES", "DemoNetworkError", "NetworkDemoConfig", "check", "run", "unavailable_reason"]
 
@@ -209,6 +211,8 @@ def _run_job(cfg: NetworkDemoConfig, processes: int, folder: str, say: Callable[
                     p.kill()
         prefix = None
     failed = [r for r in results if r.returncode != 0]
+    if cut.get("timed_out"):
+        failed = [dataclasses.replace(r, returncode=None) if r.process_id == 0 else r for r in failed]
     if failed:
         texts = {r.process_id: ("".join(output) + r.output if r.process_id == 0 else r.output) for r in failed}
         raise DemoNetworkError(
@@ -239,7 +243,8 @@ def _relay(
         try:
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
         except queue.Empty:
-            proc.kill()  # the job's deadline: the launcher's collect() reports it
+            proc.kill()  # the job's deadline
+            cut["timed_out"] = 1
             return
         if line is None:
             return
@@ -247,10 +252,7 @@ def _relay(
         if line.startswith(CUT_REQUEST) and cut_nic is not None:
             cut_nic()
             cut["ns"] = time.monotonic_ns()
-            tmp = os.path.join(folder, f".{CUT_DONE_FILE}")
-            with open(tmp, "w") as f:
-                f.write(str(cut["ns"]))
-            os.replace(tmp, os.path.join(folder, CUT_DONE_FILE))  # the worker never reads half a file
+            _signal(Path(folder), CUT_DONE_FILE, str(cut["ns"]))
             say(f"          launcher: tc cut rank {FAILED_RANK}'s NIC")
         elif not line.startswith("[Gloo]"):
             say(line.rstrip("\n"))

@@ -24,7 +24,11 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+# The drill's harness signals (an atomic file per signal), shared with it.
+from jaxccl.runtime.multiprocess_drill import _wait_signal
 
 CUT_REQUEST = "JAXCCL-DEMO-CUT"
 CUT_DONE_FILE = "cut-done"
@@ -49,21 +53,6 @@ def _whole_shard_allgather(topo: Any, previous: Any) -> Any:
     from jaxccl import synth
 
     return synth.allgather(topo, previous=previous, max_chunks=MAX_CHUNKS)
-
-
-def _wait_for_cut(folder: str, deadline_s: float) -> int:
-    from jaxccl.errors import DeadlineError
-
-    path = os.path.join(folder, CUT_DONE_FILE)
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
-        if os.path.exists(path):
-            with open(path) as f:
-                text = f.read().strip()
-            if text:
-                return int(text)
-        time.sleep(0.005)
-    raise DeadlineError(f"the launcher did not cut the NIC within {deadline_s} s")
 
 
 class _Worker:
@@ -147,7 +136,7 @@ class _Worker:
             for step in range(cfg["steps"]):
                 if cut and self.me == 0 and step == cfg["fail_step"]:
                     print(f"{CUT_REQUEST} {step}", flush=True)
-                    inject_ns = _wait_for_cut(self.folder, WAIT_S)
+                    inject_ns = int(_wait_signal(Path(self.folder), CUT_DONE_FILE, WAIT_S))
                 start_ns = time.monotonic_ns()
                 t0 = time.perf_counter()
                 full = gather_fn(shard)

@@ -64,7 +64,7 @@ DEMO_KEYS = {
     "config",
     "time_scale_note",
 }
-JOB_TIMEOUT_S = 240
+JOB_TIMEOUT_S = 600  # 8 JAX processes on a loaded 2-core machine: about 2 minutes, sometimes 4
 
 
 def _demo(tmp_path, *args: str) -> dict:
