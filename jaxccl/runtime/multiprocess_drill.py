@@ -212,9 +212,13 @@ class _Worker:
         """One checked AllGather; its time in seconds."""
         x = self.calls % len(self.inputs)
         t0 = time.perf_counter()
-        with self.comm:
-            y = self.ours(self.inputs[x])
-            y.block_until_ready()
+        try:
+            with self.comm:
+                y = self.ours(self.inputs[x])
+                y.block_until_ready()
+        except Exception:
+            print(f"FAILED call {self.calls}, registry {self.native.swap_state(self.slot)}", flush=True)
+            raise
         seconds = time.perf_counter() - t0
         self.mismatches += self._shards(y) != self.expected[x]
         self.calls += 1

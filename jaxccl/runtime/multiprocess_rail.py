@@ -123,8 +123,8 @@ class RailLab:
         # Several NICs in one subnet: answer ARP only on the NIC that holds the address, and send what a rank
         # sends from its address out of its own NIC (one routing table per NIC, chosen by source address).
         ns = self.lab.namespace(host)
-        # The loopback's 64 KiB MTU against the small socket buffers of NETWORK_ONLY stalled TCP for minutes
-        # (a message between two ranks of a host never arrived within the deadline); a NIC's MTU does not.
+        # The loopback gets a NIC's MTU, so that TCP inside a host segments as on the NICs. (Its 64 KiB MTU with
+        # NETWORK_ONLY's small socket buffers was a suspect for the hang in the multi-process guide; not its cause.)
         run(["ip", "-n", ns, "link", "set", "lo", "mtu", "1500"])
         for key in ("arp_ignore=1", "arp_announce=2", "rp_filter=0"):
             for scope in ("all", "default"):
