@@ -70,12 +70,21 @@ class DemoConfig:
     quiet: bool = False
 
 
-def _model(rng: Any) -> tuple[list[Any], list[tuple[int, int]]]:
+def _model(rng: Any, sizes: tuple[int, ...] = SIZES) -> tuple[list[Any], list[tuple[int, int]]]:
     import numpy as np
 
-    shapes = list(zip(SIZES[:-1], SIZES[1:]))
+    shapes = list(zip(sizes[:-1], sizes[1:]))
     weights = [(rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32) for s in shapes]
     return weights, shapes
+
+
+def _batch(rng: Any, batch: int, sizes: tuple[int, ...] = SIZES) -> tuple[Any, Any]:
+    """The training batch: random inputs, labels from a random linear teacher (drawn after the weights)."""
+    import numpy as np
+
+    x = rng.standard_normal((batch, sizes[0])).astype(np.float32)
+    y = np.argmax(x @ rng.standard_normal((sizes[0], sizes[-1])), axis=1).astype(np.int32)
+    return x, y
 
 
 def _flatten(weights: list[Any], multiple: int) -> Any:
@@ -86,10 +95,20 @@ def _flatten(weights: list[Any], multiple: int) -> Any:
     return np.concatenate([flat, np.zeros(pad, np.float32)])
 
 
-def _programs(lib: Any, mesh: Any, shapes: list[tuple[int, int]], cfg: DemoConfig) -> tuple[Any, Any]:
+def _programs(
+    lib: Any, mesh: Any, shapes: list[tuple[int, int]], cfg: DemoConfig, *, reductions: Any = None
+) -> tuple[Any, Any]:
+    """The jitted AllGather of the parameters and the training step, with ``lib``'s collectives.
+
+    ``reductions`` (default ``lib``) supplies the gradient reduce-scatter and the loss sum: across
+    processes both runs use ``jax.lax`` for them, whose float sums over sockets need not follow
+    jaxccl's rank order, so that the loss curves compare the AllGather alone.
+    """
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
+
+    red = lib if reductions is None else reductions
 
     def gather(shard):
         return lib.all_gather(shard, "data", axis=0, tiled=True)
@@ -113,8 +132,8 @@ def _programs(lib: Any, mesh: Any, shapes: list[tuple[int, int]], cfg: DemoConfi
             return -jnp.sum(jnp.take_along_axis(logp, yb[:, None], axis=1)) / cfg.batch
 
         loss, g = jax.value_and_grad(local_loss)(full)
-        g_shard = lib.psum_scatter(g, "data", scatter_dimension=0, tiled=True)
-        return shard - cfg.lr * g_shard, lib.psum(loss, "data")
+        g_shard = red.psum_scatter(g, "data", scatter_dimension=0, tiled=True)
+        return shard - cfg.lr * g_shard, red.psum(loss, "data")
 
     gather_fn = jax.jit(jax.shard_map(gather, mesh=mesh, in_specs=P("data"), out_specs=P("data")))
     step_fn = jax.jit(
@@ -131,12 +150,12 @@ def _say(quiet: bool) -> Callable[..., None]:
     return lambda *a, **k: print(*a, **k, flush=True)
 
 
-def _is_false_detection(event: Any, inject_ns: int) -> bool:
+def _is_false_detection(event: Any, inject_ns: int, failed_link: tuple[Any, Any] = FAILED_LINK) -> bool:
     """A detection before the failure, or one that does not blame the failed link (either direction)."""
     if not inject_ns or event.time_ns < inject_ns:
         return True
     blamed = event.detail.get("degraded", {})
-    u, v = FAILED_LINK
+    u, v = failed_link
     return f"{u}->{v}" not in blamed and f"{v}->{u}" not in blamed
 
 
@@ -153,12 +172,21 @@ def _describe(event: Any, labels: dict[int, str]) -> str:
     if event.kind == "cleared":
         return f"flag cleared after {d['flagged_samples']} samples (a burst): no action"
     if event.kind == "synthesized":
-        return f"re-synthesized warm-started in {d['synth_ms']:.1f} ms, predicted {d['predicted_algbw'] / 1e9:.0f} GB/s"
+        return f"re-synthesized warm-started in {d['synth_ms']:.1f} ms, predicted {_rate_text(d['predicted_algbw'])}"
     if event.kind == "staged":
         return f"staged as v{d['version']} (validated + compiled in {d['dispatch_ms']:.1f} ms)"
     if event.kind == "activated":
         return f"v{d['version']} ({labels.get(d['version'], '?')}) active {d['wait_ms']:.0f} ms after staging"
     return f"{event.kind}: {dict(d)}"
+
+
+def _rate_text(bytes_per_s: float) -> str:
+    """``"400 GB/s"`` for the emulated fabric's rates, ``"12.5 MB/s"`` for real sockets'.
+
+    >>> _rate_text(4e11), _rate_text(1.25e7)
+    ('400 GB/s', '12.5 MB/s')
+    """
+    return f"{bytes_per_s / 1e9:.0f} GB/s" if bytes_per_s >= 1e9 else f"{bytes_per_s / 1e6:.1f} MB/s"
 
 
 def _simulated(topo: Any, schedule: Any, bytes_per_rank: float) -> tuple[float, float]:
@@ -193,8 +221,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     rng = np.random.default_rng(0)
     weights, shapes = _model(rng)
     flat = _flatten(weights, NUM_DEVICES)
-    x = rng.standard_normal((cfg.batch, SIZES[0])).astype(np.float32)
-    y = np.argmax(x @ rng.standard_normal((SIZES[0], SIZES[-1])), axis=1).astype(np.int32)
+    x, y = _batch(rng, cfg.batch)
     sharding = NamedSharding(mesh, P("data"))
     xb, yb = jax.device_put(x, sharding), jax.device_put(y, sharding)
     out_bytes = flat.size * 4  # one rank's AllGather output
@@ -291,19 +318,9 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     events = controller.events
     for e in events[told:]:
         say(f"          controller: {_describe(e, labels)}")
-    after = [e for e in events if e.time_ns >= inject_ns]
-    detections = [e for e in events if e.kind == "detected"]
-    detected = next((e for e in after if e.kind == "detected"), None)
-    first = {
-        k: next((e for e in after if e.kind == k), None) for k in ("confirmed", "synthesized", "staged", "activated")
-    }
     versions = [r["version"] for r in rows]
     v0 = versions[0]
-    swap_steps = [r["step"] for prev, r in zip(rows, rows[1:]) if r["version"] != prev["version"]]
-    swap_step = swap_steps[0] if swap_steps else None
-    healthy = [r["algbw"] for r in rows if 2 <= r["step"] < cfg.fail_step]
-    stale_steps = [r["algbw"] for r in rows if r["step"] > cfg.fail_step and r["version"] == v0]
-    recovered_steps = [r["algbw"] for r in rows if swap_step is not None and r["step"] > swap_step]
+    swap_step = next(iter(swap_steps_of(rows)), None)
 
     new_schedule = comm.schedule("all_gather")
     ab: dict[str, list[float]] = {"stale": [], "recovered": []}
@@ -317,23 +334,12 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
                     t0 = time.perf_counter()
                     gather_fn(shard).block_until_ready()
                     ab[key].append(out_bytes / (time.perf_counter() - t0) / cfg.time_scale)
-    algbw_stale = report.median(ab["stale"]) if ab["stale"] else report.median(stale_steps)
-    algbw_recovered = report.median(ab["recovered"]) if ab["recovered"] else float("nan")
     matches = len(losses) == len(ref_losses) and all(a.tobytes() == b.tobytes() for a, b in zip(losses, ref_losses))
 
-    def ms(e: Any, key: str) -> float:
-        return float(e.detail[key]) if e is not None and key in e.detail else float("nan")
-
-    algbw_healthy = report.median(healthy)
+    reaction = reaction_fields(rows, events, inject_ns, cfg.fail_step, ab)
+    algbw_healthy = reaction["algbw_healthy"]
     result = {
-        "algbw_healthy": algbw_healthy,
-        "algbw_stale": algbw_stale,
-        "algbw_recovered": algbw_recovered,
-        "recovery_ratio": algbw_recovered / algbw_stale if algbw_stale else float("nan"),
-        "ab_stale": ab["stale"],
-        "ab_recovered": ab["recovered"],
-        "algbw_stale_timeline": report.median(stale_steps),
-        "algbw_recovered_timeline": report.median(recovered_steps),
+        **reaction,
         "bytes_per_rank": out_bytes // NUM_DEVICES,
         "predicted_algbw_healthy": healthy_schedule.algbw,
         "predicted_algbw_recovered": new_schedule.algbw,
@@ -347,21 +353,6 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
             "per-hop latencies, executing as the executor does (dataflow: no head-of-line blocking; _in_order: "
             "MSCCL's in-order threadblocks, for comparison); the measured rate is compared with both"
         ),
-        "detect_ms": (detected.time_ns - inject_ns) / 1e6 if detected is not None else float("nan"),
-        "detections": len(detections),
-        "false_detections": sum(1 for e in detections if _is_false_detection(e, inject_ns)),
-        "resyntheses": sum(1 for e in events if e.kind == "synthesized"),
-        "swaps": len(swap_steps),
-        "swap_steps": swap_steps,
-        "confirm_ms": ms(first["confirmed"], "confirm_ms"),
-        "synth_ms": ms(first["synthesized"], "synth_ms"),
-        "dispatch_ms": ms(first["staged"], "dispatch_ms"),
-        "swap_ms": ms(first["staged"], "swap_ms"),
-        "activation_wait_ms": ms(first["activated"], "wait_ms"),
-        "swap_step": swap_step,
-        "fail_step": cfg.fail_step,
-        "detect_step": _step_at(rows, detected.time_ns) if detected is not None else None,
-        "confirm_step": _step_at(rows, first["confirmed"].time_ns) if first["confirmed"] is not None else None,
         "loss_matches_reference": bool(matches),
         "losses": [float(v) for v in losses],
         "steps": rows,
@@ -381,6 +372,82 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     return result
 
 
+def swap_steps_of(rows: list[dict[str, Any]]) -> list[int]:
+    """The steps whose AllGather ran another table version than the step before.
+
+    >>> swap_steps_of([{"step": 0, "version": 2}, {"step": 1, "version": 2}, {"step": 2, "version": 3}])
+    [2]
+    """
+    return [r["step"] for prev, r in zip(rows, rows[1:]) if r["version"] != prev["version"]]
+
+
+def reaction_fields(
+    rows: list[dict[str, Any]],
+    events: list[Any],
+    inject_ns: int,
+    fail_step: int | None,
+    ab: dict[str, list[float]],
+    *,
+    failed_link: tuple[Any, Any] = FAILED_LINK,
+) -> dict[str, Any]:
+    """The demo's rates and reaction times from its per-step rows, the controller's events and the A/B.
+
+    Shared by the single-process and the real-socket demo. ``rows`` hold ``step``, ``start_ns``,
+    ``algbw`` and ``version`` per training step; ``events`` are the controller's events;
+    ``inject_ns`` is the failure's ``time.monotonic_ns()`` (0 and ``fail_step`` ``None``: no
+    failure, so every detection is a false one); ``ab`` the A/B rates ``stale`` and ``recovered``.
+
+    >>> rows = [{"step": k, "start_ns": k, "algbw": 4.0 if k < 3 else 1.0, "version": 2} for k in range(5)]
+    >>> r = reaction_fields(rows, [], 0, None, {"stale": [], "recovered": []})
+    >>> r["swaps"], r["detections"], r["algbw_healthy"]
+    (0, 0, 1.0)
+    """
+    after = [e for e in events if inject_ns and e.time_ns >= inject_ns]
+    detections = [e for e in events if e.kind == "detected"]
+    first = {k: next((e for e in after if e.kind == k), None) for k in ("detected", *_REACTION_KINDS)}
+    swap_steps = swap_steps_of(rows)
+    swap_step = swap_steps[0] if swap_steps else None
+    v0 = rows[0]["version"]
+    healthy = [r["algbw"] for r in rows if r["step"] >= 2 and (fail_step is None or r["step"] < fail_step)]
+    stale = [r["algbw"] for r in rows if fail_step is not None and r["step"] > fail_step and r["version"] == v0]
+    recovered = [r["algbw"] for r in rows if swap_step is not None and r["step"] > swap_step]
+    algbw_stale = report.median(ab["stale"]) if ab["stale"] else report.median(stale)
+    algbw_recovered = report.median(ab["recovered"]) if ab["recovered"] else float("nan")
+    detected = first["detected"]
+
+    def ms(e: Any, key: str) -> float:
+        return float(e.detail[key]) if e is not None and key in e.detail else float("nan")
+
+    return {
+        "algbw_healthy": report.median(healthy),
+        "algbw_stale": algbw_stale,
+        "algbw_recovered": algbw_recovered,
+        "recovery_ratio": algbw_recovered / algbw_stale if algbw_stale else float("nan"),
+        "ab_stale": ab["stale"],
+        "ab_recovered": ab["recovered"],
+        "algbw_stale_timeline": report.median(stale),
+        "algbw_recovered_timeline": report.median(recovered),
+        "detect_ms": (detected.time_ns - inject_ns) / 1e6 if detected is not None else float("nan"),
+        "detections": len(detections),
+        "false_detections": sum(1 for e in detections if _is_false_detection(e, inject_ns, failed_link)),
+        "resyntheses": sum(1 for e in events if e.kind == "synthesized"),
+        "swaps": len(swap_steps),
+        "swap_steps": swap_steps,
+        "confirm_ms": ms(first["confirmed"], "confirm_ms"),
+        "synth_ms": ms(first["synthesized"], "synth_ms"),
+        "dispatch_ms": ms(first["staged"], "dispatch_ms"),
+        "swap_ms": ms(first["staged"], "swap_ms"),
+        "activation_wait_ms": ms(first["activated"], "wait_ms"),
+        "swap_step": swap_step,
+        "fail_step": fail_step,
+        "detect_step": _step_at(rows, detected.time_ns) if detected is not None else None,
+        "confirm_step": _step_at(rows, first["confirmed"].time_ns) if first["confirmed"] is not None else None,
+    }
+
+
+_REACTION_KINDS = ("confirmed", "synthesized", "staged", "activated")
+
+
 def _step_at(rows: list[dict[str, Any]], t_ns: int) -> float:
     """The (fractional) step at monotonic time ``t_ns``: step k starts at k.0."""
     for a, b in zip(rows, rows[1:]):
@@ -389,13 +456,32 @@ def _step_at(rows: list[dict[str, Any]], t_ns: int) -> float:
     return float(rows[-1]["step"]) if t_ns >= rows[-1]["start_ns"] else float(rows[0]["step"])
 
 
-def _summary(r: dict[str, Any], say: Any) -> None:
-    g = 1e9
+def reaction_summary(r: dict[str, Any], say: Any, *, failed: str = "GPU 0's NIC", unit: str = "GB/s") -> None:
+    """Prints the loss check, the controller's counts, its first reaction and the algbw before/after.
+
+    Shared by the single-process and the real-socket demo; ``unit`` is ``"GB/s"`` or ``"MB/s"``.
+
+    >>> r = dict(loss_matches_reference=True, detections=1, false_detections=0, resyntheses=1, swaps=1,
+    ...     swap_steps=[9], detect_ms=5.0, confirm_ms=9.0, synth_ms=3.0, dispatch_ms=1.0, swap_ms=0.1, swap_step=9,
+    ...     algbw_healthy=4e6, algbw_stale=1e6, algbw_recovered=3e6, recovery_ratio=3.0)
+    >>> reaction_summary(r, print, unit="MB/s")  # doctest: +ELLIPSIS
+    <BLANKLINE>
+    loss curve equals the jax.lax reference bitwise: yes
+    ...
+    algbw healthy 4.0 MB/s; after the failure: stale schedule 1.0 MB/s, re-synthesized 3.0 MB/s (3.00x; ...)
+    """
+    g = {"GB/s": 1e9, "MB/s": 1e6}[unit]
     say("")
     say(f"loss curve equals the jax.lax reference bitwise: {'yes' if r['loss_matches_reference'] else 'NO'}")
+    if r.get("fail_step", 0) is None:  # a run without a failure: what the loop did on healthy links
+        say(
+            f"no failure injected: algbw {r['algbw_healthy'] / g:.1f} {unit}; the controller flagged "
+            f"{r['detections']} time(s) and swapped {r['swaps']} time(s)"
+        )
+        return
     say(
         f"controller: {r['detections']} detection(s), {r['false_detections']} false (before the failure or not "
-        f"blaming GPU 0's NIC), {r['resyntheses']} re-synthesis(es), {r['swaps']} swap(s) at step(s) "
+        f"blaming {failed}), {r['resyntheses']} re-synthesis(es), {r['swaps']} swap(s) at step(s) "
         f"{', '.join(map(str, r['swap_steps'])) or '-'}"
     )
     say(
@@ -405,10 +491,15 @@ def _summary(r: dict[str, Any], say: Any) -> None:
         f"active from step {r['swap_step']}"
     )
     say(
-        f"algbw healthy {r['algbw_healthy'] / g:.1f} GB/s; after the failure: stale schedule "
-        f"{r['algbw_stale'] / g:.1f} GB/s, re-synthesized {r['algbw_recovered'] / g:.1f} GB/s "
+        f"algbw healthy {r['algbw_healthy'] / g:.1f} {unit}; after the failure: stale schedule "
+        f"{r['algbw_stale'] / g:.1f} {unit}, re-synthesized {r['algbw_recovered'] / g:.1f} {unit} "
         f"({r['recovery_ratio']:.2f}x; A/B medians on the degraded fabric)"
     )
+
+
+def _summary(r: dict[str, Any], say: Any) -> None:
+    g = 1e9
+    reaction_summary(r, say)
     say(
         f"healthy rate vs prediction: measured {r['algbw_healthy'] / g:.0f} GB/s = {r['measured_over_predicted']:.2f} "
         f"of the large-message limit {r['predicted_algbw_healthy'] / g:.0f} GB/s; at this size "
@@ -432,17 +523,20 @@ def _timeline_png(r: dict[str, Any], path: str) -> None:
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
-    g = 1e9
+    unit = r.get("algbw_unit", "GB/s")
+    g = {"GB/s": 1e9, "MB/s": 1e6}[unit]
     steps = [row["step"] for row in r["steps"]]
     bw = [row["algbw"] / g for row in r["steps"]]
     last = steps[-1]
-    fail = r["fail_step"]
+    fail = r["fail_step"] if r["fail_step"] is not None else last  # None: a run without a failure
     fig, ax = plt.subplots(figsize=(9, 4.8))
     ax.plot(steps, bw, marker=".", color="tab:blue", lw=1.2, label="AllGather algbw of each training step")
     healthy = r["algbw_healthy"] / g
     ax.hlines(healthy, 0, fail, colors="tab:blue", linestyles=":", lw=1)
-    ax.text(0.2, healthy * 1.03, f"healthy: {healthy:.0f} GB/s", color="tab:blue", fontsize=8, va="bottom")
-    ax.axvline(fail, color="tab:red", ls="--", lw=1.5, label="gray failure: GPU 0's NIC 400 -> 200 Gbps")
+    ax.text(0.2, healthy * 1.03, f"healthy: {healthy:.0f} {unit}", color="tab:blue", fontsize=8, va="bottom")
+    failure = r.get("failure_label", "gray failure: GPU 0's NIC 400 -> 200 Gbps")
+    if r["fail_step"] is not None:
+        ax.axvline(fail, color="tab:red", ls="--", lw=1.5, label=failure)
     if r["detect_step"] is not None:
         ax.axvline(
             r["detect_step"], color="tab:orange", ls=":", lw=2, label=f"detected ({r['detect_ms']:.0f} ms later)"
@@ -471,7 +565,7 @@ def _timeline_png(r: dict[str, Any], path: str) -> None:
             ax.text(
                 last + 0.3,
                 med * 0.97,
-                f"A/B after the run, {name}: {med:.0f} GB/s",
+                f"A/B after the run, {name}: {med:.0f} {unit}",
                 color=color,
                 ha="right",
                 va="top",
@@ -481,7 +575,7 @@ def _timeline_png(r: dict[str, Any], path: str) -> None:
     ax.set_xlim(-0.5, last + 0.5)
     ax.set_ylim(0, max([*bw, healthy]) * 1.25)
     ax.set_xlabel("training step")
-    ax.set_ylabel("algbw, emulated GB/s")
+    ax.set_ylabel(r.get("algbw_axis_label", f"algbw, emulated {unit}"))
     ax.set_title(
         "jaxccl demo: a gray failure, detected, re-synthesized and hot-swapped\n"
         f"on the degraded fabric the re-synthesized schedule runs {r['recovery_ratio']:.2f}x the stale one "

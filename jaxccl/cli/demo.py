@@ -6,6 +6,7 @@ import argparse
 
 from jaxccl.cli.args import UsageError, positive_float, positive_int, require_matplotlib
 from jaxccl.demo import DemoConfig
+from jaxccl.demo_network import NETWORKS, NetworkDemoConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,13 +21,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument(
-        "--steps", type=positive_int, default=DemoConfig.steps, help=f"training steps (default {DemoConfig.steps})"
+        "--steps",
+        type=positive_int,
+        default=None,
+        help=f"training steps (default {DemoConfig.steps}; {NetworkDemoConfig.steps} with --network)",
     )
     p.add_argument(
         "--fail-step",
         type=positive_int,
-        default=DemoConfig.fail_step,
-        help=f"step at which the failure is injected (default {DemoConfig.fail_step})",
+        default=None,
+        help=(
+            f"step at which the failure is injected (default {DemoConfig.fail_step}; "
+            f"{NetworkDemoConfig.fail_step} with --network)"
+        ),
     )
     p.add_argument(
         "--time-scale",
@@ -37,16 +44,56 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--png", default=None, metavar="PATH", help="write the algbw timeline as PNG")
     p.add_argument("--quiet", action="store_true", help="print only the summary")
+    p.add_argument(
+        "--network",
+        choices=NETWORKS,
+        default=None,
+        help=(
+            "run across processes on real sockets: netns (root: a network namespace and a tc-shaped NIC per "
+            "process, one NIC cut live) or loopback (no NIC to cut); needs the multiprocess extra"
+        ),
+    )
+    p.add_argument(
+        "--processes",
+        type=positive_int,
+        default=None,
+        help="with --network loopback: 2 (one per host, the default) or 8 (one per rank); netns runs 8",
+    )
+    p.add_argument(
+        "--nic-rate-mbit",
+        type=positive_float,
+        default=NetworkDemoConfig.nic_rate_mbit,
+        help=f"with --network netns: every NIC's rate (default {NetworkDemoConfig.nic_rate_mbit:g})",
+    )
+    p.add_argument(
+        "--cut-rate-mbit",
+        type=positive_float,
+        default=NetworkDemoConfig.cut_rate_mbit,
+        help=f"with --network netns: rank 1's NIC after the cut (default {NetworkDemoConfig.cut_rate_mbit:g})",
+    )
+    p.add_argument(
+        "--job-timeout",
+        type=positive_float,
+        default=NetworkDemoConfig.job_timeout_s,
+        help=f"with --network: the whole job's deadline in seconds (default {NetworkDemoConfig.job_timeout_s:g})",
+    )
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    base = NetworkDemoConfig if args.network else DemoConfig
+    args.steps = base.steps if args.steps is None else args.steps
+    args.fail_step = base.fail_step if args.fail_step is None else args.fail_step
+    if args.network is None and args.processes is not None:
+        raise UsageError("--processes needs --network netns or --network loopback")
     if args.steps < 4:
         raise UsageError(f"--steps must be at least 4, got {args.steps}")
     if not 0 < args.fail_step < args.steps - 2:
         raise UsageError(f"--fail-step must be in 1..{args.steps - 3} for --steps {args.steps}, got {args.fail_step}")
     if args.png:
         require_matplotlib()
+    if args.network:
+        return _run_network(args)
     from jaxccl.demo import run
 
     cfg = DemoConfig(
@@ -63,5 +110,35 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     if result["swap_step"] is None:
         print("jaxccl demo: the controller never swapped in a new schedule")
+        return 1
+    return 0
+
+
+def _run_network(args: argparse.Namespace) -> int:
+    from jaxccl.demo_network import check, run
+    from jaxccl.demo_network_layout import DemoNetworkError
+
+    cfg = NetworkDemoConfig(
+        steps=args.steps,
+        fail_step=args.fail_step,
+        json=args.json,
+        png=args.png,
+        quiet=args.quiet,
+        network=args.network,
+        processes=args.processes,
+        nic_rate_mbit=args.nic_rate_mbit,
+        cut_rate_mbit=args.cut_rate_mbit,
+        job_timeout_s=args.job_timeout,
+    )
+    try:
+        check(cfg)
+    except DemoNetworkError as e:
+        raise UsageError(str(e)) from e
+    result = run(cfg)
+    if not result["loss_matches_reference"]:
+        print("jaxccl demo: the loss curve differs from the jax.lax reference")
+        return 1
+    if args.network == "netns" and result["swap_step"] is None:
+        print("jaxccl demo: the loop never swapped in a schedule around the cut NIC")
         return 1
     return 0

@@ -1,0 +1,187 @@
+"""``jaxccl demo --network``: the closed loop across processes on real sockets.
+
+The loopback run needs jaxccl's transport (the ``multiprocess`` extra, built); the netns run
+also needs root and ``ip netns``. Each starts its own multi-process job through the CLI and
+checks the JSON it writes: the single-process demo's keys plus ``processes`` and ``per_process``,
+the loss curve bitwise equal to ``jax.lax`` in every process, and on netns a live ``tc`` cut of one
+rank's NIC detected by the loop across processes, routed around and hot-swapped in every process at
+the same step, with nothing of the lab left behind. The recovery ratio is measured (the JSON's
+``recovery_ratio``), not asserted: speed belongs to benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxccl.demo import reaction_fields
+from jaxccl.demo_network import NetworkDemoConfig, check, unavailable_reason
+from jaxccl.demo_network_layout import DemoNetworkError, check_processes, demo_topology, failed_link, process_of_rank
+from jaxccl.errors import JaxcclError
+
+# The single-process demo's keys (jaxccl.demo.run), which the real-socket demo keeps.
+DEMO_KEYS = {
+    "algbw_healthy",
+    "algbw_stale",
+    "algbw_recovered",
+    "recovery_ratio",
+    "ab_stale",
+    "ab_recovered",
+    "algbw_stale_timeline",
+    "algbw_recovered_timeline",
+    "bytes_per_rank",
+    "predicted_algbw_healthy",
+    "predicted_algbw_recovered",
+    "simulated_algbw_healthy",
+    "simulated_algbw_healthy_in_order",
+    "measured_over_predicted",
+    "measured_over_simulated",
+    "predicted_note",
+    "detect_ms",
+    "detections",
+    "false_detections",
+    "resyntheses",
+    "swaps",
+    "swap_steps",
+    "confirm_ms",
+    "synth_ms",
+    "dispatch_ms",
+    "swap_ms",
+    "activation_wait_ms",
+    "swap_step",
+    "fail_step",
+    "detect_step",
+    "confirm_step",
+    "loss_matches_reference",
+    "losses",
+    "steps",
+    "schedules",
+    "events",
+    "config",
+    "time_scale_note",
+}
+JOB_TIMEOUT_S = 600  # 8 JAX processes on a loaded 2-core machine: about 2 minutes, sometimes 4
+
+
+def _demo(tmp_path, *args: str) -> dict:
+    out = tmp_path / "demo.json"
+    argv = [sys.executable, "-m", "jaxccl", "demo", "--json", str(out), "--job-timeout", str(JOB_TIMEOUT_S), *args]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=JOB_TIMEOUT_S + 60, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def _check_common(r: dict, processes: int) -> None:
+    missing = DEMO_KEYS - set(r)
+    assert not missing, f"keys of the single-process demo missing: {sorted(missing)}"
+    assert r["processes"] == processes and len(r["per_process"]) == processes
+    assert sorted(rank for p in r["per_process"] for rank in p["ranks"]) == list(range(8))
+    assert r["loss_matches_reference"] is True
+    assert all(p["loss_matches_reference"] for p in r["per_process"])
+    assert len(set(r["losses"])) > 1  # the model trains: the curve is not constant
+    assert all(len(p["ag_ms"]) == len(r["losses"]) for p in r["per_process"])
+    assert all(p["loop_errors"] == 0 for p in r["per_process"])  # every process took part in every loop step
+
+
+def test_layout_is_the_rail_of_the_lab():
+    topo = demo_topology(80)
+    assert topo.num_gpus == 8 and topo.capacity(*failed_link()) == 10e6
+    assert process_of_rank(8) == list(range(8)) and process_of_rank(2) == [0] * 4 + [1] * 4
+    with pytest.raises(DemoNetworkError, match="own NIC"):
+        check_processes("netns", 2)
+    with pytest.raises(DemoNetworkError, match="--processes 4"):
+        check_processes("loopback", 4)
+
+
+def test_shared_reaction_fields_count_a_late_detection_and_a_swap():
+    from jaxccl.control.controller import Event
+
+    rows = [
+        {"step": k, "start_ns": 100 * k, "algbw": 10.0 if k < 4 else 2.0, "version": 2 + (k >= 7)} for k in range(9)
+    ]
+    cut = 400
+    link = failed_link()
+    events = [
+        Event("detected", 150, "all_gather", {"degraded": {"0->tor:s0r0": 0.7}}),  # noise before the cut
+        Event("detected", 450, "all_gather", {"degraded": {f"{link[0]}->{link[1]}": 0.2}}),
+        Event("confirmed", 550, "all_gather", {"confirm_ms": 100.0}),
+    ]
+    r = reaction_fields(rows, events, cut, 4, {"stale": [2.0, 2.2], "recovered": [5.0, 5.4]}, failed_link=link)
+    assert (r["detections"], r["false_detections"], r["swaps"], r["swap_step"]) == (2, 1, 1, 7)
+    assert r["detect_ms"] == pytest.approx(50e-6) and r["recovery_ratio"] == pytest.approx(5.2 / 2.1)
+    assert r["algbw_healthy"] == 10.0 and r["algbw_stale_timeline"] == 2.0
+
+
+def test_bad_settings_are_named_errors():
+    with pytest.raises(DemoNetworkError, match="unknown network"):
+        check(NetworkDemoConfig(network="wifi"))
+    assert issubclass(DemoNetworkError, JaxcclError)
+    if unavailable_reason("loopback") is None:
+        with pytest.raises(DemoNetworkError, match="--processes 3"):
+            check(NetworkDemoConfig(network="loopback", processes=3))
+        with pytest.raises(DemoNetworkError, match="fail_step"):
+            check(NetworkDemoConfig(network="loopback", steps=6, fail_step=4))
+
+
+def test_what_the_machine_lacks_is_named(monkeypatch, capsys):
+    import jaxccl.netlab
+    import jaxccl.runtime.multiprocess
+    from jaxccl.cli import main
+
+    monkeypatch.setattr(jaxccl.netlab, "unavailable_reason", lambda: "network namespaces need root (ip netns add)")
+    monkeypatch.setattr(jaxccl.runtime.multiprocess, "unavailable_reason", lambda: None)
+    with pytest.raises(DemoNetworkError, match=r"need root.*--network loopback needs only the transport"):
+        check(NetworkDemoConfig(network="netns"))
+    assert main(["demo", "--network", "netns"]) == 2
+    assert "cannot run here: network namespaces need root" in capsys.readouterr().err
+    monkeypatch.setattr(jaxccl.runtime.multiprocess, "unavailable_reason", lambda: "the transport was not built")
+    with pytest.raises(DemoNetworkError, match="loopback cannot run here: the transport was not built"):
+        check(NetworkDemoConfig(network="loopback"))
+
+
+def test_cli_names_what_netns_lacks():
+    reason = unavailable_reason("netns")
+    if reason is None:
+        pytest.skip("this machine has everything --network netns needs")
+    argv = [sys.executable, "-m", "jaxccl", "demo", "--network", "netns"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2
+    assert "cannot run here" in done.stderr + done.stdout
+
+
+def test_plain_demo_rejects_processes_without_network():
+    argv = [sys.executable, "-m", "jaxccl", "demo", "--processes", "8"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "--network" in done.stderr + done.stdout
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(unavailable_reason("loopback") is not None, reason=str(unavailable_reason("loopback")))
+def test_loopback_demo_matches_lax_and_detects_nothing(tmp_path):
+    r = _demo(tmp_path, "--network", "loopback", "--steps", "8", "--fail-step", "4")
+    _check_common(r, 2)
+    assert r["network"] == "loopback" and r["swaps"] == 0 and r["fail_step"] is None
+
+
+@pytest.mark.multiprocess
+@pytest.mark.skipif(unavailable_reason("netns") is not None, reason=str(unavailable_reason("netns")))
+def test_netns_demo_detects_the_cut_and_swaps(tmp_path):
+    from jaxccl.netlab.commands import NETNS_ETC, list_namespaces
+
+    png = tmp_path / "demo.png"
+    r = _demo(tmp_path, "--network", "netns", "--png", str(png))
+    _check_common(r, 8)
+    assert r["detections"] >= 1 and r["swaps"] >= 1 and r["swap_step"] > r["fail_step"]
+    confirmed = [e for e in r["events"] if e["kind"] == "confirmed" and e["time_ns"] > r["cut_ns"]]
+    assert confirmed and r["failed_link"] in confirmed[0]["detail"]["degraded"]  # the loop blamed the cut NIC
+    assert len({tuple(p["versions"]) for p in r["per_process"]}) == 1  # every process swapped at the same step
+    assert r["ab_stale"] and r["ab_recovered"]
+    assert png.stat().st_size > 10_000
+    prefix = r["lab_prefix"]
+    assert prefix and not [n for n in list_namespaces() if n.startswith(prefix)], "namespaces left behind"
+    if os.path.isdir(NETNS_ETC):
+        assert not [n for n in os.listdir(NETNS_ETC) if n.startswith(prefix)]
