@@ -9,7 +9,10 @@
 //     sender's region (the slot is free again) and releases a direct send's buffer;
 //   * the proxy posts every receive of the launch up front into its own staging memory and, in
 //     message order, once the slot is free, writes the local receiver's descriptor and `posted` tag,
-//     so the receiver's op reads the message as it reads a local one.
+//     so the receiver's op reads the message as it reads a local one;
+//   * sends of the same bytes from one rank to several ranks of one other process share one transfer
+//     (transport_shared_sends.h), which the receiving proxy hands to each of its receivers;
+//   * staging memory is reused from launch to launch (no page faults on every launch).
 // Every message of a launch carries the tag (slot, launch number, connection, message); every wait
 // ends at the launch deadline, and a failed peer fails the launch with an error naming its process.
 #ifndef JAXCCL_XLA_FFI_TRANSPORT_PROXY_H_
@@ -27,6 +30,7 @@
 
 #include "common.h"
 #include "transport.h"
+#include "transport_shared_sends.h"
 
 namespace jaxccl {
 
@@ -80,16 +84,30 @@ class CpuProxy {
   void WaitDone();
 
  private:
+  // One transfer from another process: what the transport receives into staging memory.
+  struct InTransfer {
+    TransportRequest request;
+    char* data;
+    size_t bytes;
+    bool arrived = false;
+  };
+  // One message from another process to a local rank: its transfer (shared with other messages of
+  // the same bytes, or its own).
   struct Recv {
     int32_t conn, msg, rank, peer_rank;
     size_t bytes;
-    char* data;
-    TransportRequest request;
-    bool arrived = false, delivered = false;
+    int32_t transfer;
+    bool delivered = false;
+  };
+  // One transfer to another process: posted by the first of its messages a local rank sends.
+  struct OutTransfer {
+    TransportRequest request = 0;
+    bool done = false;
+    TransportCompletion completion;
   };
   struct Send_ {
     int32_t rank, conn, msg, peer_rank;
-    TransportRequest request;
+    MessageRef transfer;  // the message whose transfer carries it
     bool direct;
   };
   CpuProxy() = default;
@@ -98,19 +116,25 @@ class CpuProxy {
   // Fails the launch with `e` (naming the peer process), cancels what is in flight.
   void FailWith(const std::string& message, ffi::ErrorCode code);
   void CancelAll();
+  // Tests the transfers to other processes; completes the sends whose transfer is done. False when one failed.
+  bool ProgressSends(bool* progress);
 
   CpuLaunch* l_ = nullptr;
   std::shared_ptr<const ProcessGroup> group_;
   int64_t launch_number_ = 0;
+  SharedSends shared_;
   std::unique_ptr<AlignedBuffer> staging_;  // every remote message of the launch (64-byte aligned, not zeroed)
-  std::vector<Recv> recvs_;                 // in (connection, message) order
+  std::vector<InTransfer> transfers_;
+  std::vector<Recv> recvs_;                  // in (connection, message) order
   std::vector<std::vector<int32_t>> order_;  // per connection with remote sender: indices into recvs_, by message
-  std::vector<int32_t> next_;               // per such connection: next message to deliver
+  std::vector<int32_t> next_;                // per such connection: next message to deliver
   std::vector<int32_t> remote_in_conns_;
   int64_t sends_expected_ = 0;
   std::mutex send_mu_;
-  std::vector<Send_> sends_;  // posted, not yet complete
+  std::map<std::pair<int32_t, int32_t>, OutTransfer> out_;  // by the (connection, message) that names it
+  std::vector<Send_> sends_;                                // posted, not yet complete
   int64_t sends_done_ = 0;
+  bool failed_ = false;
   std::atomic<bool> done_{false};
   std::mutex done_mu_;
   std::condition_variable done_cv_;
