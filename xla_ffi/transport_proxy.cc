@@ -9,33 +9,87 @@ namespace jaxccl {
 
 namespace {
 std::mutex group_mu;
-std::shared_ptr<const ProcessGroup>& Group() {
-  static auto* g = new std::shared_ptr<const ProcessGroup>();
+std::vector<std::shared_ptr<const ProcessGroup>>& Groups() {
+  static auto* g = new std::vector<std::shared_ptr<const ProcessGroup>>();
   return *g;
 }
-std::map<int64_t, int64_t>& LaunchNumbers() {
-  static auto* m = new std::map<int64_t, int64_t>();
-  return *m;
-}
 
-constexpr int kSlotBits = 8, kLaunchBits = 16, kConnBits = 12, kMsgBits = 12;
-static_assert(kSlotBits + kLaunchBits + kConnBits + kMsgBits == kTransportTagBits, "tag layout fills the tag");
+// A message's tag: (slot, spanning group, launch, connection, message). Launch numbers wrap: processes
+// stay within one launch of each other on a group's slot (every launch waits for the others' messages).
+constexpr int kSlotBits = 8, kGroupBits = 8, kLaunchBits = 8, kConnBits = 12, kMsgBits = 12;
+static_assert(kSlotBits + kGroupBits + kLaunchBits + kConnBits + kMsgBits == kTransportTagBits,
+              "tag layout fills the tag");
+static_assert(kMaxSpanningGroups == 1 << kGroupBits, "every spanning group has a tag");
 }  // namespace
 
-void SetProcessGroup(std::shared_ptr<const ProcessGroup> group) {
-  std::lock_guard<std::mutex> lock(group_mu);
-  Group() = std::move(group);
-  LaunchNumbers().clear();
+int64_t ProcessGroup::NextLaunch(int64_t slot) const {
+  std::lock_guard<std::mutex> lock(launches_mu_);
+  return launches_[slot]++;
 }
 
-std::shared_ptr<const ProcessGroup> CurrentProcessGroup() {
+int64_t NextLaunchNumber(const ProcessGroup& group, int64_t slot) { return group.NextLaunch(slot); }
+
+ffi::Error AttachProcessGroups(Transport* transport, int32_t process_id,
+                               const std::vector<std::vector<int32_t>>& process_of_rank) {
+  if (transport == nullptr) return ffi::Error::InvalidArgument("jaxccl: no transport to attach");
+  if (process_of_rank.empty() || process_of_rank[0].empty()) {
+    return ffi::Error::InvalidArgument("jaxccl: the mesh to attach has no device");
+  }
+  std::vector<std::shared_ptr<const ProcessGroup>> groups;
+  int32_t local = 0, spanning = 0;
+  for (size_t i = 0; i < process_of_rank.size(); ++i) {
+    const std::vector<int32_t>& procs = process_of_rank[i];
+    if (procs.size() != process_of_rank[0].size()) {
+      return ffi::Error::InvalidArgument(StrCat("jaxccl: group ", i, " has ", procs.size(), " ranks but group 0 has ",
+                                                process_of_rank[0].size()));
+    }
+    auto g = std::make_shared<ProcessGroup>();
+    g->process_id = process_id;
+    g->index = static_cast<int32_t>(i);
+    g->process_of_rank = procs;
+    bool spans = false;
+    for (int32_t p : procs) {
+      if (p < 0 || p >= transport->num_processes()) {
+        return ffi::Error::InvalidArgument(StrCat("jaxccl: process ", p, " of group ", i, " is not one of the ",
+                                                  transport->num_processes(), " processes of the transport"));
+      }
+      g->local_index.push_back(p == process_id ? g->num_local++ : -1);
+      spans |= p != procs[0];
+    }
+    local += g->num_local;
+    if (spans) g->tag_index = spanning++;
+    g->transport = transport;
+    groups.push_back(std::move(g));
+  }
+  if (local == 0) return ffi::Error::InvalidArgument("jaxccl: the process group has no rank in this process");
+  if (spanning > kMaxSpanningGroups) {
+    return ffi::Error::InvalidArgument(StrCat("jaxccl: ", spanning, " groups of the collective's axes span processes; at most ",
+                                              kMaxSpanningGroups, " may (put more of each group in one process)"));
+  }
   std::lock_guard<std::mutex> lock(group_mu);
-  return Group();
+  Groups() = std::move(groups);
+  return ffi::Error::Success();
 }
 
-int64_t NextLaunchNumber(int64_t slot) {
+void DetachProcessGroups() {
   std::lock_guard<std::mutex> lock(group_mu);
-  return LaunchNumbers()[slot]++;
+  Groups().clear();
+}
+
+ffi::ErrorOr<std::shared_ptr<const ProcessGroup>> ProcessGroupOf(int32_t index) {
+  using R = std::shared_ptr<const ProcessGroup>;
+  std::lock_guard<std::mutex> lock(group_mu);
+  if (Groups().empty()) {
+    return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                                     "jaxccl: a native collective across processes needs the processes' transport: call "
+                                     "jaxccl.runtime.multiprocess.attach(transport, mesh, axis_name) in every process first"));
+  }
+  if (index < 0 || index >= static_cast<int32_t>(Groups().size())) {
+    return ErrorResult<R>(ffi::Error::InvalidArgument(
+        StrCat("jaxccl: the collective's group ", index, " is not one of the ", Groups().size(),
+               " groups of the attached mesh (attach the axes this collective runs over)")));
+  }
+  return Groups()[index];
 }
 
 namespace {
@@ -73,8 +127,10 @@ ffi::ErrorOr<uint64_t> CpuProxy::TagOf(int32_t conn, int32_t msg) const {
                " is beyond")));
   }
   const uint64_t slot = static_cast<uint64_t>(l_->slot_) & ((1u << kSlotBits) - 1);
+  const uint64_t group = static_cast<uint64_t>(group_->tag_index) & ((1u << kGroupBits) - 1);
   const uint64_t launch = static_cast<uint64_t>(launch_number_) & ((1u << kLaunchBits) - 1);
-  return (((slot << kLaunchBits | launch) << kConnBits | static_cast<uint64_t>(conn)) << kMsgBits) |
+  return ((((slot << kGroupBits | group) << kLaunchBits | launch) << kConnBits | static_cast<uint64_t>(conn))
+          << kMsgBits) |
          static_cast<uint64_t>(msg);
 }
 

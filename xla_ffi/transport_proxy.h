@@ -37,14 +37,24 @@ namespace jaxccl {
 class AlignedBuffer;
 class CpuLaunch;
 
-// Which process runs each rank of the axis, and the transport between the processes.
+// Which process runs each rank of one group of the collective's axes (a mesh of several axes has one
+// group per coordinate of the other axes), and the transport between the processes.
 struct ProcessGroup {
   int32_t process_id = 0;
-  std::vector<int32_t> process_of_rank;  // per rank of the axis
+  int32_t index = 0;      // the group's linear index over the other mesh axes (the collective's coords[1])
+  int32_t tag_index = 0;  // among the groups that span processes: tells their messages apart
+  std::vector<int32_t> process_of_rank;  // per rank of the group
   std::vector<int32_t> local_index;      // per rank: its index among this process's ranks, or -1
   int32_t num_local = 0;
   Transport* transport = nullptr;  // owned by Python (jaxccl.runtime.multiprocess), alive while attached
   bool Local(int32_t rank) const { return process_of_rank[rank] == process_id; }
+  // Numbers the launches of a slot in this group (the same in every process: SPMD programs launch a
+  // group's collectives of a slot in the same order everywhere).
+  int64_t NextLaunch(int64_t slot) const;
+
+ private:
+  mutable std::mutex launches_mu_;
+  mutable std::map<int64_t, int64_t> launches_;
 };
 
 // What the transport module hands the native module (a capsule): a versioned handle.
@@ -53,12 +63,18 @@ struct TransportHandle {
   Transport* transport = nullptr;
 };
 
-// The process-wide group (one axis spanning processes); null when none is attached.
-void SetProcessGroup(std::shared_ptr<const ProcessGroup> group);
-std::shared_ptr<const ProcessGroup> CurrentProcessGroup();
-// Numbers the launches of a slot in this process (the same in every process: SPMD programs launch
-// a slot's collectives in the same order everywhere).
-int64_t NextLaunchNumber(int64_t slot);
+// The most groups that may span processes at once (their index travels in every message's tag).
+inline constexpr int32_t kMaxSpanningGroups = 256;
+
+// Attaches the process groups of a mesh: process_of_rank[g][r] runs rank r of group g. An error when a
+// group is malformed, this process runs no rank at all, or too many groups span processes.
+ffi::Error AttachProcessGroups(Transport* transport, int32_t process_id,
+                               const std::vector<std::vector<int32_t>>& process_of_rank);
+void DetachProcessGroups();
+// The attached group `index`: an error naming what is missing when none is attached or it has no such group.
+ffi::ErrorOr<std::shared_ptr<const ProcessGroup>> ProcessGroupOf(int32_t index);
+// Numbers the launches of `slot` in `group` (ProcessGroup::NextLaunch).
+int64_t NextLaunchNumber(const ProcessGroup& group, int64_t slot);
 
 // One message to a rank in another process, as the sender's transport saw it: its post and its
 // completion (steady clock). Taken by the proxy for every completed send; drained by Python
