@@ -167,7 +167,7 @@ ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std:
   const ProcessGroup& pg = *proxy->group_;
   const Table& t = *launch->table_;
   const int32_t tiles = launch->tiles_;
-  proxy->shared_ = ShareIdenticalSends(t, tiles, pg.process_of_rank);
+  proxy->shared_ = SharedSendsOf(launch->table_, tiles, pg.process_of_rank);
   // The receives from other processes, with their sizes, from the receiving ranks' programs.
   struct Planned {
     int32_t conn, msg, rank, peer_rank;
@@ -209,7 +209,7 @@ ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std:
   size_t total = 0;
   proxy->recvs_.reserve(plan.size());
   for (const Planned& x : plan) {
-    const MessageRef lead = proxy->shared_.LeaderOf(x.conn, x.msg);
+    const MessageRef lead = proxy->shared_->LeaderOf(x.conn, x.msg);
     auto [it, fresh] = transfer_of.emplace(std::make_pair(lead.conn, lead.msg), static_cast<int32_t>(offsets.size()));
     if (fresh) {
       offsets.push_back(total);
@@ -258,7 +258,7 @@ void CpuProxy::Start() { thread_ = std::thread([this] { Run(); }); }
 
 void CpuProxy::Send(int32_t rank, int32_t conn, int32_t msg, const void* data, size_t bytes, bool direct) {
   const int32_t peer = l_->table_->conns[conn].receiver;
-  const MessageRef lead = shared_.LeaderOf(conn, msg);
+  const MessageRef lead = shared_->LeaderOf(conn, msg);
   std::lock_guard<std::mutex> lock(send_mu_);
   auto [it, fresh] = out_.try_emplace(std::make_pair(lead.conn, lead.msg));
   if (fresh) {  // the first of the transfer's messages posts it

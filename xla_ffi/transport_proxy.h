@@ -138,7 +138,7 @@ class CpuProxy {
   CpuLaunch* l_ = nullptr;
   std::shared_ptr<const ProcessGroup> group_;
   int64_t launch_number_ = 0;
-  SharedSends shared_;
+  std::shared_ptr<const SharedSends> shared_;
   std::unique_ptr<AlignedBuffer> staging_;  // every remote message of the launch (64-byte aligned, not zeroed)
   std::vector<InTransfer> transfers_;
   std::vector<Recv> recvs_;                  // in (connection, message) order

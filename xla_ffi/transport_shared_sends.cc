@@ -1,6 +1,8 @@
 #include "transport_shared_sends.h"
 
+#include <algorithm>
 #include <map>
+#include <mutex>
 #include <tuple>
 
 #include "core/program.h"
@@ -77,6 +79,39 @@ SharedSends ShareIdenticalSends(const Table& t, int32_t tiles, const std::vector
     }
   }
   return out;
+}
+
+namespace {
+struct CachedSharing {
+  std::weak_ptr<const Table> table;
+  int32_t tiles;
+  std::vector<int32_t> process_of_rank;
+  std::shared_ptr<const SharedSends> sharing;
+};
+constexpr size_t kMaxCachedSharings = 16;  // tables in use at once: a few per communicator and collective
+std::mutex cache_mu;
+std::vector<CachedSharing>& Cache() {
+  static auto* c = new std::vector<CachedSharing>();
+  return *c;
+}
+}  // namespace
+
+std::shared_ptr<const SharedSends> SharedSendsOf(const std::shared_ptr<const Table>& t, int32_t tiles,
+                                                 const std::vector<int32_t>& process_of_rank) {
+  {
+    std::lock_guard<std::mutex> lock(cache_mu);
+    for (const CachedSharing& c : Cache()) {
+      if (c.table.lock() == t && c.tiles == tiles && c.process_of_rank == process_of_rank) return c.sharing;
+    }
+  }
+  auto sharing = std::make_shared<const SharedSends>(ShareIdenticalSends(*t, tiles, process_of_rank));
+  std::lock_guard<std::mutex> lock(cache_mu);
+  std::vector<CachedSharing>& cache = Cache();
+  cache.erase(std::remove_if(cache.begin(), cache.end(), [](const CachedSharing& c) { return c.table.expired(); }),
+              cache.end());
+  if (cache.size() >= kMaxCachedSharings) cache.erase(cache.begin());
+  cache.push_back(CachedSharing{t, tiles, process_of_rank, sharing});
+  return sharing;
 }
 
 }  // namespace jaxccl

@@ -16,6 +16,7 @@
 #define JAXCCL_XLA_FFI_TRANSPORT_SHARED_SENDS_H_
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "core/table_format.h"
@@ -38,6 +39,9 @@ struct SharedSends {
 
 // The groups of a launch of `t` in `tiles` tiles, where rank r runs in process process_of_rank[r].
 SharedSends ShareIdenticalSends(const Table& t, int32_t tiles, const std::vector<int32_t>& process_of_rank);
+// The same, computed once per (table, tiles, processes) and reused by the launches that follow.
+std::shared_ptr<const SharedSends> SharedSendsOf(const std::shared_ptr<const Table>& t, int32_t tiles,
+                                                 const std::vector<int32_t>& process_of_rank);
 
 }  // namespace jaxccl
 
