@@ -5,7 +5,8 @@ devices), on loopback or with every process in its own network namespace (``--ne
 root only; ``--rate-mbit`` shapes each process's NIC). For each collective and per-rank input
 size: the median time over ``--runs`` timed calls after warm-up, measured in process 0 with the
 three implementations interleaved (each run calls each once, in turn), algorithm bandwidth (one
-rank's output bytes / time, as nccl-tests) and the ratio to jax.lax's time in the same run. Every
+rank's output bytes / time, as nccl-tests), the ratio to jax.lax's time in the same run and the
+median CPU time of process 0 per call (all its threads: on shared cores, what a call costs). Every
 data-movement result is checked bitwise against jax.lax once per size; float reductions are
 checked against the ppermute backend (both sum in ascending rank order; gloo's order differs).
 
