@@ -5,7 +5,8 @@ devices), on loopback or with every process in its own network namespace (``--ne
 root only; ``--rate-mbit`` shapes each process's NIC). For each collective and per-rank input
 size: the median time over ``--runs`` timed calls after warm-up, measured in process 0 with the
 three implementations interleaved (each run calls each once, in turn), algorithm bandwidth (one
-rank's output bytes / time, as nccl-tests) and the ratio to jax.lax's time in the same run. Every
+rank's output bytes / time, as nccl-tests), the ratio to jax.lax's time in the same run and the
+median CPU time of process 0 per call (all its threads: on shared cores, what a call costs). Every
 data-movement result is checked bitwise against jax.lax once per size; float reductions are
 checked against the ppermute backend (both sum in ascending rank order; gloo's order differs).
 
@@ -86,11 +87,13 @@ def worker(args: argparse.Namespace) -> int:
                     out.block_until_ready()
                 first[impl] = local_bytes(out)
             times = {impl: [] for impl in IMPLS}
+            cpu = {impl: [] for impl in IMPLS}
             for _ in range(args.runs):
                 for impl, fn in fns.items():  # interleaved
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     fn(x).block_until_ready()
                     times[impl].append(time.perf_counter() - t0)
+                    cpu[impl].append(time.process_time() - c0)
             reference = "jaxccl-ppermute" if collective in ("psum_scatter", "psum") else "lax"
             lax_t = report.median(times["lax"])
             for impl in IMPLS:
@@ -102,6 +105,7 @@ def worker(args: argparse.Namespace) -> int:
                         "size": size,
                         "size_h": report.format_bytes(size),
                         "time_us": t * 1e6,
+                        "cpu_us": report.median(cpu[impl]) * 1e6,
                         "algbw_GBs": out_bytes / t / 1e9,
                         "ratio_vs_lax": t / lax_t,
                         # gloo's float sums need not follow the ascending rank order: not comparable
@@ -175,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in results:
             print(f"process {r.process_id} (rc {r.returncode}):\n{r.output[-3000:]}")
         return 1
-    cols = ["size_h", "impl", "time_us", "algbw_GBs", "ratio_vs_lax", "bitwise_ok"]
+    cols = ["size_h", "impl", "time_us", "cpu_us", "algbw_GBs", "ratio_vs_lax", "bitwise_ok"]
     where = f"{args.network}" + (f", NICs at {args.rate_mbit:g} Mbit/s" if args.rate_mbit else "")
     for collective in args.collectives:
         sel = [r for r in rows if r["collective"] == collective]

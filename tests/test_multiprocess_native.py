@@ -190,6 +190,17 @@ def test_native_collectives_across_processes_on_loopback(processes, local_device
     _check_collectives(results)
 
 
+def test_native_collectives_over_the_axes_of_a_two_dimensional_mesh_across_processes():
+    results = launch([sys.executable, str(WORKER), "mesh", "2"], 2, env={"JAXCCL_TIMEOUT_S": "120"}, timeout_s=500)
+    report = _report(results)
+    assert all(r.returncode == 0 for r in results), report
+    for r in results:
+        checks = [line for line in r.output.splitlines() if line.startswith("CHECK ")]
+        assert len(checks) == 3 * (4 * 2 + 1), report  # 3 axis choices x (4 collectives x 2 dtypes + launches)
+        assert all(" ok" in c for c in checks), report
+        assert "ALL OK" in r.output, report
+
+
 @needs_netns
 def test_native_collectives_across_four_processes_on_real_links():
     with NetLab(4, LinkShape(rate_mbit=1000)) as lab:
@@ -289,8 +300,10 @@ def test_attach_checks_the_mesh_and_the_process():
 
     devices = np.array(jax.devices())
     with ProcessTransport(1, 2) as t:
-        with pytest.raises(ExecutorError, match="1-D mesh"):
-            attach(t, Mesh(devices.reshape(2, -1), ("a", "b")), "a")
+        with pytest.raises(ExecutorError, match="distinct axes"):
+            attach(t, Mesh(devices.reshape(2, -1), ("a", "b")), "c")
+        with pytest.raises(ExecutorError, match="distinct axes"):
+            attach(t, Mesh(devices.reshape(2, -1), ("a", "b")), ("a", "a"))
         with pytest.raises(ExecutorError, match="no rank in this process"):
             attach(t, Mesh(devices, ("d",)), "d")  # every device is process 0's
 

@@ -12,6 +12,11 @@ Usage: python tests/test_multiprocess_native_worker.py MODE [ARGS]
   of every process (LOCAL_DEVICES per process), float32 and int32, each process's shards compared
   bitwise with ``jax.lax`` (gloo) and, for reductions, with a NumPy fold in ascending rank order
   (jaxccl's order; gloo's float sums need not follow it); prints ``CHECK ...`` lines and ``ALL OK``.
+- ``mesh LOCAL_DEVICES``: a 2-D mesh ``("x", "y")`` whose rows are the processes; the four
+  collectives over ``"x"`` (groups that span the processes), ``"y"`` (groups inside one process) and
+  ``("y", "x")`` (one group of every device, ``y`` major) on the native CPU backend, each attached
+  in turn, compared bitwise with ``jax.lax`` (gloo) on random integer-valued data of float32 and
+  int32, whose sums are exact in any order; prints ``CHECK ...`` lines and ``ALL OK``.
 - ``swap LOCAL_DEVICES STEPS``: native AllGather steps across processes, each checked bitwise
   against ``jax.lax``; at a step drawn from a seed every process shares, a ring schedule is
   staged everywhere at one agreed sequence number (``stage_agreed``); prints ``SWAP version seq``
@@ -27,11 +32,13 @@ Usage: python tests/test_multiprocess_native_worker.py MODE [ARGS]
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import time
 
 import numpy as np
+from multiprocess_checks import check_collectives
 
 SIZES = (4 << 10, 1 << 20, 8 << 20)
 TIMEOUT_S = 60.0
@@ -81,76 +88,15 @@ def stream(t, nbytes: int, rounds: int) -> bool:
 
 def collectives(t) -> bool:
     import jax
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import Mesh
 
     import jaxccl
     from jaxccl.runtime.multiprocess import attach
 
-    n = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("d",))
     attach(t, mesh, "d")
     comm = jaxccl.Communicator(mesh, "d", backend="cpu")
-    sharding = NamedSharding(mesh, P("d"))
-
-    def ordered_sum(blocks):
-        acc = np.zeros_like(blocks[0])
-        for b in blocks:
-            acc = acc + b
-        return acc
-
-    def expect_rs(g):  # psum_scatter(v, scatter_dimension=1, tiled=True)
-        v = g.reshape(n, 2, n, 3)
-        return np.concatenate([ordered_sum(v[:, :, r]) for r in range(n)], axis=0)
-
-    def expect_psum(g):
-        return ordered_sum(g.reshape(n, 2, 3 * n))
-
-    cases = {
-        "all_gather": (
-            lambda v: jaxccl.all_gather(v, "d", axis=1, tiled=True),
-            lambda v: jax.lax.all_gather(v, "d", axis=1, tiled=True),
-            None,
-        ),
-        "all_to_all": (
-            lambda v: jaxccl.all_to_all(v, "d", 1, 0, tiled=True),
-            lambda v: jax.lax.all_to_all(v, "d", 1, 0, tiled=True),
-            None,
-        ),
-        "psum_scatter": (
-            lambda v: jaxccl.psum_scatter(v, "d", scatter_dimension=1, tiled=True),
-            lambda v: jax.lax.psum_scatter(v, "d", scatter_dimension=1, tiled=True),
-            expect_rs,
-        ),
-        "psum": (lambda v: jaxccl.psum(v, "d"), lambda v: jax.lax.psum(v, "d"), expect_psum),
-    }
-    rng = np.random.default_rng(1234)  # the same global data in every process
-    ok = True
-    for dtype in (np.float32, np.int32):
-        raw = (rng.standard_normal((2 * n, 3 * n)) * 1000).astype(dtype)
-        assert np.count_nonzero(raw) > raw.size // 2
-        x = jax.make_array_from_callback(raw.shape, sharding, lambda idx, raw=raw: raw[idx])
-        for name, (mine, ref, expect) in cases.items():
-            spec = P() if name == "psum" else P("d")
-            with comm:
-                a = jax.jit(jax.shard_map(mine, mesh=mesh, in_specs=P("d"), out_specs=spec))(x)
-            b = jax.jit(jax.shard_map(ref, mesh=mesh, in_specs=P("d"), out_specs=spec))(x)
-            shards_a = sorted(a.addressable_shards, key=lambda s: s.device.id)
-            shards_b = sorted(b.addressable_shards, key=lambda s: s.device.id)
-            got = [np.asarray(s.data) for s in shards_a]
-            lax_vals = [np.asarray(s.data) for s in shards_b]
-            same = a.shape == b.shape and all(u.tobytes() == w.tobytes() for u, w in zip(got, lax_vals))
-            label = f"{name} {np.dtype(dtype).name}"
-            if same or expect is None or dtype is not np.float32:
-                ok &= same
-                print(f"CHECK {label} lax {'ok' if same else 'MISMATCH'}", flush=True)
-            else:
-                print(f"CHECK {label} lax differs (gloo's float reduction order)", flush=True)
-            if expect is not None:
-                want = expect(raw)
-                good = all(u.tobytes() == want[s.index].tobytes() for u, s in zip(got, shards_a))
-                ok &= good
-                print(f"CHECK {label} ordered {'ok' if good else 'MISMATCH'}", flush=True)
+    ok = check_collectives(comm, mesh)
     from jaxccl.runtime import native
 
     launches = {c: native.launch_count(comm.slot(c)) for c in ("all_gather", "all_to_all")}
@@ -158,6 +104,65 @@ def collectives(t) -> bool:
     ok &= ran_native
     print(f"CHECK native launches {'ok' if ran_native else 'MISSING'} {launches}", flush=True)
     comm.close()
+    return ok
+
+
+def one_collective(lib, name: str, axis, v):
+    """``name`` of ``lib`` (jaxccl or jax.lax) over ``axis`` on a rank's block ``v``."""
+    if name == "all_gather":
+        return lib.all_gather(v, axis, axis=1, tiled=True)
+    if name == "all_to_all":
+        return lib.all_to_all(v, axis, 1, 0, tiled=True)
+    if name == "psum_scatter":
+        return lib.psum_scatter(v, axis, scatter_dimension=1, tiled=True)
+    return lib.psum(v, axis)
+
+
+def mesh_axes(t) -> bool:
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+    from jaxccl.runtime import native
+    from jaxccl.runtime.multiprocess import attach
+
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    mesh = Mesh(devices.reshape(t.num_processes, -1), ("x", "y"))
+    spec = P("x", "y")
+    sharding = NamedSharding(mesh, spec)
+    rng = np.random.default_rng(77)  # the same global data in every process
+    ok = True
+    for axis in ("x", "y", ("y", "x")):
+        attach(t, mesh, axis)
+        comm = jaxccl.Communicator(mesh, axis, backend="cpu")
+        n = comm.axis_size
+        for dtype in (np.float32, np.int32):
+            # integers up to 2**20: float32 sums of up to 8 of them are exact, so every order agrees
+            raw = rng.integers(-(2**20), 2**20, (2 * n * mesh.shape["x"], 3 * n * mesh.shape["y"])).astype(dtype)
+            assert np.count_nonzero(raw) > raw.size // 2
+            x = jax.make_array_from_callback(raw.shape, sharding, lambda idx, raw=raw: raw[idx])
+            for name in ("all_gather", "all_to_all", "psum_scatter", "psum"):
+                f = {
+                    lib: jax.jit(
+                        jax.shard_map(
+                            functools.partial(one_collective, lib, name, axis), mesh=mesh, in_specs=spec, out_specs=spec
+                        )
+                    )
+                    for lib in (jaxccl, jax.lax)
+                }
+                with comm:
+                    a = f[jaxccl](x)
+                b = f[jax.lax](x)
+                got = [np.asarray(s.data).tobytes() for s in sorted(a.addressable_shards, key=lambda s: s.device.id)]
+                want = [np.asarray(s.data).tobytes() for s in sorted(b.addressable_shards, key=lambda s: s.device.id)]
+                same = a.shape == b.shape and got == want
+                ok &= same
+                print(f"CHECK {axis} {name} {np.dtype(dtype).name} lax {'ok' if same else 'MISMATCH'}", flush=True)
+        launches = native.launch_count(comm.slot("all_gather"))
+        ok &= launches >= 2
+        print(f"CHECK {axis} native launches {'ok' if launches >= 2 else 'MISSING'} {launches}", flush=True)
+        comm.close()
     return ok
 
 
@@ -295,7 +300,8 @@ def main(argv: list[str]) -> int:
     from jaxccl.runtime.multiprocess_launch import initialize_from_env
 
     mode = argv[0]
-    initialize_from_env(local_devices=int(argv[1]) if mode in ("collectives", "swap", "killnative", "meter") else 1)
+    with_devices = ("collectives", "mesh", "swap", "killnative", "meter")
+    initialize_from_env(local_devices=int(argv[1]) if mode in with_devices else 1)
     t = ProcessTransport.bootstrap(timeout_s=TIMEOUT_S, options=transport_options())
     if mode == "exchange":
         ok = exchange(t)
@@ -305,6 +311,8 @@ def main(argv: list[str]) -> int:
         ok = kill(t)
     elif mode == "collectives":
         ok = collectives(t)
+    elif mode == "mesh":
+        ok = mesh_axes(t)
     elif mode == "meter":
         ok = meter(t, int(argv[2]))
     elif mode == "killnative":

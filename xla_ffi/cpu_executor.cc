@@ -242,7 +242,7 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   }
   launch->ranks_running_.store(group ? group->num_local : axis_size);
   if (group) {
-    auto proxy = CpuProxy::Create(launch.get(), group, NextLaunchNumber(slot));
+    auto proxy = CpuProxy::Create(launch.get(), group, NextLaunchNumber(*group, slot));
     if (!proxy.has_value()) return ErrorResult<R>(std::move(proxy.error()));
     launch->proxy_ = std::move(*proxy);
     launch->proxy_->Start();

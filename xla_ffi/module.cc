@@ -112,24 +112,17 @@ NB_MODULE(_native, m) {
 
   m.def(
       "set_process_group",
-      [](nb::capsule transport, int32_t process_id, std::vector<int32_t> process_of_rank) {
+      [](nb::capsule transport, int32_t process_id, std::vector<std::vector<int32_t>> process_of_rank) {
         auto* h = static_cast<const TransportHandle*>(transport.data());
         if (h == nullptr || h->version != kTransportVersion || h->transport == nullptr) {
           throw nb::value_error("jaxccl: not a transport capsule of this version (rebuild jaxccl)");
         }
-        auto g = std::make_shared<ProcessGroup>();
-        g->process_id = process_id;
-        g->process_of_rank = std::move(process_of_rank);
-        for (int32_t p : g->process_of_rank) {
-          g->local_index.push_back(p == process_id ? g->num_local++ : -1);
-        }
-        if (g->num_local == 0) throw nb::value_error("jaxccl: the process group has no rank in this process");
-        g->transport = h->transport;
-        SetProcessGroup(std::move(g));
+        if (ffi::Error e = AttachProcessGroups(h->transport, process_id, process_of_rank); e.failure()) Raise(e);
       },
       nb::arg("transport"), nb::arg("process_id"), nb::arg("process_of_rank"),
-      "Attaches the transport (a capsule of jaxccl._transport) and the process of every rank of the axis.");
-  m.def("clear_process_group", [] { SetProcessGroup(nullptr); }, "Detaches the process group.");
+      "Attaches the transport (a capsule of jaxccl._transport) and the process of every rank of every group of "
+      "the mesh (process_of_rank[group][rank]).");
+  m.def("clear_process_group", [] { DetachProcessGroups(); }, "Detaches the process groups.");
   m.def(
       "transport_drain",
       [] {

@@ -22,24 +22,21 @@ Rendezvous<CpuArrival, CpuLaunch>& TheRendezvous() {
 
 ffi::Error CpuMpCollective(ffi::RunId run_id, ffi::AnyBuffer x, Coords coords, ffi::Result<ffi::AnyBuffer> out,
                            int64_t slot, int64_t site, int64_t axis_size, int64_t reduce_op) {
-  auto group = CurrentProcessGroup();
-  if (!group) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      "jaxccl: a native collective across processes needs the processes' transport: call "
-                      "jaxccl.runtime.multiprocess.attach(transport, mesh, axis_name) in every process first");
-  }
   if (coords.element_count() != 2) {
     return ffi::Error::InvalidArgument("jaxccl_cpu_mp_collective: coords must be int32[2] (rank, group)");
   }
+  auto found = ProcessGroupOf(coords.typed_data()[1]);
+  if (!found.has_value()) return std::move(found.error());
+  const std::shared_ptr<const ProcessGroup> group = *found;
   if (static_cast<int64_t>(group->process_of_rank.size()) != axis_size) {
-    return ffi::Error::InvalidArgument(StrCat("jaxccl: the attached process group has ", group->process_of_rank.size(),
-                                              " ranks but the collective's axis has ", axis_size));
+    return ffi::Error::InvalidArgument(StrCat("jaxccl: the attached mesh's groups have ", group->process_of_rank.size(),
+                                              " ranks but the collective's axes have ", axis_size));
   }
   const int32_t rank = coords.typed_data()[0];
   const int32_t rgroup = coords.typed_data()[1];
   if (rank < 0 || rank >= axis_size || !group->Local(rank)) {
     return ffi::Error::InvalidArgument(StrCat("jaxccl: rank ", rank, " is not one of process ", group->process_id,
-                                              "'s ranks in the attached process group"));
+                                              "'s ranks in group ", rgroup, " of the attached mesh"));
   }
   auto me = ArrivalOf(x, *out, slot, rank, reduce_op);
   if (!me.has_value()) return std::move(me.error());

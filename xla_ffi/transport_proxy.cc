@@ -3,38 +3,93 @@
 #include <algorithm>
 
 #include "cpu_executor.h"
+#include "transport_shared_sends.h"
 
 namespace jaxccl {
 
 namespace {
 std::mutex group_mu;
-std::shared_ptr<const ProcessGroup>& Group() {
-  static auto* g = new std::shared_ptr<const ProcessGroup>();
+std::vector<std::shared_ptr<const ProcessGroup>>& Groups() {
+  static auto* g = new std::vector<std::shared_ptr<const ProcessGroup>>();
   return *g;
 }
-std::map<int64_t, int64_t>& LaunchNumbers() {
-  static auto* m = new std::map<int64_t, int64_t>();
-  return *m;
-}
 
-constexpr int kSlotBits = 8, kLaunchBits = 16, kConnBits = 12, kMsgBits = 12;
-static_assert(kSlotBits + kLaunchBits + kConnBits + kMsgBits == kTransportTagBits, "tag layout fills the tag");
+// A message's tag: (slot, spanning group, launch, connection, message). Launch numbers wrap: processes
+// stay within one launch of each other on a group's slot (every launch waits for the others' messages).
+constexpr int kSlotBits = 8, kGroupBits = 8, kLaunchBits = 8, kConnBits = 12, kMsgBits = 12;
+static_assert(kSlotBits + kGroupBits + kLaunchBits + kConnBits + kMsgBits == kTransportTagBits,
+              "tag layout fills the tag");
+static_assert(kMaxSpanningGroups == 1 << kGroupBits, "every spanning group has a tag");
 }  // namespace
 
-void SetProcessGroup(std::shared_ptr<const ProcessGroup> group) {
-  std::lock_guard<std::mutex> lock(group_mu);
-  Group() = std::move(group);
-  LaunchNumbers().clear();
+int64_t ProcessGroup::NextLaunch(int64_t slot) const {
+  std::lock_guard<std::mutex> lock(launches_mu_);
+  return launches_[slot]++;
 }
 
-std::shared_ptr<const ProcessGroup> CurrentProcessGroup() {
+int64_t NextLaunchNumber(const ProcessGroup& group, int64_t slot) { return group.NextLaunch(slot); }
+
+ffi::Error AttachProcessGroups(Transport* transport, int32_t process_id,
+                               const std::vector<std::vector<int32_t>>& process_of_rank) {
+  if (transport == nullptr) return ffi::Error::InvalidArgument("jaxccl: no transport to attach");
+  if (process_of_rank.empty() || process_of_rank[0].empty()) {
+    return ffi::Error::InvalidArgument("jaxccl: the mesh to attach has no device");
+  }
+  std::vector<std::shared_ptr<const ProcessGroup>> groups;
+  int32_t local = 0, spanning = 0;
+  for (size_t i = 0; i < process_of_rank.size(); ++i) {
+    const std::vector<int32_t>& procs = process_of_rank[i];
+    if (procs.size() != process_of_rank[0].size()) {
+      return ffi::Error::InvalidArgument(StrCat("jaxccl: group ", i, " has ", procs.size(), " ranks but group 0 has ",
+                                                process_of_rank[0].size()));
+    }
+    auto g = std::make_shared<ProcessGroup>();
+    g->process_id = process_id;
+    g->index = static_cast<int32_t>(i);
+    g->process_of_rank = procs;
+    bool spans = false;
+    for (int32_t p : procs) {
+      if (p < 0 || p >= transport->num_processes()) {
+        return ffi::Error::InvalidArgument(StrCat("jaxccl: process ", p, " of group ", i, " is not one of the ",
+                                                  transport->num_processes(), " processes of the transport"));
+      }
+      g->local_index.push_back(p == process_id ? g->num_local++ : -1);
+      spans |= p != procs[0];
+    }
+    local += g->num_local;
+    if (spans) g->tag_index = spanning++;
+    g->transport = transport;
+    groups.push_back(std::move(g));
+  }
+  if (local == 0) return ffi::Error::InvalidArgument("jaxccl: the process group has no rank in this process");
+  if (spanning > kMaxSpanningGroups) {
+    return ffi::Error::InvalidArgument(StrCat("jaxccl: ", spanning, " groups of the collective's axes span processes; at most ",
+                                              kMaxSpanningGroups, " may (put more of each group in one process)"));
+  }
   std::lock_guard<std::mutex> lock(group_mu);
-  return Group();
+  Groups() = std::move(groups);
+  return ffi::Error::Success();
 }
 
-int64_t NextLaunchNumber(int64_t slot) {
+void DetachProcessGroups() {
   std::lock_guard<std::mutex> lock(group_mu);
-  return LaunchNumbers()[slot]++;
+  Groups().clear();
+}
+
+ffi::ErrorOr<std::shared_ptr<const ProcessGroup>> ProcessGroupOf(int32_t index) {
+  using R = std::shared_ptr<const ProcessGroup>;
+  std::lock_guard<std::mutex> lock(group_mu);
+  if (Groups().empty()) {
+    return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                                     "jaxccl: a native collective across processes needs the processes' transport: call "
+                                     "jaxccl.runtime.multiprocess.attach(transport, mesh, axis_name) in every process first"));
+  }
+  if (index < 0 || index >= static_cast<int32_t>(Groups().size())) {
+    return ErrorResult<R>(ffi::Error::InvalidArgument(
+        StrCat("jaxccl: the collective's group ", index, " is not one of the ", Groups().size(),
+               " groups of the attached mesh (attach the axes this collective runs over)")));
+  }
+  return Groups()[index];
 }
 
 namespace {
@@ -72,10 +127,35 @@ ffi::ErrorOr<uint64_t> CpuProxy::TagOf(int32_t conn, int32_t msg) const {
                " is beyond")));
   }
   const uint64_t slot = static_cast<uint64_t>(l_->slot_) & ((1u << kSlotBits) - 1);
+  const uint64_t group = static_cast<uint64_t>(group_->tag_index) & ((1u << kGroupBits) - 1);
   const uint64_t launch = static_cast<uint64_t>(launch_number_) & ((1u << kLaunchBits) - 1);
-  return (((slot << kLaunchBits | launch) << kConnBits | static_cast<uint64_t>(conn)) << kMsgBits) |
+  return ((((slot << kGroupBits | group) << kLaunchBits | launch) << kConnBits | static_cast<uint64_t>(conn))
+          << kMsgBits) |
          static_cast<uint64_t>(msg);
 }
+
+namespace {
+// Staging memory of finished launches, reused by the next (a fresh allocation of many MiB would fault
+// in every page again on every launch).
+constexpr size_t kMaxPooledStaging = 4;
+std::mutex staging_mu;
+std::vector<std::unique_ptr<AlignedBuffer>>& StagingPool() {
+  static auto* p = new std::vector<std::unique_ptr<AlignedBuffer>>();
+  return *p;
+}
+std::unique_ptr<AlignedBuffer> TakeStaging() {
+  std::lock_guard<std::mutex> lock(staging_mu);
+  auto& pool = StagingPool();
+  if (pool.empty()) return std::make_unique<AlignedBuffer>();
+  std::unique_ptr<AlignedBuffer> b = std::move(pool.back());
+  pool.pop_back();
+  return b;
+}
+void ReturnStaging(std::unique_ptr<AlignedBuffer> b) {
+  std::lock_guard<std::mutex> lock(staging_mu);
+  if (StagingPool().size() < kMaxPooledStaging) StagingPool().push_back(std::move(b));
+}
+}  // namespace
 
 ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std::shared_ptr<const ProcessGroup> group,
                                                          int64_t launch_number) {
@@ -87,13 +167,13 @@ ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std:
   const ProcessGroup& pg = *proxy->group_;
   const Table& t = *launch->table_;
   const int32_t tiles = launch->tiles_;
+  proxy->shared_ = SharedSendsOf(launch->table_, tiles, pg.process_of_rank);
   // The receives from other processes, with their sizes, from the receiving ranks' programs.
   struct Planned {
     int32_t conn, msg, rank, peer_rank;
-    size_t bytes, offset;
+    size_t bytes;
   };
   std::vector<Planned> plan;
-  size_t total = 0;
   for (int32_t c = 0; c < t.num_conns(); ++c) {
     const TableConn& conn = t.conns[c];
     const bool in = pg.Local(conn.receiver) && !pg.Local(conn.sender);
@@ -114,8 +194,7 @@ ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std:
       }
       const size_t bytes = launch->buffers_[rank].RecvBytes(op, u.tile);
       by_msg[u.recv_msg] = static_cast<int32_t>(plan.size());
-      plan.push_back(Planned{c, u.recv_msg, rank, conn.sender, bytes, total});
-      total += (bytes + 63) / 64 * 64;
+      plan.push_back(Planned{c, u.recv_msg, rank, conn.sender, bytes});
     }
     if (std::find(by_msg.begin(), by_msg.end(), -1) != by_msg.end()) {
       return ErrorResult<R>(ffi::Error::Internal(StrCat("jaxccl: connection ", c, " has a message no op receives")));
@@ -124,49 +203,81 @@ ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std:
     proxy->order_.push_back(std::move(by_msg));
   }
   proxy->next_.assign(proxy->order_.size(), 0);
-  proxy->staging_ = std::make_unique<AlignedBuffer>();
+  // One transfer per group of messages that share it; a message sharing another's takes its transfer.
+  std::map<std::pair<int32_t, int32_t>, int32_t> transfer_of;  // by the (connection, message) that names it
+  std::vector<size_t> offsets;
+  size_t total = 0;
+  proxy->recvs_.reserve(plan.size());
+  for (const Planned& x : plan) {
+    const MessageRef lead = proxy->shared_->LeaderOf(x.conn, x.msg);
+    auto [it, fresh] = transfer_of.emplace(std::make_pair(lead.conn, lead.msg), static_cast<int32_t>(offsets.size()));
+    if (fresh) {
+      offsets.push_back(total);
+      proxy->transfers_.push_back(InTransfer{0, nullptr, x.bytes});
+      total += (x.bytes + 63) / 64 * 64;
+    } else if (proxy->transfers_[it->second].bytes != x.bytes) {
+      return ErrorResult<R>(ffi::Error::Internal(StrCat("jaxccl: message ", x.msg, " of connection ", x.conn,
+                                                        " shares a transfer of another size")));
+    }
+    proxy->recvs_.push_back(Recv{x.conn, x.msg, x.rank, x.peer_rank, x.bytes, it->second});
+  }
+  proxy->staging_ = TakeStaging();
   if (!proxy->staging_->Reserve(std::max<size_t>(total, 64))) {
     return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kResourceExhausted,
                                      StrCat("jaxccl: cannot allocate ", total, " bytes for messages from other processes")));
   }
-  proxy->recvs_.reserve(plan.size());
-  for (const Planned& x : plan) {
-    auto tag = proxy->TagOf(x.conn, x.msg);
-    if (!tag.has_value()) return ErrorResult<R>(std::move(tag.error()));
-    char* data = proxy->staging_->data() + x.offset;
-    auto req = pg.transport->Irecv(pg.process_of_rank[x.peer_rank], *tag, data, x.bytes);
+  for (const auto& [lead, k] : transfer_of) {
+    InTransfer& x = proxy->transfers_[k];
+    x.data = proxy->staging_->data() + offsets[k];
+    auto tag = proxy->TagOf(lead.first, lead.second);
+    if (!tag.has_value()) {
+      proxy->CancelAll();
+      return ErrorResult<R>(std::move(tag.error()));
+    }
+    const int32_t sender = t.conns[lead.first].sender;
+    auto req = pg.transport->Irecv(pg.process_of_rank[sender], *tag, x.data, x.bytes);
     if (!req.has_value()) {
       proxy->CancelAll();
       return ErrorResult<R>(ffi::Error(req.error().errc().value_or(ffi::ErrorCode::kInternal),
-                                       StrCat("jaxccl: rank ", x.rank, " cannot receive from rank ", x.peer_rank,
-                                              ": ", req.error().message())));
+                                       StrCat("jaxccl: rank ", t.conns[lead.first].receiver, " cannot receive from rank ",
+                                              sender, ": ", req.error().message())));
     }
-    proxy->recvs_.push_back(Recv{x.conn, x.msg, x.rank, x.peer_rank, x.bytes, data, *req});
+    x.request = *req;
+    x.arrived = false;
   }
   return proxy;
 }
 
 CpuProxy::~CpuProxy() {
   if (thread_.joinable()) thread_.join();
+  // After a failure the transport may still own a cancelled receive's memory: never reuse it then.
+  if (staging_ && !failed_) ReturnStaging(std::move(staging_));
 }
 
 void CpuProxy::Start() { thread_ = std::thread([this] { Run(); }); }
 
 void CpuProxy::Send(int32_t rank, int32_t conn, int32_t msg, const void* data, size_t bytes, bool direct) {
   const int32_t peer = l_->table_->conns[conn].receiver;
-  auto tag = TagOf(conn, msg);
-  if (!tag.has_value()) {
-    l_->Fail(tag.error().message(), ffi::ErrorCode::kInvalidArgument);
-    return;
-  }
-  auto req = group_->transport->Isend(group_->process_of_rank[peer], *tag, data, bytes);
-  if (!req.has_value()) {
-    l_->Fail(StrCat("jaxccl: rank ", rank, " cannot send message ", msg, " to rank ", peer, ": ", req.error().message()),
-             req.error().errc().value_or(ffi::ErrorCode::kInternal));
-    return;
-  }
+  const MessageRef lead = shared_->LeaderOf(conn, msg);
   std::lock_guard<std::mutex> lock(send_mu_);
-  sends_.push_back(Send_{rank, conn, msg, peer, *req, direct});
+  auto [it, fresh] = out_.try_emplace(std::make_pair(lead.conn, lead.msg));
+  if (fresh) {  // the first of the transfer's messages posts it
+    auto tag = TagOf(lead.conn, lead.msg);
+    if (!tag.has_value()) {
+      out_.erase(it);
+      l_->Fail(tag.error().message(), ffi::ErrorCode::kInvalidArgument);
+      return;
+    }
+    auto req = group_->transport->Isend(group_->process_of_rank[peer], *tag, data, bytes);
+    if (!req.has_value()) {
+      out_.erase(it);
+      l_->Fail(StrCat("jaxccl: rank ", rank, " cannot send message ", msg, " to rank ", peer, ": ", req.error().message()),
+               req.error().errc().value_or(ffi::ErrorCode::kInternal));
+      return;
+    }
+    it->second.request = *req;
+  }
+  sends_.push_back(Send_{rank, conn, msg, peer, lead, direct});
 }
 
 void CpuProxy::FailWith(const std::string& message, ffi::ErrorCode code) {
@@ -175,17 +286,64 @@ void CpuProxy::FailWith(const std::string& message, ffi::ErrorCode code) {
 }
 
 void CpuProxy::CancelAll() {
+  failed_ = true;
   // Waiting with a deadline that has passed cancels and frees a request.
   const auto now = Clock::now();
-  for (Recv& r : recvs_) {
-    if (!r.arrived) {
-      (void)group_->transport->Wait(r.request, now);
-      r.arrived = true;
-    }
+  for (InTransfer& x : transfers_) {
+    if (!x.arrived && x.request != 0) (void)group_->transport->Wait(x.request, now);
+    x.arrived = true;
   }
   std::lock_guard<std::mutex> lock(send_mu_);
-  for (const Send_& s : sends_) (void)group_->transport->Wait(s.request, now);
+  for (auto& [lead, x] : out_) {
+    if (!x.done) (void)group_->transport->Wait(x.request, now);
+    x.done = true;
+  }
   sends_.clear();
+}
+
+bool CpuProxy::ProgressSends(bool* progress) {
+  Transport& tr = *group_->transport;
+  const RegionLayout& layout = l_->layout_;
+  std::unique_lock<std::mutex> lock(send_mu_);
+  for (auto& [lead, x] : out_) {
+    if (x.done) continue;
+    auto st = tr.Test(x.request);
+    if (st.has_value() && !*st) continue;
+    auto c = tr.Wait(x.request, Clock::now());
+    x.done = true;
+    if (!st.has_value() || !c.has_value()) {
+      const TableConn& conn = l_->table_->conns[lead.first];
+      const ffi::Error e = st.has_value() ? c.error() : st.error();
+      lock.unlock();
+      FailWith(StrCat("jaxccl: rank ", conn.sender, " sending to rank ", conn.receiver, " in process ",
+                      group_->process_of_rank[conn.receiver], ": ", e.message()),
+               e.errc().value_or(ffi::ErrorCode::kInternal));
+      return false;
+    }
+    x.completion = *c;
+  }
+  for (auto it = sends_.begin(); it != sends_.end();) {
+    const OutTransfer& x = out_[std::make_pair(it->transfer.conn, it->transfer.msg)];
+    if (!x.done) {
+      ++it;
+      continue;
+    }
+    const TransportCompletion& c = x.completion;
+    AddTransportRecord(TransportRecord{it->rank, it->peer_rank, static_cast<int64_t>(c.bytes), c.post_ns, c.done_ns});
+    // The slot's bytes have left: the slot is free, and a direct send's buffer is released.
+    l_->Flag(it->rank, layout.consumed(), layout.cell(it->conn, it->msg))
+        ->store(Tag(l_->epoch_, it->msg + 1), std::memory_order_release);
+    l_->Wake(it->rank);
+    if (it->direct) {
+      RankState& sender = *l_->ctx_->ranks[it->rank];
+      std::lock_guard<std::mutex> rl(sender.mu);
+      if (--sender.pending_direct == 0 && sender.waiting) sender.cv.notify_all();
+    }
+    ++sends_done_;
+    *progress = true;
+    it = sends_.erase(it);
+  }
+  return true;
 }
 
 void CpuProxy::Run() {
@@ -209,17 +367,18 @@ void CpuProxy::Run() {
       const int32_t conn = remote_in_conns_[k];
       for (; next_[k] < static_cast<int32_t>(order_[k].size()); ++next_[k]) {
         Recv& r = recvs_[order_[k][next_[k]]];
-        if (!r.arrived) {
-          auto st = tr.Test(r.request);
+        InTransfer& x = transfers_[r.transfer];
+        if (!x.arrived) {
+          auto st = tr.Test(x.request);
           if (!st.has_value()) {
-            r.arrived = true;
+            x.arrived = true;
             peer_error(r.rank, r.peer_rank, "receiving from", st.error());
             failed = true;
             break;
           }
           if (!*st) break;
-          auto c = tr.Wait(r.request, Clock::now());
-          r.arrived = true;
+          auto c = tr.Wait(x.request, Clock::now());
+          x.arrived = true;
           if (!c.has_value() || c->bytes != r.bytes) {
             peer_error(r.rank, r.peer_rank, "receiving from",
                        c.has_value() ? ffi::Error::Internal(StrCat("message ", r.msg, " has ", c->bytes,
@@ -236,7 +395,7 @@ void CpuProxy::Run() {
           break;
         }
         const size_t cell = layout.cell(conn, r.msg);
-        *l_->Desc(r.rank, cell) = MsgDesc{reinterpret_cast<unsigned long long>(r.data), r.bytes};
+        *l_->Desc(r.rank, cell) = MsgDesc{reinterpret_cast<unsigned long long>(x.data), r.bytes};
         l_->ctx_->timing[cell] = MessageTiming{};
         l_->Flag(r.rank, layout.posted(), cell)->store(Tag(epoch, r.msg + 1), std::memory_order_release);
         r.delivered = true;
@@ -246,42 +405,12 @@ void CpuProxy::Run() {
       if (next_[k] == static_cast<int32_t>(order_[k].size())) ++delivered;
     }
     if (failed) break;
+    if (!ProgressSends(&progress)) break;
     bool sends_left;
     {
       std::lock_guard<std::mutex> lock(send_mu_);
-      for (auto it = sends_.begin(); it != sends_.end() && !failed;) {
-        auto st = tr.Test(it->request);
-        if (st.has_value() && !*st) {
-          ++it;
-          continue;
-        }
-        auto c = tr.Wait(it->request, Clock::now());
-        if (!st.has_value() || !c.has_value()) {
-          const Send_ s = *it;
-          sends_.erase(it);
-          send_mu_.unlock();
-          peer_error(s.rank, s.peer_rank, "sending to", st.has_value() ? c.error() : st.error());
-          send_mu_.lock();
-          failed = true;
-          break;
-        }
-        AddTransportRecord(TransportRecord{it->rank, it->peer_rank, static_cast<int64_t>(c->bytes), c->post_ns, c->done_ns});
-        // The slot's bytes have left: the slot is free, and a direct send's buffer is released.
-        l_->Flag(it->rank, layout.consumed(), layout.cell(it->conn, it->msg))
-            ->store(Tag(epoch, it->msg + 1), std::memory_order_release);
-        l_->Wake(it->rank);
-        if (it->direct) {
-          RankState& sender = *l_->ctx_->ranks[it->rank];
-          std::lock_guard<std::mutex> rl(sender.mu);
-          if (--sender.pending_direct == 0 && sender.waiting) sender.cv.notify_all();
-        }
-        ++sends_done_;
-        progress = true;
-        it = sends_.erase(it);
-      }
       sends_left = sends_done_ < sends_expected_;
     }
-    if (failed) break;
     if (delivered == order_.size() && !sends_left) break;
     if (Clock::now() >= l_->deadline_) {
       std::string what;
@@ -290,7 +419,7 @@ void CpuProxy::Run() {
           const Recv& r = recvs_[order_[k][next_[k]]];
           what = StrCat("rank ", r.rank, " waited for message ", r.msg, " of connection ", r.conn, " from rank ",
                         r.peer_rank, " in process ", group_->process_of_rank[r.peer_rank],
-                        r.arrived ? " (arrived; its slot stayed full)" : ", which never arrived (a failed or hung process?)");
+                        transfers_[r.transfer].arrived ? " (arrived; its slot stayed full)" : ", which never arrived (a failed or hung process?)");
         }
       }
       if (what.empty()) {

@@ -9,7 +9,10 @@
 //     sender's region (the slot is free again) and releases a direct send's buffer;
 //   * the proxy posts every receive of the launch up front into its own staging memory and, in
 //     message order, once the slot is free, writes the local receiver's descriptor and `posted` tag,
-//     so the receiver's op reads the message as it reads a local one.
+//     so the receiver's op reads the message as it reads a local one;
+//   * sends of the same bytes from one rank to several ranks of one other process share one transfer
+//     (transport_shared_sends.h), which the receiving proxy hands to each of its receivers;
+//   * staging memory is reused from launch to launch (no page faults on every launch).
 // Every message of a launch carries the tag (slot, launch number, connection, message); every wait
 // ends at the launch deadline, and a failed peer fails the launch with an error naming its process.
 #ifndef JAXCCL_XLA_FFI_TRANSPORT_PROXY_H_
@@ -27,20 +30,31 @@
 
 #include "common.h"
 #include "transport.h"
+#include "transport_shared_sends.h"
 
 namespace jaxccl {
 
 class AlignedBuffer;
 class CpuLaunch;
 
-// Which process runs each rank of the axis, and the transport between the processes.
+// Which process runs each rank of one group of the collective's axes (a mesh of several axes has one
+// group per coordinate of the other axes), and the transport between the processes.
 struct ProcessGroup {
   int32_t process_id = 0;
-  std::vector<int32_t> process_of_rank;  // per rank of the axis
+  int32_t index = 0;      // the group's linear index over the other mesh axes (the collective's coords[1])
+  int32_t tag_index = 0;  // among the groups that span processes: tells their messages apart
+  std::vector<int32_t> process_of_rank;  // per rank of the group
   std::vector<int32_t> local_index;      // per rank: its index among this process's ranks, or -1
   int32_t num_local = 0;
   Transport* transport = nullptr;  // owned by Python (jaxccl.runtime.multiprocess), alive while attached
   bool Local(int32_t rank) const { return process_of_rank[rank] == process_id; }
+  // Numbers the launches of a slot in this group (the same in every process: SPMD programs launch a
+  // group's collectives of a slot in the same order everywhere).
+  int64_t NextLaunch(int64_t slot) const;
+
+ private:
+  mutable std::mutex launches_mu_;
+  mutable std::map<int64_t, int64_t> launches_;
 };
 
 // What the transport module hands the native module (a capsule): a versioned handle.
@@ -49,12 +63,18 @@ struct TransportHandle {
   Transport* transport = nullptr;
 };
 
-// The process-wide group (one axis spanning processes); null when none is attached.
-void SetProcessGroup(std::shared_ptr<const ProcessGroup> group);
-std::shared_ptr<const ProcessGroup> CurrentProcessGroup();
-// Numbers the launches of a slot in this process (the same in every process: SPMD programs launch
-// a slot's collectives in the same order everywhere).
-int64_t NextLaunchNumber(int64_t slot);
+// The most groups that may span processes at once (their index travels in every message's tag).
+inline constexpr int32_t kMaxSpanningGroups = 256;
+
+// Attaches the process groups of a mesh: process_of_rank[g][r] runs rank r of group g. An error when a
+// group is malformed, this process runs no rank at all, or too many groups span processes.
+ffi::Error AttachProcessGroups(Transport* transport, int32_t process_id,
+                               const std::vector<std::vector<int32_t>>& process_of_rank);
+void DetachProcessGroups();
+// The attached group `index`: an error naming what is missing when none is attached or it has no such group.
+ffi::ErrorOr<std::shared_ptr<const ProcessGroup>> ProcessGroupOf(int32_t index);
+// Numbers the launches of `slot` in `group` (ProcessGroup::NextLaunch).
+int64_t NextLaunchNumber(const ProcessGroup& group, int64_t slot);
 
 // One message to a rank in another process, as the sender's transport saw it: its post and its
 // completion (steady clock). Taken by the proxy for every completed send; drained by Python
@@ -80,16 +100,30 @@ class CpuProxy {
   void WaitDone();
 
  private:
+  // One transfer from another process: what the transport receives into staging memory.
+  struct InTransfer {
+    TransportRequest request;
+    char* data;
+    size_t bytes;
+    bool arrived = false;
+  };
+  // One message from another process to a local rank: its transfer (shared with other messages of
+  // the same bytes, or its own).
   struct Recv {
     int32_t conn, msg, rank, peer_rank;
     size_t bytes;
-    char* data;
-    TransportRequest request;
-    bool arrived = false, delivered = false;
+    int32_t transfer;
+    bool delivered = false;
+  };
+  // One transfer to another process: posted by the first of its messages a local rank sends.
+  struct OutTransfer {
+    TransportRequest request = 0;
+    bool done = false;
+    TransportCompletion completion;
   };
   struct Send_ {
     int32_t rank, conn, msg, peer_rank;
-    TransportRequest request;
+    MessageRef transfer;  // the message whose transfer carries it
     bool direct;
   };
   CpuProxy() = default;
@@ -98,19 +132,25 @@ class CpuProxy {
   // Fails the launch with `e` (naming the peer process), cancels what is in flight.
   void FailWith(const std::string& message, ffi::ErrorCode code);
   void CancelAll();
+  // Tests the transfers to other processes; completes the sends whose transfer is done. False when one failed.
+  bool ProgressSends(bool* progress);
 
   CpuLaunch* l_ = nullptr;
   std::shared_ptr<const ProcessGroup> group_;
   int64_t launch_number_ = 0;
+  std::shared_ptr<const SharedSends> shared_;
   std::unique_ptr<AlignedBuffer> staging_;  // every remote message of the launch (64-byte aligned, not zeroed)
-  std::vector<Recv> recvs_;                 // in (connection, message) order
+  std::vector<InTransfer> transfers_;
+  std::vector<Recv> recvs_;                  // in (connection, message) order
   std::vector<std::vector<int32_t>> order_;  // per connection with remote sender: indices into recvs_, by message
-  std::vector<int32_t> next_;               // per such connection: next message to deliver
+  std::vector<int32_t> next_;                // per such connection: next message to deliver
   std::vector<int32_t> remote_in_conns_;
   int64_t sends_expected_ = 0;
   std::mutex send_mu_;
-  std::vector<Send_> sends_;  // posted, not yet complete
+  std::map<std::pair<int32_t, int32_t>, OutTransfer> out_;  // by the (connection, message) that names it
+  std::vector<Send_> sends_;                                // posted, not yet complete
   int64_t sends_done_ = 0;
+  bool failed_ = false;
   std::atomic<bool> done_{false};
   std::mutex done_mu_;
   std::condition_variable done_cv_;

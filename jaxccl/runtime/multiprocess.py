@@ -228,25 +228,54 @@ class ProcessTransport:
 _attached: ProcessTransport | None = None
 
 
-def attach(transport: ProcessTransport, mesh: Any, axis_name: str) -> None:
-    """Makes the native CPU backend run ``axis_name`` of ``mesh`` across processes through ``transport``.
+def process_groups(mesh: Any, axis_name: Any) -> list[list[int]]:
+    """The process of every rank of every group of a collective over ``axis_name`` (a name or a tuple) of ``mesh``.
 
-    Call it in every process (the same mesh everywhere) before the first native collective on
-    that axis; the mesh must be 1-D. From then on ``backend="cpu"`` collectives run this process's
-    ranks in the native executor and move the bytes to ranks of other processes with the
-    transport. The transport stays attached (and open) until :func:`detach`.
+    As the native backend numbers them (:mod:`jaxccl.runtime.axes`): a rank is the linear index
+    of a device's coordinates along ``axis_name`` in the order of the tuple, a group the linear
+    index of its coordinates along the other mesh axes in mesh order.
+
+    >>> import jax
+    >>> from jax.sharding import Mesh
+    >>> process_groups(Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y")), "y")
+    [[0, 0], [0, 0]]
 
     Raises:
-        ExecutorError: the mesh is not 1-D, or this process holds none of its devices.
+        ExecutorError: ``axis_name`` names an axis the mesh does not have, or one twice.
+    """
+    from jaxccl.runtime.axes import names
+
+    axes, mesh_axes = names(axis_name), tuple(mesh.axis_names)
+    if len(set(axes)) != len(axes) or any(a not in mesh_axes for a in axes):
+        raise ExecutorError(f"attach(): {axis_name!r} must name distinct axes of a mesh with axes {mesh_axes}")
+    others = [a for a in mesh_axes if a not in axes]
+    devices = np.asarray(mesh.devices)
+    processes = np.vectorize(lambda d: int(d.process_index), otypes=[np.int32])(devices)
+    order = [mesh_axes.index(a) for a in (*others, *axes)]
+    size = int(np.prod([devices.shape[mesh_axes.index(a)] for a in axes]))
+    return np.transpose(processes, order).reshape(-1, size).tolist()
+
+
+def attach(transport: ProcessTransport, mesh: Any, axis_name: Any) -> None:
+    """Makes the native CPU backend run collectives over ``axis_name`` of ``mesh`` across processes.
+
+    ``axis_name`` is one mesh axis or a tuple of them, as the collectives take it; the mesh may
+    have more axes (each coordinate of the others is a group of its own, as in one process). Call
+    it in every process (the same mesh everywhere) before the first native collective over those
+    axes. From then on ``backend="cpu"`` collectives over them run this process's ranks in the
+    native executor and move the bytes to ranks of other processes through ``transport``; sends
+    of the same bytes to several ranks of one other process travel once. The transport stays
+    attached (and open) until :func:`detach`.
+
+    Raises:
+        ExecutorError: ``axis_name`` is not axes of the mesh, or this process holds none of its devices.
     """
     from jaxccl.runtime import native
 
     global _attached
-    if tuple(mesh.axis_names) != (axis_name,):
-        raise ExecutorError(f"attach() supports a 1-D mesh over {axis_name!r}; this mesh has axes {mesh.axis_names}")
-    process_of_rank = [int(d.process_index) for d in np.asarray(mesh.devices).flat]
+    groups = process_groups(mesh, axis_name)
     try:
-        native.module().set_process_group(transport._t.capsule(), transport.process_id, process_of_rank)
+        native.module().set_process_group(transport._t.capsule(), transport.process_id, groups)
     except ValueError as e:
         raise ExecutorError(str(e)) from e
     _attached = transport

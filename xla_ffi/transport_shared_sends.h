@@ -1,0 +1,48 @@
+// Messages to another process that carry the same bytes travel once.
+//
+// A schedule written for ranks that share memory sends a block to every rank that needs it (the direct
+// AllGather sends each rank's input to all N - 1 peers). Across processes the ranks of one process
+// need it once: sends of one rank's same bytes to several ranks of one other process share one
+// transfer, which that process's proxy hands to each of its receivers (they only read it).
+//
+// Sends share a transfer when they are plain sends (not fused with a receive) from the same rank,
+// buffer, chunk range and tile to ranks of the same other process, and their bytes cannot differ:
+// the range is in the input (never written), or the sends wait for the same op and every op of the
+// sending rank that writes the range comes before it (through explicit dependencies).
+// The grouping is a pure function of the table, the tiling and the process of every rank, so the
+// sending and the receiving process compute the same groups; a group travels with the tag of its
+// first message in (connection, message) order.
+#ifndef JAXCCL_XLA_FFI_TRANSPORT_SHARED_SENDS_H_
+#define JAXCCL_XLA_FFI_TRANSPORT_SHARED_SENDS_H_
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "core/table_format.h"
+
+namespace jaxccl {
+
+// A message of a connection.
+struct MessageRef {
+  int32_t conn = -1, msg = -1;
+  bool operator==(const MessageRef& o) const { return conn == o.conn && msg == o.msg; }
+};
+
+// For every message between ranks of different processes: the first message of the group whose
+// transfer it shares (the message itself when it shares none). Empty for connections within a process.
+struct SharedSends {
+  std::vector<std::vector<MessageRef>> leader;  // [conn][msg]
+  int64_t shared = 0;                           // messages that ride on another's transfer
+  MessageRef LeaderOf(int32_t conn, int32_t msg) const { return leader[conn][msg]; }
+};
+
+// The groups of a launch of `t` in `tiles` tiles, where rank r runs in process process_of_rank[r].
+SharedSends ShareIdenticalSends(const Table& t, int32_t tiles, const std::vector<int32_t>& process_of_rank);
+// The same, computed once per (table, tiles, processes) and reused by the launches that follow.
+std::shared_ptr<const SharedSends> SharedSendsOf(const std::shared_ptr<const Table>& t, int32_t tiles,
+                                                 const std::vector<int32_t>& process_of_rank);
+
+}  // namespace jaxccl
+
+#endif  // JAXCCL_XLA_FFI_TRANSPORT_SHARED_SENDS_H_
