@@ -516,12 +516,13 @@ class _ResidualLP:
 class _Moves:
     """Every move "one chunk from candidate row ``r`` to row ``a`` of the same commodity", with its link delta."""
 
-    r_of: np.ndarray
+    r_of: np.ndarray  # sorted
     a_of: np.ndarray
     idx: np.ndarray  # CSR of the (a - r) link incidence difference
     val: np.ndarray
     ptr: np.ndarray
-    row_of_nz: np.ndarray
+    first: np.ndarray  # (M + 1,) the moves of candidate row r are first[r]:first[r + 1]
+    inc: sp.csr_matrix  # (M, A) link incidence of the candidate rows
 
 
 def _moves(cand: _Candidates) -> _Moves | None:
@@ -559,7 +560,8 @@ def _moves(cand: _Candidates) -> _Moves | None:
         idx=keys % cand.inc.shape[1],
         val=val,
         ptr=np.r_[0, np.cumsum(counts)],
-        row_of_nz=np.repeat(np.arange(alive.size), counts),
+        first=np.searchsorted(r_of[alive], np.arange(g.size + 1)),
+        inc=cand.inc.tocsr(),
     )
 
 
@@ -568,32 +570,40 @@ def _polish(net: Network, moves: _Moves | None, count: np.ndarray, loads: np.nda
 
     A move takes one chunk of a candidate row to another row of the same
     commodity. It is allowed when no link rises above ``chi`` and fewer
-    links stay at ``chi`` afterwards (once none does, ``chi`` dropped). All
-    moves are scored at once on the sparse difference of the two paths.
+    links stay at ``chi`` afterwards (once none does, ``chi`` dropped). Only
+    a move from a row with chunks on a link at ``chi`` can cool one, so
+    those moves are scored, all at once, on the sparse difference of the
+    two paths.
     """
     count = count.copy()
     loads = loads.astype(np.float64).copy()
     if moves is None:
         return count, loads
     cap = net.capacity
-    idx, val, ptr, row_of_nz = moves.idx, moves.val, moves.ptr, moves.row_of_nz
-    r_of, a_of = moves.r_of, moves.a_of
+    idx, val, ptr, first = moves.idx, moves.val, moves.ptr, moves.first
     for _ in range(max_moves):
         ratio = loads / cap
         chi = float(ratio.max())
         level = chi * (1 - 1e-12)
         hot = ratio >= level
-        new = (loads[idx] + val) / cap[idx]
-        worst = np.maximum.reduceat(new, ptr[:-1])
-        cooled = np.bincount(row_of_nz, weights=hot[idx] & (new < level), minlength=r_of.size)
-        heated = np.bincount(row_of_nz, weights=~hot[idx] & (new >= level), minlength=r_of.size)
+        rows = np.flatnonzero((moves.inc @ hot.astype(np.float64) > 0) & (count > 0))
+        mv = concat_ranges(first[rows], first[rows + 1])
+        if mv.size == 0:
+            break
+        length = ptr[mv + 1] - ptr[mv]
+        nz = concat_ranges(ptr[mv], ptr[mv + 1])
+        at, new = idx[nz], (loads[idx[nz]] + val[nz]) / cap[idx[nz]]
+        worst = np.maximum.reduceat(new, np.r_[0, np.cumsum(length)[:-1]])
+        move_of_nz = np.repeat(np.arange(mv.size), length)
+        cooled = np.bincount(move_of_nz, weights=hot[at] & (new < level), minlength=mv.size)
+        heated = np.bincount(move_of_nz, weights=~hot[at] & (new >= level), minlength=mv.size)
         score = cooled - heated
-        ok = (worst <= chi * (1 + 1e-12)) & (count[r_of] > 0) & (score > 0)
+        ok = (worst <= chi * (1 + 1e-12)) & (score > 0)
         if not ok.any():
             break
-        best = int(np.flatnonzero(ok)[np.argmax(score[ok])])
-        count[r_of[best]] -= 1
-        count[a_of[best]] += 1
+        best = int(mv[np.flatnonzero(ok)[np.argmax(score[ok])]])
+        count[moves.r_of[best]] -= 1
+        count[moves.a_of[best]] += 1
         sl = slice(ptr[best], ptr[best + 1])
         loads[idx[sl]] += val[sl]
     return count, loads
