@@ -18,7 +18,8 @@ with the algbw, gap and chunk count of both.
 Usage:
     PYTHONPATH=. nice -n 10 python benchmarks/synth_alltoall.py [--min-hosts 16] [--max-hosts 64] \
         [--runs 3] [--json results.json]
-    nice -n 10 python benchmarks/synth_alltoall.py --cold-vs main [--runs 3] [--json results.json]
+    nice -n 10 python benchmarks/synth_alltoall.py --cold-vs main [--runs 3] [--cases torus:8:healthy,...] \
+        [--json results.json]
 """
 
 from __future__ import annotations
@@ -95,8 +96,13 @@ def cold_run(tree: str, case: str, timeout: float) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def compare(ref: str, runs: int, cases: tuple[str, ...] = CASES, timeout: float = 1800.0) -> list[dict]:
-    """Per case: medians of both trees' cold runs (alternating) and the median per-pair CPU ratio."""
+def compare(
+    ref: str, runs: int, cases: tuple[str, ...] = CASES, timeout: float = 1800.0, json_path: str | None = None
+) -> list[dict]:
+    """Per case: medians of both trees' cold runs (alternating) and the median per-pair CPU ratio.
+
+    With ``json_path`` the rows so far are written after every case.
+    """
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"baseline": checkout(ref, tmp), "current": str(REPO)}
@@ -121,6 +127,9 @@ def compare(ref: str, runs: int, cases: tuple[str, ...] = CASES, timeout: float 
             row["cpu_speedup"] = statistics.median(ratios)
             rows.append(row)
             print(_line(row), flush=True)
+            if json_path:
+                with open(json_path, "w") as f:
+                    json.dump({"baseline_ref": ref, "rows": rows}, f, indent=1)
     return rows
 
 
@@ -143,15 +152,15 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(ap)
     ap.add_argument("--cold-vs", metavar="REF", help="time cold calls against the tree of git revision REF")
+    ap.add_argument("--cases", help=f"with --cold-vs: comma-separated cases (default: {','.join(CASES)})")
     ap.set_defaults(benchmark=True)  # the script is the benchmark
     args = ap.parse_args()
     if args.cold_vs:
         print(HEADER, flush=True)
-        result = compare(args.cold_vs, args.runs or 3)
+        cases = tuple(args.cases.split(",")) if args.cases else CASES
+        compare(args.cold_vs, args.runs or 3, cases, json_path=args.json)
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"baseline_ref": args.cold_vs, "rows": result}, f, indent=1)
             print(f"wrote {args.json}")
         sys.exit(0)
-    del args.cold_vs
+    del args.cold_vs, args.cases
     sys.exit(main(args))
