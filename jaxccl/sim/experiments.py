@@ -36,8 +36,10 @@ from jaxccl.report import progress as _progress
 from jaxccl.schedule.ir import Collective, Schedule
 from jaxccl.sim import run as sim_run
 from jaxccl.sim.analytic import ring_time
-from jaxccl.sim.groups import subtopology
+from jaxccl.sim.groups import groups_within, relay_domain, subtopology
 from jaxccl.sim.model import EXECUTIONS, MAX_TILES, auto_iterations
+from jaxccl.sim.routes import Router
+from jaxccl.sim.shared_links import fluid_time, link_bytes
 from jaxccl.sim.workloads import WORKLOADS, CollectiveCall, Workload, group_gpus
 from jaxccl.synth.nccl import nccl_schedule, rail_channel_orders
 from jaxccl.topology import Topology, rail, scenario
@@ -381,6 +383,7 @@ def fig8(
 # --------------------------------------------------------------------------- Fig. 11
 SIM_GROUP_LIMIT = 64  # NCCL rings over more GPUs use the analytic ring model (validated against the simulator)
 VARIANTS = ("nccl", "mccl", "mccl_static_rs")
+RELAY_COLLECTIVES = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)  # synthesized with group= relays
 
 
 def _cluster(num_gpus: int) -> Topology:
@@ -413,6 +416,22 @@ def _synthesized(call: CollectiveCall, variant: str, group_size: int) -> bool:
     return call.optimize
 
 
+def _synthesized_schedule(
+    call: CollectiveCall, group: Topology, healthy_group: Topology, synth: Synthesizers, cache: dict
+) -> Schedule | None:
+    """The healthy group's synthesized schedule, re-synthesized (warm) for ``group`` when it differs."""
+    okey = (_shape_key(healthy_group), call.collective.value, "orig")
+    if okey not in cache:
+        cache[okey] = synth.synth(call.collective, healthy_group)
+    base = cache[okey]
+    if base is None or _shape_key(group) == _shape_key(healthy_group):
+        return base
+    rkey = (_shape_key(group), call.collective.value, "reopt")
+    if rkey not in cache:
+        cache[rkey] = synth.synth(call.collective, group, previous=base)
+    return cache[rkey]
+
+
 def _call_time(
     call: CollectiveCall,
     group: Topology,
@@ -429,13 +448,7 @@ def _call_time(
     if key in cache:
         return cache[key]
     if use_synth:
-        okey = (_shape_key(healthy_group), call.collective.value, "orig")
-        if okey not in cache:
-            cache[okey] = synth.synth(call.collective, healthy_group)
-        base = cache[okey]
-        s = base
-        if base is not None and _shape_key(group) != _shape_key(healthy_group):
-            s = synth.synth(call.collective, group, previous=base)
+        s = _synthesized_schedule(call, group, healthy_group, synth, cache)
         if s is None:  # the synthesizer failed: fall back to the static NCCL schedule
             return _call_time(call, group, healthy_group, "nccl", synth, cache)
         out = (_sim(group, s, nbytes, flow_budget=FIG11_FLOW_BUDGET).time_s, "sim:" + s.name)
@@ -449,6 +462,92 @@ def _call_time(
         out = (_sim(group, s, nbytes).time_s, "sim:" + s.name)
     cache[key] = out
     return out
+
+
+RELAY_DOMAIN_LIMIT = 128  # GPUs of the hosts of a group above which groups keep their own view (synthesis time)
+
+
+def _domain_groups(workload: Workload, call: CollectiveCall, num_gpus: int, domain: Sequence[int]) -> list[list[int]]:
+    """The groups of ``call``'s kind that lie inside ``domain`` (they run at the same time as GPU 0's)."""
+    seen: dict[tuple[int, ...], None] = {}
+    for g in domain:
+        seen.setdefault(tuple(group_gpus(workload, call.group, num_gpus, g)), None)
+    return groups_within(list(seen), domain)
+
+
+def _fill_s(topo: Topology, schedules: Sequence[Schedule]) -> float:
+    """Latency of filling the deepest tree: its depth times the slowest primary route between two GPUs of ``topo``."""
+    router = Router(topo)
+    slowest = max(router.route_latency(router.route(0, v)) for v in range(1, topo.num_gpus))
+    return max(int(s.info.get("max_depth", 1)) for s in schedules) * slowest
+
+
+def _relay_call(
+    workload: Workload,
+    call: CollectiveCall,
+    cluster: Topology,
+    bad: Topology,
+    gpus: Sequence[int],
+    synth: Synthesizers,
+    cache: dict,
+) -> dict[str, Any] | None:
+    """GPU 0's group and the groups sharing its hosts, each synthesized with relays, at once (fluid model).
+
+    Every group of the call's kind whose GPUs lie on the hosts of GPU 0's
+    group is synthesized with ``group=`` on those hosts (warm-started from
+    its healthy schedule), so it may relay through the other GPUs of its
+    hosts, which are the members of the other groups; all of them run at
+    once, and :func:`jaxccl.sim.shared_links.fluid_time` adds their loads on
+    the shared links. ``None`` when no other group shares the hosts (nothing
+    to relay through that is not the group's own), the hosts hold over
+    :data:`RELAY_DOMAIN_LIMIT` GPUs, or a synthesis fails (named in
+    ``missing``).
+    """
+    domain = relay_domain(cluster, gpus)
+    groups = _domain_groups(workload, call, cluster.num_gpus, domain)
+    if len(groups) < 2 or len(domain) > RELAY_DOMAIN_LIMIT:
+        return None
+    d_healthy, d_bad = subtopology(cluster, domain), subtopology(bad, domain)
+    nbytes = call.bytes_per_rank(len(gpus))
+    key = ("relays", _shape_key(d_bad), call.collective.value, nbytes, tuple(map(tuple, groups)))
+    if key in cache:
+        return cache[key]
+    pos = {g: i for i, g in enumerate(domain)}
+    same = _shape_key(d_bad) == _shape_key(d_healthy)
+    loads, schedules = [], []
+    for grp in groups:
+        members = [pos[g] for g in grp]
+        okey = ("relays-orig", _shape_key(d_healthy), call.collective.value, tuple(members))
+        if okey not in cache:
+            cache[okey] = synth.synth(call.collective, d_healthy, group=members)
+        s = cache[okey]
+        if s is not None and not same:
+            s = synth.synth(call.collective, d_bad, previous=s, group=members)
+        if s is None:
+            cache[key] = None
+            return None
+        loads.append(link_bytes(s, d_bad, members, nbytes))
+        schedules.append(s)
+    first = schedules[groups.index(list(gpus))].info["group"]
+    out = {
+        "time_s": fluid_time(d_bad, loads, _fill_s(d_bad, schedules)),
+        "alone_s": fluid_time(d_bad, loads[groups.index(list(gpus)) : groups.index(list(gpus)) + 1]),
+        "groups": len(groups),
+        "domain_gpus": len(domain),
+        "views": sorted({s.info["group"]["view"] for s in schedules}),
+        "relays": [domain[r] for r in first["relays"]],
+    }
+    cache[key] = out
+    return out
+
+
+def _own_fluid_s(call: CollectiveCall, group: Topology, healthy_group: Topology, synth: Synthesizers, cache) -> float:
+    """The fluid time of the group's own-view schedule (no relays), to compare with the relayed groups."""
+    s = _synthesized_schedule(call, group, healthy_group, synth, cache)
+    if s is None:
+        return float("inf")
+    nbytes = call.bytes_per_rank(group.num_gpus)
+    return fluid_time(group, [link_bytes(s, group, range(group.num_gpus), nbytes)], _fill_s(group, [s]))
 
 
 def _step(workload: Workload, num_gpus: int, sc: str, synth: Synthesizers, cache: dict) -> dict[str, Any]:
@@ -470,8 +569,18 @@ def _step(workload: Workload, num_gpus: int, sc: str, synth: Synthesizers, cache
             "paper_share": call.paper_share,
         }
         totals["healthy"] += call.calls * t_h
+        relayed = None
         for v in VARIANTS:
             t, how = _call_time(call, g_bad, g_healthy, v, synth, cache)
+            if how.startswith("sim:") and _synthesized(call, v, len(gpus)) and call.collective in RELAY_COLLECTIVES:
+                if relayed is None:
+                    relayed = _relay_call(workload, call, cluster, bad, gpus, synth, cache) or {}
+                    if relayed:
+                        relayed["own_fluid_s"] = _own_fluid_s(call, g_bad, g_healthy, synth, cache)
+                        entry["relays"] = relayed
+                if relayed and relayed["time_s"] < relayed["own_fluid_s"] * (1 - 1e-9):
+                    t = relayed["time_s"]
+                    how = f"fluid:relays, {relayed['groups']} groups at once on {relayed['domain_gpus']} GPUs"
             totals[v] += call.calls * t
             entry[f"{v}_call_s"] = t
             entry[f"{v}_how"] = how

@@ -5,7 +5,11 @@ cluster's GPUs. The simulator runs it *in place* (schedule rank ``i`` on
 cluster GPU ``group[i]``, routes of the whole cluster); a synthesizer needs the
 group as a topology of its own, :func:`subtopology`: the group's GPUs renumbered
 ``0..k-1`` (keeping their host/rail/segment attributes) with every switch that
-still joins two of them.
+still joins two of them. A group collective that may relay through GPUs
+outside the group (``jaxccl.synth.allgather(topo, group=...)``) gets the GPUs
+of the hosts it touches, :func:`relay_domain`; the groups of the same kind
+inside that domain, :func:`groups_within`, run at the same time and share its
+links.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import networkx as nx
 from jaxccl.errors import TopologyError
 from jaxccl.topology import Topology
 
-__all__ = ["group_of", "subtopology"]
+__all__ = ["group_of", "groups_within", "relay_domain", "subtopology"]
 
 
 def subtopology(topo: Topology, gpus: Sequence[int], *, name: str | None = None) -> Topology:
@@ -80,3 +84,31 @@ def group_of(kind: str, gpu: int, num_gpus: int, size: int) -> list[int]:
         stride = num_gpus // size
         return list(range(gpu % stride, num_gpus, stride))
     raise TopologyError(f"unknown group kind {kind!r}; expected 'inner', 'outer' or 'all'")
+
+
+def relay_domain(topo: Topology, gpus: Sequence[int]) -> list[int]:
+    """Every GPU of the hosts that hold a GPU of ``gpus``: the GPUs a group collective may relay through.
+
+    A GPU of a member's host is one NVSwitch hop away: through it, a member
+    reaches that GPU's NIC and rail (as NCCL's PXN does). GPUs without a
+    ``host`` attribute form a host of their own.
+
+    >>> from jaxccl.topology import rail
+    >>> relay_domain(rail(hosts=4, gpus_per_host=2), [0, 4])
+    [0, 1, 4, 5]
+    """
+    nodes = topo.graph.nodes
+    for g in gpus:
+        topo._check_gpu(int(g))  # noqa: SLF001 - shared validation helper
+    hosts = {nodes[int(g)].get("host", ("gpu", int(g))) for g in gpus}
+    return [g for g in topo.gpus if nodes[g].get("host", ("gpu", g)) in hosts]
+
+
+def groups_within(groups: Sequence[Sequence[int]], gpus: Sequence[int]) -> list[list[int]]:
+    """The groups (of one partition of the cluster) whose GPUs all lie in ``gpus``, in the given order.
+
+    >>> groups_within([[0, 4], [1, 5], [2, 6], [3, 7]], [0, 1, 4, 5])
+    [[0, 4], [1, 5]]
+    """
+    inside = {int(g) for g in gpus}
+    return [[int(g) for g in grp] for grp in groups if all(int(g) in inside for g in grp)]
