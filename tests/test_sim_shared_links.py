@@ -13,7 +13,7 @@ import pytest
 from jaxccl.errors import ScheduleError, TopologyError
 from jaxccl.schedule.ir import Collective
 from jaxccl.sim import run as sim_run
-from jaxccl.sim.experiments import Synthesizers, _relay_call
+from jaxccl.sim.experiments import Synthesizers, _relay_call, _symmetric_records
 from jaxccl.sim.groups import groups_within, relay_domain, subtopology
 from jaxccl.sim.shared_links import fluid_time, link_bytes
 from jaxccl.sim.workloads import WORKLOADS, group_gpus
@@ -99,3 +99,19 @@ def test_bad_inputs_are_named():
         link_bytes(s.replace(info={}), topo, [0, 2], MiB)
     with pytest.raises(TopologyError):
         relay_domain(topo, [0, 99])
+
+
+def test_rail_twins_take_the_loads_their_own_synthesis_gives():
+    """Groups mapped from a rail twin carry exactly the loads that synthesizing them gives (fail2: 0 differs)."""
+    cluster = scenario(rail(hosts=16, gpus_per_host=8), "fail2")
+    gpus = group_gpus(WORKLOADS["deepseek671b"], "DP_EP", 128, 0)
+    domain = relay_domain(cluster, gpus)
+    topo = subtopology(cluster, domain)
+    members = [[domain.index(g), domain.index(g + 64)] for g in range(8)]
+    records = _symmetric_records(topo, members, lambda m: allgather(topo, group=m), MiB)
+    assert [r["synthesized"] for r in records] == [True, True] + [False] * 6
+    for m, r in zip(members, records):
+        want = link_bytes(allgather(topo, group=m), topo, m, MiB)
+        assert fluid_time(topo, [r["loads"]]) == pytest.approx(fluid_time(topo, [want]), rel=1e-12)
+        nic = (m[0], tor(0, m[0]))
+        assert r["loads"].get(nic, 0.0) == pytest.approx(want.get(nic, 0.0), rel=1e-12)

@@ -36,7 +36,7 @@ from jaxccl.report import progress as _progress
 from jaxccl.schedule.ir import Collective, Schedule
 from jaxccl.sim import run as sim_run
 from jaxccl.sim.analytic import ring_time
-from jaxccl.sim.groups import groups_within, relay_domain, subtopology
+from jaxccl.sim.groups import groups_within, rail_swap, relay_domain, subtopology
 from jaxccl.sim.model import EXECUTIONS, MAX_TILES, auto_iterations
 from jaxccl.sim.routes import Router
 from jaxccl.sim.shared_links import fluid_time, link_bytes
@@ -475,11 +475,11 @@ def _domain_groups(workload: Workload, call: CollectiveCall, num_gpus: int, doma
     return groups_within(list(seen), domain)
 
 
-def _fill_s(topo: Topology, schedules: Sequence[Schedule]) -> float:
-    """Latency of filling the deepest tree: its depth times the slowest primary route between two GPUs of ``topo``."""
+def _fill_s(topo: Topology, depths: Sequence[int]) -> float:
+    """Latency of filling the deepest tree: its depth times the slowest primary route from GPU 0 in ``topo``."""
     router = Router(topo)
     slowest = max(router.route_latency(router.route(0, v)) for v in range(1, topo.num_gpus))
-    return max(int(s.info.get("max_depth", 1)) for s in schedules) * slowest
+    return max(depths) * slowest
 
 
 def _relay_call(
@@ -498,10 +498,12 @@ def _relay_call(
     its healthy schedule), so it may relay through the other GPUs of its
     hosts, which are the members of the other groups; all of them run at
     once, and :func:`jaxccl.sim.shared_links.fluid_time` adds their loads on
-    the shared links. ``None`` when no other group shares the hosts (nothing
-    to relay through that is not the group's own), the hosts hold over
-    :data:`RELAY_DOMAIN_LIMIT` GPUs, or a synthesis fails (named in
-    ``missing``).
+    the shared links. A group on another rail that a rail swap of the hosts
+    maps onto an already synthesized one (:func:`jaxccl.sim.groups.rail_swap`,
+    checked to preserve every link) takes that one's loads, mapped. ``None``
+    when no other group shares the hosts (nothing to relay through that is
+    not the group's own), the hosts hold over :data:`RELAY_DOMAIN_LIMIT`
+    GPUs, or a synthesis fails (named in ``missing``).
     """
     domain = relay_domain(cluster, gpus)
     groups = _domain_groups(workload, call, cluster.num_gpus, domain)
@@ -513,32 +515,77 @@ def _relay_call(
     if key in cache:
         return cache[key]
     pos = {g: i for i, g in enumerate(domain)}
-    same = _shape_key(d_bad) == _shape_key(d_healthy)
-    loads, schedules = [], []
-    for grp in groups:
-        members = [pos[g] for g in grp]
-        okey = ("relays-orig", _shape_key(d_healthy), call.collective.value, tuple(members))
+    members = [[pos[g] for g in grp] for grp in groups]
+
+    def healthy(m: list[int]) -> Schedule | None:
+        okey = ("relays-orig", _shape_key(d_healthy), call.collective.value, tuple(m))
         if okey not in cache:
-            cache[okey] = synth.synth(call.collective, d_healthy, group=members)
-        s = cache[okey]
-        if s is not None and not same:
-            s = synth.synth(call.collective, d_bad, previous=s, group=members)
-        if s is None:
-            cache[key] = None
-            return None
-        loads.append(link_bytes(s, d_bad, members, nbytes))
-        schedules.append(s)
-    first = schedules[groups.index(list(gpus))].info["group"]
+            cache[okey] = synth.synth(call.collective, d_healthy, group=m)
+        return cache[okey]
+
+    def synthesize(m: list[int]) -> Schedule | None:
+        base = healthy(m)
+        if base is None or _shape_key(d_bad) == _shape_key(d_healthy):
+            return base
+        return synth.synth(call.collective, d_bad, previous=base, group=m)
+
+    records = _symmetric_records(d_bad, members, synthesize, nbytes)
+    if records is None:
+        cache[key] = None
+        return None
+    mine = records[groups.index(list(gpus))]
     out = {
-        "time_s": fluid_time(d_bad, loads, _fill_s(d_bad, schedules)),
-        "alone_s": fluid_time(d_bad, loads[groups.index(list(gpus)) : groups.index(list(gpus)) + 1]),
+        "time_s": fluid_time(d_bad, [r["loads"] for r in records], _fill_s(d_bad, [r["depth"] for r in records])),
+        "alone_s": fluid_time(d_bad, [mine["loads"]]),
         "groups": len(groups),
         "domain_gpus": len(domain),
-        "views": sorted({s.info["group"]["view"] for s in schedules}),
-        "relays": [domain[r] for r in first["relays"]],
+        "synthesized_groups": sum(r["synthesized"] for r in records),
+        "views": sorted({r["view"] for r in records}),
+        "relays": sorted(domain[r] for r in mine["relays"]),
     }
     cache[key] = out
     return out
+
+
+def _symmetric_records(
+    topo: Topology, members: list[list[int]], synthesize: Callable[[list[int]], Schedule | None], nbytes: float
+) -> list[dict[str, Any]] | None:
+    """Per group: its link loads, tree depth, view and relays, synthesized or mapped from a rail twin."""
+    rails = [{topo.graph.nodes[g].get("rail") for g in m} for m in members]
+    records: list[dict[str, Any]] = []
+    swaps: dict[tuple, dict | None] = {}
+    for m, r in zip(members, rails):
+        twin = None
+        for other, r_other in zip(records, rails):
+            if len(r) != 1 or len(r_other) != 1 or r == r_other:
+                continue
+            pair = (next(iter(r_other)), next(iter(r)))
+            if pair not in swaps:
+                swaps[pair] = rail_swap(topo, *pair)
+            perm = swaps[pair]
+            if perm is not None and [perm[g] for g in other["members"]] == m:
+                twin = (other, perm)
+                break
+        if twin is not None:
+            other, perm = twin
+            loads = {(perm[u], perm[v]): b for (u, v), b in other["loads"].items()}
+            relays = [perm[g] for g in other["relays"]]
+            records.append({**other, "members": m, "loads": loads, "relays": relays, "synthesized": False})
+            continue
+        s = synthesize(m)
+        if s is None:
+            return None
+        records.append(
+            {
+                "members": m,
+                "loads": link_bytes(s, topo, m, nbytes),
+                "depth": int(s.info.get("max_depth", 1)),
+                "view": s.info["group"]["view"],
+                "relays": list(s.info["group"]["relays"]),
+                "synthesized": True,
+            }
+        )
+    return records
 
 
 def _own_fluid_s(call: CollectiveCall, group: Topology, healthy_group: Topology, synth: Synthesizers, cache) -> float:
@@ -547,7 +594,8 @@ def _own_fluid_s(call: CollectiveCall, group: Topology, healthy_group: Topology,
     if s is None:
         return float("inf")
     nbytes = call.bytes_per_rank(group.num_gpus)
-    return fluid_time(group, [link_bytes(s, group, range(group.num_gpus), nbytes)], _fill_s(group, [s]))
+    fill = _fill_s(group, [int(s.info.get("max_depth", 1))])
+    return fluid_time(group, [link_bytes(s, group, range(group.num_gpus), nbytes)], fill)
 
 
 def _step(workload: Workload, num_gpus: int, sc: str, synth: Synthesizers, cache: dict) -> dict[str, Any]:

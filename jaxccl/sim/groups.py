@@ -14,14 +14,14 @@ links.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import networkx as nx
 
 from jaxccl.errors import TopologyError
 from jaxccl.topology import Topology
 
-__all__ = ["group_of", "groups_within", "relay_domain", "subtopology"]
+__all__ = ["group_of", "groups_within", "rail_swap", "relay_domain", "subtopology"]
 
 
 def subtopology(topo: Topology, gpus: Sequence[int], *, name: str | None = None) -> Topology:
@@ -112,3 +112,47 @@ def groups_within(groups: Sequence[Sequence[int]], gpus: Sequence[int]) -> list[
     """
     inside = {int(g) for g in gpus}
     return [[int(g) for g in grp] for grp in groups if all(int(g) in inside for g in grp)]
+
+
+def rail_swap(topo: Topology, a: int, b: int) -> dict[Hashable, Hashable] | None:
+    """The node permutation that exchanges rails ``a`` and ``b``, if it maps ``topo`` onto itself; else ``None``.
+
+    A node of rail ``a`` (a GPU, its ToR) goes to the node of rail ``b`` with
+    the same other attributes (host, segment, kind) and back; other nodes
+    stay. It is returned only when every link maps to a link of the same
+    capacity and latency (an automorphism), so that whatever is computed for
+    a group on rail ``a`` holds, mapped, for its twin on rail ``b``.
+
+    >>> from jaxccl.topology import rail, scenario
+    >>> swap = rail_swap(rail(hosts=2, gpus_per_host=4), 1, 2)
+    >>> swap[1], swap[6], swap["tor:s0r1"]
+    (2, 5, 'tor:s0r2')
+    >>> rail_swap(scenario(rail(hosts=2, gpus_per_host=4), "fail2"), 0, 1) is None
+    True
+    """
+    g = topo.graph
+
+    def ident(n: Hashable) -> tuple:
+        d = g.nodes[n]
+        return tuple(sorted((k, repr(v)) for k, v in d.items() if k not in ("rail", "cluster_gpu")))
+
+    by_rail: dict[int, dict[tuple, Hashable]] = {a: {}, b: {}}
+    for n, d in g.nodes(data=True):
+        if d.get("rail") in by_rail:
+            key = ident(n)
+            if key in by_rail[d["rail"]]:
+                return None  # two nodes of one rail alike: no unique twin
+            by_rail[d["rail"]][key] = n
+    if by_rail[a].keys() != by_rail[b].keys():
+        return None
+    perm: dict[Hashable, Hashable] = {n: n for n in g.nodes}
+    for key, n in by_rail[a].items():
+        perm[n], perm[by_rail[b][key]] = by_rail[b][key], n
+    for u, v, d in g.edges(data=True):
+        x, y = perm[u], perm[v]
+        if not g.has_edge(x, y):
+            return None
+        e = g.edges[x, y]
+        if e.get("capacity") != d.get("capacity") or e.get("latency") != d.get("latency"):
+            return None
+    return perm
