@@ -666,6 +666,16 @@ def fig11(
     static too (MCCL's own choice). See :mod:`jaxccl.sim.workloads` for the
     step model.
 
+    A synthesized AllGather or ReduceScatter of a group that shares its hosts
+    with other groups of its kind (Llama's DP, DeepSeek's DP_EP: one GPU per
+    host and rail) may relay through the other GPUs of those hosts
+    (``group=``, :mod:`jaxccl.synth.group`), whose NICs and NVLinks carry
+    the other groups' own calls at the same moment: every group on those
+    hosts is synthesized with relays and their link loads are added
+    (:func:`_relay_call`, :mod:`jaxccl.sim.shared_links`); the call takes
+    the relayed time when it beats the fluid time of the group's own view,
+    else the simulated own-view time.
+
     Args:
         quick: Llama 405B on 128 GPUs, no failure and Fail2.
         workloads: ``"llama405b"``, ``"deepseek671b"`` (default both).
