@@ -7,7 +7,7 @@ bytes per rank: ``size``).
 
 1. The closed loop: the communicator starts with the schedules synthesized for
    the healthy fabric (AllGather: tree packing; ReduceScatter: the rank-ordered
-   fold of :mod:`jaxccl.control.ordered`), GPU 0's NIC drops to ``--nic-gbps``
+   fold of :mod:`jaxccl.synth.ordered_reduce_scatter`), GPU 0's NIC drops to ``--nic-gbps``
    live, and the :class:`~jaxccl.control.Controller` (managing ``all_reduce``:
    both halves) runs after every step until both re-synthesized schedules are
    active. Every step's results are compared bitwise with ``jax.lax``.

@@ -1,7 +1,9 @@
 """MCCL Fig. 11 / App. E on the simulator: training time per batch, NCCL vs jaxccl.
 
 One pipeline stage of Llama 405B and DeepSeek 671B (MCCL Table 4) on 128-2048 GPUs, no failure and
-Fail1-3.
+Fail1-3. jaxccl's AllGathers and ReduceScatters of groups that share their hosts with other groups
+(Llama's DP, DeepSeek's DP_EP) relay through the other GPUs of those hosts, every group on them at
+once (their link loads added; ``jaxccl.sim.shared_links``).
 
 Prints progress and a table; writes JSON and a PNG (defaults under
 ``benchmarks/results/sim/``). The same code runs as ``jaxccl sim fig11``; see

@@ -2,7 +2,7 @@
 
 from jaxccl.control.algorithm1 import CheckResult, ScheduleProfile, check, nominal_capacities, profile
 from jaxccl.control.controller import REDUCTIONS, Controller, Event, managed_collectives, measured_topology
-from jaxccl.control.ordered import ordered_reduce_scatter, predicted_algbw
+from jaxccl.synth.ordered_reduce_scatter import ordered_reduce_scatter, predicted_algbw
 
 __all__ = [
     "REDUCTIONS",

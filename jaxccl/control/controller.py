@@ -9,7 +9,7 @@ flagged measurement; once it stayed flagged over ``confirm`` fresh samples
 and the EWMA has settled (``"confirmed"``; a flag that goes away first is
 ``"cleared"``), the controller re-synthesizes it warm-started from
 the running schedule (AllGather: tree packing, AllToAll: column generation;
-ReduceScatter: the rank-ordered fold of :mod:`jaxccl.control.ordered`, so that
+ReduceScatter: the rank-ordered fold of :mod:`jaxccl.synth.ordered_reduce_scatter`, so that
 sums stay bitwise equal to ``jax.lax``; AllReduce: both of its halves) on
 the topology as measured, validates the result with the reference
 interpreter, drains once more and aborts if the degradation cleared
@@ -70,7 +70,7 @@ _ALIASES = {"psum_scatter": "reduce_scatter", "psum": "all_reduce"}
 
 def _default_synthesizers(exact_reductions: bool) -> dict[str, Synthesizer]:
     from jaxccl import synth
-    from jaxccl.control.ordered import ordered_reduce_scatter
+    from jaxccl.synth.ordered_reduce_scatter import ordered_reduce_scatter
 
     if exact_reductions:  # the fold order of jax.lax: bitwise equal results
         reduce_scatter: Synthesizer = lambda topo, prev: ordered_reduce_scatter(topo, previous=prev)  # noqa: E731
@@ -200,7 +200,7 @@ class Controller:
             also limited by the receivers; our choice, MCCL does not say).
         synthesizers: per collective, ``fn(measured_topology, running_schedule) -> Schedule``
             (default: the warm-started jaxccl synthesizers; for ReduceScatter
-            the rank-ordered fold of :mod:`jaxccl.control.ordered`).
+            the rank-ordered fold of :mod:`jaxccl.synth.ordered_reduce_scatter`).
         exact_reductions: keep every reduction bitwise equal to ``jax.lax``
             (default). A re-synthesized ``reduce_scatter`` is then staged only
             if it declares ``info["ordered_reduction"]`` and the reference

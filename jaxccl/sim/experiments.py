@@ -36,8 +36,10 @@ from jaxccl.report import progress as _progress
 from jaxccl.schedule.ir import Collective, Schedule
 from jaxccl.sim import run as sim_run
 from jaxccl.sim.analytic import ring_time
-from jaxccl.sim.groups import subtopology
+from jaxccl.sim.groups import groups_within, rail_swap, relay_domain, subtopology
 from jaxccl.sim.model import EXECUTIONS, MAX_TILES, auto_iterations
+from jaxccl.sim.routes import Router
+from jaxccl.sim.shared_links import fluid_time, link_bytes
 from jaxccl.sim.workloads import WORKLOADS, CollectiveCall, Workload, group_gpus
 from jaxccl.synth.nccl import nccl_schedule, rail_channel_orders
 from jaxccl.topology import Topology, rail, scenario
@@ -380,6 +382,7 @@ def fig8(
 # --------------------------------------------------------------------------- Fig. 11
 SIM_GROUP_LIMIT = 64  # NCCL rings over more GPUs use the analytic ring model (validated against the simulator)
 VARIANTS = ("nccl", "mccl", "mccl_static_rs")
+RELAY_COLLECTIVES = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)  # synthesized with group= relays
 
 
 def _cluster(num_gpus: int) -> Topology:
@@ -412,6 +415,22 @@ def _synthesized(call: CollectiveCall, variant: str, group_size: int) -> bool:
     return call.optimize
 
 
+def _synthesized_schedule(
+    call: CollectiveCall, group: Topology, healthy_group: Topology, synth: Synthesizers, cache: dict
+) -> Schedule | None:
+    """The healthy group's synthesized schedule, re-synthesized (warm) for ``group`` when it differs."""
+    okey = (_shape_key(healthy_group), call.collective.value, "orig")
+    if okey not in cache:
+        cache[okey] = synth.synth(call.collective, healthy_group)
+    base = cache[okey]
+    if base is None or _shape_key(group) == _shape_key(healthy_group):
+        return base
+    rkey = (_shape_key(group), call.collective.value, "reopt")
+    if rkey not in cache:
+        cache[rkey] = synth.synth(call.collective, group, previous=base)
+    return cache[rkey]
+
+
 def _call_time(
     call: CollectiveCall,
     group: Topology,
@@ -428,13 +447,7 @@ def _call_time(
     if key in cache:
         return cache[key]
     if use_synth:
-        okey = (_shape_key(healthy_group), call.collective.value, "orig")
-        if okey not in cache:
-            cache[okey] = synth.synth(call.collective, healthy_group)
-        base = cache[okey]
-        s = base
-        if base is not None and _shape_key(group) != _shape_key(healthy_group):
-            s = synth.synth(call.collective, group, previous=base)
+        s = _synthesized_schedule(call, group, healthy_group, synth, cache)
         if s is None:  # the synthesizer failed: fall back to the static NCCL schedule
             return _call_time(call, group, healthy_group, "nccl", synth, cache)
         out = (_sim(group, s, nbytes, flow_budget=FIG11_FLOW_BUDGET).time_s, "sim:" + s.name)
@@ -448,6 +461,140 @@ def _call_time(
         out = (_sim(group, s, nbytes).time_s, "sim:" + s.name)
     cache[key] = out
     return out
+
+
+RELAY_DOMAIN_LIMIT = 128  # GPUs of the hosts of a group above which groups keep their own view (synthesis time)
+
+
+def _domain_groups(workload: Workload, call: CollectiveCall, num_gpus: int, domain: Sequence[int]) -> list[list[int]]:
+    """The groups of ``call``'s kind that lie inside ``domain`` (they run at the same time as GPU 0's)."""
+    seen: dict[tuple[int, ...], None] = {}
+    for g in domain:
+        seen.setdefault(tuple(group_gpus(workload, call.group, num_gpus, g)), None)
+    return groups_within(list(seen), domain)
+
+
+def _fill_s(topo: Topology, depths: Sequence[int]) -> float:
+    """Latency of filling the deepest tree: its depth times the slowest primary route from GPU 0 in ``topo``."""
+    router = Router(topo)
+    slowest = max(router.route_latency(router.route(0, v)) for v in range(1, topo.num_gpus))
+    return max(depths) * slowest
+
+
+def _relay_call(
+    workload: Workload,
+    call: CollectiveCall,
+    cluster: Topology,
+    bad: Topology,
+    gpus: Sequence[int],
+    synth: Synthesizers,
+    cache: dict,
+) -> dict[str, Any] | None:
+    """GPU 0's group and the groups sharing its hosts, each synthesized with relays, at once (fluid model).
+
+    Every group of the call's kind whose GPUs lie on the hosts of GPU 0's
+    group is synthesized with ``group=`` on those hosts (warm-started from
+    its healthy schedule), so it may relay through the other GPUs of its
+    hosts, which are the members of the other groups; all of them run at
+    once, and :func:`jaxccl.sim.shared_links.fluid_time` adds their loads on
+    the shared links. A group on another rail that a rail swap of the hosts
+    maps onto an already synthesized one (:func:`jaxccl.sim.groups.rail_swap`,
+    checked to preserve every link) takes that one's loads, mapped. ``None``
+    when no other group shares the hosts (nothing to relay through that is
+    not the group's own), the hosts hold over :data:`RELAY_DOMAIN_LIMIT`
+    GPUs, or a synthesis fails (named in ``missing``).
+    """
+    domain = relay_domain(cluster, gpus)
+    groups = _domain_groups(workload, call, cluster.num_gpus, domain)
+    if len(groups) < 2 or len(domain) > RELAY_DOMAIN_LIMIT:
+        return None
+    d_healthy, d_bad = subtopology(cluster, domain), subtopology(bad, domain)
+    nbytes = call.bytes_per_rank(len(gpus))
+    key = ("relays", _shape_key(d_bad), call.collective.value, nbytes, tuple(map(tuple, groups)))
+    if key in cache:
+        return cache[key]
+    pos = {g: i for i, g in enumerate(domain)}
+    members = [[pos[g] for g in grp] for grp in groups]
+
+    def healthy(m: list[int]) -> Schedule | None:
+        okey = ("relays-orig", _shape_key(d_healthy), call.collective.value, tuple(m))
+        if okey not in cache:
+            cache[okey] = synth.synth(call.collective, d_healthy, group=m)
+        return cache[okey]
+
+    def synthesize(m: list[int]) -> Schedule | None:
+        base = healthy(m)
+        if base is None or _shape_key(d_bad) == _shape_key(d_healthy):
+            return base
+        return synth.synth(call.collective, d_bad, previous=base, group=m)
+
+    records = _symmetric_records(d_bad, members, synthesize, nbytes)
+    if records is None:
+        cache[key] = None
+        return None
+    mine = records[groups.index(list(gpus))]
+    out = {
+        "time_s": fluid_time(d_bad, [r["loads"] for r in records], _fill_s(d_bad, [r["depth"] for r in records])),
+        "alone_s": fluid_time(d_bad, [mine["loads"]]),
+        "groups": len(groups),
+        "domain_gpus": len(domain),
+        "synthesized_groups": sum(r["synthesized"] for r in records),
+        "views": sorted({r["view"] for r in records}),
+        "relays": sorted(domain[r] for r in mine["relays"]),
+    }
+    cache[key] = out
+    return out
+
+
+def _symmetric_records(
+    topo: Topology, members: list[list[int]], synthesize: Callable[[list[int]], Schedule | None], nbytes: float
+) -> list[dict[str, Any]] | None:
+    """Per group: its link loads, tree depth, view and relays, synthesized or mapped from a rail twin."""
+    rails = [{topo.graph.nodes[g].get("rail") for g in m} for m in members]
+    records: list[dict[str, Any]] = []
+    swaps: dict[tuple, dict | None] = {}
+    for m, r in zip(members, rails):
+        twin = None
+        for other, r_other in zip(records, rails):
+            if len(r) != 1 or len(r_other) != 1 or r == r_other:
+                continue
+            pair = (next(iter(r_other)), next(iter(r)))
+            if pair not in swaps:
+                swaps[pair] = rail_swap(topo, *pair)
+            perm = swaps[pair]
+            if perm is not None and [perm[g] for g in other["members"]] == m:
+                twin = (other, perm)
+                break
+        if twin is not None:
+            other, perm = twin
+            loads = {(perm[u], perm[v]): b for (u, v), b in other["loads"].items()}
+            relays = [perm[g] for g in other["relays"]]
+            records.append({**other, "members": m, "loads": loads, "relays": relays, "synthesized": False})
+            continue
+        s = synthesize(m)
+        if s is None:
+            return None
+        records.append(
+            {
+                "members": m,
+                "loads": link_bytes(s, topo, m, nbytes),
+                "depth": int(s.info.get("max_depth", 1)),
+                "view": s.info["group"]["view"],
+                "relays": list(s.info["group"]["relays"]),
+                "synthesized": True,
+            }
+        )
+    return records
+
+
+def _own_fluid_s(call: CollectiveCall, group: Topology, healthy_group: Topology, synth: Synthesizers, cache) -> float:
+    """The fluid time of the group's own-view schedule (no relays), to compare with the relayed groups."""
+    s = _synthesized_schedule(call, group, healthy_group, synth, cache)
+    if s is None:
+        return float("inf")
+    nbytes = call.bytes_per_rank(group.num_gpus)
+    fill = _fill_s(group, [int(s.info.get("max_depth", 1))])
+    return fluid_time(group, [link_bytes(s, group, range(group.num_gpus), nbytes)], fill)
 
 
 def _step(workload: Workload, num_gpus: int, sc: str, synth: Synthesizers, cache: dict) -> dict[str, Any]:
@@ -469,8 +616,18 @@ def _step(workload: Workload, num_gpus: int, sc: str, synth: Synthesizers, cache
             "paper_share": call.paper_share,
         }
         totals["healthy"] += call.calls * t_h
+        relayed = None
         for v in VARIANTS:
             t, how = _call_time(call, g_bad, g_healthy, v, synth, cache)
+            if how.startswith("sim:") and _synthesized(call, v, len(gpus)) and call.collective in RELAY_COLLECTIVES:
+                if relayed is None:
+                    relayed = _relay_call(workload, call, cluster, bad, gpus, synth, cache) or {}
+                    if relayed:
+                        relayed["own_fluid_s"] = _own_fluid_s(call, g_bad, g_healthy, synth, cache)
+                        entry["relays"] = relayed
+                if relayed and relayed["time_s"] < relayed["own_fluid_s"] * (1 - 1e-9):
+                    t = relayed["time_s"]
+                    how = f"fluid:relays, {relayed['groups']} groups at once on {relayed['domain_gpus']} GPUs"
             totals[v] += call.calls * t
             entry[f"{v}_call_s"] = t
             entry[f"{v}_how"] = how
@@ -507,6 +664,16 @@ def fig11(
     the static NCCL AllReduce; ``mccl_static_rs`` keeps the ReduceScatters
     static too (MCCL's own choice). See :mod:`jaxccl.sim.workloads` for the
     step model.
+
+    A synthesized AllGather or ReduceScatter of a group that shares its hosts
+    with other groups of its kind (Llama's DP, DeepSeek's DP_EP: one GPU per
+    host and rail) may relay through the other GPUs of those hosts
+    (``group=``, :mod:`jaxccl.synth.group`), whose NICs and NVLinks carry
+    the other groups' own calls at the same moment: every group on those
+    hosts is synthesized with relays and their link loads are added
+    (:func:`_relay_call`, :mod:`jaxccl.sim.shared_links`); the call takes
+    the relayed time when it beats the fluid time of the group's own view,
+    else the simulated own-view time.
 
     Args:
         quick: Llama 405B on 128 GPUs, no failure and Fail2.
