@@ -305,8 +305,10 @@ std::string CpuProxy::Describe(bool pending_only) const {
 
 CpuProxy::~CpuProxy() {
   if (thread_.joinable()) thread_.join();
-  // After a failure the transport may still own a cancelled receive's memory: never reuse it then.
-  if (staging_ && !failed_) ReturnStaging(std::move(staging_));
+  // After a failure the transport may still own a cancelled receive's memory (a cancel that did not
+  // finish): never reuse nor free it then (freeing it corrupted the heap when the bytes came later).
+  if (staging_ && failed_) (void)staging_.release();
+  if (staging_) ReturnStaging(std::move(staging_));
 }
 
 void CpuProxy::Start() { thread_ = std::thread([this] { Run(); }); }
