@@ -263,6 +263,26 @@ def test_transport_moves_bytes_and_reports_completion_times():
         assert 0 < got.post_ns <= got.done_ns and got.seconds > 0
 
 
+def test_transport_progresses_while_the_process_waits_elsewhere():
+    # Issue 14: a process that finished its launch and then waited in the key-value store made no call
+    # into UCX, and its peer's transfer (a 1 MiB rendezvous needs the receiver's reply) waited for it
+    # until a deadline. Process 0 here posts its receive and makes no further call.
+    import numpy as np
+
+    from jaxccl.runtime.multiprocess import NETWORK_ONLY, ProcessTransport
+
+    a, b = ProcessTransport(0, 2, options=NETWORK_ONLY), ProcessTransport(1, 2, options=NETWORK_ONLY)
+    a.connect(1, b.address())
+    b.connect(0, a.address())
+    with a, b:
+        data = np.random.default_rng(7).integers(1, 2**31 - 1, 1 << 18, dtype=np.int32)  # 1 MiB, never zero
+        inbox = np.zeros_like(data)
+        recv = a.irecv(1, 3, inbox)
+        sent = b.wait(b.isend(0, 3, data), 5.0)  # only process 1 calls its transport
+        assert sent.bytes == data.nbytes
+        assert a.wait(recv, 5.0).bytes == data.nbytes and inbox.tobytes() == data.tobytes()
+
+
 def test_transport_errors_are_named():
     import numpy as np
 

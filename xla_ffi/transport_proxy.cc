@@ -1,6 +1,8 @@
 #include "transport_proxy.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 
 #include "cpu_executor.h"
 #include "transport_shared_sends.h"
@@ -245,13 +247,68 @@ ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std:
     x.request = *req;
     x.arrived = false;
   }
+  if (TraceLaunches()) std::fprintf(stderr, "%s\n", proxy->Describe(/*pending_only=*/false).c_str());
   return proxy;
+}
+
+bool TraceLaunches() {
+  static const bool on = [] {
+    const char* env = std::getenv("JAXCCL_TRANSPORT_TRACE");
+    return env != nullptr && *env != '\0' && *env != '0';
+  }();
+  return on;
+}
+
+std::string CpuProxy::Describe(bool pending_only) const {
+  const Table& t = *l_->table_;
+  std::string out = StrCat("[process ", group_->process_id, " slot ", l_->slot_, " group ", group_->tag_index,
+                           " launch ", launch_number_, " (tag ", launch_number_ & ((1 << kLaunchBits) - 1),
+                           ") table version ", l_->version_, " checksum ", t.checksum, " conns ", t.num_conns(),
+                           " tiles ", l_->tiles_, "]");
+  constexpr int kMaxListed = 16;
+  int listed = 0, hidden = 0;
+  std::string recvs;
+  for (const Recv& r : recvs_) {
+    const InTransfer& x = transfers_[r.transfer];
+    if (pending_only && r.delivered) continue;
+    if (++listed > kMaxListed) {
+      ++hidden;
+      continue;
+    }
+    const MessageRef lead = shared_->LeaderOf(r.conn, r.msg);
+    recvs += StrCat(" c", r.conn, "m", r.msg, "<-r", r.peer_rank, "(tag c", lead.conn, "m", lead.msg, ",", r.bytes, "B,",
+                    r.delivered ? "delivered" : x.arrived ? "arrived" : "posted", ")");
+  }
+  out += StrCat(" receives", pending_only ? " not delivered" : "", " (", recvs_.size(), " in all):", recvs.empty() ? " none" : recvs);
+  if (hidden > 0) out += StrCat(" +", hidden, " more");
+  std::string sends;
+  listed = hidden = 0;
+  int64_t posted = 0, done = 0;
+  {
+    std::lock_guard<std::mutex> lock(send_mu_);
+    for (const auto& [lead, x] : out_) {
+      ++posted;
+      done += x.done;
+      if (pending_only && x.done) continue;
+      if (++listed > kMaxListed) {
+        ++hidden;
+        continue;
+      }
+      sends += StrCat(" c", lead.first, "m", lead.second, "->r", t.conns[lead.first].receiver, "(", x.done ? "done" : "in flight", ")");
+    }
+    out += StrCat("; sends: ", sends_done_, " of ", sends_expected_, " messages complete, transfers posted ", posted,
+                  ", done ", done, pending_only ? "; not done:" : ":", sends.empty() ? " none" : sends);
+  }
+  if (hidden > 0) out += StrCat(" +", hidden, " more");
+  return out;
 }
 
 CpuProxy::~CpuProxy() {
   if (thread_.joinable()) thread_.join();
-  // After a failure the transport may still own a cancelled receive's memory: never reuse it then.
-  if (staging_ && !failed_) ReturnStaging(std::move(staging_));
+  // After a failure the transport may still own a cancelled receive's memory (a cancel that did not
+  // finish): never reuse nor free it then (freeing it corrupted the heap when the bytes came later).
+  if (staging_ && failed_) (void)staging_.release();
+  if (staging_) ReturnStaging(std::move(staging_));
 }
 
 void CpuProxy::Start() { thread_ = std::thread([this] { Run(); }); }
@@ -431,7 +488,8 @@ void CpuProxy::Run() {
                          " in process ", group_->process_of_rank[s.peer_rank], ": a failed or hung process?)");
         }
       }
-      FailWith(StrCat("jaxccl: deadline exceeded: ", what, " for ", Seconds(l_->timeout_s_)),
+      FailWith(StrCat("jaxccl: deadline exceeded: ", what, " for ", Seconds(l_->timeout_s_), "; this process's proxy: ",
+                      Describe(/*pending_only=*/true)),
                ffi::ErrorCode::kDeadlineExceeded);
       break;
     }

@@ -73,6 +73,8 @@ ffi::Error AttachProcessGroups(Transport* transport, int32_t process_id,
 void DetachProcessGroups();
 // The attached group `index`: an error naming what is missing when none is attached or it has no such group.
 ffi::ErrorOr<std::shared_ptr<const ProcessGroup>> ProcessGroupOf(int32_t index);
+// Whether JAXCCL_TRANSPORT_TRACE is set: every launch across processes prints what it posted (stderr).
+bool TraceLaunches();
 // Numbers the launches of `slot` in `group` (ProcessGroup::NextLaunch).
 int64_t NextLaunchNumber(const ProcessGroup& group, int64_t slot);
 
@@ -98,6 +100,9 @@ class CpuProxy {
   void Send(int32_t rank, int32_t conn, int32_t msg, const void* data, size_t bytes, bool direct);
   // Waits until every message of the launch to or from other processes completed, or the launch failed.
   void WaitDone();
+  // What this launch's proxy posted and completed, with the tags on the wire (a deadline's diagnosis;
+  // JAXCCL_TRANSPORT_TRACE=1 prints it for every launch). `pending_only`: only what is not done.
+  std::string Describe(bool pending_only) const;
 
  private:
   // One transfer from another process: what the transport receives into staging memory.
@@ -146,7 +151,7 @@ class CpuProxy {
   std::vector<int32_t> next_;                // per such connection: next message to deliver
   std::vector<int32_t> remote_in_conns_;
   int64_t sends_expected_ = 0;
-  std::mutex send_mu_;
+  mutable std::mutex send_mu_;
   std::map<std::pair<int32_t, int32_t>, OutTransfer> out_;  // by the (connection, message) that names it
   std::vector<Send_> sends_;                                // posted, not yet complete
   int64_t sends_done_ = 0;

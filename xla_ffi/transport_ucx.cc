@@ -3,10 +3,17 @@
 //
 // Tags: the source process in the high 16 bits, the caller's 48-bit tag below, so a receive matches
 // exactly one (peer, tag). All UCP calls of a transport run under one mutex; a waiting thread
-// drives progress itself.
+// drives progress itself, and the transport's progress thread drives it whenever nobody else has
+// for kIdleProgressPeriod. Progress must never stop while the process waits elsewhere: UCX reports a
+// send complete once its bytes are in UCX's own buffers (over TCP, a user-space segment when the
+// socket is full) and moves them, and answers a peer's rendezvous, only inside progress. A process
+// that stopped progressing after a launch (waiting in jax.distributed's key-value store for a peer)
+// held back the tail of a message that the peer's launch waited for: both waited until a deadline.
 #include <ucp/api/ucp.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -16,6 +23,9 @@
 
 namespace jaxccl {
 namespace {
+
+// How long progress may pause before the progress thread drives it (an idle process costs a wakeup per period).
+constexpr std::chrono::microseconds kIdleProgressPeriod{500};
 
 struct UcxRequestState {
   bool done = false;
@@ -83,6 +93,7 @@ class UcxTransport final : public Transport {
     wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // serialized by mu_
     st = ucp_worker_create(context_, &wp, &worker_);
     if (st != UCS_OK) return UcxError("ucp_worker_create", st);
+    progress_thread_ = std::thread([this] { ProgressWhileIdle(); });
     return ffi::Error::Success();
   }
 
@@ -164,7 +175,7 @@ class UcxTransport final : public Transport {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = requests_.find(request);
     if (it == requests_.end()) return ErrorResult<bool>(UnknownRequest(request));
-    ucp_worker_progress(worker_);
+    Progress();
     UcxRequest& r = *it->second;
     if (r.state.done && r.state.status != UCS_OK) return ErrorResult<bool>(RequestError(r));
     if (!r.state.done && !peer_status_.empty() && peer_status_[r.peer] != UCS_OK) {
@@ -183,8 +194,7 @@ class UcxTransport final : public Transport {
         if (it == requests_.end()) return ErrorResult<R>(UnknownRequest(request));
         UcxRequest& r = *it->second;
         // Progress until nothing more happens, then look at the request.
-        while (worker_ != nullptr && ucp_worker_progress(worker_) != 0) {
-        }
+        Progress();
         if (r.state.done) {
           ffi::Error e = r.state.status == UCS_OK ? ffi::Error::Success() : RequestError(r);
           R out{r.is_send ? r.posted_bytes : r.state.bytes, r.post_ns, r.state.done_ns};
@@ -224,6 +234,8 @@ class UcxTransport final : public Transport {
   }
 
   void Close() override {
+    stop_progress_.store(true);
+    if (progress_thread_.joinable()) progress_thread_.join();
     std::lock_guard<std::mutex> lock(mu_);
     if (worker_ != nullptr) {
       for (auto it = requests_.begin(); it != requests_.end();) {
@@ -257,6 +269,26 @@ class UcxTransport final : public Transport {
     UcxTransport* self;
     int32_t peer;
   };
+
+  // Progresses until nothing more happens; under mu_.
+  void Progress() {
+    if (worker_ == nullptr) return;
+    while (ucp_worker_progress(worker_) != 0) {
+    }
+    last_progress_ns_.store(NowNs(), std::memory_order_relaxed);
+  }
+
+  // The progress thread: drives progress when no caller did for kIdleProgressPeriod (between launches,
+  // while the process waits for its peers elsewhere).
+  void ProgressWhileIdle() {
+    const int64_t period_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(kIdleProgressPeriod).count();
+    while (!stop_progress_.load()) {
+      std::this_thread::sleep_for(kIdleProgressPeriod);
+      if (NowNs() - last_progress_ns_.load(std::memory_order_relaxed) < period_ns) continue;
+      std::lock_guard<std::mutex> lock(mu_);
+      Progress();
+    }
+  }
 
   static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status) {
     auto* a = static_cast<PeerArg*>(arg);
@@ -351,6 +383,9 @@ class UcxTransport final : public Transport {
   std::vector<PeerArg> peer_args_;
   std::map<TransportRequest, std::unique_ptr<UcxRequest>> requests_;
   TransportRequest next_id_ = 1;
+  std::atomic<int64_t> last_progress_ns_{0};
+  std::atomic<bool> stop_progress_{false};
+  std::thread progress_thread_;  // last: started once the worker exists, joined before it is destroyed
 };
 
 }  // namespace

@@ -110,12 +110,13 @@ def _wait_signal(folder: Path, name: str, timeout_s: float) -> str:
     return path.read_text()
 
 
-def run_drill(config: DrillConfig, *, timeout_s: float = 300.0) -> dict[str, Any]:
+def run_drill(config: DrillConfig, *, timeout_s: float = 300.0, log_dir: Path | None = None) -> dict[str, Any]:
     """Runs a drill in a fresh lab (removed afterwards, also on failure) and returns process 0's report.
 
     The report holds, per cycle, the loop's events, the cut's time (``cut_ns``), the healthy,
     stale and recovered AllGather times, and ``bitwise_ok`` (every process's results equal to
-    ``jax.lax``). ``outputs`` holds every process's output.
+    ``jax.lax``). ``outputs`` holds every process's output; with ``log_dir``, each is also
+    written whole to ``log_dir/process-<i>.log`` (also when the drill fails).
 
     Raises:
         NetlabError: namespaces are not available here.
@@ -148,6 +149,10 @@ def run_drill(config: DrillConfig, *, timeout_s: float = 300.0) -> dict[str, Any
         argv = [sys.executable, "-m", "jaxccl.runtime.multiprocess_drill", json.dumps(dataclasses.asdict(config)), tmp]
         results = lab.launch(argv, timeout_s=timeout_s, during=cut_and_restore)
     outputs = ["".join(seen) + results[0].output] + [r.output for r in results[1:]]
+    if log_dir is not None:
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
+        for i, out in enumerate(outputs):
+            (Path(log_dir) / f"process-{i}.log").write_text(out)
     if any(r.returncode != 0 for r in results) or not report:
         tails = "\n----\n".join(
             f"process {r.process_id} (rc {r.returncode}):\n{out[-3000:]}" for r, out in zip(results, outputs)
