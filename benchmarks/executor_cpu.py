@@ -24,7 +24,7 @@ import time
 
 import jaxccl
 from jaxccl import report
-from jaxccl.cli.bench_run import collective_body  # axis "d"
+from jaxccl.cli.bench_run import implementation_runner  # axis "d"
 
 NUM_DEVICES = 8
 COLLECTIVES = ("all_gather", "all_to_all", "psum_scatter", "psum")
@@ -77,17 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     def build(collective: str, impl: str):
-        lib = jax.lax if impl == "lax" else jaxccl
-        f = jax.jit(jax.shard_map(collective_body(lib, collective), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-        comm = comms.get(impl)
-        if comm is None:
-            return f
-
-        def run(x):
-            with comm:
-                return f(x)
-
-        return run
+        return implementation_runner(mesh, collective, comms.get(impl))
 
     rows = []
     points = [(c, s) for c in collectives for s in sizes]

@@ -23,7 +23,7 @@ import sys
 import time
 
 from jaxccl import report
-from jaxccl.cli.bench_run import collective_body  # axis "d"
+from jaxccl.cli.bench_run import implementation_runner  # axis "d"
 
 COLLECTIVES = ("all_gather", "all_to_all", "psum_scatter", "psum")
 IMPLS = ("jaxccl-cpu", "lax", "jaxccl-ppermute")
@@ -55,17 +55,7 @@ def worker(args: argparse.Namespace) -> int:
     }
 
     def build(collective: str, impl: str):
-        lib = jax.lax if impl == "lax" else jaxccl
-        f = jax.jit(jax.shard_map(collective_body(lib, collective), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-        comm = comms.get(impl)
-        if comm is None:
-            return f
-
-        def run(x):
-            with comm:
-                return f(x)
-
-        return run
+        return implementation_runner(mesh, collective, comms.get(impl))
 
     def local_bytes(out) -> bytes:
         return b"".join(np.asarray(s.data).tobytes() for s in sorted(out.addressable_shards, key=lambda s: s.device.id))

@@ -97,6 +97,36 @@ def collective_body(lib: Any, collective: str) -> Callable[[Any], Any]:
     return lambda v: reduce(v, AXIS)
 
 
+def implementation_runner(mesh: Any, collective: str, comm: Any | None) -> Callable[[Any], Any]:
+    """A jitted ``collective`` over ``mesh``'s axis ``AXIS``: jax.lax's if ``comm`` is None, else jaxccl's on it.
+
+    The benchmarks time what this returns, one runner per implementation, interleaved.
+
+    Example:
+        >>> import jax, numpy as np
+        >>> from jax.sharding import Mesh
+        >>> mesh = Mesh(np.array(jax.devices()), (AXIS,))
+        >>> run = implementation_runner(mesh, "psum", None)
+        >>> int(run(jax.numpy.ones(mesh.size))[0])
+        8
+    """
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+
+    lib = jax.lax if comm is None else jaxccl
+    f = jax.jit(jax.shard_map(collective_body(lib, collective), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
+    if comm is None:
+        return f
+
+    def run(x: Any) -> Any:
+        with comm:
+            return f(x)
+
+    return run
+
+
 def _exact_bound(dt: Any, num_ranks: int) -> int:
     """A bound on |x| that keeps every partial sum of ``num_ranks`` such integers exact in ``dt``."""
     import ml_dtypes
