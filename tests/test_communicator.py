@@ -173,6 +173,18 @@ def test_install_validates():
     assert comm.schedule("all_gather").name == "direct_allgather"  # nothing changed
 
 
+def test_record_staged_takes_only_a_validated_schedule_that_fits():
+    comm = jaxccl.Communicator(_mesh(), "d", backend="ppermute")
+    ring = baselines.ring_allgather(N)
+    with pytest.raises(ScheduleError, match="has not passed validate"):
+        comm.record_staged("all_gather", ring)
+    with pytest.raises(ScheduleError, match="implements all_to_all, not all_gather"):
+        comm.record_staged("all_gather", baselines.direct_alltoall(N).validate())
+    assert comm.schedule("all_gather").name == "direct_allgather"  # refusals change nothing
+    comm.record_staged("all_gather", ring.validate())
+    assert comm.schedule("all_gather") is ring
+
+
 def test_constructor_errors():
     mesh = _mesh()
     with pytest.raises(ValueError, match="no axis 'x'.*\\('d',\\)"):

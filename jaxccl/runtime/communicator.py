@@ -352,6 +352,24 @@ class Communicator:
             schedule.validate()
         return self._stage(coll, schedule, table)
 
+    def record_staged(self, collective: str | Collective, schedule: Schedule) -> None:
+        """Records ``schedule`` as ``collective``'s schedule after the caller staged its table itself.
+
+        For staging paths that talk to the native registry directly, such as a hot-swap agreed
+        across processes (:func:`jaxccl.runtime.multiprocess.stage_agreed`): :meth:`schedule` and
+        the controller's profiles then describe what runs. The schedule must have passed the
+        interpreter.
+
+        Raises:
+            ScheduleError: ``schedule`` does not fit this communicator, or was not validated.
+        """
+        coll = _canonical(collective)
+        self._check_fits(coll, schedule, "record_staged")
+        if not schedule.validated:
+            raise ScheduleError(f"record_staged({coll.value!r}): the schedule has not passed validate()")
+        with self._lock:
+            self._schedules[coll] = schedule
+
     def _stage(self, coll: Collective, schedule: Schedule, table: Any = None) -> int:
         version = 0
         with self._lock:

@@ -342,17 +342,8 @@ def stage_agreed(
             raise DeadlineError(f"process {p} did not publish its swap point within {timeout_s} s: {e}") from e
     transition = max(issued) + int(margin)
     version = native.stage(slot, compile_table(schedule, num_slots=8), transition_seq=transition)
-    _record_schedule(comm, collective, schedule)
+    comm.record_staged(collective, schedule)
     return version, transition
-
-
-def _record_schedule(comm: Any, collective: str, schedule: Any) -> None:
-    # The registry holds the table; the communicator keeps the Schedule the controller profiles. Staging
-    # at an agreed point has no public Communicator method yet, so this writes its record directly.
-    from jaxccl.runtime.communicator import _canonical
-
-    with comm._lock:
-        comm._schedules[_canonical(collective)] = schedule
 
 
 MIN_MEASURED_BYTES = 32 << 10  # smaller sends finish in the transport's buffers: their time is not the link's
