@@ -33,7 +33,7 @@ QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20]
 
 def worker(args: argparse.Namespace) -> int:
     """One process of the job: runs every point and, in process 0, prints the rows as JSON."""
-    from jaxccl.runtime.multiprocess import NETWORK_ONLY, ProcessTransport, attach
+    from jaxccl.runtime.multiprocess import NETWORK_ONLY, ProcessTransport, attach, local_shards
     from jaxccl.runtime.multiprocess_launch import initialize_from_env
 
     me, nproc = initialize_from_env(local_devices=args.ranks // args.processes)
@@ -58,7 +58,7 @@ def worker(args: argparse.Namespace) -> int:
         return implementation_runner(mesh, collective, comms.get(impl))
 
     def local_bytes(out) -> bytes:
-        return b"".join(np.asarray(s.data).tobytes() for s in sorted(out.addressable_shards, key=lambda s: s.device.id))
+        return b"".join(s.tobytes() for s in local_shards(out))
 
     rows = []
     for collective in args.collectives:

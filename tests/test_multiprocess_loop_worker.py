@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
 
     import jaxccl
     from jaxccl.runtime import native
-    from jaxccl.runtime.multiprocess import ProcessTransport, attach
+    from jaxccl.runtime.multiprocess import ProcessTransport, attach, local_shards
     from jaxccl.runtime.multiprocess_loop import ProcessLoop
 
     transport = ProcessTransport.bootstrap(timeout_s=60)
@@ -69,13 +69,7 @@ def main(argv: list[str]) -> int:
             a.block_until_ready()
         loop.step()
         b = reference(x)
-        same = all(
-            np.asarray(u.data).tobytes() == np.asarray(w.data).tobytes()
-            for u, w in zip(
-                sorted(a.addressable_shards, key=lambda s: s.device.id),
-                sorted(b.addressable_shards, key=lambda s: s.device.id),
-            )
-        )
+        same = all(u.tobytes() == w.tobytes() for u, w in zip(local_shards(a), local_shards(b)))
         ok &= same
         print(f"CHECK step {k} {'ok' if same else 'MISMATCH'}", flush=True)
     state = native.swap_state(slot)

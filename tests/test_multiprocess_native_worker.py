@@ -125,7 +125,7 @@ def mesh_axes(t) -> bool:
 
     import jaxccl
     from jaxccl.runtime import native
-    from jaxccl.runtime.multiprocess import attach
+    from jaxccl.runtime.multiprocess import attach, local_shards
 
     devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
     mesh = Mesh(devices.reshape(t.num_processes, -1), ("x", "y"))
@@ -154,8 +154,8 @@ def mesh_axes(t) -> bool:
                 with comm:
                     a = f[jaxccl](x)
                 b = f[jax.lax](x)
-                got = [np.asarray(s.data).tobytes() for s in sorted(a.addressable_shards, key=lambda s: s.device.id)]
-                want = [np.asarray(s.data).tobytes() for s in sorted(b.addressable_shards, key=lambda s: s.device.id)]
+                got = [s.tobytes() for s in local_shards(a)]
+                want = [s.tobytes() for s in local_shards(b)]
                 same = a.shape == b.shape and got == want
                 ok &= same
                 print(f"CHECK {axis} {name} {np.dtype(dtype).name} lax {'ok' if same else 'MISMATCH'}", flush=True)
@@ -173,7 +173,7 @@ def swap(t, steps: int) -> bool:
 
     import jaxccl
     from jaxccl.runtime import native
-    from jaxccl.runtime.multiprocess import attach, stage_agreed
+    from jaxccl.runtime.multiprocess import attach, local_shards, stage_agreed
 
     n = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -199,13 +199,7 @@ def swap(t, steps: int) -> bool:
         with comm:
             a = ours(x)
         b = reference(x)
-        same = all(
-            np.asarray(u.data).tobytes() == np.asarray(w.data).tobytes()
-            for u, w in zip(
-                sorted(a.addressable_shards, key=lambda s: s.device.id),
-                sorted(b.addressable_shards, key=lambda s: s.device.id),
-            )
-        )
+        same = all(u.tobytes() == w.tobytes() for u, w in zip(local_shards(a), local_shards(b)))
         ok &= same
         print(f"CHECK step {k} lax {'ok' if same else 'MISMATCH'}", flush=True)
     state = native.swap_state(comm.slot("all_gather"))

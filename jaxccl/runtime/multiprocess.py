@@ -228,6 +228,20 @@ class ProcessTransport:
 _attached: ProcessTransport | None = None
 
 
+def local_shards(array: Any) -> list[np.ndarray]:
+    """This process's shards of ``array`` as numpy arrays, in device-id order.
+
+    What a process of a multi-process job compares, bitwise, with the same shards of a
+    ``jax.lax`` result (it cannot read the other processes' shards).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> [s.tolist() for s in local_shards(jnp.arange(3))]
+        [[0, 1, 2]]
+    """
+    return [np.asarray(s.data) for s in sorted(array.addressable_shards, key=lambda s: s.device.id)]
+
+
 def process_groups(mesh: Any, axis_name: Any) -> list[list[int]]:
     """The process of every rank of every group of a collective over ``axis_name`` (a name or a tuple) of ``mesh``.
 

@@ -211,7 +211,9 @@ class _Worker:
 
     @staticmethod
     def _shards(y: Any) -> list[bytes]:
-        return [np.asarray(s.data).tobytes() for s in sorted(y.addressable_shards, key=lambda s: s.device.id)]
+        from jaxccl.runtime.multiprocess import local_shards
+
+        return [s.tobytes() for s in local_shards(y)]
 
     def call(self) -> float:
         """One checked AllGather; its time in seconds."""
