@@ -362,6 +362,12 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         "time_scale_note": "algbw in emulated bytes/s: real bytes/s divided by time_scale",
     }
     _summary(result, print)
+    write_outputs(result, cfg)
+    return result
+
+
+def write_outputs(result: dict[str, Any], cfg: Any) -> None:
+    """Writes a demo's ``result`` as ``cfg.json`` and its timeline as ``cfg.png`` (each when set)."""
     if cfg.json:
         report.write_json(cfg.json, result)
         print(f"wrote {cfg.json}")
@@ -369,7 +375,6 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         _timeline_png(result, cfg.png)
         print(f"wrote {cfg.png}")
     sys.stdout.flush()
-    return result
 
 
 def swap_steps_of(rows: list[dict[str, Any]]) -> list[int]:

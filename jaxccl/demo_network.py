@@ -42,8 +42,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from jaxccl import report
-from jaxccl.demo import DemoConfig, _timeline_png, reaction_summary
+from jaxccl.demo import DemoConfig, reaction_summary, write_outputs
 from jaxccl.demo_network_layout import (
     FAILED_RANK,
     DemoNetworkError,
@@ -157,13 +156,7 @@ def run(cfg: NetworkDemoConfig) -> dict[str, Any]:
     result["lab_prefix"] = lab_prefix
     result["cut_ns"] = cut_ns
     reaction_summary(result, print, failed=f"rank {FAILED_RANK}'s NIC", unit="MB/s")
-    if cfg.json:
-        report.write_json(cfg.json, result)
-        print(f"wrote {cfg.json}")
-    if cfg.png:
-        _timeline_png(result, cfg.png)
-        print(f"wrote {cfg.png}")
-    sys.stdout.flush()
+    write_outputs(result, cfg)
     return result
 
 
