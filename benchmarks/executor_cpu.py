@@ -3,7 +3,9 @@
 An nccl-tests-style table per collective (all_gather, all_to_all, psum_scatter,
 psum): per-rank input size, median time over ``--runs`` timed calls after
 warm-up, algorithm bandwidth (bytes of one rank's output buffer / time, as
-nccl-tests) and the time ratio jaxccl / jax.lax. The implementations are timed
+nccl-tests) and the time ratio jaxccl / jax.lax. ``jaxccl-cpu-4k-pages`` is the
+cpu executor with huge pages for large outputs turned off (docs/executor.md,
+"Output memory in huge pages"), for comparisons. The implementations are timed
 interleaved (each run calls every implementation once, in turn), so both see
 the same machine load; medians over the runs. Every jaxccl result is checked
 bitwise against ``jax.lax`` once per size (float32 inputs, random).
@@ -28,7 +30,7 @@ from jaxccl.cli.bench_run import implementation_runner  # axis "d"
 
 NUM_DEVICES = 8
 COLLECTIVES = ("all_gather", "all_to_all", "psum_scatter", "psum")
-IMPLS = ("jaxccl-cpu", "lax", "jaxccl-ppermute")
+IMPLS = ("jaxccl-cpu", "lax", "jaxccl-ppermute", "jaxccl-cpu-4k-pages")  # the last: huge pages off
 FULL_SIZES = [4 << 10 << (2 * i) for i in range(7)]  # 4 KiB, 16 KiB, ..., 16 MiB
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20]
 ACCEPT = ((1 << 20, None, 1.0), (4 << 10, 4 << 10, 1.3))  # (from size, to size or None, largest ratio)
@@ -71,13 +73,30 @@ def main(argv: list[str] | None = None) -> int:
     n = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("d",))
     sharding = NamedSharding(mesh, P("d"))
+    from jaxccl.runtime import native
+
+    cpu = jaxccl.Communicator(mesh, "d", backend="cpu")
     comms = {
-        "jaxccl-cpu": jaxccl.Communicator(mesh, "d", backend="cpu"),
+        "jaxccl-cpu": cpu,
+        "jaxccl-cpu-4k-pages": cpu,
         "jaxccl-ppermute": jaxccl.Communicator(mesh, "d", backend="ppermute"),
     }
 
     def build(collective: str, impl: str):
-        return implementation_runner(mesh, collective, comms.get(impl))
+        run = implementation_runner(mesh, collective, comms.get(impl))
+        if impl != "jaxccl-cpu-4k-pages":
+            return run
+
+        def without_huge_pages(x):  # the setting applies while the call runs (XLA:CPU dispatches asynchronously)
+            native.set_huge_pages(False)
+            try:
+                out = run(x)
+                out.block_until_ready()
+                return out
+            finally:
+                native.set_huge_pages(True)
+
+        return without_huge_pages
 
     rows = []
     points = [(c, s) for c in collectives for s in sizes]

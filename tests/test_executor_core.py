@@ -5,6 +5,8 @@ Every result is compared bitwise with jax.lax on random data.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -185,3 +187,53 @@ def test_imported_msccl_xml_runs_in_dataflow_order():
     want = lax_ref(lambda v: lax.all_gather(v, AXIS, tiled=True), 8, x)
     for s in (from_msccl_xml(text), from_msccl_xml(synthesized.to_msccl_xml())):
         assert_bitwise(run(s, x), want)
+
+
+def _thp_mode() -> str | None:
+    """The system's transparent huge page mode ("always", "madvise", "never"), or None where unknown."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else None
+
+
+def _thp_eligible(address: int) -> bool:
+    """Whether the kernel may back the mapping that holds `address` with huge pages (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(v, 16) for v in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "THPeligible:":
+            return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="needs transparent huge pages in 'madvise' mode")
+@pytest.mark.parametrize("on", [True, False])
+def test_large_outputs_are_advised_into_huge_pages(on):
+    n = 8
+    per_rank = native.module().HUGE_PAGES_MIN_BYTES // 4 // n  # float32: every output is exactly the minimum
+    x = random((n * per_rank,), np.float32, seed=3)
+    mesh = mesh_of(n)
+    comm = jaxccl.Communicator(mesh, AXIS, backend="cpu")
+    f = jax.jit(
+        jax.shard_map(
+            lambda v: jaxccl.all_gather(v, AXIS, tiled=True), mesh=mesh, in_specs=jax.P(AXIS), out_specs=jax.P(AXIS)
+        )
+    )
+    native.set_huge_pages(on)
+    try:
+        with comm:
+            out = f(sharded(mesh, x))
+        huge = 2 << 20  # the advice covers the whole huge pages inside each buffer
+        firsts = [-(-s.data.unsafe_buffer_pointer() // huge) * huge for s in out.addressable_shards]
+        eligible = [_thp_eligible(a) for a in firsts]
+        assert_bitwise(np.asarray(out), lax_ref(lambda v: lax.all_gather(v, AXIS, tiled=True), n, x))
+    finally:
+        native.set_huge_pages(True)
+        comm.close()
+    # In a VM whose host takes back free 2 MiB blocks nothing is advised (docs/executor.md).
+    assert eligible == [on and native.huge_pages_usable()] * n

@@ -9,6 +9,7 @@
 #include "core_api.h"
 #include "cpu_executor.h"
 #include "cpu_handler.h"
+#include "huge_pages.h"
 #include "network.h"
 #include "registry.h"
 #include "rendezvous.h"
@@ -312,6 +313,11 @@ NB_MODULE(_native, m) {
       nb::arg("max_tiles"),
       "Comparisons only: the CPU executor runs at most this many tiles per launch (default MAX_TILES).");
   m.def("tile_cap", &TileCap);
+  m.def("set_huge_pages", &SetHugePages, nb::arg("on"),
+        "Output buffers of HUGE_PAGES_MIN_BYTES or more in transparent huge pages (default on; off for comparisons).");
+  m.def("huge_pages", &HugePages);
+  m.def("huge_pages_usable", &HugePagesUsable);
+  m.attr("HUGE_PAGES_MIN_BYTES") = kHugePagesMinBytes;
   m.def("stats", [] {
     nb::dict d;
     d["pending_rendezvous"] = CpuPendingRendezvous();

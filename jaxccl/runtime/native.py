@@ -201,6 +201,34 @@ def set_tile_cap(max_tiles: int | None) -> None:
     _native.set_tile_cap(int(_native.MAX_TILES if max_tiles is None else max_tiles))
 
 
+def set_huge_pages(on: bool) -> None:
+    """Whether the CPU executor asks for transparent huge pages for large output buffers (default on).
+
+    XLA allocates a fresh output buffer for every call; one of ``HUGE_PAGES_MIN_BYTES`` (32 MiB) or more
+    is a fresh mapping whose first write would fault in every 4 KiB page. The executor advises huge pages
+    for it before writing (docs/executor.md, "Output memory"). Off is for comparisons; launches that start
+    afterwards use the setting.
+
+    >>> set_huge_pages(True); huge_pages()
+    True
+    """
+    _native.set_huge_pages(bool(on))
+
+
+def huge_pages() -> bool:
+    """Whether large output buffers are advised into transparent huge pages (:func:`set_huge_pages`)."""
+    return bool(_native.huge_pages())
+
+
+def huge_pages_usable() -> bool:
+    """False in a virtual machine whose host takes back free 2 MiB blocks (then no buffer is advised).
+
+    A virtio balloon device with free page reporting at 2 MiB hands such blocks back to the hypervisor,
+    and the first touch of a huge page made of one waits for the host (docs/executor.md).
+    """
+    return bool(_native.huge_pages_usable())
+
+
 def get_timeout() -> float:
     """The current deadline of rendezvous and executor waits, in seconds."""
     return float(_native.get_timeout())
