@@ -66,6 +66,9 @@ def test_one_controller_swaps_every_process_at_the_same_call():
     for kind in ("detected", "confirmed", "synthesized", "agreed", "staged", "activated"):
         assert kind in kinds, report
     assert "agreed" in _events(results[1]) and "error" not in kinds, report
+    # Only the last round's keys stay in the coordinator's store (8 rounds ran), and at most one swap's.
+    rounds, swap_keys = map(int, re.search(r"KEY_ROUNDS (\d+) SWAP_KEYS (\d+)", results[0].output).groups())
+    assert rounds == 1 and swap_keys <= 2, report
 
 
 def test_a_failing_synthesizer_never_stops_training():

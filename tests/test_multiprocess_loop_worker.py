@@ -76,6 +76,16 @@ def main(argv: list[str]) -> int:
     print(f"SWAP {state['current_version']} {state['last_swap_seq']}", flush=True)
     for e in loop.events:
         print(f"EVENT {e.kind} {e.detail.get('error', '')}", flush=True)
+    if jax.process_index() == 0:  # what the loop leaves in the coordinator's key-value store
+        from jax._src import distributed
+
+        from jaxccl.runtime.multiprocess import SWAP_KEY_PREFIX
+
+        client = distributed.global_state.client
+        keys = [key for key, _ in client.key_value_dir_get(loop.key_prefix)]  # <prefix>/<round>/...
+        rounds = {key[len(loop.key_prefix) + 1 :].split("/")[0] for key in keys}
+        swaps = client.key_value_dir_get(SWAP_KEY_PREFIX)
+        print(f"KEY_ROUNDS {len(rounds)} SWAP_KEYS {len(swaps)}", flush=True)
     print("ALL OK" if ok else "FAILED", flush=True)
     comm.close()
     transport.close()

@@ -305,6 +305,19 @@ def detach() -> None:
 
 
 SWAP_KEY_PREFIX = "jaxccl/swap"
+
+
+def swap_key(slot: int, round_id: Any) -> str:
+    """The key directory where the processes publish their swap points of one :func:`stage_agreed` round.
+
+    Every process reads every key of it during that round; afterwards it may be deleted.
+
+    >>> swap_key(3, "loop/7")
+    'jaxccl/swap/3/loop/7'
+    """
+    return f"{SWAP_KEY_PREFIX}/{slot}/{round_id}"
+
+
 DEFAULT_SWAP_MARGIN = 4
 
 
@@ -346,7 +359,7 @@ def stage_agreed(
         schedule.validate()
     me, n = distributed.global_state.process_id, distributed.global_state.num_processes
     slot = comm.slot(collective)
-    key = f"{SWAP_KEY_PREFIX}/{slot}/{round_id}"
+    key = swap_key(slot, round_id)
     client.key_value_set(f"{key}/{me}", str(native.swap_state(slot)["issued"]))
     issued = []
     for p in range(n):

@@ -47,7 +47,7 @@ import numpy as np
 
 from jaxccl.control.controller import Controller, Event
 from jaxccl.errors import DeadlineError, ExecutorError
-from jaxccl.runtime.multiprocess import DEFAULT_SWAP_MARGIN, TransportMeter, stage_agreed
+from jaxccl.runtime.multiprocess import DEFAULT_SWAP_MARGIN, TransportMeter, stage_agreed, swap_key
 from jaxccl.telemetry import RECORD_DTYPE, TelemetryCollector
 from jaxccl.telemetry.records import INTER, INTRA
 
@@ -62,6 +62,11 @@ DEFAULT_LOOP_TIMEOUT_S = 30.0
 def rates_key(prefix: str, step: int, process: int) -> str:
     """Where ``process`` publishes its measured rows of step ``step``."""
     return f"{prefix}/{step}/rates/{process}"
+
+
+def round_key(prefix: str, step: int) -> str:
+    """The key directory of step ``step``'s rates and decision."""
+    return f"{prefix}/{step}"
 
 
 def decision_key(prefix: str, step: int) -> str:
@@ -177,6 +182,7 @@ class ProcessLoop:
         self._calls = 0
         self._round = 0
         self._staged_this_step = False
+        self._spent: list[str] = []  # process 0: key directories of earlier rounds, deleted once all read them
         self._events: list[Event] = []
         self.times = _StepTimes()
         self.controller = (
@@ -244,7 +250,10 @@ class ProcessLoop:
         except Exception as e:  # noqa: BLE001 - no decision this step; every process keeps its schedule
             self._record_error("gather", e)
             self._client.key_value_set(decision_key(self.key_prefix, k), json.dumps({"error": str(e)}))
+            self._spent.append(round_key(self.key_prefix, k))
             return
+        self._forget_spent_rounds()
+        self._spent.append(round_key(self.key_prefix, k))
         t2 = time.perf_counter()
         self.times.gather_ms = (t2 - t1) * 1e3
         self._staged_this_step = False
@@ -286,6 +295,20 @@ class ProcessLoop:
         self._collector.fold(records_of(matrix))
         self._snapshot = self._collector.snapshot()
 
+    def _forget_spent_rounds(self) -> None:
+        """Process 0, once every process published this round's rates: deletes the earlier rounds' keys.
+
+        A process publishes round k's rates only after it read round k - 1's decision and took part in
+        its swap, so nobody reads those keys any more; without this the coordinator's key-value store
+        would grow by a round's keys at every step of a long run.
+        """
+        for key in self._spent:
+            try:
+                self._client.key_value_delete(key)
+            except Exception as e:  # noqa: BLE001 - a key left behind costs memory, never training
+                self._record_error("forget", e)
+        self._spent.clear()
+
     def _get(self, key: str, what: str) -> str:
         try:
             return self._client.blocking_key_value_get(key, int(self.timeout_s * 1000))
@@ -325,6 +348,8 @@ class ProcessLoop:
         )
         self.times.agree_ms = (time.perf_counter() - t0) * 1e3
         self._last_transition = transition
+        if self.process_id == 0:
+            self._spent.append(swap_key(self.comm.slot(collective), f"{self.key_prefix}/{k}"))
         return version
 
     def _follow(self, k: int) -> None:
