@@ -116,6 +116,18 @@ def test_one_persistent_failure_gives_one_resynthesis_for_the_settled_capacity(a
     assert staged.detail["predicted_algbw"] > staged.detail["stale_algbw"]
 
 
+def test_a_resynthesis_below_the_minimum_gain_is_rejected(ag):
+    comm, f, ref = _setup()
+    comm.install("all_gather", ag)
+    ctl = Controller(comm, gamma=0.15, min_gain=5.0)  # asks for 6x the stale schedule's algbw
+    _drive(comm, ctl, f, ref, 12, on_step=lambda k: k == 0 and comm.inject(TOPO.degrade(*NIC, gbps=200)), seed=70)
+    rejected = [e for e in ctl.events if e.kind == "rejected"]
+    assert rejected and "min_gain" in rejected[0].detail["reason"], [e.kind for e in ctl.events]
+    assert rejected[0].detail["stale_algbw"] < rejected[0].detail["predicted_algbw"]  # better, not enough
+    assert "staged" not in [e.kind for e in ctl.events]
+    assert comm.schedule("all_gather") is ag
+
+
 def test_no_resynthesis_for_a_burst_shorter_than_the_ewma_window(ag):
     comm, f, ref = _setup(alpha=0.2)
     comm.install("all_gather", ag)
@@ -179,6 +191,8 @@ def test_controller_bad_input():
         Controller(comm, collectives=("broadcast",))
     with pytest.raises(ValueError, match="gamma"):
         Controller(comm, gamma=-1)
+    with pytest.raises(ValueError, match="min_gain"):
+        Controller(comm, min_gain=-0.1)
 
 
 # ------------------------------------------------------------------ hot-swap property

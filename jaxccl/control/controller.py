@@ -208,6 +208,11 @@ class Controller:
             ``"rejected"`` and the running schedule stays. ``False`` lets the
             faster tree packing (:func:`jaxccl.synth.reduce_scatter`, warm)
             sum in tree order: exact for integers, not for floats.
+        min_gain: a re-synthesized schedule is staged only if its predicted algbw on the
+            measured topology beats the running schedule's there by this fraction
+            (default 5 %); a smaller gain is ``"rejected"``. MCCL stages any better
+            schedule; a swap for a few percent that the next noisy samples may undo is
+            churn (our addition).
 
     ``collectives`` may name ``"reduce_scatter"`` (``"psum_scatter"``) and
     ``"all_reduce"`` (``"psum"``), which manages both halves ``psum`` runs as
@@ -227,11 +232,15 @@ class Controller:
         intra_min_drop: float = 0.3,
         synthesizers: Mapping[str, Synthesizer] | None = None,
         exact_reductions: bool = True,
+        min_gain: float = 0.05,
     ):
         if comm.topology is None:
             raise ValueError("Controller: the communicator has no topology")
         if gamma < 0 or interval_s <= 0:
             raise ValueError(f"Controller: need gamma >= 0 and interval_s > 0, got {gamma}, {interval_s}")
+        if not 0 <= min_gain < 10:
+            raise ValueError(f"Controller: need 0 <= min_gain < 10, got {min_gain}")
+        self.min_gain = float(min_gain)
         self.comm = comm
         self.gamma = float(gamma)
         self.interval_s = float(interval_s)
@@ -451,8 +460,13 @@ class Controller:
             * running.chunks_per_period
             * check(profile(running, target), nominal_capacities(target), gamma=self.gamma).x_min
         )
-        if new.algbw is not None and new.algbw <= stale * (1 + 1e-6):
-            self._emit("rejected", coll, reason="no better than the running schedule", stale_algbw=stale)
+        if new.algbw is not None and new.algbw <= stale * (1 + self.min_gain) * (1 + 1e-6):
+            reason = (
+                "no better than the running schedule"
+                if new.algbw <= stale * (1 + 1e-6)
+                else (f"predicted gain below min_gain ({self.min_gain:.0%})")
+            )
+            self._emit("rejected", coll, reason=reason, stale_algbw=stale, predicted_algbw=new.algbw)
             m.belief = target
             m.digest = ""
             return
