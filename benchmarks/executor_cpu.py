@@ -3,9 +3,9 @@
 An nccl-tests-style table per collective (all_gather, all_to_all, psum_scatter,
 psum): per-rank input size, median time over ``--runs`` timed calls after
 warm-up, algorithm bandwidth (bytes of one rank's output buffer / time, as
-nccl-tests) and the time ratio jaxccl / jax.lax. ``jaxccl-cpu-4k-pages`` is the
-cpu executor with huge pages for large outputs turned off (docs/executor.md,
-"Output memory in huge pages"), for comparisons. The implementations are timed
+nccl-tests) and the time ratio jaxccl / jax.lax. ``jaxccl-cpu-unprepared`` is the
+cpu executor with its output preparation turned off (no prefault, no huge
+pages: docs/executor.md, "Output memory"), for comparisons. The implementations are timed
 interleaved (each run calls every implementation once, in turn), so both see
 the same machine load; medians over the runs. Every jaxccl result is checked
 bitwise against ``jax.lax`` once per size (float32 inputs, random).
@@ -30,7 +30,7 @@ from jaxccl.cli.bench_run import implementation_runner  # axis "d"
 
 NUM_DEVICES = 8
 COLLECTIVES = ("all_gather", "all_to_all", "psum_scatter", "psum")
-IMPLS = ("jaxccl-cpu", "lax", "jaxccl-ppermute", "jaxccl-cpu-4k-pages")  # the last: huge pages off
+IMPLS = ("jaxccl-cpu", "lax", "jaxccl-ppermute", "jaxccl-cpu-unprepared")  # the last: outputs left to the system
 FULL_SIZES = [4 << 10 << (2 * i) for i in range(7)]  # 4 KiB, 16 KiB, ..., 16 MiB
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20]
 ACCEPT = ((1 << 20, None, 1.0), (4 << 10, 4 << 10, 1.3))  # (from size, to size or None, largest ratio)
@@ -78,25 +78,27 @@ def main(argv: list[str] | None = None) -> int:
     cpu = jaxccl.Communicator(mesh, "d", backend="cpu")
     comms = {
         "jaxccl-cpu": cpu,
-        "jaxccl-cpu-4k-pages": cpu,
+        "jaxccl-cpu-unprepared": cpu,
         "jaxccl-ppermute": jaxccl.Communicator(mesh, "d", backend="ppermute"),
     }
 
     def build(collective: str, impl: str):
         run = implementation_runner(mesh, collective, comms.get(impl))
-        if impl != "jaxccl-cpu-4k-pages":
+        if impl != "jaxccl-cpu-unprepared":
             return run
 
-        def without_huge_pages(x):  # the setting applies while the call runs (XLA:CPU dispatches asynchronously)
+        def unprepared(x):  # the settings apply while the call runs (XLA:CPU dispatches asynchronously)
+            native.set_prefault(False)
             native.set_huge_pages(False)
             try:
                 out = run(x)
                 out.block_until_ready()
                 return out
             finally:
+                native.set_prefault(True)
                 native.set_huge_pages(True)
 
-        return without_huge_pages
+        return unprepared
 
     rows = []
     points = [(c, s) for c in collectives for s in sizes]

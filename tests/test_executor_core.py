@@ -237,3 +237,27 @@ def test_large_outputs_are_advised_into_huge_pages(on):
         comm.close()
     # In a VM whose host takes back free 2 MiB blocks nothing is advised (docs/executor.md).
     assert eligible == [on and native.huge_pages_usable()] * n
+
+
+def _linux_at_least(major: int, minor: int) -> bool:
+    import platform
+
+    if platform.system() != "Linux":
+        return False
+    parts = platform.release().split(".")
+    return (int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)) >= (major, minor)
+
+
+@pytest.mark.skipif(not _linux_at_least(5, 14), reason="needs Linux 5.14 or later (MADV_POPULATE_WRITE)")
+def test_fresh_large_outputs_are_faulted_in_before_the_launch():
+    m = native.module()
+    big, small = m.PREFAULT_MIN_BYTES, m.PREFAULT_MIN_BYTES // 2
+    try:
+        assert m._resident_after_prepare(big) == 1.0
+        assert m._resident_after_prepare(small) == 0.0  # below the minimum: left to the page faults
+        native.set_prefault(False)
+        native.set_huge_pages(False)
+        assert m._resident_after_prepare(big) == 0.0
+    finally:
+        native.set_prefault(True)
+        native.set_huge_pages(True)

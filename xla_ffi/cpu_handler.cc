@@ -3,7 +3,7 @@
 #include "common.h"
 #include "cpu_executor.h"
 #include "dtype.h"
-#include "huge_pages.h"
+#include "output_memory.h"
 #include "registry.h"
 #include "rendezvous.h"
 
@@ -58,7 +58,7 @@ ffi::ErrorOr<CpuArrival> ArrivalOf(ffi::AnyBuffer x, ffi::AnyBuffer out, int64_t
   me.out_elems = static_cast<int64_t>(out.element_count());
   me.in_dtype = x.element_type();
   me.out_dtype = out.element_type();
-  AdviseHugePages(me.out, out.size_bytes());  // before anything writes it
+  PrepareOutput(me.out, out.size_bytes());  // before anything writes it
   me.reduce_op = *op;
   auto seq = Registry::Get().NoteIssued(slot, rank);
   if (!seq.has_value()) return ErrorResult<CpuArrival>(std::move(seq.error()));

@@ -9,7 +9,7 @@
 #include "core_api.h"
 #include "cpu_executor.h"
 #include "cpu_handler.h"
-#include "huge_pages.h"
+#include "output_memory.h"
 #include "network.h"
 #include "registry.h"
 #include "rendezvous.h"
@@ -318,6 +318,12 @@ NB_MODULE(_native, m) {
   m.def("huge_pages", &HugePages);
   m.def("huge_pages_usable", &HugePagesUsable);
   m.attr("HUGE_PAGES_MIN_BYTES") = kHugePagesMinBytes;
+  m.def("set_prefault", &SetPrefault, nb::arg("on"),
+        "Fresh output buffers of PREFAULT_MIN_BYTES or more faulted in by one call (default on; off for comparisons).");
+  m.def("prefault", &Prefault);
+  m.attr("PREFAULT_MIN_BYTES") = kPrefaultMinBytes;
+  m.def("_resident_after_prepare", &ResidentAfterPrepare, nb::arg("bytes"),
+        "Tests: the fraction of a fresh mapping of `bytes` that is resident after PrepareOutput.");
   m.def("stats", [] {
     nb::dict d;
     d["pending_rendezvous"] = CpuPendingRendezvous();

@@ -202,17 +202,34 @@ def set_tile_cap(max_tiles: int | None) -> None:
 
 
 def set_huge_pages(on: bool) -> None:
-    """Whether the CPU executor asks for transparent huge pages for large output buffers (default on).
+    """Whether the CPU executor asks for transparent huge pages for large fresh outputs (default on).
 
     XLA allocates a fresh output buffer for every call; one of ``HUGE_PAGES_MIN_BYTES`` (32 MiB) or more
-    is a fresh mapping whose first write would fault in every 4 KiB page. The executor advises huge pages
-    for it before writing (docs/executor.md, "Output memory"). Off is for comparisons; launches that start
-    afterwards use the setting.
+    is a fresh mapping whose first write would fault in every 4 KiB page. Each rank advises huge pages
+    for its output before writing it, where :func:`huge_pages_usable` (docs/executor.md, "Output
+    memory"). Off is for comparisons; launches that start afterwards use the setting.
 
     >>> set_huge_pages(True); huge_pages()
     True
     """
     _native.set_huge_pages(bool(on))
+
+
+def set_prefault(on: bool) -> None:
+    """Whether each rank faults in its fresh output of ``PREFAULT_MIN_BYTES`` (8 MiB) or more at once (default on).
+
+    One ``madvise(MADV_POPULATE_WRITE)`` while the rank waits for the others to arrive, instead of one
+    page fault per 4 KiB during the copies (docs/executor.md, "Output memory"). Off is for comparisons.
+
+    >>> set_prefault(True); prefault()
+    True
+    """
+    _native.set_prefault(bool(on))
+
+
+def prefault() -> bool:
+    """Whether fresh outputs are faulted in at once (:func:`set_prefault`)."""
+    return bool(_native.prefault())
 
 
 def huge_pages() -> bool:
