@@ -215,6 +215,20 @@ def set_huge_pages(on: bool) -> None:
     _native.set_huge_pages(bool(on))
 
 
+def huge_pages() -> bool:
+    """Whether large output buffers are advised into transparent huge pages (:func:`set_huge_pages`)."""
+    return bool(_native.huge_pages())
+
+
+def huge_pages_usable() -> bool:
+    """False in a virtual machine whose host takes back free 2 MiB blocks (then no buffer is advised).
+
+    A virtio balloon device with free page reporting at 2 MiB hands such blocks back to the hypervisor,
+    and the first touch of a huge page made of one waits for the host (docs/executor.md).
+    """
+    return bool(_native.huge_pages_usable())
+
+
 def set_prefault(on: bool) -> None:
     """Whether each rank faults in its fresh output of ``PREFAULT_MIN_BYTES`` (8 MiB) or more at once (default on).
 
@@ -230,20 +244,6 @@ def set_prefault(on: bool) -> None:
 def prefault() -> bool:
     """Whether fresh outputs are faulted in at once (:func:`set_prefault`)."""
     return bool(_native.prefault())
-
-
-def huge_pages() -> bool:
-    """Whether large output buffers are advised into transparent huge pages (:func:`set_huge_pages`)."""
-    return bool(_native.huge_pages())
-
-
-def huge_pages_usable() -> bool:
-    """False in a virtual machine whose host takes back free 2 MiB blocks (then no buffer is advised).
-
-    A virtio balloon device with free page reporting at 2 MiB hands such blocks back to the hypervisor,
-    and the first touch of a huge page made of one waits for the host (docs/executor.md).
-    """
-    return bool(_native.huge_pages_usable())
 
 
 def get_timeout() -> float:
