@@ -58,6 +58,24 @@ def in_namespace(namespace: str, argv: Sequence[str]) -> list[str]:
     return ["ip", "netns", "exec", namespace, *argv]
 
 
+def shape_rate(namespace: str, dev: str, rate_mbit: float, *, fresh: bool) -> None:
+    """Limits ``dev`` in ``namespace`` to ``rate_mbit`` with an HTB class (rate and ceiling); works live.
+
+    ``fresh``: the device has no root qdisc of ours yet (it is added first); otherwise the class is changed
+    in place, so flows on the link keep going.
+    """
+    rate = f"{rate_mbit:g}mbit"
+    if fresh:
+        run(in_namespace(namespace, ["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"]))
+    run(
+        in_namespace(
+            namespace,
+            ["tc", "class", "add" if fresh else "change", "dev", dev, "parent", "1:", "classid", "1:1", "htb"]
+            + ["rate", rate, "ceil", rate, "burst", "64k", "cburst", "64k"],
+        )
+    )
+
+
 def list_namespaces() -> list[str]:
     """The names of the machine's named network namespaces (``ip netns list``)."""
     return [line.split()[0] for line in run(["ip", "netns", "list"]).splitlines() if line.strip()]

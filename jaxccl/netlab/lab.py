@@ -38,6 +38,7 @@ from jaxccl.netlab.commands import (
     list_namespaces,
     netem_available,
     run,
+    shape_rate,
     unavailable_reason,
 )
 
@@ -237,17 +238,7 @@ class NetLab:
                 if had is not None:
                     run(in_namespace(ns, ["tc", "qdisc", "del", "dev", dev, "root"]))
                 continue
-            rate = f"{shape.rate_mbit:g}mbit"
-            verb = "add" if had is None else "change"
-            if had is None:
-                run(in_namespace(ns, ["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"]))
-            run(
-                in_namespace(
-                    ns,
-                    ["tc", "class", verb, "dev", dev, "parent", "1:", "classid", "1:1", "htb"]
-                    + ["rate", rate, "ceil", rate, "burst", "64k", "cburst", "64k"],
-                )
-            )
+            shape_rate(ns, dev, shape.rate_mbit, fresh=had is None)
             self._set_delay(ns, dev, had, shape)
         self._shapes[node] = shape
 

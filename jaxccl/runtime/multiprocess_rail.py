@@ -28,7 +28,7 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 
 from jaxccl.netlab import LinkShape, NetLab
-from jaxccl.netlab.commands import NetlabError, in_namespace, run
+from jaxccl.netlab.commands import NetlabError, in_namespace, run, shape_rate
 from jaxccl.netlab.lab import SUBNET, node_address
 from jaxccl.runtime.multiprocess import NETWORK_ONLY
 
@@ -141,21 +141,12 @@ class RailLab:
         """Shapes ``rank``'s NIC in both directions now (HTB rate and ceiling); works live."""
         if not 0 <= rank < self.num_ranks:
             raise NetlabError(f"RailLab: rank {rank!r} is not one of 0..{self.num_ranks - 1}")
-        verb = "change" if rank in self._shapes else "add"
-        rate = f"{shape.rate_mbit:g}mbit"
+        fresh = rank not in self._shapes
         for ns, dev in (
             (self.lab.namespace(self.host_of(rank)), self.device(rank)),
             (self.lab.switch, self._switch_port(rank)),
         ):
-            if verb == "add":
-                run(in_namespace(ns, ["tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "1"]))
-            run(
-                in_namespace(
-                    ns,
-                    ["tc", "class", verb, "dev", dev, "parent", "1:", "classid", "1:1", "htb"]
-                    + ["rate", rate, "ceil", rate, "burst", "64k", "cburst", "64k"],
-                )
-            )
+            shape_rate(ns, dev, shape.rate_mbit, fresh=fresh)
         self._shapes[rank] = shape
 
     # ------------------------------------------------------------------ processes
