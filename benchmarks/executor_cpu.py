@@ -5,7 +5,9 @@ psum): per-rank input size, median time over ``--runs`` timed calls after
 warm-up, algorithm bandwidth (bytes of one rank's output buffer / time, as
 nccl-tests) and the time ratio jaxccl / jax.lax. ``jaxccl-cpu-unprepared`` is the
 cpu executor with its output preparation turned off (no prefault, no huge
-pages: docs/executor.md, "Output memory"), for comparisons. The implementations are timed
+pages: docs/executor.md, "Output memory"), ``jaxccl-cpu-noidentity`` the cpu executor whose
+receivers do not check message identities (docs/executor.md, "Message identity"), both for
+comparisons only. The implementations are timed
 interleaved (each run calls every implementation once, in turn), so both see
 the same machine load; medians over the runs. Every jaxccl result is checked
 bitwise against ``jax.lax`` once per size (float32 inputs, random).
@@ -30,7 +32,8 @@ from jaxccl.cli.bench_run import implementation_runner  # axis "d"
 
 NUM_DEVICES = 8
 COLLECTIVES = ("all_gather", "all_to_all", "psum_scatter", "psum")
-IMPLS = ("jaxccl-cpu", "lax", "jaxccl-ppermute", "jaxccl-cpu-unprepared")  # the last: outputs left to the system
+# The last two are the cpu executor with settings turned off (for comparisons): see the module docstring.
+IMPLS = ("jaxccl-cpu", "lax", "jaxccl-ppermute", "jaxccl-cpu-unprepared", "jaxccl-cpu-noidentity")
 FULL_SIZES = [4 << 10 << (2 * i) for i in range(7)]  # 4 KiB, 16 KiB, ..., 16 MiB
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20]
 ACCEPT = ((1 << 20, None, 1.0), (4 << 10, 4 << 10, 1.3))  # (from size, to size or None, largest ratio)
@@ -79,26 +82,32 @@ def main(argv: list[str] | None = None) -> int:
     comms = {
         "jaxccl-cpu": cpu,
         "jaxccl-cpu-unprepared": cpu,
+        "jaxccl-cpu-noidentity": cpu,
         "jaxccl-ppermute": jaxccl.Communicator(mesh, "d", backend="ppermute"),
+    }
+    settings_off = {  # the executor settings a variant turns off while its calls run
+        "jaxccl-cpu-unprepared": (native.set_prefault, native.set_huge_pages),
+        "jaxccl-cpu-noidentity": (native.set_identity_checks,),
     }
 
     def build(collective: str, impl: str):
         run = implementation_runner(mesh, collective, comms.get(impl))
-        if impl != "jaxccl-cpu-unprepared":
+        setters = settings_off.get(impl, ())
+        if not setters:
             return run
 
-        def unprepared(x):  # the settings apply while the call runs (XLA:CPU dispatches asynchronously)
-            native.set_prefault(False)
-            native.set_huge_pages(False)
+        def variant(x):  # the settings apply while the call runs (XLA:CPU dispatches asynchronously)
+            for set_on in setters:
+                set_on(False)
             try:
                 out = run(x)
                 out.block_until_ready()
                 return out
             finally:
-                native.set_prefault(True)
-                native.set_huge_pages(True)
+                for set_on in setters:
+                    set_on(True)
 
-        return unprepared
+        return variant
 
     rows = []
     points = [(c, s) for c in collectives for s in sizes]

@@ -11,6 +11,7 @@ types and the subpackages that hold the real code: ``topology``,
 from jaxccl import schedule, synth, topology
 from jaxccl.devices import emulate
 from jaxccl.errors import (
+    CommunicatorClosedError,
     DeadlineError,
     ExecutorError,
     JaxcclError,
@@ -69,6 +70,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "Communicator",
+    "CommunicatorClosedError",
     "DeadlineError",
     "ExecutorError",
     "JaxcclError",

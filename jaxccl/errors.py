@@ -57,6 +57,14 @@ class DeadlineError(ExecutorError, TimeoutError):
     """A wait of the executor (rendezvous, message, slot) missed its deadline; the communicator stays usable."""
 
 
+class CommunicatorClosedError(ExecutorError):
+    """A :class:`~jaxccl.Communicator` was used after :meth:`~jaxccl.Communicator.close`.
+
+    Every method of a closed communicator raises it, and so does a collective of a program traced with it
+    that runs after (or races) the close: its registry slots are gone.
+    """
+
+
 class TuneError(JaxcclError, ValueError):
     """Bad input to the tuner: a malformed context, an empty arm set, a negative latency, bad state JSON."""
 

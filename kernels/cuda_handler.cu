@@ -117,6 +117,8 @@ struct Workspace {
   KernelArgs* args_dev = nullptr;
   size_t program_capacity = 0;
   int32_t* error_host = nullptr;  // pinned
+  RegionOwner owner{};  // what the two regions' contents belong to (core/protocol.h, RegionNeedsClearing)
+  bool owned = false;
   char* scratch = nullptr;
   size_t scratch_bytes = 0;
   MeasureBuffers measure;
@@ -410,7 +412,19 @@ ffi::ErrorOr<char*> PrepareWorkspace(int64_t slot, int32_t rank, const CudaLaunc
     if ((e = cudaMemsetAsync(ws->base, 0, need, stream)) != cudaSuccess) return fail(e, "cudaMemsetAsync(workspace)");
     if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) return fail(e, "cudaStreamSynchronize(workspace)");
     ws->bytes = need;
+    ws->owned = false;  // zeroed above
   }
+  const RegionOwner owner{l.snap.version, t.checksum, layout};
+  if (ws->owned && RegionNeedsClearing(ws->owner, owner)) {
+    // Another table or layout: its descriptors would read as tags of any epoch. This stream's previous kernel
+    // is done (stream order), and so are the peers' writes into these regions (that kernel waited for them).
+    if ((e = cudaMemsetAsync(ws->base, 0, 2 * layout.bytes(), stream)) != cudaSuccess) {
+      return fail(e, "cudaMemsetAsync(regions)");
+    }
+    if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) return fail(e, "cudaStreamSynchronize(regions)");
+  }
+  ws->owner = owner;
+  ws->owned = true;
   const size_t scratch_bytes =
       static_cast<size_t>(ChunkStart(t.scratch_chunks, t.chunks_per_period, l.period_elems)) * l.esize;
   if (ws->scratch_bytes < scratch_bytes) {
@@ -477,6 +491,7 @@ const char* ErrorWhat(int32_t code) {
     case kTimeoutSlot: return "waited for a free slot: its connection stayed full";
     case kTimeoutDrain: return "waited for its messages to be consumed";
     case kSizeMismatch: return "received a message of the wrong size";
+    case kStaleMessage: return "received a message of another table or launch (stale message, refused)";
     default: return "failed";
   }
 }
@@ -573,6 +588,7 @@ ffi::Error CudaCollective(cudaStream_t stream, ffi::RunId run_id, ffi::AnyBuffer
   args.buffers = RankBuffers{static_cast<const char*>(me.in), static_cast<char*>(me.out), ws->scratch, l.period_elems,
                              t.chunks_per_period, static_cast<int32_t>(l.esize), l.tiles};
   args.epoch = l.epoch;
+  args.identity = LaunchIdentity(t.checksum, l.epoch);
   args.timeout_ns = static_cast<unsigned long long>(core->timeout_s() * 1e9);
   args.layout = l.layout;
   args.staging = *region + (2 - (l.epoch & 1)) * args.layout.bytes();
@@ -587,7 +603,7 @@ ffi::Error CudaCollective(cudaStream_t stream, ffi::RunId run_id, ffi::AnyBuffer
   JAXCCL_CUDA_CHECK(cudaMemcpyAsync(ws->error_host, error_dev, 16, cudaMemcpyDeviceToHost, stream));
   JAXCCL_CUDA_CHECK(cudaStreamSynchronize(stream));
   const int32_t code = ws->error_host[0];
-  if (code == kSizeMismatch) {
+  if (code == kSizeMismatch || code == kStaleMessage) {
     return ffi::Error::Internal(StrCat("jaxccl (cuda): rank ", rank, ", threadblock ", ws->error_host[1], ", op ",
                                        ws->error_host[2], " ", ErrorWhat(code)));
   }
@@ -852,6 +868,7 @@ TestRunResult TestRunRanks(int64_t slot, const char* inputs, int32_t num_ranks, 
     a.reduction = t.has_reduction ? reduction : Reduction{};
     a.buffers = RankBuffers{in, outs[k], scratch, *period, t.chunks_per_period, esize, r.tiles};
     a.epoch = 1;
+    a.identity = LaunchIdentity(t.checksum, 1);
     a.timeout_ns = static_cast<unsigned long long>(core->timeout_s() * 1e9);
     a.layout = layout;
     a.staging = staging;

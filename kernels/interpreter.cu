@@ -235,7 +235,11 @@ __global__ void __launch_bounds__(kThreads) InterpreterKernel(const KernelArgs* 
           const volatile MsgDesc* d = me.msgs() + me.layout.cell(tb.recv_conn, u.recv_msg);
           s_msg.ptr = d->ptr;
           s_msg.bytes = d->bytes;
-          if (s_msg.bytes != a.buffers.RecvBytes(p.op(u.op), u.tile)) {
+          s_msg.identity = d->identity;
+          if (s_msg.identity != a.identity) {
+            RecordError(me, kStaleMessage, t, u.op - tb.first_op);
+            v = kFailed;
+          } else if (s_msg.bytes != a.buffers.RecvBytes(p.op(u.op), u.tile)) {
             RecordError(me, kSizeMismatch, t, u.op - tb.first_op);
             v = kFailed;
           }
@@ -268,6 +272,7 @@ __global__ void __launch_bounds__(kThreads) InterpreterKernel(const KernelArgs* 
         volatile MsgDesc* d = receiver.msgs() + a.layout.cell(tb.send_conn, u.send_msg);
         d->ptr = reinterpret_cast<unsigned long long>(out.ptr);
         d->bytes = out.bytes;
+        d->identity = a.identity;
         __threadfence_system();
         StoreVolatile(receiver.posted() + a.layout.cell(tb.send_conn, u.send_msg), Tag(a.epoch, u.send_msg + 1));
         meter.OnPost(u.send_msg, static_cast<long long>(out.bytes));

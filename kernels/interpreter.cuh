@@ -65,6 +65,7 @@ struct KernelArgs {
   Reduction reduction;  // none() for collectives without reduction
   RankBuffers buffers;
   unsigned long long epoch;
+  unsigned long long identity;  // LaunchIdentity(table checksum, epoch): carried by every message, checked by receivers
   unsigned long long timeout_ns;
   RegionLayout layout;
   char* staging;  // this rank's staging: [staged conn][slot][stage_bytes]

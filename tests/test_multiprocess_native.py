@@ -136,7 +136,10 @@ def test_killed_peer_is_named_within_the_deadline(network):
     _check_named_failure(results, deadline_s, victim=1)
 
 
-def test_native_collective_fails_naming_a_hung_process_at_the_deadline():
+@pytest.mark.parametrize(("local_devices", "schedule"), [(2, "direct"), (4, "ring")])
+def test_native_collective_fails_naming_a_hung_process_at_the_deadline(local_devices, schedule):
+    # In the ring, three of a process's four ranks wait for local ranks, which wait for the hung process: the
+    # deadline that fires first must name the hung process all the same (it named a local rank before).
     deadline_s = 10.0
 
     def hang_then_kill(procs: list[subprocess.Popen]) -> None:
@@ -147,7 +150,7 @@ def test_native_collective_fails_naming_a_hung_process_at_the_deadline():
             procs[-1].kill()
 
     results = launch(
-        [sys.executable, str(WORKER), "killnative", "2"],
+        [sys.executable, str(WORKER), "killnative", str(local_devices), schedule],
         2,
         env={"JAXCCL_TIMEOUT_S": str(deadline_s)},
         timeout_s=200,
@@ -227,6 +230,18 @@ def test_hot_swap_at_one_agreed_sequence_number_across_processes():
     assert len(staged) == 1 and len(swaps) == 1, report  # one version, one transition point, everywhere
     (version, seq), (current, swapped_at) = staged.pop(), swaps.pop()
     assert current == version and int(swapped_at) == int(seq) + 1, report
+
+
+def test_a_stale_message_between_processes_is_refused_by_its_identity():
+    results = launch([sys.executable, str(WORKER), "stale", "2"], 2, env={"JAXCCL_TIMEOUT_S": "10"}, timeout_s=300)
+    report = _report(results)
+    assert all(r.returncode == 0 for r in results), report
+    refused = re.search(r"REFUSED (\w+): (.*)", results[0].output)
+    assert refused, report
+    assert "stale message" in refused.group(2) and "from process 1" in refused.group(2), report
+    assert refused.group(2).count("launch ") >= 2, report  # the stale launch and its own
+    for r in results:  # the job goes on, bitwise
+        assert [line.endswith(" ok") for line in r.output.splitlines() if line.startswith("CHECK after")] == [True] * 3
 
 
 # ------------------------------------------------------------------ in one process (no jax.distributed)

@@ -26,8 +26,11 @@ Usage: python tests/test_multiprocess_native_worker.py MODE [ARGS]
   over pairs, from the transport's completion times).
 - ``kill``: the last process sends one message to process 0, prints ``SENT`` and sleeps (the test
   kills it); process 0 waits for a second message and prints ``ERROR <type> after <s> s: <message>``.
-- ``killnative LOCAL_DEVICES``: native AllGather steps in a loop (``STEP k``) until one fails; the
-  test kills the last process mid-run, and the others print ``ERROR ...`` as above.
+- ``killnative LOCAL_DEVICES [ring]``: native AllGather steps in a loop (``STEP k``) until one fails; the
+  test kills the last process mid-run, and the others print ``ERROR ...`` as above (``ring``: a ring
+  schedule, whose local ranks wait for local ranks).
+- ``stale LOCAL_DEVICES``: process 1 sends one message with a stale identity; process 0 prints
+  ``REFUSED <error>``, then both check three more AllGathers (``CHECK after k ok``).
 """
 
 from __future__ import annotations
@@ -208,6 +211,64 @@ def swap(t, steps: int) -> bool:
     return ok
 
 
+def stale(t) -> bool:
+    """Process 1 sends one message with the identity of its previous launch; process 0's proxy must refuse it.
+
+    Prints ``REFUSED <error>`` where the error names the stale message, then checks that both processes run
+    correct collectives again once the failed launch is over.
+    """
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+    from jaxccl.errors import ExecutorError
+    from jaxccl.runtime import native
+    from jaxccl.runtime.failures import executor_errors
+    from jaxccl.runtime.multiprocess import attach, local_shards
+
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    attach(t, mesh, "d")
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    sharding = NamedSharding(mesh, P("d"))
+
+    def step(collective):
+        body = lambda v: collective(v, "d", axis=0, tiled=True)  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+    ours, reference = step(jaxccl.all_gather), step(jax.lax.all_gather)
+
+    def run(k: int, check: bool = True) -> bool:
+        raw = np.random.default_rng(k).standard_normal((n * 64, 5)).astype(np.float32)
+        x = jax.make_array_from_callback(raw.shape, sharding, lambda idx, raw=raw: raw[idx])
+        with executor_errors(), comm:  # the launch's error surfaces when its result is read
+            a = local_shards(ours(x))
+        if not check:
+            return True
+        b = local_shards(reference(x))
+        return all(u.tobytes() == w.tobytes() for u, w in zip(a, b))
+
+    ok = run(0)
+    if t.process_id == 1:
+        native._inject_stale_message(comm.slot("all_gather"), across_processes=True)
+    try:
+        run(1, check=False)  # only the receiver fails: the processes must not go on to gloo out of step
+        print("NO ERROR" if t.process_id == 0 else "SENT", flush=True)
+        ok &= t.process_id == 1
+    except ExecutorError as e:
+        print(f"REFUSED {type(e).__name__}: {e}", flush=True)
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier("jaxccl_test_stale", 60_000)
+    for k in range(2, 5):
+        same = run(k)
+        ok &= same
+        print(f"CHECK after {k} {'ok' if same else 'MISMATCH'}", flush=True)
+    comm.close()
+    return ok
+
+
 def meter(t, steps: int) -> bool:
     import jax
     from jax.sharding import Mesh, NamedSharding
@@ -259,7 +320,7 @@ def kill(t) -> bool:
     return False
 
 
-def kill_native(t) -> bool:
+def kill_native(t, schedule: str = "direct") -> bool:
     import jax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -272,6 +333,10 @@ def kill_native(t) -> bool:
     mesh = Mesh(np.array(jax.devices()), ("d",))
     attach(t, mesh, "d")
     comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    if schedule == "ring":  # local ranks wait for local ranks that wait for the hung process
+        from jaxccl.synth.baselines import ring_allgather
+
+        comm.install("all_gather", ring_allgather(n))
     body = lambda v: jaxccl.all_gather(v, "d", axis=0, tiled=True)  # noqa: E731
     step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
     raw = np.random.default_rng(5).standard_normal((n * 256, 1024)).astype(np.float32)  # 1 MiB per rank
@@ -294,7 +359,7 @@ def main(argv: list[str]) -> int:
     from jaxccl.runtime.multiprocess_launch import initialize_from_env
 
     mode = argv[0]
-    with_devices = ("collectives", "mesh", "swap", "killnative", "meter")
+    with_devices = ("collectives", "mesh", "swap", "killnative", "meter", "stale")
     initialize_from_env(local_devices=int(argv[1]) if mode in with_devices else 1)
     t = ProcessTransport.bootstrap(timeout_s=TIMEOUT_S, options=transport_options())
     if mode == "exchange":
@@ -310,9 +375,11 @@ def main(argv: list[str]) -> int:
     elif mode == "meter":
         ok = meter(t, int(argv[2]))
     elif mode == "killnative":
-        ok = kill_native(t)
+        ok = kill_native(t, *argv[2:3])
     elif mode == "swap":
         ok = swap(t, int(argv[2]))
+    elif mode == "stale":
+        ok = stale(t)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     print("ALL OK" if ok else "FAILED", flush=True)

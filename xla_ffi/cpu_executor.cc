@@ -35,7 +35,7 @@ static void ResizeStates(std::vector<std::unique_ptr<T>>& v, size_t n) {
   while (v.size() < n) v.push_back(std::make_unique<T>());
 }
 
-bool ExecContext::Reset(const Table& t, const RegionLayout& layout, size_t scratch_bytes) {
+bool ExecContext::Reset(const Table& t, const RegionLayout& layout, size_t scratch_bytes, const RegionOwner& next) {
   static_assert(sizeof(std::atomic<uint64_t>) == 8 && std::atomic<uint64_t>::is_always_lock_free,
                 "flag regions are arrays of lock-free 64-bit atomics");
   ResizeStates(regions, t.num_ranks);
@@ -45,18 +45,23 @@ bool ExecContext::Reset(const Table& t, const RegionLayout& layout, size_t scrat
   ResizeStates(ranks, t.num_ranks);
   ResizeStates(staging, layout.cells());
   if (timing.size() < layout.cells()) timing.resize(layout.cells());
+  // Kept memory holds only tags of older epochs as long as the owner stays; another table or layout
+  // would read its descriptors as tags (core/protocol.h), so it starts from zero, like fresh memory.
+  const bool clear = !owned || RegionNeedsClearing(owner, next);
+  owned = false;
   for (int32_t r = 0; r < t.num_ranks; ++r) {
     AlignedBuffer& region = *regions[r];
     const size_t had = region.capacity();
     if (!region.Reserve(layout.bytes())) return false;
-    // Fresh memory holds no tag of any epoch; kept memory holds only tags of older epochs.
-    if (region.capacity() != had) std::memset(region.data(), 0, region.capacity());
+    if (clear || region.capacity() != had) std::memset(region.data(), 0, region.capacity());
     if (!scratch[r]->Reserve(scratch_bytes)) return false;
     RankState& rs = *ranks[r];
     rs.pending_direct = 0;
     rs.waiting = false;
   }
   for (auto& m : meters) m->in_flight = 0;
+  owner = next;
+  owned = true;
   ++epoch;
   return true;
 }
@@ -90,7 +95,35 @@ std::map<int64_t, std::shared_ptr<ExecContextPool>>& Pools() {
 namespace {
 std::atomic<bool> g_program_order{false};
 std::atomic<int32_t> g_tile_cap{kMaxTiles};
+std::atomic<bool> g_identity_checks{true};
+std::atomic<int64_t> g_stale_slot{0};  // 0: no injection armed (slots start at 1)
+std::atomic<bool> g_stale_remote_only{false};
 }  // namespace
+
+std::string StaleMessageError(const std::string& where, int64_t msg, unsigned long long got,
+                              unsigned long long expected, int64_t slot, int64_t version) {
+  auto name = [](unsigned long long id) {
+    std::ostringstream os;
+    os << "table 0x" << std::hex << IdentityTable(id) << std::dec << " launch " << IdentityLaunch(id);
+    return os.str();
+  };
+  return StrCat("jaxccl: stale message: ", where, " received message ", msg, " of ", name(got),
+                " but runs ", name(expected), " (slot ", slot, ", version ", version,
+                "); a message outlived its launch and was refused");
+}
+
+void SetIdentityChecks(bool on) { g_identity_checks.store(on); }
+bool IdentityChecks() { return g_identity_checks.load(); }
+void InjectStaleMessage(int64_t slot, bool across_processes) {
+  g_stale_remote_only.store(across_processes);
+  g_stale_slot.store(slot);
+}
+bool TakeStaleInjection(int64_t slot, bool remote) {
+  if (g_stale_slot.load(std::memory_order_relaxed) != slot) return false;
+  if (!remote && g_stale_remote_only.load()) return false;
+  int64_t armed = slot;
+  return g_stale_slot.compare_exchange_strong(armed, 0);
+}
 
 void SetProgramOrder(bool on) { g_program_order.store(on); }
 bool ProgramOrder() { return g_program_order.load(); }
@@ -215,7 +248,7 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   launch->lookahead_ = ProgramOrder() ? 1 : kLookahead;
   launch->op_stride_ = t.programs.empty() ? 0 : ProgramView(t.programs[0].data()).max_ops();
   launch->layout_ = RegionLayout{launch->op_stride_ * launch->tiles_, t.num_conns(), t.num_slots};
-  if (!launch->ctx_->Reset(t, launch->layout_, scratch_bytes)) {
+  if (!launch->ctx_->Reset(t, launch->layout_, scratch_bytes, RegionOwner{snap->version, t.checksum, launch->layout_})) {
     return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kResourceExhausted,
                                      StrCat("jaxccl: cannot allocate ", scratch_bytes, " bytes of scratch per rank")));
   }
@@ -469,7 +502,8 @@ void CpuLaunch::FailStuck(int32_t g, const ProgramView& p, const ProgTb& tb, int
       what = StrCat("for a free slot: all ", p.num_slots(),
                     " slots of its connection stayed full (deadlock or a failed peer)");
   }
-  Fail(StrCat("jaxccl: deadline exceeded: ", Where(g, u.op), " waited ", Seconds(timeout_s_), " ", what));
+  Fail(StrCat("jaxccl: deadline exceeded: ", Where(g, u.op), " waited ", Seconds(timeout_s_), " ", what,
+              proxy_ ? proxy_->PendingProcesses() : std::string()));
 }
 
 void CpuLaunch::FinishRank(int32_t rank) {
@@ -557,17 +591,10 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
     const Link& l = chain[k];
     const char* msg = nullptr;
     if (l.op.receives()) {
-      const size_t cell = layout_.cell(l.tb.recv_conn, l.u.recv_msg);
-      const MsgDesc d = *Desc(rank, cell);
+      MsgDesc d;
+      if (!TakeMessage(l.g, l.tb, l.op, l.u, &d, &timing[k])) return false;
       msg = reinterpret_cast<const char*>(d.ptr);
       bytes[k] = d.bytes;
-      timing[k] = ctx_->timing[cell];
-      if (d.bytes != rb.RecvBytes(l.op, l.u.tile)) {
-        Fail(StrCat("jaxccl: ", Where(l.g, l.u.op), " received ", d.bytes, " bytes but expects ",
-                    rb.RecvBytes(l.op, l.u.tile)),
-             ffi::ErrorCode::kInternal);
-        return false;
-      }
     }
     switch (l.op.kind) {
       case OpCode::kRecv: terms[num_terms++] = msg; break;
@@ -691,16 +718,10 @@ bool CpuLaunch::Execute(int32_t g, const ProgramView& p, const ProgTb& tb, const
   size_t msg_bytes = 0;
   MessageTiming timing;
   if (op.receives()) {
-    const size_t cell = layout_.cell(tb.recv_conn, u.recv_msg);
-    const MsgDesc d = *Desc(rank, cell);
+    MsgDesc d;
+    if (!TakeMessage(g, tb, op, u, &d, &timing)) return false;
     msg = reinterpret_cast<const char*>(d.ptr);
     msg_bytes = d.bytes;
-    timing = ctx_->timing[cell];
-    if (msg_bytes != rb.RecvBytes(op, u.tile)) {
-      Fail(StrCat("jaxccl: ", Where(g, o), " received ", msg_bytes, " bytes but expects ", rb.RecvBytes(op, u.tile)),
-           ffi::ErrorCode::kInternal);
-      return false;
-    }
   }
   char* stage = nullptr;
   if (op.sends() && !op.direct()) {
@@ -788,9 +809,32 @@ void CpuLaunch::Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& o
     proxy_->Send(rank, tb.send_conn, u.send_msg, out.ptr, out.bytes, op.direct());
     return;
   }
-  *Desc(tb.send_peer, cell) = MsgDesc{reinterpret_cast<unsigned long long>(out.ptr), out.bytes};
+  const unsigned long long id = TakeStaleInjection(slot_, /*remote=*/false) ? LaunchIdentity(table_->checksum, epoch_ - 1) : identity();
+  *Desc(tb.send_peer, cell) = MsgDesc{reinterpret_cast<unsigned long long>(out.ptr), out.bytes, id, 0};
   Flag(tb.send_peer, layout_.posted(), cell)->store(Tag(epoch_, u.send_msg + 1), std::memory_order_release);
   Wake(tb.send_peer);
+}
+
+unsigned long long CpuLaunch::identity() const { return LaunchIdentity(table_->checksum, epoch_); }
+
+bool CpuLaunch::TakeMessage(int32_t g, const ProgTb& tb, const ProgOp& op, const Unit& u, MsgDesc* out,
+                            MessageTiming* timing) {
+  const int32_t rank = table_->tbs[g].rank;
+  const size_t cell = layout_.cell(tb.recv_conn, u.recv_msg);
+  *out = *Desc(rank, cell);
+  *timing = ctx_->timing[cell];
+  if (out->identity != identity() && g_identity_checks.load(std::memory_order_relaxed)) {
+    Fail(StaleMessageError(Where(g, u.op), u.recv_msg, out->identity, identity(), slot_, version_),
+         ffi::ErrorCode::kInternal);
+    return false;
+  }
+  const size_t expects = buffers_[rank].RecvBytes(op, u.tile);
+  if (out->bytes != expects) {
+    Fail(StrCat("jaxccl: ", Where(g, u.op), " received ", out->bytes, " bytes but expects ", expects),
+         ffi::ErrorCode::kInternal);
+    return false;
+  }
+  return true;
 }
 
 ffi::Error CpuLaunch::WaitRank(int32_t rank) {
@@ -809,7 +853,7 @@ ffi::Error CpuLaunch::WaitRank(int32_t rank) {
       const int64_t pending = rs.pending_direct;
       lock.unlock();
       Fail(StrCat("jaxccl: deadline exceeded: rank ", rank, " did not finish within ", Seconds(timeout_s_), ": ",
-                  pending, " direct message(s) never consumed"));
+                  pending, " direct message(s) never consumed", proxy_ ? proxy_->PendingProcesses() : std::string()));
     }
   }
   if (!aborted_.load()) return ffi::Error::Success();

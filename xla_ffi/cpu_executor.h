@@ -97,6 +97,8 @@ struct alignas(64) RankState {
 // Reusable per-launch memory and synchronization state of one schedule slot.
 struct ExecContext {
   uint64_t epoch = 0;  // tags of this launch (core/protocol.h)
+  RegionOwner owner{};  // what the regions' contents belong to (cleared when a launch's differs)
+  bool owned = false;
   std::vector<std::unique_ptr<AlignedBuffer>> regions;  // per rank, RegionLayout bytes of 64-bit atomics
   std::vector<std::unique_ptr<AlignedBuffer>> scratch;  // per rank
   std::vector<std::unique_ptr<AlignedBuffer>> staging;  // per (connection, slot) cell, grown on first use
@@ -104,8 +106,9 @@ struct ExecContext {
   std::vector<std::unique_ptr<TbWait>> waits;           // per rank
   std::vector<std::unique_ptr<ConnMeter>> meters;       // per connection
   std::vector<std::unique_ptr<RankState>> ranks;
-  // Sizes everything for `t` and starts a new epoch; false if memory could not be allocated.
-  bool Reset(const Table& t, const RegionLayout& layout, size_t scratch_bytes);
+  // Sizes everything for `t` and starts a new epoch; clears the regions when `next` is not their owner
+  // (core/protocol.h, RegionNeedsClearing). False if memory could not be allocated.
+  bool Reset(const Table& t, const RegionLayout& layout, size_t scratch_bytes, const RegionOwner& next);
 };
 
 class ExecContextPool {
@@ -167,6 +170,11 @@ class CpuLaunch {
   int32_t FindPushes(int32_t rank, const ProgramView& p, const Unit* chain, int32_t n, const ProgOp& head,
                      size_t bytes, Push* out);
   void Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& op, const Outgoing& out);
+  // The descriptor of the message unit `u` of threadblock `g` receives, checked: its identity is this
+  // launch's (core/protocol.h, LaunchIdentity) and its size what the op expects. False after Fail.
+  bool TakeMessage(int32_t g, const ProgTb& tb, const ProgOp& op, const Unit& u, MsgDesc* out, MessageTiming* timing);
+  // This launch's message identity (LaunchIdentity of the table checksum and the epoch).
+  unsigned long long identity() const;
   void Consume(int32_t g, const ProgTb& tb, const Unit& u, const MessageTiming& timing, size_t bytes);
   // Sleeps until a flag rank `rank` may need changes, `wake_ns` passes or the deadline; false at the deadline.
   bool Sleep(int32_t rank, uint64_t seen, int64_t wake_ns);
@@ -226,6 +234,20 @@ bool ProgramOrder();
 // Cap on the tiles of a launch (for comparisons): 1..kMaxTiles; kMaxTiles by default.
 bool SetTileCap(int32_t max_tiles);
 int32_t TileCap();
+
+// The error of a receiver that got a message of another table or launch (`where`: Where() of its op).
+std::string StaleMessageError(const std::string& where, int64_t msg, unsigned long long got,
+                              unsigned long long expected, int64_t slot, int64_t version);
+
+// Comparisons only: whether receivers check each message's identity (default on).
+void SetIdentityChecks(bool on);
+bool IdentityChecks();
+// Tests only: the next message posted on `slot` (with `across_processes`, the next one to another process)
+// carries the identity of the slot's previous launch (a stale message), which its receiver must refuse.
+void InjectStaleMessage(int64_t slot, bool across_processes = false);
+// Whether an injection is armed for `slot` and a message of this kind (`remote`: to another process);
+// disarms it (the message that takes it carries the stale identity).
+bool TakeStaleInjection(int64_t slot, bool remote);
 
 // The context pool of a schedule slot (created on first use, dropped with remove()).
 std::shared_ptr<ExecContextPool> ContextPoolFor(int64_t slot);

@@ -164,6 +164,8 @@ NB_MODULE(_native, m) {
         d["issued"] = st.issued;
         d["last_swap_seq"] = st.last_swap_seq;
         d["last_swap_ns"] = st.last_swap_ns;
+        d["current_checksum"] = st.current_checksum;
+        d["staged_checksum"] = st.staged_checksum;
         return d;
       },
       nb::arg("slot"), "Hot-swap bookkeeping of a slot: versions, transition point, sequence numbers.");
@@ -303,6 +305,12 @@ NB_MODULE(_native, m) {
         "Comparisons only: the CPU executor runs every threadblock in program order, untiled (default off: "
         "dataflow order, tiles under link emulation).");
   m.def("program_order", &ProgramOrder);
+  m.def("set_identity_checks", &SetIdentityChecks, nb::arg("on"),
+        "Comparisons only: receivers check that every message is of their own table and launch (default on).");
+  m.def("identity_checks", &IdentityChecks);
+  m.def("_inject_stale_message", &InjectStaleMessage, nb::arg("slot"), nb::arg("across_processes") = false,
+        "Tests only: the next message posted on `slot` (to another process: across_processes) carries the "
+        "identity of the slot's previous launch.");
   m.def(
       "set_tile_cap",
       [](int32_t max_tiles) {

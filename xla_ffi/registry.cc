@@ -30,8 +30,13 @@ int64_t Registry::NewSlot() {
 ffi::ErrorOr<Registry::Slot*> Registry::Find(int64_t slot) {
   auto it = slots_.find(slot);
   if (it == slots_.end()) {
+    if (removed_.count(slot) > 0) {
+      return ErrorResult<Slot*>(ffi::Error(
+          ffi::ErrorCode::kFailedPrecondition,
+          StrCat("jaxccl: schedule slot ", slot, " was removed: the communicator that owned it is closed")));
+    }
     return ErrorResult<Slot*>(ffi::Error::InvalidArgument(
-        StrCat("jaxccl: no schedule slot ", slot, " (it was never created with new_slot() or was removed)")));
+        StrCat("jaxccl: no schedule slot ", slot, " (it was never created with new_slot())")));
   }
   return &it->second;
 }
@@ -92,6 +97,8 @@ ffi::ErrorOr<Registry::SwapState> Registry::Swap(int64_t slot) {
   for (const auto& [rank, seq] : st->issued) out.issued = std::max(out.issued, seq);
   out.last_swap_seq = st->last_swap_seq;
   out.last_swap_ns = st->last_swap_ns;
+  out.current_checksum = st->current.table ? st->current.table->checksum : 0;
+  out.staged_checksum = st->staged.table ? st->staged.table->checksum : 0;
   return out;
 }
 
@@ -107,6 +114,9 @@ ffi::Error Registry::Remove(int64_t slot) {
   if (slots_.erase(slot) == 0) {
     return ffi::Error::InvalidArgument(StrCat("jaxccl: no schedule slot ", slot, " to remove"));
   }
+  constexpr size_t kMaxRemembered = 1 << 16;
+  if (removed_.size() >= kMaxRemembered) removed_.erase(removed_.begin());  // the oldest (ids only grow)
+  removed_.insert(slot);
   return ffi::Error::Success();
 }
 

@@ -22,6 +22,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 
 #include "common.h"
 #include "table.h"
@@ -56,6 +57,7 @@ class Registry {
   struct SwapState {
     int64_t current_version = 0, staged_version = 0, transition_seq = 0, issued = 0, last_swap_seq = 0;
     int64_t last_swap_ns = 0;  // steady clock (CLOCK_MONOTONIC) time of the last activation
+    int64_t current_checksum = 0, staged_checksum = 0;  // the tables' checksum words (0: no table)
   };
   ffi::ErrorOr<SwapState> Swap(int64_t slot);
   ffi::ErrorOr<int64_t> LaunchCount(int64_t slot);
@@ -87,6 +89,7 @@ class Registry {
 
   std::mutex mu_;
   std::map<int64_t, Slot> slots_;
+  std::set<int64_t> removed_;  // slots removed (their communicator closed): named in errors, bounded
   int64_t next_slot_ = 1;
   std::atomic<double> timeout_s_{60.0};
 };

@@ -38,7 +38,8 @@
 namespace jaxccl {
 
 // Version of this interface; an implementation reports the version it was built against.
-inline constexpr int32_t kTransportVersion = 1;
+// 2: IsendWithTrailer (a message followed by a small trailer, one transfer).
+inline constexpr int32_t kTransportVersion = 2;
 
 // A message's tag within one (source process, destination process) pair: the executor encodes
 // (schedule slot, connection, message index) in it. Only the low kTransportTagBits bits are used.
@@ -71,6 +72,11 @@ class Transport {
   // Posts a send of `bytes` at `data` to process `peer` with `tag`; `data` must stay valid and
   // unchanged until the request completes.
   virtual ffi::ErrorOr<TransportRequest> Isend(int32_t peer, uint64_t tag, const void* data, size_t bytes) = 0;
+  // Posts one message made of `bytes` at `data` followed by `trailer_bytes` at `trailer` (the executor's
+  // message identity); the receiver sees bytes + trailer_bytes contiguous. Both must stay valid until
+  // the request completes.
+  virtual ffi::ErrorOr<TransportRequest> IsendWithTrailer(int32_t peer, uint64_t tag, const void* data, size_t bytes,
+                                                          const void* trailer, size_t trailer_bytes) = 0;
   // Posts a receive of at most `bytes` into `data` from process `peer` with `tag`.
   virtual ffi::ErrorOr<TransportRequest> Irecv(int32_t peer, uint64_t tag, void* data, size_t bytes) = 0;
   // Whether `request` completed (it makes progress); an error when it failed.

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 
 #include "cpu_executor.h"
 #include "transport_shared_sends.h"
@@ -216,7 +217,7 @@ ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std:
     if (fresh) {
       offsets.push_back(total);
       proxy->transfers_.push_back(InTransfer{0, nullptr, x.bytes});
-      total += (x.bytes + 63) / 64 * 64;
+      total += (x.bytes + kWireTrailerBytes + 63) / 64 * 64;
     } else if (proxy->transfers_[it->second].bytes != x.bytes) {
       return ErrorResult<R>(ffi::Error::Internal(StrCat("jaxccl: message ", x.msg, " of connection ", x.conn,
                                                         " shares a transfer of another size")));
@@ -237,7 +238,7 @@ ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std:
       return ErrorResult<R>(std::move(tag.error()));
     }
     const int32_t sender = t.conns[lead.first].sender;
-    auto req = pg.transport->Irecv(pg.process_of_rank[sender], *tag, x.data, x.bytes);
+    auto req = pg.transport->Irecv(pg.process_of_rank[sender], *tag, x.data, x.bytes + kWireTrailerBytes);
     if (!req.has_value()) {
       proxy->CancelAll();
       return ErrorResult<R>(ffi::Error(req.error().errc().value_or(ffi::ErrorCode::kInternal),
@@ -303,12 +304,38 @@ std::string CpuProxy::Describe(bool pending_only) const {
   return out;
 }
 
+std::string CpuProxy::PendingProcesses() const {
+  std::map<int32_t, std::pair<int64_t, int64_t>> waits;  // process -> (messages from it, transfers to it)
+  for (const Recv& r : recvs_) {
+    if (!r.delivered) ++waits[group_->process_of_rank[r.peer_rank]].first;
+  }
+  {
+    std::lock_guard<std::mutex> lock(send_mu_);
+    for (const auto& [lead, x] : out_) {
+      if (!x.done) ++waits[group_->process_of_rank[l_->table_->conns[lead.first].receiver]].second;
+    }
+  }
+  if (waits.empty()) return "";
+  std::string out = "; the launch waits for ";
+  bool first = true;
+  for (const auto& [process, n] : waits) {
+    out += StrCat(first ? "" : ", ", "process ", process, " (", n.first, " message(s) from it not arrived, ", n.second,
+                  " transfer(s) to it not done)");
+    first = false;
+  }
+  return out;
+}
+
 CpuProxy::~CpuProxy() {
   if (thread_.joinable()) thread_.join();
   // After a failure the transport may still own a cancelled receive's memory (a cancel that did not
   // finish): never reuse nor free it then (freeing it corrupted the heap when the bytes came later).
   if (staging_ && failed_) (void)staging_.release();
   if (staging_) ReturnStaging(std::move(staging_));
+}
+
+unsigned long long CpuProxy::WireIdentity() const {
+  return LaunchIdentity(l_->table_->checksum, static_cast<unsigned long long>(launch_number_));
 }
 
 void CpuProxy::Start() { thread_ = std::thread([this] { Run(); }); }
@@ -325,7 +352,11 @@ void CpuProxy::Send(int32_t rank, int32_t conn, int32_t msg, const void* data, s
       l_->Fail(tag.error().message(), ffi::ErrorCode::kInvalidArgument);
       return;
     }
-    auto req = group_->transport->Isend(group_->process_of_rank[peer], *tag, data, bytes);
+    OutTransfer& x = it->second;
+    x.trailer = WireTrailer{WireIdentity(), kWireTrailerMagic};
+    if (TakeStaleInjection(l_->slot_, /*remote=*/true)) x.trailer.identity = LaunchIdentity(l_->table_->checksum, launch_number_ - 1);
+    auto req = group_->transport->IsendWithTrailer(group_->process_of_rank[peer], *tag, data, bytes, &x.trailer,
+                                                   sizeof(x.trailer));
     if (!req.has_value()) {
       out_.erase(it);
       l_->Fail(StrCat("jaxccl: rank ", rank, " cannot send message ", msg, " to rank ", peer, ": ", req.error().message()),
@@ -436,11 +467,24 @@ void CpuProxy::Run() {
           if (!*st) break;
           auto c = tr.Wait(x.request, Clock::now());
           x.arrived = true;
-          if (!c.has_value() || c->bytes != r.bytes) {
+          if (!c.has_value() || c->bytes != r.bytes + kWireTrailerBytes) {
             peer_error(r.rank, r.peer_rank, "receiving from",
                        c.has_value() ? ffi::Error::Internal(StrCat("message ", r.msg, " has ", c->bytes,
-                                                                   " bytes, expected ", r.bytes))
+                                                                   " bytes, expected ", r.bytes, " and a trailer of ",
+                                                                   kWireTrailerBytes))
                                      : c.error());
+            failed = true;
+            break;
+          }
+          WireTrailer got;
+          std::memcpy(&got, x.data + x.bytes, sizeof(got));
+          if ((got.magic != kWireTrailerMagic || got.identity != WireIdentity()) && IdentityChecks()) {
+            const ProgramView p(l_->table_->programs[r.rank].data());
+            const int32_t g = l_->table_->conns[r.conn].recv_tb;
+            const int32_t o = p.tb(g - l_->table_->rank_first_tb[r.rank]).first_op;
+            FailWith(StaleMessageError(l_->Where(g, o), r.msg, got.identity, WireIdentity(), l_->slot_, l_->version_) +
+                         StrCat(" (from process ", group_->process_of_rank[r.peer_rank], ", launch numbers on the wire)"),
+                     ffi::ErrorCode::kInternal);
             failed = true;
             break;
           }
@@ -452,7 +496,7 @@ void CpuProxy::Run() {
           break;
         }
         const size_t cell = layout.cell(conn, r.msg);
-        *l_->Desc(r.rank, cell) = MsgDesc{reinterpret_cast<unsigned long long>(x.data), r.bytes};
+        *l_->Desc(r.rank, cell) = MsgDesc{reinterpret_cast<unsigned long long>(x.data), r.bytes, l_->identity(), 0};
         l_->ctx_->timing[cell] = MessageTiming{};
         l_->Flag(r.rank, layout.posted(), cell)->store(Tag(epoch, r.msg + 1), std::memory_order_release);
         r.delivered = true;

@@ -13,8 +13,10 @@
 //   * sends of the same bytes from one rank to several ranks of one other process share one transfer
 //     (transport_shared_sends.h), which the receiving proxy hands to each of its receivers;
 //   * staging memory is reused from launch to launch (no page faults on every launch).
-// Every message of a launch carries the tag (slot, launch number, connection, message); every wait
-// ends at the launch deadline, and a failed peer fails the launch with an error naming its process.
+// Every message of a launch carries the tag (slot, launch number, connection, message) and a trailer
+// with its identity (core/protocol.h, LaunchIdentity of the table checksum and the full launch number):
+// the receiving proxy refuses a message of another table or launch. Every wait ends at the launch
+// deadline, and a failed peer fails the launch with an error naming its process.
 #ifndef JAXCCL_XLA_FFI_TRANSPORT_PROXY_H_
 #define JAXCCL_XLA_FFI_TRANSPORT_PROXY_H_
 
@@ -56,6 +58,14 @@ struct ProcessGroup {
   mutable std::mutex launches_mu_;
   mutable std::map<int64_t, int64_t> launches_;
 };
+
+// What follows every message between processes: the identity of the launch that sent it.
+struct WireTrailer {
+  unsigned long long identity = 0;  // LaunchIdentity(table checksum, launch number)
+  unsigned long long magic = 0;     // kWireTrailerMagic: a message without a trailer is refused too
+};
+inline constexpr unsigned long long kWireTrailerMagic = 0x4A43434C54524C31ull;  // "JCCLTRL1"
+inline constexpr size_t kWireTrailerBytes = sizeof(WireTrailer);
 
 // What the transport module hands the native module (a capsule): a versioned handle.
 struct TransportHandle {
@@ -103,6 +113,9 @@ class CpuProxy {
   // What this launch's proxy posted and completed, with the tags on the wire (a deadline's diagnosis;
   // JAXCCL_TRANSPORT_TRACE=1 prints it for every launch). `pending_only`: only what is not done.
   std::string Describe(bool pending_only) const;
+  // The other processes this launch still waits for (messages from them not arrived, sends to them not
+  // done), for a deadline's error: "; it waits for process 1 (2 messages from it, 1 to it)"; empty if none.
+  std::string PendingProcesses() const;
 
  private:
   // One transfer from another process: what the transport receives into staging memory.
@@ -125,6 +138,7 @@ class CpuProxy {
     TransportRequest request = 0;
     bool done = false;
     TransportCompletion completion;
+    WireTrailer trailer;  // sent after the message's bytes; lives until the request completes
   };
   struct Send_ {
     int32_t rank, conn, msg, peer_rank;
@@ -133,6 +147,8 @@ class CpuProxy {
   };
   CpuProxy() = default;
   void Run();
+  // The identity every message of this launch carries on the wire.
+  unsigned long long WireIdentity() const;
   ffi::ErrorOr<uint64_t> TagOf(int32_t conn, int32_t msg) const;
   // Fails the launch with `e` (naming the peer process), cancels what is in flight.
   void FailWith(const std::string& message, ffi::ErrorCode code);

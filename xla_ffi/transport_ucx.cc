@@ -41,6 +41,7 @@ struct UcxRequest {
   bool is_send = false;
   size_t posted_bytes = 0;
   int64_t post_ns = 0;
+  ucp_dt_iov_t iov[2] = {};  // a send with a trailer: UCP reads the vector until the request completes
 };
 
 ffi::Error UcxError(const std::string& what, ucs_status_t status) {
@@ -141,18 +142,33 @@ class UcxTransport final : public Transport {
   }
 
   ffi::ErrorOr<TransportRequest> Isend(int32_t peer, uint64_t tag, const void* data, size_t bytes) override {
+    return IsendWithTrailer(peer, tag, data, bytes, nullptr, 0);
+  }
+
+  ffi::ErrorOr<TransportRequest> IsendWithTrailer(int32_t peer, uint64_t tag, const void* data, size_t bytes,
+                                                  const void* trailer, size_t trailer_bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (auto e = CheckPeer(peer, tag); e.failure()) return ErrorResult<TransportRequest>(std::move(e));
     auto req = std::make_unique<UcxRequest>();
     req->peer = peer;
     req->is_send = true;
-    req->posted_bytes = bytes;
+    req->posted_bytes = bytes + trailer_bytes;
     req->post_ns = NowNs();
     ucp_request_param_t p{};
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = &OnSend;
     p.user_data = &req->state;
-    ucs_status_ptr_t r = ucp_tag_send_nbx(eps_[peer], data, bytes, WireTag(process_id_, tag), &p);
+    const void* buffer = data;
+    size_t count = bytes;
+    if (trailer_bytes > 0) {
+      req->iov[0] = ucp_dt_iov_t{const_cast<void*>(data), bytes};
+      req->iov[1] = ucp_dt_iov_t{const_cast<void*>(trailer), trailer_bytes};
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+      p.datatype = ucp_dt_make_iov();
+      buffer = req->iov;
+      count = 2;
+    }
+    ucs_status_ptr_t r = ucp_tag_send_nbx(eps_[peer], buffer, count, WireTag(process_id_, tag), &p);
     return Track(std::move(req), r, "send");
   }
 

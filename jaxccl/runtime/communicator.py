@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.errors import ExecutorError, ScheduleError
+from jaxccl.errors import CommunicatorClosedError, ExecutorError, ScheduleError
 from jaxccl.schedule.ir import Collective, Schedule
 
 __all__ = ["BACKENDS", "COLLECTIVES", "Communicator", "current", "default_communicator", "resolve"]
@@ -278,9 +278,11 @@ class Communicator:
         (what synthesis assumes) is unchanged: the controller has to notice.
 
         Raises:
+            CommunicatorClosedError: the communicator is closed.
             ExecutorError: the communicator has no link emulation.
             TopologyError: ``topology`` has other GPUs or hosts.
         """
+        self._check_open()
         if self.network is None:
             raise ExecutorError(f"{self!r}: inject() needs link emulation (Communicator(..., link_emulation=...))")
         self.network.inject(topology)
@@ -289,8 +291,10 @@ class Communicator:
         """Drains the executor's measurements (CPU link emulation or the CUDA kernel) into the EWMA matrix.
 
         Raises:
+            CommunicatorClosedError: the communicator is closed.
             ExecutorError: the communicator has no link emulation.
         """
+        self._check_open()
         if self._collector is None:
             raise ExecutorError(
                 f"{self!r}: telemetry() needs link emulation (Communicator(..., link_emulation=...)) or the cuda "
@@ -308,6 +312,7 @@ class Communicator:
     # ------------------------------------------------------------------ schedules
     def schedule(self, collective: str | Collective) -> Schedule | None:
         """The active schedule of ``collective`` (``None``: ``all_reduce`` runs as ReduceScatter + AllGather)."""
+        self._check_open()
         return self._schedules[_canonical(collective)]
 
     def install(self, collective: str | Collective, schedule: Schedule) -> None:
@@ -326,9 +331,11 @@ class Communicator:
         Raises:
             ScheduleError: ``schedule`` is for another collective or another
                 number of ranks, or fails the interpreter.
+            CommunicatorClosedError: the communicator is closed.
             ExecutorError: the native registry refused it.
         """
         coll = _canonical(collective)
+        self._check_open()
         self._check_fits(coll, schedule, "install")
         self._stage(coll, schedule.validate())
 
@@ -341,12 +348,20 @@ class Communicator:
         runs the interpreter unless :meth:`Schedule.validate` already passed on
         this very object: whatever path a schedule takes, a training step never
         sees one that does not fit or does not check.
-        ``table`` is its compiled table (:func:`jaxccl.schedule.table.compile_table`) if the caller has it.
+        ``table`` is its compiled table (:func:`jaxccl.schedule.table.compile_table`) if the caller has it;
+        it must be exactly the compilation of ``schedule`` (:func:`jaxccl.schedule.table.check_table`), so
+        the table of another schedule, collective or rank count, or one changed after it was compiled, is
+        refused here, before it reaches the registry.
         ``interpreter=False`` skips the interpreter: only for testing a result checker with a deliberately
         wrong schedule (``jaxccl bench --no-validate``), never in training.
         Returns the staged version (native backends; 0 on ``ppermute``).
+
+        Raises:
+            ScheduleError: ``schedule`` does not fit or fails the interpreter, or ``table`` is not its compilation.
+            CommunicatorClosedError: the communicator is closed.
         """
         coll = _canonical(collective)
+        self._check_open()
         self._check_fits(coll, schedule, "stage_validated")
         if interpreter and not schedule.validated:
             schedule.validate()
@@ -361,14 +376,32 @@ class Communicator:
         interpreter.
 
         Raises:
-            ScheduleError: ``schedule`` does not fit this communicator, or was not validated.
+            ScheduleError: ``schedule`` does not fit this communicator, was not validated, or is not what
+                the collective's registry slot holds (its staged or current table is another schedule's).
+            CommunicatorClosedError: the communicator is closed.
         """
         coll = _canonical(collective)
+        self._check_open()
         self._check_fits(coll, schedule, "record_staged")
         if not schedule.validated:
             raise ScheduleError(f"record_staged({coll.value!r}): the schedule has not passed validate()")
         with self._lock:
+            if self.backend in ("cpu", "cuda") and coll in self._slots:
+                self._check_registry_holds(coll, schedule)
             self._schedules[coll] = schedule
+
+    def _check_registry_holds(self, coll: Collective, schedule: Schedule) -> None:
+        """Raises unless the slot's staged table (or, with none staged, its current one) is ``schedule``'s."""
+        from jaxccl.schedule.table import compiled_table, header
+
+        state = _native().swap_state(self._slots[coll])
+        held = state["staged_checksum"] if state["staged_version"] else state["current_checksum"]
+        expected = header(compiled_table(schedule, num_slots=8))["checksum"]
+        if held != expected:
+            raise ScheduleError(
+                f"record_staged({coll.value!r}): the registry slot holds a table with checksum 0x{held:08x}, "
+                f"not the compilation of {schedule.name or schedule.digest[:12]} (0x{expected:08x})"
+            )
 
     def _stage(self, coll: Collective, schedule: Schedule, table: Any = None) -> int:
         version = 0
@@ -394,9 +427,14 @@ class Communicator:
             )
 
     def _install_native(self, coll: Collective, schedule: Schedule, table: Any = None) -> int:
-        from jaxccl.schedule.table import compile_table
+        """Stages ``schedule`` in ``coll``'s slot: its compilation, or ``table`` once checked to be exactly that."""
+        from jaxccl.schedule.table import check_table, compiled_table
 
         self._check_open()
+        if table is None:
+            table = compiled_table(schedule, num_slots=8)
+        else:
+            table = check_table(schedule, table, what=f"the table staged for {coll.value!r}")
         native = _native()
         slot = self._slots.get(coll)
         if slot is None:
@@ -404,13 +442,11 @@ class Communicator:
             self._slots[coll] = slot
             if self.network is not None:
                 self.network.attach(slot)
-        return int(native.stage(slot, compile_table(schedule, num_slots=8) if table is None else table))
+        return int(native.stage(slot, table))
 
     def swap_state(self, collective: str | Collective) -> dict[str, int]:
         """Hot-swap bookkeeping of ``collective``'s slot (native backends): versions and sequence numbers."""
-        from jaxccl.runtime import native
-
-        return native.swap_state(self.slot(collective))
+        return _native().swap_state(self.slot(collective))
 
     def slot(self, collective: str | Collective) -> int:
         """The native registry slot of ``collective`` (allocated and filled on first use)."""
@@ -442,6 +478,7 @@ class Communicator:
         """
         if self.mesh is None:
             raise ValueError(f"{self!r} has no mesh (a default communicator serves any mesh with its axis)")
+        self._check_open()
         names = tuple(self.mesh.axis_names)
         inside = self.axis_name if isinstance(self.axis_name, tuple) else (self.axis_name,)
         order = [names.index(a) for a in names if a not in inside] + [names.index(a) for a in inside]
@@ -462,6 +499,10 @@ class Communicator:
         close it; use ``contextlib.closing(comm)`` for both.)
         """
         with self._lock:
+            if self._finalizer.alive:
+                from jaxccl.runtime.failures import note_closed_slots
+
+                note_closed_slots(list(self._slots.values()), repr(self))
             self._finalizer()
         self.network = None
 
@@ -477,10 +518,11 @@ class Communicator:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise ExecutorError(f"{self!r} is closed")
+            raise CommunicatorClosedError(f"communicator {self!r} is closed")
 
     # ---------------------------------------------------------------------- scope
     def __enter__(self) -> Communicator:
+        self._check_open()
         scope, _ = _states()
         entries = tuple(e for e in scope.value if e[0] != self.axis_name) + ((self.axis_name, self.uid),)
         cm = scope(entries)

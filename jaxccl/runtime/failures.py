@@ -24,7 +24,7 @@ import contextlib
 import re
 from collections.abc import Iterator
 
-from jaxccl.errors import DeadlineError, ExecutorError
+from jaxccl.errors import CommunicatorClosedError, DeadlineError, ExecutorError
 
 __all__ = ["as_executor_error", "executor_errors"]
 
@@ -49,8 +49,32 @@ def as_executor_error(error: BaseException) -> ExecutorError | None:
             "threadblock": None if where["tb"] is None else int(where["tb"]),
             "op": None if where["op"] is None else int(where["op"]),
         }
-    cls = DeadlineError if m["code"] == "DEADLINE_EXCEEDED" or "deadline exceeded" in m["msg"] else ExecutorError
-    return cls(m["msg"], **fields)
+    msg = m["msg"]
+    closed = _CLOSED_SLOT.search(msg)
+    if closed is not None:
+        owner = closed_slot_owner(int(closed["slot"]))
+        return CommunicatorClosedError(f"communicator {owner} is closed ({msg})" if owner else msg)
+    cls = DeadlineError if m["code"] == "DEADLINE_EXCEEDED" or "deadline exceeded" in msg else ExecutorError
+    return cls(msg, **fields)
+
+
+# The registry's word for a slot that a closed communicator released (xla_ffi/registry.cc).
+_CLOSED_SLOT = re.compile(r"schedule slot (?P<slot>\d+) was removed")
+_CLOSED_OWNERS: dict[int, str] = {}
+_MAX_CLOSED_OWNERS = 4096
+
+
+def note_closed_slots(slots: list[int], owner: str) -> None:
+    """Remembers which communicator owned ``slots`` when it closed, so a late collective's error names it."""
+    for slot in slots:
+        _CLOSED_OWNERS[int(slot)] = owner
+    while len(_CLOSED_OWNERS) > _MAX_CLOSED_OWNERS:
+        _CLOSED_OWNERS.pop(next(iter(_CLOSED_OWNERS)))
+
+
+def closed_slot_owner(slot: int) -> str | None:
+    """The communicator (its repr) that owned ``slot`` when it closed, if remembered."""
+    return _CLOSED_OWNERS.get(int(slot))
 
 
 @contextlib.contextmanager

@@ -350,7 +350,6 @@ def stage_agreed(
     from jax._src import distributed
 
     from jaxccl.runtime import native
-    from jaxccl.schedule.table import compile_table
 
     client = distributed.global_state.client
     if client is None:
@@ -368,7 +367,7 @@ def stage_agreed(
         except Exception as e:  # XLA raises its own error type for a missed deadline
             raise DeadlineError(f"process {p} did not publish its swap point within {timeout_s} s: {e}") from e
     transition = max(issued) + int(margin)
-    version = native.stage(slot, compile_table(schedule, num_slots=8), transition_seq=transition)
+    version = native.stage(slot, schedule, transition_seq=transition)
     comm.record_staged(collective, schedule)
     return version, transition
 

@@ -105,21 +105,47 @@ def as_table(table_or_schedule: Any, *, num_slots: int = 8) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def install(slot: int, table_or_schedule: Any, *, num_slots: int = 8) -> int:
+def _checked_table(table_or_schedule: Any, num_slots: int, schedule: Any) -> np.ndarray:
+    """The table to hand the registry: a Schedule's (memoized) compilation, or a table checked against
+    ``schedule`` when one is given (:func:`jaxccl.schedule.table.check_table`)."""
+    from jaxccl.schedule.ir import Schedule
+    from jaxccl.schedule.table import check_table, compiled_table
+
+    if isinstance(table_or_schedule, Schedule):
+        if schedule is not None and schedule is not table_or_schedule:
+            raise ScheduleError("pass either a schedule or a table with schedule=, not two schedules")
+        return compiled_table(table_or_schedule, num_slots=num_slots)
+    table = as_table(table_or_schedule, num_slots=num_slots)
+    return table if schedule is None else check_table(schedule, table)
+
+
+def install(slot: int, table_or_schedule: Any, *, num_slots: int = 8, schedule: Any = None) -> int:
     """Validates a table (or compiles a Schedule) and makes it the slot's current version.
 
     Launches that have already picked a table keep theirs; the next launch runs
-    the new one. Returns the new version number (1, 2, ...).
+    the new one. Returns the new version number (1, 2, ...). With ``schedule=``, a
+    table must be exactly that schedule's compilation. A raw table without it is
+    only checked for integrity: the executor's own tests feed it malformed tables;
+    a :class:`~jaxccl.Communicator` always stages the schedule with its table.
 
     Raises:
+        ScheduleError: the table is not the compilation of ``schedule``.
         ExecutorError: the table is malformed (the message names the bad word),
             changed after :func:`~jaxccl.schedule.table.compile_table` sealed it
             ("checksum mismatch"), or the slot does not exist.
     """
-    return int(_wrap(_native.install, int(slot), as_table(table_or_schedule, num_slots=num_slots)))
+    table = _checked_table(table_or_schedule, num_slots, schedule)
+    return int(_wrap(_native.install, int(slot), table))
 
 
-def stage(slot: int, table_or_schedule: Any, *, num_slots: int = 8, transition_seq: int | None = None) -> int:
+def stage(
+    slot: int,
+    table_or_schedule: Any,
+    *,
+    num_slots: int = 8,
+    transition_seq: int | None = None,
+    schedule: Any = None,
+) -> int:
     """Stages a table (MCCL Sec. 6.2.2 hot-swap): it becomes current at the first launch after the
     transition point, the largest collective sequence number any rank has issued on the slot so far.
 
@@ -129,16 +155,21 @@ def stage(slot: int, table_or_schedule: Any, *, num_slots: int = 8, transition_s
     processes, :func:`jaxccl.runtime.multiprocess.stage_agreed`); it is refused
     when a rank already issued a later call. Returns the staged version.
 
+    ``schedule=`` checks a table as in :func:`install`.
+
     Raises:
+        ScheduleError: the table is not the compilation of ``schedule``.
         ExecutorError: the table is malformed or the slot does not exist.
     """
     transition = -1 if transition_seq is None else int(transition_seq)
-    return int(_wrap(_native.stage, int(slot), as_table(table_or_schedule, num_slots=num_slots), transition))
+    table = _checked_table(table_or_schedule, num_slots, schedule)
+    return int(_wrap(_native.stage, int(slot), table, transition))
 
 
 def swap_state(slot: int) -> dict[str, int]:
     """``current_version``, ``staged_version`` (0: none), ``transition_seq``, ``issued`` (largest sequence
-    number issued by any rank) and ``last_swap_seq`` of a slot."""
+    number issued by any rank), ``last_swap_seq`` and ``last_swap_ns`` of a slot, and the checksum words of
+    its current and staged tables (``current_checksum``, ``staged_checksum``; 0: none)."""
     return {k: int(v) for k, v in _wrap(_native.swap_state, int(slot)).items()}
 
 
@@ -244,6 +275,34 @@ def set_prefault(on: bool) -> None:
 def prefault() -> bool:
     """Whether fresh outputs are faulted in at once (:func:`set_prefault`)."""
     return bool(_native.prefault())
+
+
+def set_identity_checks(on: bool) -> None:
+    """Whether receivers check that each message belongs to their own table and launch (default on).
+
+    Every message carries the identity of the launch that posted it (table checksum, launch number), and a
+    receiver refuses any other with an :class:`~jaxccl.ExecutorError` naming both (docs/executor.md,
+    "Message identity"). Off is for measuring what the check costs, never for training.
+
+    >>> set_identity_checks(True); identity_checks()
+    True
+    """
+    _native.set_identity_checks(bool(on))
+
+
+def identity_checks() -> bool:
+    """Whether receivers check message identities (:func:`set_identity_checks`)."""
+    return bool(_native.identity_checks())
+
+
+def _inject_stale_message(slot: int, *, across_processes: bool = False) -> None:
+    """Tests only: the next message posted on ``slot`` carries the identity of the slot's previous launch.
+
+    With ``across_processes``, the next message to a rank in another process (its trailer on the wire).
+    Its receiver must refuse it: the launch fails with an :class:`~jaxccl.ExecutorError` that names the
+    stale identity and its own, and the communicator stays usable.
+    """
+    _native._inject_stale_message(int(slot), bool(across_processes))
 
 
 def get_timeout() -> float:

@@ -199,6 +199,96 @@ def compile_table(schedule: Schedule, num_slots: int = 8) -> np.ndarray:
     return seal(words.astype(np.uint32).view(np.int32))
 
 
+def compiled_table(schedule: Schedule, num_slots: int = 8) -> np.ndarray:
+    """:func:`compile_table`, memoized on the schedule object: a read-only array, compiled once per ``num_slots``.
+
+    Schedules are immutable, so their compilation is too; :func:`check_table` compares against it.
+
+    Example:
+        >>> from jaxccl.synth.baselines import ring_allgather
+        >>> s = ring_allgather(4)
+        >>> compiled_table(s) is compiled_table(s), compiled_table(s).flags.writeable
+        (True, False)
+    """
+    cache = schedule.__dict__.setdefault("_compiled_tables", {})
+    key = int(num_slots)
+    if key not in cache:
+        table = compile_table(schedule, num_slots=key)
+        table.flags.writeable = False
+        cache[key] = table
+    return cache[key]
+
+
+def check_table(schedule: Schedule, table: Any, *, what: str = "the table") -> np.ndarray:
+    """Returns ``table`` if it is exactly the compilation of ``schedule``; raises naming the difference otherwise.
+
+    A table enters the executor only as the compilation of the schedule it is staged with: the table of
+    another schedule, of another collective or rank count, or one changed after it was compiled (even with
+    its checksum recomputed) is refused. ``schedule`` is compiled with the ``num_slots`` of the table's
+    header (once per schedule, :func:`compiled_table`).
+
+    Raises:
+        ScheduleError: ``table`` is not a table, or not the compilation of ``schedule``.
+
+    Example:
+        >>> from jaxccl.synth.baselines import direct_alltoall, ring_allgather
+        >>> ring = ring_allgather(4)
+        >>> check_table(ring, compile_table(ring)).size > 0
+        True
+        >>> check_table(ring, compile_table(direct_alltoall(4)))
+        Traceback (most recent call last):
+        ...
+        jaxccl.errors.ScheduleError: the table is not the compilation of schedule ring_allgather (...): it is a ...
+    """
+    arr = np.asarray(table)
+    if arr.ndim != 1 or arr.dtype != np.int32 or arr.size < HEADER_WORDS:
+        raise ScheduleError(f"{what} is not a compiled table (a 1-D int32 array of at least {HEADER_WORDS} words)")
+    h = header(arr)
+    name = f"{schedule.name or 'unnamed'} ({schedule.digest[:12]})"
+    prefix = f"{what} is not the compilation of schedule {name}"
+    names = {c.code: c.value for c in type(schedule.collective)}
+    if h["collective"] != schedule.collective.code or h["num_ranks"] != schedule.num_ranks:
+        raise ScheduleError(
+            f"{prefix}: it is a table of {names.get(h['collective'], h['collective'])} over {h['num_ranks']} ranks, "
+            f"not {schedule.collective.value} over {schedule.num_ranks}"
+        )
+    if h["digest_low32"] != int(schedule.digest[-8:], 16):
+        raise ScheduleError(
+            f"{prefix}: it was compiled from a schedule with digest ...{h['digest_low32']:08x}, "
+            f"not ...{schedule.digest[-8:]}"
+        )
+    if h["num_slots"] < 1:
+        raise ScheduleError(f"{prefix}: its header has num_slots={h['num_slots']}")
+    expected = compiled_table(schedule, num_slots=h["num_slots"])
+    if arr.size != expected.size:
+        raise ScheduleError(f"{prefix}: it has {arr.size} words, the compilation {expected.size}")
+    differ = np.flatnonzero(arr != expected)
+    if differ.size > 1:  # the checksum word differs whenever another word does: name the other
+        differ = differ[differ != CHECKSUM_WORD]
+    if differ.size:
+        k = int(differ[0])
+        raise ScheduleError(
+            f"{prefix}: {differ.size} word(s) differ, the first at word {k} ({_word_name(expected, k)}): "
+            f"{int(arr[k])}, compiled {int(expected[k])}"
+        )
+    return arr
+
+
+def _word_name(table: np.ndarray, k: int) -> str:
+    """Which field word ``k`` of a table is (for error messages)."""
+    if k < HEADER_WORDS:
+        return f"header {HEADER_FIELDS[k]}"
+    h = header(table)
+    pos = k - HEADER_WORDS
+    if pos < RANK_WORDS * h["num_ranks"]:
+        return f"rank {pos // RANK_WORDS}"
+    pos -= RANK_WORDS * h["num_ranks"]
+    if pos < TB_WORDS * h["num_threadblocks"]:
+        return f"threadblock {pos // TB_WORDS} {TB_FIELDS[pos % TB_WORDS]}"
+    pos -= TB_WORDS * h["num_threadblocks"]
+    return f"op {pos // OP_WORDS} {OP_FIELDS[pos % OP_WORDS]}"
+
+
 def checksum(table: np.ndarray) -> int:
     """The CRC-32 (``zlib.crc32``) of a table's words as little-endian bytes, the checksum word left out.
 

@@ -14,6 +14,12 @@
 //                       (in the receiver's region), described by msgs[k][s] (pointer, bytes)
 //   consumed[k][s]      Tag(e, m + 1): the receiver consumed message m of slot s (sender's region)
 //   error[4]            first failure of the rank: code, threadblock, op
+// Region memory is reused from launch to launch, and its words are tags only under the layout that
+// wrote them: under another layout a descriptor's pointer sits where a tag is read, and its high bits
+// compare newer than any epoch. RegionOwner names what a region's contents belong to; a backend clears
+// the memory whenever a launch's owner differs from the last one's (RegionNeedsClearing). Every message
+// descriptor carries the identity of the launch that posted it (LaunchIdentity: table checksum, epoch),
+// and a receiver refuses any other (kStaleMessage): nothing of one launch is consumed by another.
 // A message owns slot m % num_slots, so message m may be posted once message m - num_slots was
 // consumed, in any order with the other messages of its connection (dataflow order, program.h).
 // Backends provide the memory (host atomics or device memory), the waiting, the byte moves and,
@@ -58,11 +64,23 @@ enum ProtocolError : int32_t {
   kTimeoutSlot = 3,
   kTimeoutDrain = 4,
   kSizeMismatch = 5,
+  kStaleMessage = 6,
 };
+
+// Who posted a message: the table it runs (its checksum) and the launch (the low 32 bits of its epoch).
+JAXCCL_HD unsigned long long LaunchIdentity(unsigned int table_checksum, unsigned long long epoch) {
+  return (static_cast<unsigned long long>(table_checksum) << 32) | (epoch & 0xffffffffull);
+}
+JAXCCL_HD unsigned int IdentityTable(unsigned long long identity) { return static_cast<unsigned int>(identity >> 32); }
+JAXCCL_HD unsigned int IdentityLaunch(unsigned long long identity) {
+  return static_cast<unsigned int>(identity & 0xffffffffull);
+}
 
 struct MsgDesc {
   unsigned long long ptr;
   unsigned long long bytes;
+  unsigned long long identity;  // LaunchIdentity of the posting launch
+  unsigned long long reserved;
 };
 
 JAXCCL_HD unsigned long long Tag(unsigned long long epoch, long long value) {
@@ -83,6 +101,19 @@ struct RegionLayout {
     return static_cast<size_t>(conn) * static_cast<size_t>(num_slots) + static_cast<size_t>(msg % num_slots);
   }
 };
+
+// What a region's contents belong to: the table version and checksum that ran in it, under its layout.
+struct RegionOwner {
+  long long version;  // the registry version of the table (unique per slot)
+  unsigned int checksum;
+  RegionLayout layout;
+};
+// Whether region memory last used by `last` must be cleared before `next` uses it.
+JAXCCL_HD bool RegionNeedsClearing(const RegionOwner& last, const RegionOwner& next) {
+  return last.version != next.version || last.checksum != next.checksum ||
+         last.layout.max_ops != next.layout.max_ops || last.layout.num_conns != next.layout.num_conns ||
+         last.layout.num_slots != next.layout.num_slots;
+}
 
 // One rank's three buffers and the chunk geometry of the launch.
 struct RankBuffers {
