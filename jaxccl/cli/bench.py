@@ -32,7 +32,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from jaxccl.cli import bench_launch
+from jaxccl.cli import bench_launch, bench_memory
 from jaxccl.cli.args import UsageError, parse_size, positive_float, positive_int, topology
 from jaxccl.cli.bench_schedules import NAMES, load_file
 from jaxccl.cli.bench_sweep import COLLECTIVES, DTYPES, SCHEDULE_COLLECTIVE, print_table, refusal, summary, sweep
@@ -244,6 +244,27 @@ def _collectives_of(args: argparse.Namespace) -> tuple[str, ...]:
     return chosen
 
 
+def _check_memory(
+    args: argparse.Namespace, collectives: tuple[str, ...], sizes: list[int], processes: int, processes_here: int = 1
+) -> None:
+    """Refuses, before JAX starts, device counts and sizes this machine cannot hold (:mod:`.bench_memory`).
+
+    The ``cuda`` backend keeps its buffers in GPU memory, whose size is not known before JAX starts: not checked.
+    """
+    if args.backend == "cuda":
+        return
+    devices = args.devices or DEFAULT_DEVICES
+    bench_memory.check_devices(devices)
+    bench_memory.check_memory(
+        collectives,
+        sizes,
+        args.dtype,
+        local_devices=devices,
+        num_ranks=devices * processes,
+        processes_here=processes_here,
+    )
+
+
 def _start_jax(args: argparse.Namespace, coordinator: str | None, processes: int, pid: int) -> None:
     import jaxccl
 
@@ -288,12 +309,14 @@ def _run(args: argparse.Namespace) -> int:
     if args.processes is not None:
         _check(args, args.processes)
         _scenario(args.scenario)
+        _check_memory(args, collectives, sizes, args.processes, processes_here=args.processes)
         return bench_launch.run_job(args)
     coordinator, processes, pid = _processes(args)
     _check(args, processes)
     if args.network == "netns" and processes == 1:
         raise UsageError("--network netns is for a job of several processes: add --processes P")
     scenario = _scenario(args.scenario)
+    _check_memory(args, collectives, sizes, processes)
     _start_jax(args, coordinator, processes, pid)
     import jax
 

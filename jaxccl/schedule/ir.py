@@ -432,6 +432,7 @@ class Schedule:
             info = data.get("info") or {}
             if not isinstance(info, Mapping):
                 raise ScheduleError(f"schedule JSON: 'info' must be an object, got {type(info).__name__}")
+            strict.nesting(info, "schedule JSON: 'info'", ScheduleError)  # free-form: to_json recurses
             name = data.get("name", "")
             if not isinstance(name, str):
                 raise ScheduleError(f"schedule JSON: 'name' must be a string, got {name!r}")
@@ -461,11 +462,7 @@ class Schedule:
     @classmethod
     def from_json(cls, text: str) -> Schedule:
         """Parses :meth:`to_json` output; malformed input raises ``ScheduleError``."""
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, TypeError, RecursionError) as e:
-            raise ScheduleError(f"malformed schedule JSON: {type(e).__name__}: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(strict.load_json(text, "schedule JSON", ScheduleError))
 
     def to_msccl_xml(
         self, *, min_bytes: int = 0, max_bytes: int | None = None, proto: str = "Simple", runtime_limits: bool = True

@@ -375,6 +375,35 @@ def _step_slow(st: ET.Element, where: str) -> tuple[int, OpKind, Buffer, int, Bu
     return s_attr, kind, src, soff, dst, doff, cnt, _int(st, "depid", where, default=-1), _int(st, "deps", where, -1)
 
 
+class _DepthLimitedBuilder:
+    """``ET.TreeBuilder`` (comments kept) that refuses elements nested deeper than ``strict.MAX_NESTING``.
+
+    MSCCL XML nests four levels (``<algo>/<gpu>/<tb>/<step>``). Expat parses any depth without
+    recursion, but the tree it builds is freed and traversed recursively by CPython (a crash or a
+    ``RecursionError`` in some versions, far from the file): so the depth is refused while parsing,
+    before such a tree exists. Text and comments go straight to the C builder.
+    """
+
+    def __init__(self) -> None:
+        builder = ET.TreeBuilder(insert_comments=True)
+        self._start, self._end = builder.start, builder.end
+        self.data, self.comment, self.close = builder.data, builder.comment, builder.close
+        self._depth = 0
+
+    def start(self, tag: str, attrs: dict[str, str]) -> ET.Element:
+        self._depth += 1
+        if self._depth > strict.MAX_NESTING:
+            raise ScheduleError(
+                f"MSCCL XML: elements nested too deeply (<{tag}> is more than {strict.MAX_NESTING} levels deep; "
+                "MSCCL XML has 4: <algo>/<gpu>/<tb>/<step>)"
+            )
+        return self._start(tag, attrs)
+
+    def end(self, tag: str) -> ET.Element:
+        self._depth -= 1
+        return self._end(tag)
+
+
 def _parse(text: str | bytes) -> ET.Element:
     if isinstance(text, bytes):
         try:
@@ -385,7 +414,7 @@ def _parse(text: str | bytes) -> ET.Element:
         raise ScheduleError(f"MSCCL XML must be a string, got {type(text).__name__}")
     if re.search(r"<!(DOCTYPE|ENTITY)", text):
         raise ScheduleError("MSCCL XML must not contain a DOCTYPE or entity declarations")
-    parser = ET.XMLParser(target=ET.TreeBuilder(insert_comments=True))
+    parser = ET.XMLParser(target=_DepthLimitedBuilder())
     try:
         parser.feed(text)
         return parser.close()
@@ -452,11 +481,12 @@ def _from_root(root: ET.Element) -> Schedule:
             body = (child.text or "").strip()
             if body.startswith(_INFO_PREFIX.strip()):
                 try:
-                    info = json.loads(body[len(_INFO_PREFIX.strip()) :])
-                except json.JSONDecodeError as e:
-                    raise ScheduleError(f"MSCCL XML: malformed jaxccl:info comment: {e}") from None
+                    info = strict.load_json(body[len(_INFO_PREFIX.strip()) :], "jaxccl:info comment", ScheduleError)
+                except ScheduleError as e:
+                    raise ScheduleError(f"MSCCL XML: {e}") from None
                 if not isinstance(info, dict):
                     raise ScheduleError("MSCCL XML: the jaxccl:info comment must hold a JSON object")
+                strict.nesting(info, "MSCCL XML: the jaxccl:info comment", ScheduleError)
             continue
         if child.tag != "gpu":
             raise ScheduleError(f"MSCCL XML: unexpected element <{child.tag}> in <algo>; expected <gpu>")
@@ -464,8 +494,11 @@ def _from_root(root: ET.Element) -> Schedule:
         if gid in gpus:
             raise ScheduleError(f'MSCCL XML: <gpu id="{gid}"> appears twice')
         gpus[gid] = child
-    if sorted(gpus) != list(range(n)):
-        raise ScheduleError(f"MSCCL XML: ngpus={n} but found <gpu> ids {sorted(gpus)}; expected 0..{n - 1}")
+    if len(gpus) != n or sorted(gpus) != list(range(n)):  # the length first: ngpus may be 10**18
+        shown = sorted(gpus)[:16]
+        raise ScheduleError(
+            f"MSCCL XML: ngpus={n} but found <gpu> ids {shown}{'...' if len(gpus) > 16 else ''}; expected 0..{n - 1}"
+        )
 
     scratch = 0
     ranks = []

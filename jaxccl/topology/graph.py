@@ -174,7 +174,9 @@ class Topology:
         """A copy with the link ``u -> v`` (and ``v -> u`` if ``both``) changed.
 
         Give the new capacity either in Gbps (``gbps=``) or bytes/s
-        (``capacity=``); ``latency=`` (seconds) replaces the latency.
+        (``capacity=``); ``latency=`` (seconds) replaces the latency. A value
+        that is not a finite float (``10**400``, ``nan``, a string) raises
+        ``TopologyError`` naming it; so does a capacity that is not positive.
 
         >>> from jaxccl.topology import rail
         >>> t = rail(hosts=2).degrade(0, "tor:s0r0", gbps=50)
@@ -183,6 +185,12 @@ class Topology:
         """
         if gbps is not None and capacity is not None:
             raise ValueError("give either gbps= or capacity=, not both")
+        if gbps is not None:
+            gbps = strict.real(gbps, f"degrade {u!r} -> {v!r}: gbps", TopologyError)
+        if capacity is not None:
+            capacity = strict.real(capacity, f"degrade {u!r} -> {v!r}: capacity", TopologyError)
+        if latency is not None:
+            latency = strict.real(latency, f"degrade {u!r} -> {v!r}: latency", TopologyError)
         new_cap = globals()["gbps"](gbps) if gbps is not None else capacity
         changes: dict[Edge, dict[str, float]] = {}
         pairs = [(u, v), (v, u)] if both else [(u, v)]
@@ -261,6 +269,7 @@ class Topology:
             raise TopologyError("topology JSON must be an object")
         if data.get("schema") != SCHEMA:
             raise TopologyError(f"unsupported topology schema {data.get('schema')!r}; expected {SCHEMA!r}")
+        strict.nesting(data, "topology JSON", TopologyError)  # meta and attributes are free-form: to_json recurses
         g = nx.DiGraph()
         try:
             for nd in data["nodes"]:
@@ -285,11 +294,7 @@ class Topology:
     @classmethod
     def from_json(cls, text: str) -> Topology:
         """Parses :meth:`to_json` output; malformed input raises ``TopologyError``."""
-        try:
-            data = json.loads(text)
-        except (json.JSONDecodeError, TypeError, RecursionError) as e:
-            raise TopologyError(f"malformed topology JSON: {type(e).__name__}: {e}") from None
-        return cls.from_dict(data)
+        return cls.from_dict(strict.load_json(text, "topology JSON", TopologyError))
 
     @classmethod
     def from_edges(
@@ -303,7 +308,8 @@ class Topology:
         """Builds a topology from ``(u, v, capacity_bytes_per_s, latency_s)`` links.
 
         GPUs are ``0..num_gpus-1``; string nodes are switches. Links are
-        directed: give both directions for a duplex link.
+        directed: give both directions for a duplex link. A capacity or
+        latency that is not a finite float raises ``TopologyError`` naming the link.
         """
         g = nx.DiGraph()
         for r in range(num_gpus):
@@ -314,7 +320,9 @@ class Topology:
                     if not isinstance(n, str):
                         raise TopologyError(f"unknown GPU {n!r} (num_gpus={num_gpus})")
                     g.add_node(n, kind="switch")
-            g.add_edge(u, v, capacity=float(cap), latency=float(lat), kind="link")
+            cap = strict.real(cap, f"link {u!r} -> {v!r}: capacity (bytes/s)", TopologyError)
+            lat = strict.real(lat, f"link {u!r} -> {v!r}: latency (s)", TopologyError)
+            g.add_edge(u, v, capacity=cap, latency=lat, kind="link")
         return cls(g, name=name, meta=meta)
 
     # ------------------------------------------------------------------ misc
@@ -361,6 +369,8 @@ def _validate(g: nx.DiGraph) -> None:
         if kind == "gpu":
             if not isinstance(n, int) or isinstance(n, bool):
                 raise TopologyError(f"GPU nodes must be integer ranks, got {n!r}")
+            if "host" in d:  # host_of() and hosts read it as an int
+                strict.integer(d["host"], f"GPU {n}: host", TopologyError)
             gpus.append(n)
         elif not isinstance(n, str):
             raise TopologyError(f"non-GPU node {n!r} must be named by a string")
