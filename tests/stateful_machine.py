@@ -81,6 +81,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jaxccl
+from jaxccl.cli.bench_run import AXIS, collective_body
 from jaxccl.errors import ExecutorError
 from jaxccl.runtime import native
 from jaxccl.schedule.ir import Schedule
@@ -99,8 +100,7 @@ __all__ = [
     "schedule_pool",
 ]
 
-NUM_RANKS = 8
-AXIS = "d"
+NUM_RANKS = 8  # on the mesh axis AXIS ("d"), the one jaxccl bench's collective bodies use
 COLLECTIVES = ("all_gather", "all_to_all", "reduce_scatter", "all_reduce")
 REDUCTIONS = ("reduce_scatter", "all_reduce")
 DTYPES = ("float32", "int32", "bfloat16")
@@ -368,14 +368,8 @@ class Stats:
 
 # ---------------------------------------------------------------------------------------- harness
 def _body(lib: Any, coll: str) -> Callable[[Any], Any]:
-    """The collective ``coll`` through ``lib`` (``jaxccl`` or ``jax.lax``) on a per-rank 1-D block."""
-    if coll == "all_gather":
-        return lambda x: lib.all_gather(x, AXIS, tiled=True)
-    if coll == "all_to_all":
-        return lambda x: lib.all_to_all(x, AXIS, 0, 0, tiled=True)
-    if coll == "reduce_scatter":
-        return lambda x: lib.psum_scatter(x, AXIS, scatter_dimension=0, tiled=True)
-    return lambda x: lib.psum(x, AXIS)
+    """The collective ``coll`` through ``lib`` (``jaxccl`` or ``jax.lax``) on a 1-D block (``jaxccl bench``'s body)."""
+    return collective_body(lib, {"reduce_scatter": "psum_scatter", "all_reduce": "psum"}.get(coll, coll))
 
 
 def per_rank_elements(coll: str, level: int) -> int:

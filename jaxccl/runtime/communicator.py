@@ -323,8 +323,11 @@ class Communicator:
         collective's registry slot (MCCL Sec. 6.2.2): collectives any rank has
         already issued finish on the old schedule, the first later one on
         every rank runs the new one (see :meth:`swap_state`); already-compiled
-        programs pick it up without recompiling. On the ``ppermute`` backend the next call of a
-        jitted function retraces. Float reductions are bitwise equal to
+        programs pick it up without recompiling. One exception: with a topology, ``psum`` runs as
+        ReduceScatter + AllGather while no ``all_reduce`` schedule is installed, and a program traced
+        that way keeps doing so (results stay bitwise equal) until it is retraced; install an
+        ``all_reduce`` schedule before tracing for ``psum`` to follow later installs. On the
+        ``ppermute`` backend the next call of a jitted function retraces. Float reductions are bitwise equal to
         ``jax.lax`` only with schedules that sum in ascending rank order
         (``info["ordered_reduction"]``).
 
