@@ -48,7 +48,7 @@ bool ExecContext::Reset(const Table& t, const RegionLayout& layout, size_t scrat
   // Kept memory holds only tags of older epochs as long as the owner stays; another table or layout
   // would read its descriptors as tags (core/protocol.h), so it starts from zero, like fresh memory.
   const bool clear = !owned || RegionNeedsClearing(owner, next);
-  owned = false;
+  owned = false;  // until every region is sized and cleared: a failed allocation leaves them to clear next time
   for (int32_t r = 0; r < t.num_ranks; ++r) {
     AlignedBuffer& region = *regions[r];
     const size_t had = region.capacity();
@@ -248,7 +248,8 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   launch->lookahead_ = ProgramOrder() ? 1 : kLookahead;
   launch->op_stride_ = t.programs.empty() ? 0 : ProgramView(t.programs[0].data()).max_ops();
   launch->layout_ = RegionLayout{launch->op_stride_ * launch->tiles_, t.num_conns(), t.num_slots};
-  if (!launch->ctx_->Reset(t, launch->layout_, scratch_bytes, RegionOwner{snap->version, t.checksum, launch->layout_})) {
+  const RegionOwner owner{snap->version, t.checksum, launch->layout_};
+  if (!launch->ctx_->Reset(t, launch->layout_, scratch_bytes, owner)) {
     return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kResourceExhausted,
                                      StrCat("jaxccl: cannot allocate ", scratch_bytes, " bytes of scratch per rank")));
   }
@@ -809,7 +810,8 @@ void CpuLaunch::Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& o
     proxy_->Send(rank, tb.send_conn, u.send_msg, out.ptr, out.bytes, op.direct());
     return;
   }
-  const unsigned long long id = TakeStaleInjection(slot_, /*remote=*/false) ? LaunchIdentity(table_->checksum, epoch_ - 1) : identity();
+  const unsigned long long id =
+      TakeStaleInjection(slot_, /*remote=*/false) ? LaunchIdentity(table_->checksum, epoch_ - 1) : identity();
   *Desc(tb.send_peer, cell) = MsgDesc{reinterpret_cast<unsigned long long>(out.ptr), out.bytes, id, 0};
   Flag(tb.send_peer, layout_.posted(), cell)->store(Tag(epoch_, u.send_msg + 1), std::memory_order_release);
   Wake(tb.send_peer);

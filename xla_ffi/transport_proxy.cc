@@ -354,7 +354,9 @@ void CpuProxy::Send(int32_t rank, int32_t conn, int32_t msg, const void* data, s
     }
     OutTransfer& x = it->second;
     x.trailer = WireTrailer{WireIdentity(), kWireTrailerMagic};
-    if (TakeStaleInjection(l_->slot_, /*remote=*/true)) x.trailer.identity = LaunchIdentity(l_->table_->checksum, launch_number_ - 1);
+    if (TakeStaleInjection(l_->slot_, /*remote=*/true)) {
+      x.trailer.identity = LaunchIdentity(l_->table_->checksum, launch_number_ - 1);
+    }
     auto req = group_->transport->IsendWithTrailer(group_->process_of_rank[peer], *tag, data, bytes, &x.trailer,
                                                    sizeof(x.trailer));
     if (!req.has_value()) {
