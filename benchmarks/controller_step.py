@@ -36,7 +36,7 @@ import sys
 import time
 
 import jaxccl
-from jaxccl import report
+from jaxccl.util import report
 
 
 def _step_fns(mesh, ctl, width: int):

@@ -27,8 +27,8 @@ import sys
 import time
 
 import jaxccl
-from jaxccl import report
 from jaxccl.cli.bench_run import implementation_runner  # axis "d"
+from jaxccl.util import report
 
 NUM_DEVICES = 8
 COLLECTIVES = ("all_gather", "all_to_all", "psum_scatter", "psum")

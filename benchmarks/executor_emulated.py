@@ -26,7 +26,7 @@ import sys
 import time
 
 import jaxccl
-from jaxccl import report
+from jaxccl.util import report
 
 SCENARIOS = ("none", "fail2")
 

@@ -33,7 +33,7 @@ import sys
 import time
 
 import jaxccl
-from jaxccl import report
+from jaxccl.util import report
 
 NIC = (0, "tor:s0r0")
 

@@ -33,7 +33,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from jaxccl import report  # noqa: E402
+from jaxccl.util import report  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 SUITES = ("tests/test_fuzz_parsers.py", "tests/test_fuzz_collectives.py", "tests/test_fuzz_tables.py")

@@ -32,7 +32,7 @@ import sys
 import time
 
 import jaxccl
-from jaxccl import report
+from jaxccl.util import report
 
 CHANNELS = [1, 2, 4, 8, 16, 32]
 CHUNKS = [128 << 10, 1 << 20]

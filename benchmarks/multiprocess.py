@@ -22,8 +22,8 @@ import json
 import sys
 import time
 
-from jaxccl import report
 from jaxccl.cli.bench_run import implementation_runner  # axis "d"
+from jaxccl.util import report
 
 COLLECTIVES = ("all_gather", "all_to_all", "psum_scatter", "psum")
 IMPLS = ("jaxccl-cpu", "lax", "jaxccl-ppermute")
@@ -33,8 +33,8 @@ QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20]
 
 def worker(args: argparse.Namespace) -> int:
     """One process of the job: runs every point and, in process 0, prints the rows as JSON."""
-    from jaxccl.runtime.multiprocess import NETWORK_ONLY, ProcessTransport, attach, local_shards
-    from jaxccl.runtime.multiprocess_launch import initialize_from_env
+    from jaxccl.distributed.launch import initialize_from_env
+    from jaxccl.distributed.transport import NETWORK_ONLY, ProcessTransport, attach, local_shards
 
     me, nproc = initialize_from_env(local_devices=args.ranks // args.processes)
     import jax
@@ -140,15 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
 
-    from jaxccl.runtime.multiprocess import unavailable_reason
+    from jaxccl.distributed.transport import unavailable_reason
 
     if (reason := unavailable_reason()) is not None:
         print(f"cannot run: {reason}")
         return 2
     import contextlib
 
-    from jaxccl.netlab import LinkShape, NetLab
-    from jaxccl.runtime.multiprocess_launch import launch
+    from jaxccl.distributed.launch import launch
+    from jaxccl.labs.netlab import LinkShape, NetLab
 
     argv_worker = [sys.executable, __file__, "--worker", *(argv if argv is not None else sys.argv[1:])]
     with contextlib.ExitStack() as stack:

@@ -1,6 +1,6 @@
 """Stress: agreed hot-swaps across processes while a NIC is cut and restored live; counts hung jobs.
 
-Each job is one :func:`~jaxccl.runtime.multiprocess_drill.run_drill` in a fresh rail lab (2 hosts
+Each job is one :func:`~jaxccl.labs.drill.run_drill` in a fresh rail lab (2 hosts
 x 2 ranks, one process per rank): several cut/recover/measure/restore cycles, so the job swaps
 schedules many times (the loop's swap, the interleaved stale/recovered rounds, the restore) on
 links whose rate changes under it. A job that ends with a ``DeadlineError`` is a hang: the
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from jaxccl.runtime.multiprocess_drill import DrillConfig, run_drill
+from jaxccl.labs.drill import DrillConfig, run_drill
 
 MISSED = re.compile(r"deadline exceeded: .*")
 

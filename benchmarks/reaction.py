@@ -25,7 +25,7 @@ import subprocess
 import sys
 import tempfile
 
-from jaxccl import report
+from jaxccl.util import report
 
 MCCL = {"detect_ms": 53.1, "synth_ms": 13.1, "dispatch_ms": None, "swap_ms": 11.6, "total_ms": 78.2}
 PHASES = ("detect_ms", "synth_ms", "dispatch_ms", "swap_ms", "activation_wait_ms")

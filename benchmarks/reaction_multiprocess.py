@@ -1,9 +1,9 @@
 """Reaction time of the closed loop across processes on real sockets (MCCL Fig. 10b), medians over cycles.
 
-Each run is one job in a fresh rail lab (:class:`jaxccl.runtime.multiprocess_rail.RailLab`: 2
+Each run is one job in a fresh rail lab (:class:`jaxccl.labs.rail.RailLab`: 2
 hosts x 2 ranks, one process and one HTB-shaped veth NIC per rank, the ranks of a host over
 loopback): it cuts rank 1's NIC live with ``tc`` between two AllGather steps (1 MiB per rank),
-lets the :class:`~jaxccl.runtime.multiprocess_loop.ProcessLoop` react, and measures the stale and
+lets the :class:`~jaxccl.control.process_loop.ProcessLoop` react, and measures the stale and
 the recovered schedule on the cut network (interleaved, same run). (Several cut/restore cycles
 in one job, ``--cycles``, hung more often: a message between two ranks never arrived, see the
 multi-process guide. A job that fails is counted and its error printed, not hidden.) Phases of a
@@ -35,8 +35,8 @@ import dataclasses
 import statistics
 import sys
 
-from jaxccl import report
-from jaxccl.runtime.multiprocess_drill import DrillConfig, run_drill
+from jaxccl.labs.drill import DrillConfig, run_drill
+from jaxccl.util import report
 
 MCCL = {"detect_ms": 53.1, "synth_ms": 13.1, "agree_ms": 5.74, "swap_ms": 11.6, "total_ms": 78.2}
 PHASES = ("detect_ms", "confirm_ms", "synth_ms", "dispatch_ms", "agree_ms", "swap_ms", "total_ms")

@@ -22,11 +22,11 @@ import sys
 import time
 
 import jaxccl.sim as sim
-from jaxccl.report import print_table, progress, write_json
 from jaxccl.schedule.ir import Collective
 from jaxccl.sim.experiments import Synthesizers, _iterations
 from jaxccl.synth.nccl import nccl_schedule
 from jaxccl.topology import rail, scenario
+from jaxccl.util.report import print_table, progress, write_json
 
 MiB = 1 << 20
 MODELS = {

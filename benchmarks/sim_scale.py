@@ -25,10 +25,10 @@ import sys
 import time
 
 import jaxccl.sim as sim
-from jaxccl.report import print_table, write_json
 from jaxccl.sim.analytic import ring_time
 from jaxccl.synth.baselines import rail_ring_order, ring_allgather
 from jaxccl.topology import rail
+from jaxccl.util.report import print_table, write_json
 
 # NCCL runs its rings in order; dataflow execution gives the same simulated time (the ring's data arrives in
 # program order) but 6-8x the engine time at 128-256 GPUs (more concurrent messages per connection)

@@ -32,7 +32,7 @@ import threading
 import time
 
 import jaxccl
-from jaxccl import report
+from jaxccl.util import report
 
 NUM_DEVICES = 8
 KINDS = ("all_gather", "all_to_all", "psum_scatter", "psum")

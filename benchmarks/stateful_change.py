@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     from hypothesis.stateful import run_state_machine_as_test
     from stateful_machine import ChangeMachine, Harness, schedule_pool
 
-    from jaxccl import report
     from jaxccl.runtime import native
+    from jaxccl.util import report
 
     native.set_timeout(args.executor_timeout)
     t0, c0 = time.perf_counter(), time.process_time()

@@ -30,8 +30,8 @@ import sys
 import time
 from collections.abc import Callable
 
-from jaxccl import report
 from jaxccl.cli.synth_allgather import add_arguments, main
+from jaxccl.util import report
 
 WARM_COLUMNS = (
     "case",

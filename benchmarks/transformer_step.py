@@ -25,7 +25,7 @@ import sys
 import time
 
 import jaxccl
-from jaxccl import report
+from jaxccl.util import report
 
 NUM_DEVICES = 8
 IMPLS = ("lax", "jaxccl-cpu", "jaxccl-ppermute")

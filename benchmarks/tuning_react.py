@@ -64,7 +64,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.report import median, print_table, progress, write_json
 from jaxccl.sim.model import DEFAULT_PIPELINE_BYTES
 from jaxccl.topology import Topology, fat_tree
 from jaxccl.tune.react import (
@@ -79,6 +78,7 @@ from jaxccl.tune.react import (
     pattern_measurer,
     run_react,
 )
+from jaxccl.util.report import median, print_table, progress, write_json
 
 PATTERNS = ("tree", "ring", "recursive_doubling")
 MODES = {"pipelined": DEFAULT_PIPELINE_BYTES, "store-and-forward": None}

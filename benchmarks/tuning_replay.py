@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.report import print_table, write_json
 from jaxccl.tune.replay import (
     FAMILIES,
     PAPER,
@@ -48,6 +47,7 @@ from jaxccl.tune.replay import (
     summarize,
     tune_size_gate,
 )
+from jaxccl.util.report import print_table, write_json
 
 OUT = os.path.join("benchmarks", "results", "tuning")
 QUICK_CONFIG = PoolConfig(hosts=(4, 8, 16), sizes=tuple(1 << k for k in range(9, 35, 3)))

@@ -2,7 +2,7 @@
 
 Every process of the job runs the same seeded walk over the rules of the single-process state
 machine (``tests/stateful_machine.py``) that make sense across processes, on the native CPU
-executor with jaxccl's transport: agreed hot-swaps (:func:`jaxccl.runtime.multiprocess.stage_agreed`,
+executor with jaxccl's transport: agreed hot-swaps (:func:`jaxccl.distributed.transport.stage_agreed`,
 the transition point now or a few calls ahead), reinstalls of the schedule used before the last
 one (A -> B -> A), size and dtype changes, and closing the communicator and opening a new one.
 After every step each process compares its shards of every collective bitwise with ``jax.lax``
@@ -13,7 +13,7 @@ order (cross-process float sums follow gloo's order, not jaxccl's: docs/guides/m
 Prints ``STEP k <what>`` per step, ``MISMATCH ...`` for any difference, and at the end
 ``COUNTS collectives=C swaps=S mismatches=M reinstalls=R`` and ``ALL OK`` or ``FAILED``.
 
-Usage (through :func:`jaxccl.runtime.multiprocess_launch.launch`)::
+Usage (through :func:`jaxccl.distributed.launch.launch`)::
 
     python tests/multiprocess_change_worker.py LOCAL_DEVICES STEPS SEED
 """
@@ -69,8 +69,8 @@ def schedule_pool(topo: Any, n: int) -> dict[str, dict[str, Any]]:
 
 
 def main(argv: list[str]) -> int:
-    from jaxccl.runtime.multiprocess import ProcessTransport
-    from jaxccl.runtime.multiprocess_launch import initialize_from_env
+    from jaxccl.distributed.launch import initialize_from_env
+    from jaxccl.distributed.transport import ProcessTransport
 
     local_devices, steps, seed = int(argv[0]), int(argv[1]), int(argv[2])
     initialize_from_env(local_devices=local_devices)
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> int:
     from jax.sharding import PartitionSpec as P
 
     import jaxccl
-    from jaxccl.runtime.multiprocess import attach, local_shards, stage_agreed
+    from jaxccl.distributed.transport import attach, local_shards, stage_agreed
 
     n = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), (AXIS,))

@@ -8,8 +8,8 @@ import pytest
 import jaxccl
 from jaxccl.cli import main
 from jaxccl.cli.bench_sweep import COLLECTIVES, REDOP, bus_factor, refusal, sweep
+from jaxccl.distributed.transport import unavailable_reason as transport_unavailable
 from jaxccl.runtime.default_schedules import direct_allgather
-from jaxccl.runtime.multiprocess import unavailable_reason as transport_unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
 QUICK = ["-b", "4K", "-e", "16K", "-f", "4", "-n", "2", "-w", "1", "--quiet"]
@@ -219,15 +219,15 @@ def test_bad_arguments_give_one_line_and_exit_status_2(capsys, argv):
 
 def test_a_missing_transport_or_lab_is_one_line_naming_what_to_install(monkeypatch, capsys):
     # The environment, not the bench, is replaced: a machine without the transport or without root.
-    import jaxccl.netlab
-    import jaxccl.runtime.multiprocess
+    import jaxccl.distributed.transport
+    import jaxccl.labs.netlab
 
     reason = "jaxccl's transport between processes was not built (install the 'multiprocess' extra)"
-    monkeypatch.setattr(jaxccl.runtime.multiprocess, "unavailable_reason", lambda: reason)
+    monkeypatch.setattr(jaxccl.distributed.transport, "unavailable_reason", lambda: reason)
     assert main(["bench", *QUICK, "--processes", "2"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "'multiprocess' extra" in err and "--backend cpu" in err
-    monkeypatch.setattr(jaxccl.netlab, "unavailable_reason", lambda: "network namespaces need root (ip netns add)")
+    monkeypatch.setattr(jaxccl.labs.netlab, "unavailable_reason", lambda: "network namespaces need root (ip netns add)")
     assert main(["bench", *QUICK, "--processes", "2", "--backend", "ppermute", "--network", "netns"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "need root" in err
@@ -270,7 +270,7 @@ def test_the_native_backend_across_processes_catches_a_wrong_schedule(tmp_path, 
 @pytest.mark.multiprocess
 @needs_transport
 @pytest.mark.skipif(
-    __import__("jaxccl.netlab").netlab.unavailable_reason() is not None, reason="network namespaces unavailable"
+    __import__("jaxccl.labs.netlab").netlab.unavailable_reason() is not None, reason="network namespaces unavailable"
 )
 def test_processes_on_a_network_namespace_lab(tmp_path, capsys):
     out, data = _launched(tmp_path, capsys, "--network", "netns", "--nic-rate-mbit", "1000", "--collectives", "psum")

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from jaxccl.control import Event
-from jaxccl.demo import FAILED_LINK, DemoConfig, _is_false_detection, run
+from jaxccl.demos.closed_loop import FAILED_LINK, DemoConfig, _is_false_detection, run
 
 REQUIRED = (
     "algbw_healthy",
@@ -66,7 +66,7 @@ def test_demo_recovers_and_explains_its_rates(demo):
 
 def test_demo_png(demo, tmp_path):
     pytest.importorskip("matplotlib")
-    from jaxccl.demo import _timeline_png
+    from jaxccl.demos.closed_loop import _timeline_png
 
     r, _ = demo
     path = tmp_path / "demo.png"

@@ -18,12 +18,12 @@ import sys
 
 import pytest
 
-from jaxccl.demo import reaction_fields
-from jaxccl.demo_network import NetworkDemoConfig, check, unavailable_reason
-from jaxccl.demo_network_layout import DemoNetworkError, check_processes, demo_topology, failed_link, process_of_rank
+from jaxccl.demos.closed_loop import reaction_fields
+from jaxccl.demos.network import NetworkDemoConfig, check, unavailable_reason
+from jaxccl.demos.network_layout import DemoNetworkError, check_processes, demo_topology, failed_link, process_of_rank
 from jaxccl.errors import JaxcclError
 
-# The single-process demo's keys (jaxccl.demo.run), which the real-socket demo keeps.
+# The single-process demo's keys (jaxccl.demos.closed_loop.run), which the real-socket demo keeps.
 DEMO_KEYS = {
     "algbw_healthy",
     "algbw_stale",
@@ -128,17 +128,17 @@ def test_bad_settings_are_named_errors():
 
 
 def test_what_the_machine_lacks_is_named(monkeypatch, capsys):
-    import jaxccl.netlab
-    import jaxccl.runtime.multiprocess
+    import jaxccl.distributed.transport
+    import jaxccl.labs.netlab
     from jaxccl.cli import main
 
-    monkeypatch.setattr(jaxccl.netlab, "unavailable_reason", lambda: "network namespaces need root (ip netns add)")
-    monkeypatch.setattr(jaxccl.runtime.multiprocess, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(jaxccl.labs.netlab, "unavailable_reason", lambda: "network namespaces need root (ip netns add)")
+    monkeypatch.setattr(jaxccl.distributed.transport, "unavailable_reason", lambda: None)
     with pytest.raises(DemoNetworkError, match=r"need root.*--network loopback needs only the transport"):
         check(NetworkDemoConfig(network="netns"))
     assert main(["demo", "--network", "netns"]) == 2
     assert "cannot run here: network namespaces need root" in capsys.readouterr().err
-    monkeypatch.setattr(jaxccl.runtime.multiprocess, "unavailable_reason", lambda: "the transport was not built")
+    monkeypatch.setattr(jaxccl.distributed.transport, "unavailable_reason", lambda: "the transport was not built")
     with pytest.raises(DemoNetworkError, match="loopback cannot run here: the transport was not built"):
         check(NetworkDemoConfig(network="loopback"))
 
@@ -170,7 +170,7 @@ def test_loopback_demo_matches_lax_and_detects_nothing(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.skipif(unavailable_reason("netns") is not None, reason=str(unavailable_reason("netns")))
 def test_netns_demo_detects_the_cut_and_swaps(tmp_path):
-    from jaxccl.netlab.commands import NETNS_ETC, list_namespaces
+    from jaxccl.labs.netlab.commands import NETNS_ETC, list_namespaces
 
     png = tmp_path / "demo.png"
     r = _demo(tmp_path, "--network", "netns", "--png", str(png))

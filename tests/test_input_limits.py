@@ -4,7 +4,7 @@
   cannot hold (:mod:`jaxccl.cli.bench_memory`) instead of growing until the OOM killer ends it.
 - A number in a topology, schedule JSON or MSCCL XML that does not fit a float (``10**400``) or 64 bits,
   or a JSON integer of more than 4300 digits, is a ``TopologyError`` / ``ScheduleError`` naming the field
-  (:mod:`jaxccl.strict`), never ``OverflowError``, ``ValueError`` or ``MemoryError``.
+  (:mod:`jaxccl.util.strict`), never ``OverflowError``, ``ValueError`` or ``MemoryError``.
 - Nesting deeper than the parsers (or later JSON encoding) can recurse through is a named error too.
 
 The subprocesses run under a 4 GiB address-space limit, so a bench that does not refuse cannot take the

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxccl.runtime.multiprocess import unavailable_reason as transport_unavailable
-from jaxccl.runtime.multiprocess_launch import launch
+from jaxccl.distributed.launch import launch
+from jaxccl.distributed.transport import unavailable_reason as transport_unavailable
 
 pytestmark = [
     pytest.mark.multiprocess,

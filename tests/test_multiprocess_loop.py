@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxccl.netlab import unavailable_reason as netns_unavailable
-from jaxccl.netlab.commands import list_namespaces
-from jaxccl.runtime.multiprocess import unavailable_reason as transport_unavailable
-from jaxccl.runtime.multiprocess_launch import ProcessResult, launch
+from jaxccl.distributed.launch import ProcessResult, launch
+from jaxccl.distributed.transport import unavailable_reason as transport_unavailable
+from jaxccl.labs.netlab import unavailable_reason as netns_unavailable
+from jaxccl.labs.netlab.commands import list_namespaces
 
 WORKER = Path(__file__).with_name("test_multiprocess_loop_worker.py")
 TRANSPORT = transport_unavailable()
@@ -82,7 +82,7 @@ def test_a_failing_synthesizer_never_stops_training():
 
 @needs_netns
 def test_a_live_nic_cut_is_detected_routed_around_and_swapped_everywhere():
-    from jaxccl.runtime.multiprocess_drill import DrillConfig, run_drill
+    from jaxccl.labs.drill import DrillConfig, run_drill
 
     config = DrillConfig()
     report = run_drill(config, timeout_s=240)

@@ -1,10 +1,10 @@
-"""One process of tests/test_multiprocess_loop.py (started by jaxccl.runtime.multiprocess_launch).
+"""One process of tests/test_multiprocess_loop.py (started by jaxccl.distributed.launch).
 
 Usage: python tests/test_multiprocess_loop_worker.py SYNTHESIZER STEPS
 
 Two processes of two CPU devices each run STEPS native AllGather steps across all four ranks,
 each checked bitwise against ``jax.lax.all_gather``, with a
-:class:`~jaxccl.runtime.multiprocess_loop.ProcessLoop` step after each. The communicator's
+:class:`~jaxccl.control.process_loop.ProcessLoop` step after each. The communicator's
 topology says rail 0's NICs carry 1000x what rail 1's do, so the healthy schedule sends (almost)
 everything between the processes over rail 0; what loopback really carries is far below that, so
 the first measurements flag the schedule (Algorithm 1) and the controller re-synthesizes.
@@ -27,7 +27,7 @@ def failing_synthesizer(topology, running):
 
 
 def main(argv: list[str]) -> int:
-    from jaxccl.runtime.multiprocess_launch import initialize_from_env
+    from jaxccl.distributed.launch import initialize_from_env
 
     synthesizer, steps = argv[0], int(argv[1])
     initialize_from_env(local_devices=2)
@@ -36,9 +36,9 @@ def main(argv: list[str]) -> int:
     from jax.sharding import PartitionSpec as P
 
     import jaxccl
+    from jaxccl.control.process_loop import ProcessLoop
+    from jaxccl.distributed.transport import ProcessTransport, attach, local_shards
     from jaxccl.runtime import native
-    from jaxccl.runtime.multiprocess import ProcessTransport, attach, local_shards
-    from jaxccl.runtime.multiprocess_loop import ProcessLoop
 
     transport = ProcessTransport.bootstrap(timeout_s=60)
     mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
     if jax.process_index() == 0:  # what the loop leaves in the coordinator's key-value store
         from jax._src import distributed
 
-        from jaxccl.runtime.multiprocess import SWAP_KEY_PREFIX
+        from jaxccl.distributed.transport import SWAP_KEY_PREFIX
 
         client = distributed.global_state.client
         keys = [key for key, _ in client.key_value_dir_get(loop.key_prefix)]  # <prefix>/<round>/...

@@ -1,7 +1,7 @@
 """The transport between processes (UCX, bootstrapped on jax.distributed), on loopback and on real links.
 
 Each test starts a multi-process JAX job (tests/test_multiprocess_native_worker.py) with
-jaxccl.runtime.multiprocess_launch: data checked bitwise across 2 and 4 processes, measured
+jaxccl.distributed.launch: data checked bitwise across 2 and 4 processes, measured
 rates that follow a shaped link and its live cut, and a killed peer named within the deadline.
 Skips with the reason where the transport was not built or namespaces are not available.
 """
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from jaxccl.netlab import LinkShape, NetLab
-from jaxccl.netlab import unavailable_reason as netns_unavailable
-from jaxccl.runtime.multiprocess import unavailable_reason as transport_unavailable
-from jaxccl.runtime.multiprocess_launch import ProcessResult, launch
+from jaxccl.distributed.launch import ProcessResult, launch
+from jaxccl.distributed.transport import unavailable_reason as transport_unavailable
+from jaxccl.labs.netlab import LinkShape, NetLab
+from jaxccl.labs.netlab import unavailable_reason as netns_unavailable
 
 WORKER = Path(__file__).with_name("test_multiprocess_native_worker.py")
 TRANSPORT = transport_unavailable()
@@ -248,7 +248,7 @@ def test_a_stale_message_between_processes_is_refused_by_its_identity():
 
 
 def _pair():
-    from jaxccl.runtime.multiprocess import ProcessTransport
+    from jaxccl.distributed.transport import ProcessTransport
 
     a, b = ProcessTransport(0, 2), ProcessTransport(1, 2)
     a.connect(1, b.address())
@@ -284,7 +284,7 @@ def test_transport_progresses_while_the_process_waits_elsewhere():
     # until a deadline. Process 0 here posts its receive and makes no further call.
     import numpy as np
 
-    from jaxccl.runtime.multiprocess import NETWORK_ONLY, ProcessTransport
+    from jaxccl.distributed.transport import NETWORK_ONLY, ProcessTransport
 
     a, b = ProcessTransport(0, 2, options=NETWORK_ONLY), ProcessTransport(1, 2, options=NETWORK_ONLY)
     a.connect(1, b.address())
@@ -301,8 +301,8 @@ def test_transport_progresses_while_the_process_waits_elsewhere():
 def test_transport_errors_are_named():
     import numpy as np
 
+    from jaxccl.distributed.transport import ProcessTransport, TransportArgumentError
     from jaxccl.errors import DeadlineError
-    from jaxccl.runtime.multiprocess import ProcessTransport, TransportArgumentError
 
     a, b = _pair()
     with a, b:
@@ -330,8 +330,8 @@ def test_attach_checks_the_mesh_and_the_process():
     import numpy as np
     from jax.sharding import Mesh
 
+    from jaxccl.distributed.transport import ProcessTransport, attach
     from jaxccl.errors import ExecutorError
-    from jaxccl.runtime.multiprocess import ProcessTransport, attach
 
     devices = np.array(jax.devices())
     with ProcessTransport(1, 2) as t:

@@ -1,4 +1,4 @@
-"""One process of tests/test_multiprocess_native.py (started by jaxccl.runtime.multiprocess_launch).
+"""One process of tests/test_multiprocess_native.py (started by jaxccl.distributed.launch).
 
 Usage: python tests/test_multiprocess_native_worker.py MODE [ARGS]
 
@@ -53,7 +53,7 @@ def payload(src: int, dst: int, nbytes: int) -> np.ndarray:
 
 
 def transport_options() -> dict[str, str]:
-    from jaxccl.runtime.multiprocess import NETWORK_ONLY
+    from jaxccl.distributed.transport import NETWORK_ONLY
 
     return dict(NETWORK_ONLY) if os.environ.get("JAXCCL_TEST_NETWORK_ONLY") == "1" else {}
 
@@ -94,7 +94,7 @@ def collectives(t) -> bool:
     from jax.sharding import Mesh
 
     import jaxccl
-    from jaxccl.runtime.multiprocess import attach
+    from jaxccl.distributed.transport import attach
 
     mesh = Mesh(np.array(jax.devices()), ("d",))
     attach(t, mesh, "d")
@@ -127,8 +127,8 @@ def mesh_axes(t) -> bool:
     from jax.sharding import PartitionSpec as P
 
     import jaxccl
+    from jaxccl.distributed.transport import attach, local_shards
     from jaxccl.runtime import native
-    from jaxccl.runtime.multiprocess import attach, local_shards
 
     devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
     mesh = Mesh(devices.reshape(t.num_processes, -1), ("x", "y"))
@@ -175,8 +175,8 @@ def swap(t, steps: int) -> bool:
     from jax.sharding import PartitionSpec as P
 
     import jaxccl
+    from jaxccl.distributed.transport import attach, local_shards, stage_agreed
     from jaxccl.runtime import native
-    from jaxccl.runtime.multiprocess import attach, local_shards, stage_agreed
 
     n = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -222,10 +222,10 @@ def stale(t) -> bool:
     from jax.sharding import PartitionSpec as P
 
     import jaxccl
+    from jaxccl.distributed.transport import attach, local_shards
     from jaxccl.errors import ExecutorError
     from jaxccl.runtime import native
     from jaxccl.runtime.failures import executor_errors
-    from jaxccl.runtime.multiprocess import attach, local_shards
 
     n = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -275,7 +275,7 @@ def meter(t, steps: int) -> bool:
     from jax.sharding import PartitionSpec as P
 
     import jaxccl
-    from jaxccl.runtime.multiprocess import TransportMeter, attach
+    from jaxccl.distributed.transport import TransportMeter, attach
 
     n = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -326,8 +326,8 @@ def kill_native(t, schedule: str = "direct") -> bool:
     from jax.sharding import PartitionSpec as P
 
     import jaxccl
+    from jaxccl.distributed.transport import attach
     from jaxccl.errors import ExecutorError
-    from jaxccl.runtime.multiprocess import attach
 
     n = jax.device_count()
     mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -355,8 +355,8 @@ def kill_native(t, schedule: str = "direct") -> bool:
 
 
 def main(argv: list[str]) -> int:
-    from jaxccl.runtime.multiprocess import ProcessTransport
-    from jaxccl.runtime.multiprocess_launch import initialize_from_env
+    from jaxccl.distributed.launch import initialize_from_env
+    from jaxccl.distributed.transport import ProcessTransport
 
     mode = argv[0]
     with_devices = ("collectives", "mesh", "swap", "killnative", "meter", "stale")

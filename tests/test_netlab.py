@@ -1,7 +1,7 @@
-"""Real links on one machine (jaxccl.netlab): shaped rates, a live cut, and nothing left behind.
+"""Real links on one machine (jaxccl.labs.netlab): shaped rates, a live cut, and nothing left behind.
 
 These tests build network namespaces, so they need root and iproute2; elsewhere they skip with
-the reason :func:`jaxccl.netlab.unavailable_reason` gives.
+the reason :func:`jaxccl.labs.netlab.unavailable_reason` gives.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from jaxccl.netlab import LinkShape, NetLab, NetlabError, measure_throughput, unavailable_reason
-from jaxccl.netlab.commands import NETNS_ETC, list_namespaces, netem_available
+from jaxccl.labs.netlab import LinkShape, NetLab, NetlabError, measure_throughput, unavailable_reason
+from jaxccl.labs.netlab.commands import NETNS_ETC, list_namespaces, netem_available
 
 ROOT = Path(__file__).resolve().parent.parent
 REASON = unavailable_reason()
@@ -69,7 +69,7 @@ def test_failure_inside_the_lab_removes_everything():
 @needs_netns
 def test_killed_owner_leaves_nothing():
     code = (
-        "from jaxccl.netlab import NetLab, LinkShape\n"
+        "from jaxccl.labs.netlab import NetLab, LinkShape\n"
         "import sys, time\n"
         "lab = NetLab(2, LinkShape(rate_mbit=10)).__enter__()\n"
         "lab.popen(0, [sys.executable, '-c', 'import time; time.sleep(600)'])\n"

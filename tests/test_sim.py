@@ -15,7 +15,6 @@ from jaxccl.schedule import Buffer, Op, OpKind, ScheduleBuilder, Threadblock, ma
 from jaxccl.sim import engine
 from jaxccl.sim.analytic import ring_allgather_time, ring_time
 from jaxccl.sim.fairness import max_min_rates
-from jaxccl.sim.groups import group_of, subtopology
 from jaxccl.sim.routes import Router
 from jaxccl.sim.workloads import WORKLOADS, group_gpus
 from jaxccl.synth.baselines import binary_tree_allreduce, direct_alltoall, ring_allgather
@@ -28,6 +27,7 @@ from jaxccl.synth.nccl import (
     rail_channel_orders,
 )
 from jaxccl.topology import Topology, fat_tree, rail, ring, scenario
+from jaxccl.topology.groups import group_of, subtopology
 
 I, O = Buffer.INPUT, Buffer.OUTPUT
 GB = 1e9  # 1 GB/s links keep the closed forms readable

@@ -14,11 +14,11 @@ from jaxccl.errors import ScheduleError, TopologyError
 from jaxccl.schedule.ir import Collective
 from jaxccl.sim import run as sim_run
 from jaxccl.sim.experiments import Synthesizers, _relay_call, _symmetric_records
-from jaxccl.sim.groups import groups_within, relay_domain, subtopology
 from jaxccl.sim.shared_links import fluid_time, link_bytes
 from jaxccl.sim.workloads import WORKLOADS, group_gpus
 from jaxccl.synth import allgather, reduce_scatter
 from jaxccl.topology import rail, scenario
+from jaxccl.topology.groups import groups_within, relay_domain, subtopology
 from jaxccl.topology.presets import tor
 
 MiB = 1 << 20

@@ -13,10 +13,10 @@ from test_synth_sweep import allgather_bound
 
 import jaxccl
 from jaxccl.errors import TopologyError
-from jaxccl.sim.groups import subtopology
 from jaxccl.synth import allgather, reduce_scatter
 from jaxccl.synth.group import relay_name, relay_topology
 from jaxccl.topology import rail, torus
+from jaxccl.topology.groups import subtopology
 
 CASES = {
     "torus row": (lambda: torus(4, 4), [0, 1, 2, 3]),

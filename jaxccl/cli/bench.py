@@ -221,7 +221,7 @@ def _check_across_processes(args: argparse.Namespace) -> None:
     if args.emulate_links:
         raise UsageError("--emulate-links paces links inside one process; across processes the links are real")
     if args.backend == "cpu":
-        from jaxccl.runtime.multiprocess import unavailable_reason
+        from jaxccl.distributed.transport import unavailable_reason
 
         if (reason := unavailable_reason()) is not None:
             raise UsageError(f"--backend cpu across processes: {reason}")
@@ -339,8 +339,8 @@ def _bench(
     processes: int,
     pid: int,
 ) -> int:
-    from jaxccl import report
     from jaxccl.cli.bench_run import BenchConfig, run
+    from jaxccl.util import report
 
     cfg = BenchConfig(
         collectives=collectives,

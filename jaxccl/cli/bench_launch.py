@@ -2,8 +2,8 @@
 
 The P processes run the same ``jaxccl bench`` command (every option but the
 launching ones, plus ``--quiet``), started by
-:func:`jaxccl.runtime.multiprocess_launch.launch`: on loopback, or with
-``--network netns`` one process per node of a :class:`~jaxccl.netlab.NetLab`
+:func:`jaxccl.distributed.launch.launch`: on loopback, or with
+``--network netns`` one process per node of a :class:`~jaxccl.labs.netlab.NetLab`
 (root; ``--nic-rate-mbit`` shapes every node's NIC), so every byte between
 processes crosses the lab's links. Each process learns its role from the
 launcher's ``JAXCCL_*`` variables; one deadline (``--job-timeout``) covers
@@ -93,7 +93,7 @@ def _check(args: argparse.Namespace) -> None:
     if args.nic_rate_mbit is not None and args.network != "netns":
         raise UsageError("--nic-rate-mbit shapes the NICs of a netns lab: add --network netns")
     if args.network == "netns":
-        from jaxccl.netlab import unavailable_reason
+        from jaxccl.labs.netlab import unavailable_reason
 
         if (reason := unavailable_reason()) is not None:
             raise UsageError(f"--network netns: {reason}")
@@ -117,8 +117,8 @@ def run_job(args: argparse.Namespace) -> int:
     """
     import contextlib
 
-    from jaxccl.netlab import LinkShape, NetLab
-    from jaxccl.runtime.multiprocess_launch import launch
+    from jaxccl.distributed.launch import launch
+    from jaxccl.labs.netlab import LinkShape, NetLab
 
     _check(args)
     with contextlib.ExitStack() as stack:

@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jaxccl import report
 from jaxccl.cli.bench_sweep import REDOP, SCHEDULE_COLLECTIVE, buffer_elements, bus_factor, input_elements
+from jaxccl.util import report
 
 __all__ = ["BenchConfig", "run"]
 
@@ -72,7 +72,7 @@ class Bench:
         if self.comm is not None:
             self.comm.close()
         if self.transport is not None:
-            from jaxccl.runtime.multiprocess import detach
+            from jaxccl.distributed.transport import detach
 
             detach()
             self.transport.close()
@@ -251,7 +251,7 @@ def setup(cfg: BenchConfig) -> Bench:
 
 def _attached_transport(mesh: Any, cfg: BenchConfig) -> Any:
     """The native executor's transport between processes, bootstrapped on ``jax.distributed`` and attached."""
-    from jaxccl.runtime.multiprocess import NETWORK_ONLY, ProcessTransport, attach
+    from jaxccl.distributed.transport import NETWORK_ONLY, ProcessTransport, attach
 
     options = NETWORK_ONLY if cfg.network_only else None
     transport = ProcessTransport.bootstrap(timeout_s=TRANSPORT_TIMEOUT_S, options=options)

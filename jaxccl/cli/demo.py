@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from jaxccl.cli.args import UsageError, positive_float, positive_int, require_matplotlib
-from jaxccl.demo import DemoConfig
-from jaxccl.demo_network import NETWORKS, NetworkDemoConfig
+from jaxccl.demos.closed_loop import DemoConfig
+from jaxccl.demos.network import NETWORKS, NetworkDemoConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -94,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         require_matplotlib()
     if args.network:
         return _run_network(args)
-    from jaxccl.demo import run
+    from jaxccl.demos.closed_loop import run
 
     cfg = DemoConfig(
         steps=args.steps,
@@ -115,8 +115,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_network(args: argparse.Namespace) -> int:
-    from jaxccl.demo_network import check, run
-    from jaxccl.demo_network_layout import DemoNetworkError
+    from jaxccl.demos.network import check, run
+    from jaxccl.demos.network_layout import DemoNetworkError
 
     cfg = NetworkDemoConfig(
         steps=args.steps,

@@ -18,7 +18,7 @@ from typing import Any
 
 from jaxccl.cli.args import UsageError, parse_size, positive_int, require_matplotlib, topology
 from jaxccl.cli.text import plain
-from jaxccl.report import format_bytes, print_table, write_json
+from jaxccl.util.report import format_bytes, print_table, write_json
 
 
 def parse_topology(spec: str) -> Any:

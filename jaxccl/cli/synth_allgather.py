@@ -32,10 +32,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from jaxccl import report
 from jaxccl.cli.args import UsageError, positive_int
 from jaxccl.cli.synth_args import add_mode_arguments, add_topology_arguments, single_topology, wants_benchmark
 from jaxccl.cli.text import plain
+from jaxccl.util import report
 
 HOSTS = (2, 4, 8, 16, 32, 64)
 STATES = ("base", "fail1", "fail2", "fail3")

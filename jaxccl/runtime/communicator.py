@@ -374,7 +374,7 @@ class Communicator:
         """Records ``schedule`` as ``collective``'s schedule after the caller staged its table itself.
 
         For staging paths that talk to the native registry directly, such as a hot-swap agreed
-        across processes (:func:`jaxccl.runtime.multiprocess.stage_agreed`): :meth:`schedule` and
+        across processes (:func:`jaxccl.distributed.transport.stage_agreed`): :meth:`schedule` and
         the controller's profiles then describe what runs. The schedule must have passed the
         interpreter.
 

@@ -11,7 +11,7 @@ below what the host's memory system and cores can copy: on the 2-core CI
 machine 1e-3 keeps an 8-GPU rail fabric under ~3 GB/s of copies.
 
 A transfer between two GPUs crosses the links of ``topology.path(u, v)``; each
-link serves reservations first come, first served (xla_ffi/network.h), so
+link serves reservations first come, first served (xla_ffi/cpu/link_emulation.h), so
 concurrent transfers with equal windows share it equally. :meth:`EmulatedNetwork.inject`
 replaces capacities and routes while collectives run: the next message of a
 running collective already sees them, nothing recompiles.
@@ -36,7 +36,7 @@ from jaxccl.errors import ExecutorError, TopologyError
 
 __all__ = ["TRACE_DTYPE", "EmulatedNetwork", "LinkEmulation"]
 
-# xla_ffi/network.h TraceRecord (steady-clock ns, the clock of time.monotonic_ns()).
+# xla_ffi/cpu/link_emulation.h TraceRecord (steady-clock ns, the clock of time.monotonic_ns()).
 TRACE_DTYPE = np.dtype(
     [
         ("src", "<i4"),

@@ -58,7 +58,7 @@ def as_executor_error(error: BaseException) -> ExecutorError | None:
     return cls(msg, **fields)
 
 
-# The registry's word for a slot that a closed communicator released (xla_ffi/registry.cc).
+# The registry's word for a slot that a closed communicator released (xla_ffi/host/registry.cc).
 _CLOSED_SLOT = re.compile(r"schedule slot (?P<slot>\d+) was removed")
 _CLOSED_OWNERS: dict[int, str] = {}
 _MAX_CLOSED_OWNERS = 4096

@@ -152,7 +152,7 @@ def stage(
     Collectives already issued by some rank finish on the old table, so all
     ranks switch at the same call. The slot's first table is current at once.
     ``transition_seq`` sets the transition point instead (one agreed by several
-    processes, :func:`jaxccl.runtime.multiprocess.stage_agreed`); it is refused
+    processes, :func:`jaxccl.distributed.transport.stage_agreed`); it is refused
     when a rank already issued a later call. Returns the staged version.
 
     ``schedule=`` checks a table as in :func:`install`.

@@ -14,7 +14,7 @@ operator of a reducing table, :class:`~jaxccl.schedule.reduction.ReduceOp`:
 one table serves sum, max and min). In a job of several
 processes the CPU call is ``jaxccl_cpu_mp_collective``, which runs this
 process's ranks and reaches the others through the transport attached with
-:func:`jaxccl.runtime.multiprocess.attach`.
+:func:`jaxccl.distributed.transport.attach`.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from jaxccl import strict
 from jaxccl.errors import ScheduleError
+from jaxccl.util import strict
 
 SCHEMA = "jaxccl.schedule/1"
 SCHEMA_VERSION = 1

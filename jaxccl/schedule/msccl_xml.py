@@ -57,11 +57,11 @@ import xml.etree.ElementTree as ET
 from typing import Any
 from xml.sax.saxutils import quoteattr
 
-from jaxccl import strict
 from jaxccl.errors import ScheduleError
 from jaxccl.schedule.inplace import out_of_place
 from jaxccl.schedule.interpreter import gc_paused
 from jaxccl.schedule.ir import Buffer, Collective, Op, OpKind, Schedule, Threadblock
+from jaxccl.util import strict
 
 NAMESPACE = "urn:jaxccl:schedule:1"
 PROTOCOLS = ("Simple", "LL", "LL128")

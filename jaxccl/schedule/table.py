@@ -2,7 +2,7 @@
 
 The format is "Compiled table (version 2)" of ``docs/schedule-ir.md``: a
 16-word header, a rank table (``N x 2``), a threadblock table (``T x 8``) and
-an op table (``O x 10``). The native executors (``xla_ffi/table.cc``) check
+an op table (``O x 10``). The native executors (``xla_ffi/host/table.cc``) check
 every word again before they run a table.
 
 A table is *sealed*: header word 14 holds the CRC-32 (zlib's) of all its other

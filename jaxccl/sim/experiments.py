@@ -32,18 +32,18 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxccl.errors import SynthesisError
-from jaxccl.report import progress as _progress
 from jaxccl.schedule.ir import Collective, Schedule
 from jaxccl.sim import run as sim_run
 from jaxccl.sim.analytic import ring_time
-from jaxccl.sim.groups import groups_within, rail_swap, relay_domain, subtopology
 from jaxccl.sim.model import EXECUTIONS, MAX_TILES, auto_iterations
 from jaxccl.sim.routes import Router
 from jaxccl.sim.shared_links import fluid_time, link_bytes
 from jaxccl.sim.workloads import WORKLOADS, CollectiveCall, Workload, group_gpus
 from jaxccl.synth.nccl import nccl_schedule, rail_channel_orders
 from jaxccl.topology import Topology, rail, scenario
+from jaxccl.topology.groups import groups_within, rail_swap, relay_domain, subtopology
 from jaxccl.topology.presets import tor
+from jaxccl.util.report import progress as _progress
 
 __all__ = ["PAPER", "Synthesizers", "fig1", "fig8", "fig11"]
 
@@ -498,7 +498,7 @@ def _relay_call(
     hosts, which are the members of the other groups; all of them run at
     once, and :func:`jaxccl.sim.shared_links.fluid_time` adds their loads on
     the shared links. A group on another rail that a rail swap of the hosts
-    maps onto an already synthesized one (:func:`jaxccl.sim.groups.rail_swap`,
+    maps onto an already synthesized one (:func:`jaxccl.topology.groups.rail_swap`,
     checked to preserve every link) takes that one's loads, mapped. ``None``
     when no other group shares the hosts (nothing to relay through that is
     not the group's own), the hosts hold over :data:`RELAY_DOMAIN_LIMIT`

@@ -135,7 +135,7 @@ def group_gpus(workload: Workload, group: str, num_gpus: int, gpu: int = 0) -> l
     >>> group_gpus(LLAMA_405B, "DP", 128, 0)
     [0, 16, 32, 48, 64, 80, 96, 112]
     """
-    from jaxccl.sim.groups import group_of
+    from jaxccl.topology.groups import group_of
 
     size = workload.group_size(group, num_gpus)
     kind = ("all" if size == num_gpus else "outer") if group == "DP" else _GROUP_KIND[group]

@@ -2,7 +2,7 @@
 
 A group (one axis of a 2-D mesh, a data-parallel group, ...) is a list of
 cluster GPUs whose order gives the group's ranks, as in
-:func:`jaxccl.sim.groups.subtopology`, which is the one definition of a
+:func:`jaxccl.topology.groups.subtopology`, which is the one definition of a
 group's own view: the group's GPUs renumbered ``0..k-1`` with the switches
 that join them. :func:`relay_topology` is the other view: every GPU outside
 the group stays, as a *relay* -- a node that forwards what it receives
@@ -30,6 +30,7 @@ import networkx as nx
 
 from jaxccl.errors import TopologyError
 from jaxccl.topology import Topology
+from jaxccl.topology.groups import subtopology
 
 RELAY_PREFIX = "relay:"
 
@@ -40,9 +41,7 @@ def relay_name(gpu: int) -> str:
 
 
 def group_view(topo: Topology, group: Sequence[int]) -> Topology:
-    """The group's own view (:func:`jaxccl.sim.groups.subtopology`), after checking ``group``."""
-    from jaxccl.sim.groups import subtopology  # the one definition of a group's topology
-
+    """The group's own view (:func:`jaxccl.topology.groups.subtopology`), after checking ``group``."""
     return subtopology(topo, _checked(topo, group))
 
 

@@ -1,4 +1,4 @@
-"""Decoding the Measurements Buffer (layout: ``xla_ffi/measurement_format.h``, version 1).
+"""Decoding the Measurements Buffer (layout: ``xla_ffi/core/measurement_format.h``, version 1).
 
 Each record is 32 bytes: ``flag, src, dst, kind, count, tb`` (int32) and
 ``sum_bw`` (float64, bytes/s summed over ``count`` measurement windows).

@@ -16,8 +16,8 @@ from typing import Any
 
 import networkx as nx
 
-from jaxccl import strict
 from jaxccl.errors import TopologyError
+from jaxccl.util import strict
 
 Node = int | str
 Edge = tuple[Node, Node]

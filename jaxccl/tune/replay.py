@@ -283,7 +283,7 @@ def simulate_pools(
 ) -> Pools:
     """Simulates every (context, arm) of ``config`` and draws its pool (see the module docstring)."""
     import jaxccl.sim as sim
-    from jaxccl.report import progress
+    from jaxccl.util.report import progress
 
     cfg = config or PoolConfig()
     t0 = time.perf_counter()

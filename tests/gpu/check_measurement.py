@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = args.runs or (5 if args.quick else 15)
 
     import jaxccl
-    from jaxccl import report
+    from jaxccl.util import report
 
     reason = _no_gpu_reason(jaxccl)
     if reason:

@@ -4,10 +4,10 @@ The receiver runs in one node's namespace, the sender in another's; the receiver
 first byte to the last and prints ``BYTES SECONDS``. :func:`measure_throughput` runs both and
 returns bytes per second.
 
-Usage: ``python -m jaxccl.netlab.probe recv PORT NBYTES TIMEOUT_S`` or
-``python -m jaxccl.netlab.probe send HOST PORT NBYTES TIMEOUT_S``.
+Usage: ``python -m jaxccl.labs.netlab.probe recv PORT NBYTES TIMEOUT_S`` or
+``python -m jaxccl.labs.netlab.probe send HOST PORT NBYTES TIMEOUT_S``.
 
->>> from jaxccl.netlab.probe import CHUNK_BYTES
+>>> from jaxccl.labs.netlab.probe import CHUNK_BYTES
 >>> CHUNK_BYTES
 65536
 """
@@ -19,8 +19,8 @@ import subprocess
 import sys
 import time
 
-from jaxccl.netlab.commands import NetlabError
-from jaxccl.netlab.lab import NetLab
+from jaxccl.labs.netlab.commands import NetlabError
+from jaxccl.labs.netlab.lab import NetLab
 
 CHUNK_BYTES = 1 << 16
 PROBE_PORT = 40917
@@ -72,14 +72,14 @@ def measure_throughput(lab: NetLab, src: int, dst: int, nbytes: int, *, timeout_
     Raises:
         NetlabError: a side failed or missed ``timeout_s``.
     """
-    recv_argv = [sys.executable, "-m", "jaxccl.netlab.probe", "recv", str(PROBE_PORT), str(nbytes), str(timeout_s)]
+    recv_argv = [sys.executable, "-m", "jaxccl.labs.netlab.probe", "recv", str(PROBE_PORT), str(nbytes), str(timeout_s)]
     receiver = lab.popen(dst, recv_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         ready = receiver.stdout.readline().strip()
         if ready != "READY":
             raise NetlabError(f"throughput receiver on node {dst} did not start: {receiver.stderr.read()[-2000:]}")
         send_argv = [
-            *[sys.executable, "-m", "jaxccl.netlab.probe", "send"],
+            *[sys.executable, "-m", "jaxccl.labs.netlab.probe", "send"],
             *[lab.address(dst), str(PROBE_PORT), str(nbytes), str(timeout_s)],
         ]
         sender = lab.popen(src, send_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

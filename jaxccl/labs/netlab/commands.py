@@ -1,6 +1,6 @@
 """Running ``ip`` and ``tc``: one place that turns their failures into :class:`NetlabError`.
 
->>> from jaxccl.netlab.commands import NetlabError
+>>> from jaxccl.labs.netlab.commands import NetlabError
 >>> issubclass(NetlabError, RuntimeError)
 True
 """

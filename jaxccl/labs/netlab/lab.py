@@ -12,7 +12,7 @@ its interfaces and qdiscs. The lab removes them on :meth:`NetLab.close` (also at
 of a ``with`` block and at interpreter exit), and a reaper process removes them when the owner
 dies without closing (``kill -9``).
 
->>> from jaxccl.netlab import LinkShape
+>>> from jaxccl.labs.netlab import LinkShape
 >>> LinkShape(rate_mbit=100, delay_ms=0.5).rate_bytes_per_s
 12500000.0
 """
@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from jaxccl.netlab.commands import (
+from jaxccl.labs.netlab.commands import (
     LAB_PREFIX,
     NETNS_ETC,
     NetlabError,
@@ -95,7 +95,7 @@ class NetLab:
     Example (as root)::
 
         with NetLab(2, LinkShape(rate_mbit=50)) as lab:
-            server = lab.popen(1, [sys.executable, "-m", "jaxccl.netlab.probe", "recv", ...])
+            server = lab.popen(1, [sys.executable, "-m", "jaxccl.labs.netlab.probe", "recv", ...])
             lab.shape(0, LinkShape(rate_mbit=5))  # gray failure: node 0's NIC cut live
     """
 
@@ -154,7 +154,7 @@ class NetLab:
         self._open = True
         # The reaper first: from here on, whatever this process dies of, the namespaces go.
         self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "jaxccl.netlab.reaper", self.prefix],
+            [sys.executable, "-m", "jaxccl.labs.netlab.reaper", self.prefix],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -1,18 +1,18 @@
 """The lab's reaper: a detached process that removes a lab's namespaces when its owner dies.
 
-A :class:`~jaxccl.netlab.lab.NetLab` starts one reaper per lab, in its own session, with a
+A :class:`~jaxccl.labs.netlab.lab.NetLab` starts one reaper per lab, in its own session, with a
 pipe on its standard input. The reaper reads until end of file, which comes when the owner
 closes the pipe or dies in any way (``kill -9`` included: the kernel closes a dead process's
 files), and then deletes every namespace of the lab's prefix with the processes in it.
 
-Usage: ``python -m jaxccl.netlab.reaper PREFIX``
+Usage: ``python -m jaxccl.labs.netlab.reaper PREFIX``
 """
 
 from __future__ import annotations
 
 import sys
 
-from jaxccl.netlab.commands import LAB_PREFIX, delete_namespaces
+from jaxccl.labs.netlab.commands import LAB_PREFIX, delete_namespaces
 
 
 def main(argv: list[str]) -> int:

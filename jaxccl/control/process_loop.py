@@ -1,0 +1,369 @@
+"""The closed loop across the processes of a job: one controller, every process's measurements, agreed swaps.
+
+Every process of a multi-process job calls :meth:`ProcessLoop.step` at the end of each training
+step (its collectives finished). A step of the loop:
+
+1. **Measure.** Each process drains what it measured since its last step: the transport's
+   completion times of its sends to ranks in other processes (:class:`TransportMeter`, MCCL
+   Sec. 5's "active while a message is in flight") and, with link emulation, the executor's meter
+   for its own ranks. It publishes its rows of the link matrix in the job's key-value store.
+2. **Gather.** Process 0 reads every process's rows (one deadline) and folds them into one EWMA
+   matrix (:class:`~jaxccl.telemetry.TelemetryCollector`): the whole communicator's telemetry.
+3. **Decide.** Process 0 runs one step of the :class:`~jaxccl.control.Controller` on it (MCCL's
+   Algorithm 1, confirmation, warm re-synthesis, reference-interpreter check) and publishes its
+   decision: nothing, or the new schedule (its JSON).
+4. **Agree and swap.** Every process reads the decision; with a schedule, every process stages
+   that same schedule to become current at one agreed sequence number
+   (:func:`~jaxccl.distributed.transport.stage_agreed`, MCCL Sec. 6.2.2 across processes).
+
+Decisions fall on step boundaries, so every process reaches the agreement point at the same
+step. A failure anywhere in the loop (a synthesis that raises, a process that does not publish
+in time) never reaches the training step: it is logged (logger ``jaxccl.control``), recorded as an
+``"error"`` event, and the running schedule keeps running.
+
+Example (in every process, after :func:`~jaxccl.distributed.transport.attach`)::
+
+    loop = ProcessLoop(comm)               # comm: backend="cpu", a topology of the job's links
+    for batch in data:
+        loss = train_step(params, batch)   # runs jaxccl collectives over comm's axis
+        loss.block_until_ready()
+        loop.step()                        # measure, gather, decide (process 0), agree, swap
+    loop.events                            # detected, confirmed, synthesized, staged, activated
+
+>>> decision_key("jaxccl/loop/1", 7)
+'jaxccl/loop/1/7/decision'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxccl.control.controller import Controller, Event
+from jaxccl.distributed.transport import DEFAULT_SWAP_MARGIN, TransportMeter, stage_agreed, swap_key
+from jaxccl.errors import DeadlineError, ExecutorError
+from jaxccl.telemetry import RECORD_DTYPE, TelemetryCollector
+from jaxccl.telemetry.records import INTER, INTRA
+
+__all__ = ["LOOP_KEY_PREFIX", "ProcessLoop", "decision_key", "rates_key"]
+
+log = logging.getLogger("jaxccl.control")
+
+LOOP_KEY_PREFIX = "jaxccl/loop"
+DEFAULT_LOOP_TIMEOUT_S = 30.0
+
+
+def rates_key(prefix: str, step: int, process: int) -> str:
+    """Where ``process`` publishes its measured rows of step ``step``."""
+    return f"{prefix}/{step}/rates/{process}"
+
+
+def round_key(prefix: str, step: int) -> str:
+    """The key directory of step ``step``'s rates and decision."""
+    return f"{prefix}/{step}"
+
+
+def decision_key(prefix: str, step: int) -> str:
+    """Where process 0 publishes the decision of step ``step``."""
+    return f"{prefix}/{step}/decision"
+
+
+def records_of(matrix: np.ndarray) -> bytes:
+    """The measured entries of ``matrix`` as measurement records, one window each (what the collector folds).
+
+    >>> m = np.full((2, 2), np.nan); m[0, 1] = 5.0
+    >>> np.frombuffer(records_of(m), RECORD_DTYPE)[["src", "dst", "sum_bw"]].tolist()
+    [(0, 1, 5.0)]
+    """
+    src, dst = np.nonzero(np.isfinite(matrix))
+    recs = np.zeros(src.size, RECORD_DTYPE)
+    recs["flag"], recs["src"], recs["count"] = 1, src, 1
+    recs["dst"] = np.where(src == dst, -1, dst)
+    recs["kind"] = np.where(src == dst, INTRA, INTER)
+    recs["sum_bw"] = matrix[src, dst]
+    return recs.tobytes()
+
+
+class _GatheredView:
+    """What the controller of process 0 sees as its communicator: the gathered telemetry, agreed staging."""
+
+    def __init__(self, loop: ProcessLoop):
+        self._loop = loop
+        comm = loop.comm
+        self.topology, self.backend = comm.topology, comm.backend
+
+    def telemetry(self) -> Any:
+        return self._loop._snapshot
+
+    def schedule(self, collective: str) -> Any:
+        return self._loop.comm.schedule(collective)
+
+    def swap_state(self, collective: str) -> dict[str, int]:
+        return self._loop.comm.swap_state(collective)
+
+    def stage_validated(self, collective: str, schedule: Any, *, table: Any = None) -> int:
+        return self._loop._publish_and_stage(collective, schedule)
+
+
+@dataclasses.dataclass
+class _StepTimes:
+    """Host time of the loop's phases in the last step, milliseconds."""
+
+    measure_ms: float = 0.0
+    gather_ms: float = 0.0
+    decide_ms: float = 0.0
+    agree_ms: float = 0.0
+
+
+class ProcessLoop:
+    """The closed loop of one communicator across the processes of a job; call :meth:`step` in every process.
+
+    Args:
+        comm: the communicator (native ``cpu`` backend over a mesh axis attached across processes
+            with :func:`~jaxccl.distributed.transport.attach`, and a ``topology`` describing the
+            job's links). Build it the same way in every process.
+        collectives: what the controller manages (see :class:`~jaxccl.control.Controller`).
+        every: run the loop on every ``every``-th call of :meth:`step` only (the first included).
+        timeout_s: deadline of every wait on another process (gathering, the decision, agreement).
+        alpha: EWMA smoothing factor of the gathered matrix.
+        margin: calls a process may issue past the others before a swap takes effect
+            (:func:`~jaxccl.distributed.transport.stage_agreed`); 0 is safe when every process
+            calls :meth:`step` only after its collectives finished.
+        key_prefix: where in the key-value store the loop keeps its messages (one per loop of a job).
+        **controller_options: passed to the :class:`~jaxccl.control.Controller` of process 0
+            (``gamma``, ``confirm``, ``tolerance``, ``synthesizers``, ...).
+
+    Raises:
+        ExecutorError: ``jax.distributed`` is not initialized.
+        ValueError: the communicator has no topology, or ``every`` is not a positive integer.
+    """
+
+    def __init__(
+        self,
+        comm: Any,
+        *,
+        collectives: Sequence[str] = ("all_gather",),
+        every: int = 1,
+        timeout_s: float = DEFAULT_LOOP_TIMEOUT_S,
+        alpha: float = 0.5,
+        margin: int = DEFAULT_SWAP_MARGIN,
+        key_prefix: str = LOOP_KEY_PREFIX,
+        **controller_options: Any,
+    ):
+        from jax._src import distributed
+
+        self._client = distributed.global_state.client
+        if self._client is None:
+            raise ExecutorError("ProcessLoop needs jax.distributed.initialize(...) first")
+        if comm.topology is None:
+            raise ValueError("ProcessLoop: the communicator has no topology (the links the controller reasons about)")
+        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+            raise ValueError(f"ProcessLoop: every must be a positive integer, got {every!r}")
+        self.comm = comm
+        self.process_id = int(distributed.global_state.process_id)
+        self.num_processes = int(distributed.global_state.num_processes)
+        self.every, self.timeout_s, self.margin = every, float(timeout_s), int(margin)
+        self.key_prefix = key_prefix
+        n = comm.axis_size
+        devices = np.asarray(comm.group_devices()).reshape(-1, n)[0]
+        self._local = np.array([int(d.process_index) == self.process_id for d in devices])
+        self._host = np.array([comm.topology.host_of(r) for r in range(n)])
+        self.meter = TransportMeter(n)
+        self.meter.drain()  # what was sent before the loop began is not its to judge
+        self._collector = TelemetryCollector(n, alpha=alpha)
+        self._snapshot = self._collector.snapshot()
+        self._emulated_samples = None
+        self._calls = 0
+        self._round = 0
+        self._staged_this_step = False
+        self._spent: list[str] = []  # process 0: key directories of earlier rounds, deleted once all read them
+        self._events: list[Event] = []
+        self.times = _StepTimes()
+        self.controller = (
+            Controller(_GatheredView(self), collectives=collectives, **controller_options)
+            if self.process_id == 0
+            else None
+        )
+
+    # ------------------------------------------------------------------ events
+    @property
+    def events(self) -> list[Event]:
+        """Everything the loop did in this process, in order (process 0: the controller's events too)."""
+        mine = list(self._events)
+        if self.controller is not None:
+            mine += self.controller.events
+        return sorted(mine, key=lambda e: e.time_ns)
+
+    @property
+    def errors(self) -> list[Event]:
+        """The ``"error"`` events: failures the loop recorded instead of raising."""
+        return [e for e in self.events if e.kind == "error"]
+
+    def telemetry(self) -> Any:
+        """The gathered EWMA link matrix as of the last step (process 0; other processes: never gathered)."""
+        return self._snapshot
+
+    def _emit(self, kind: str, collective: str | None, **detail: Any) -> Event:
+        ev = Event(kind, time.monotonic_ns(), collective, detail)
+        self._events.append(ev)
+        log.info("%s %s %s", kind, collective or "", detail)
+        return ev
+
+    def _record_error(self, where: str, exc: BaseException) -> None:
+        log.error("jaxccl loop (process %d) %s failed: %s: %s", self.process_id, where, type(exc).__name__, exc)
+        self._emit("error", None, where=where, error=f"{type(exc).__name__}: {exc}", process=self.process_id)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> list[Event]:
+        """One step of the loop in this process; returns the events it produced. Never raises.
+
+        Call it in every process at the same point of every training step, after the step's
+        collectives finished (e.g. after ``loss.block_until_ready()``).
+        """
+        self._calls += 1
+        before = len(self.events)
+        if (self._calls - 1) % self.every == 0:
+            self._round += 1
+            try:
+                self._step(self._round)
+            except Exception as e:  # noqa: BLE001 - the loop must never break training
+                self._record_error("step", e)
+        return self.events[before:]
+
+    def _step(self, k: int) -> None:
+        t0 = time.perf_counter()
+        rows = self._measure()
+        t1 = time.perf_counter()
+        self.times.measure_ms = (t1 - t0) * 1e3
+        if self.controller is None:
+            self._client.key_value_set(rates_key(self.key_prefix, k, self.process_id), json.dumps(rows))
+            self._follow(k)
+            return
+        try:
+            self._gather(k, rows)
+        except Exception as e:  # noqa: BLE001 - no decision this step; every process keeps its schedule
+            self._record_error("gather", e)
+            self._client.key_value_set(decision_key(self.key_prefix, k), json.dumps({"error": str(e)}))
+            self._spent.append(round_key(self.key_prefix, k))
+            return
+        self._forget_spent_rounds()
+        self._spent.append(round_key(self.key_prefix, k))
+        t2 = time.perf_counter()
+        self.times.gather_ms = (t2 - t1) * 1e3
+        self._staged_this_step = False
+        self._decision_step = k
+        self.controller.step()  # stages through _publish_and_stage when it re-synthesizes; never raises
+        if not self._staged_this_step:
+            self._client.key_value_set(decision_key(self.key_prefix, k), json.dumps({}))
+        self.times.decide_ms = (time.perf_counter() - t2) * 1e3
+
+    def _measure(self) -> list[list[float]]:
+        """This process's measured entries since its last step: ``[src, dst, bytes/s]`` each."""
+        m = self.meter.rates()
+        emulated = self._emulated()
+        if emulated is not None:
+            m = np.where(np.isnan(m), emulated, m)
+        keep = self._local[:, None] & np.isfinite(m)
+        keep &= (self._host[:, None] != self._host[None, :]) | np.eye(len(self._host), dtype=bool)
+        src, dst = np.nonzero(keep)
+        return [[int(i), int(j), float(m[i, j])] for i, j in zip(src, dst)]
+
+    def _emulated(self) -> np.ndarray | None:
+        """The latest raw samples of the executor's meter (link emulation), new since the last step, else None."""
+        if getattr(self.comm, "network", None) is None:
+            return None
+        tel = self.comm.telemetry()
+        fresh = tel.samples != (self._emulated_samples if self._emulated_samples is not None else 0)
+        self._emulated_samples = tel.samples
+        return np.where(fresh, tel.last, np.nan)
+
+    def _gather(self, k: int, own: list[list[float]]) -> None:
+        n = self.comm.axis_size
+        matrix = np.full((n, n), np.nan)
+        rows = {0: own}
+        for p in range(1, self.num_processes):
+            rows[p] = json.loads(self._get(rates_key(self.key_prefix, k, p), f"process {p}'s measurements"))
+        for entries in rows.values():
+            for i, j, rate in entries:
+                matrix[int(i), int(j)] = float(rate)
+        self._collector.fold(records_of(matrix))
+        self._snapshot = self._collector.snapshot()
+
+    def _forget_spent_rounds(self) -> None:
+        """Process 0, once every process published this round's rates: deletes the earlier rounds' keys.
+
+        A process publishes round k's rates only after it read round k - 1's decision and took part in
+        its swap, so nobody reads those keys any more; without this the coordinator's key-value store
+        would grow by a round's keys at every step of a long run.
+        """
+        for key in self._spent:
+            try:
+                self._client.key_value_delete(key)
+            except Exception as e:  # noqa: BLE001 - a key left behind costs memory, never training
+                self._record_error("forget", e)
+        self._spent.clear()
+
+    def _get(self, key: str, what: str) -> str:
+        try:
+            return self._client.blocking_key_value_get(key, int(self.timeout_s * 1000))
+        except Exception as e:  # XLA raises its own error type for a missed deadline
+            raise DeadlineError(f"{what} did not arrive within {self.timeout_s} s: {e}") from e
+
+    # ------------------------------------------------------------------ decisions and agreement
+    def _publish_and_stage(self, collective: str, schedule: Any) -> int:
+        """Process 0: publishes the new schedule as this step's decision and stages it with every process."""
+        k = self._decision_step
+        t0 = time.perf_counter()
+        self._client.key_value_set(
+            decision_key(self.key_prefix, k), json.dumps({"collective": collective, "schedule": schedule.to_json()})
+        )
+        self._staged_this_step = True
+        t1 = time.perf_counter()
+        version = self._agree(k, collective, schedule)
+        self._emit(
+            "agreed",
+            collective,
+            version=version,
+            publish_ms=(t1 - t0) * 1e3,
+            agree_ms=self.times.agree_ms,
+            processes=self.num_processes,
+        )
+        return version
+
+    def _agree(self, k: int, collective: str, schedule: Any) -> int:
+        t0 = time.perf_counter()
+        version, transition = stage_agreed(
+            self.comm,
+            collective,
+            schedule,
+            round_id=f"{self.key_prefix}/{k}",
+            margin=self.margin,
+            timeout_s=self.timeout_s,
+        )
+        self.times.agree_ms = (time.perf_counter() - t0) * 1e3
+        self._last_transition = transition
+        if self.process_id == 0:
+            self._spent.append(swap_key(self.comm.slot(collective), f"{self.key_prefix}/{k}"))
+        return version
+
+    def _follow(self, k: int) -> None:
+        """A process other than 0: waits for this step's decision and takes part in its swap."""
+        from jaxccl.schedule import Schedule
+
+        t0 = time.perf_counter()
+        decision = json.loads(self._get(decision_key(self.key_prefix, k), "process 0's decision"))
+        self.times.decide_ms = (time.perf_counter() - t0) * 1e3
+        if "error" in decision:
+            self._emit("skipped", None, reason=decision["error"])
+            return
+        if "schedule" not in decision:
+            return
+        collective = decision["collective"]
+        version = self._agree(k, collective, Schedule.from_json(decision["schedule"]))
+        self._emit("agreed", collective, version=version, agree_ms=self.times.agree_ms)

@@ -1,0 +1,426 @@
+"""The transport between the processes of a multi-process JAX job (UCX), bootstrapped on ``jax.distributed``.
+
+Each process creates a :class:`ProcessTransport`, publishes its address in the job's key-value
+store (``jax.distributed.initialize`` starts it), reads every peer's and connects. Then
+connection slots move with tagged nonblocking sends and receives; every completion reports its
+post and completion times (what the meter reads), every wait has a deadline, and a dead peer
+fails the waits on it with an error that names the process.
+
+The transport is optional: it needs the ``libucx`` wheel at build time
+(``pip install "jaxccl[multiprocess]"``, then rebuild). :func:`unavailable_reason` says why it is
+missing where it is.
+
+Example (in every process of a job, after ``jax.distributed.initialize``)::
+
+    with ProcessTransport.bootstrap(timeout_s=60) as t:
+        peer = (t.process_id + 1) % t.num_processes
+        recv = t.irecv((t.process_id - 1) % t.num_processes, tag=1, data=inbox)
+        send = t.isend(peer, tag=1, data=outbox)
+        t.wait(send, timeout_s=10), t.wait(recv, timeout_s=10)
+
+>>> reason = unavailable_reason()
+>>> reason is None or "transport" in reason
+True
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jaxccl.errors import DeadlineError, ExecutorError, JaxcclError
+
+KEY_PREFIX = "jaxccl/transport"
+DEFAULT_TIMEOUT_S = 60.0
+# Keep every byte on the network links (a lab's veths): no shared memory between processes. Small
+# socket buffers make a send complete when its bytes are (nearly) delivered, not when the kernel
+# buffered them, so its completion time measures the link (TransportMeter).
+NETWORK_ONLY = {"TLS": "tcp,self", "TCP_SNDBUF": "128k", "TCP_RCVBUF": "128k"}
+
+
+class TransportArgumentError(JaxcclError, ValueError):
+    """Bad input to the transport: a peer that is not another process, a tag too wide, an unknown option."""
+
+
+@functools.cache
+def _module() -> Any:
+    try:
+        import libucx
+
+        libucx.load_library()
+    except ImportError:
+        pass  # the build's rpath may still find UCX
+    from jaxccl import _transport
+
+    return _transport
+
+
+def unavailable_reason() -> str | None:
+    """Why the transport between processes is not available here (``None`` when it is)."""
+    try:
+        _module()
+    except ImportError as e:
+        return (
+            "jaxccl's transport between processes was not built (install the 'multiprocess' extra, which brings "
+            f"the libucx wheel, then rebuild jaxccl without build isolation): {e}"
+        )
+    return None
+
+
+@dataclass(frozen=True)
+class Completion:
+    """A finished send or receive.
+
+    Attributes:
+        bytes: bytes moved (a receive: the bytes that arrived).
+        post_ns: when it was posted (steady clock, ns).
+        done_ns: when the transport reported it complete.
+    """
+
+    bytes: int
+    post_ns: int
+    done_ns: int
+
+    @property
+    def seconds(self) -> float:
+        """Time from post to completion.
+
+        >>> Completion(bytes=10, post_ns=0, done_ns=2_000_000_000).seconds
+        2.0
+        """
+        return (self.done_ns - self.post_ns) * 1e-9
+
+
+def _translate(e: Exception) -> Exception:
+    mod = _module()
+    if isinstance(e, mod.TransportDeadline):
+        return DeadlineError(str(e))
+    if isinstance(e, ValueError):
+        return TransportArgumentError(str(e))
+    return ExecutorError(str(e))
+
+
+class ProcessTransport:
+    """This process's transport to the other processes of a job.
+
+    Args:
+        process_id: this process's index (``jax.process_index()``).
+        num_processes: how many processes the job has.
+        options: transport library settings (UCX variables without ``UCX_``), e.g. :data:`NETWORK_ONLY`.
+
+    Raises:
+        ExecutorError: the transport is not built here, or could not start.
+    """
+
+    def __init__(self, process_id: int, num_processes: int, *, options: Mapping[str, str] | None = None):
+        reason = unavailable_reason()
+        if reason is not None:
+            raise ExecutorError(reason)
+        try:
+            self._t = _module().Transport("ucx", int(process_id), int(num_processes), dict(options or {}))
+        except (TimeoutError, RuntimeError, ValueError) as e:
+            raise _translate(e) from e
+        self.process_id, self.num_processes = int(process_id), int(num_processes)
+        self._pinned: dict[int, np.ndarray] = {}  # buffers of requests in flight stay alive
+
+    @classmethod
+    def bootstrap(
+        cls,
+        *,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        options: Mapping[str, str] | None = None,
+        key_prefix: str = KEY_PREFIX,
+    ) -> ProcessTransport:
+        """Creates this process's transport and connects it to every peer through ``jax.distributed``.
+
+        Call it in every process after ``jax.distributed.initialize``; each publishes its address
+        under ``key_prefix`` in the job's key-value store and waits up to ``timeout_s`` for the others'.
+
+        Raises:
+            ExecutorError: ``jax.distributed`` is not initialized, or the transport failed.
+            DeadlineError: a peer did not publish its address within ``timeout_s``.
+        """
+        from jax._src import distributed
+
+        client = distributed.global_state.client
+        if client is None:
+            raise ExecutorError("ProcessTransport.bootstrap() needs jax.distributed.initialize(...) first")
+        me, n = distributed.global_state.process_id, distributed.global_state.num_processes
+        t = cls(me, n, options=options)
+        try:
+            client.key_value_set(f"{key_prefix}/{me}", t._t.address().hex())
+            for peer in range(n):
+                if peer == me:
+                    continue
+                try:
+                    hex_address = client.blocking_key_value_get(f"{key_prefix}/{peer}", int(timeout_s * 1000))
+                except Exception as e:  # XLA raises its own error type for a missed deadline
+                    raise DeadlineError(
+                        f"process {peer} did not publish its transport address within {timeout_s} s: {e}"
+                    ) from e
+                t.connect(peer, bytes.fromhex(hex_address))
+        except BaseException:
+            t.close()
+            raise
+        return t
+
+    def address(self) -> bytes:
+        """This process's address (opaque bytes) to publish for the peers."""
+        return self._call("address")
+
+    def connect(self, peer: int, address: bytes) -> None:
+        """Connects to process ``peer`` at the address it published."""
+        self._call("connect", peer, address)
+
+    def isend(self, peer: int, tag: int, data: np.ndarray) -> int:
+        """Posts a send of ``data`` (C-contiguous, unchanged until it completes) to ``peer``; returns a request."""
+        request = self._call("isend", peer, tag, data)
+        self._pinned[request] = data
+        return request
+
+    def irecv(self, peer: int, tag: int, data: np.ndarray) -> int:
+        """Posts a receive from ``peer`` into ``data`` (C-contiguous); returns a request."""
+        request = self._call("irecv", peer, tag, data)
+        self._pinned[request] = data
+        return request
+
+    def wait(self, request: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> Completion:
+        """Waits for ``request``; its completion, or the error that names the peer process.
+
+        Raises:
+            DeadlineError: it did not complete within ``timeout_s`` (it is cancelled).
+            ExecutorError: the peer process failed.
+        """
+        try:
+            return Completion(*self._call("wait", request, timeout_s))
+        finally:
+            self._pinned.pop(request, None)
+
+    def check_peer(self, peer: int) -> None:
+        """Raises :class:`ExecutorError` when the connection to ``peer`` has failed."""
+        self._call("check_peer", peer)
+
+    def close(self) -> None:
+        """Closes every connection (never waiting for a dead peer); idempotent. Detaches it first if attached."""
+        if _attached is self:
+            detach()
+        if not self._t.closed:
+            self._t.close()
+        self._pinned.clear()
+
+    def __enter__(self) -> ProcessTransport:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _call(self, method: str, *args):
+        try:
+            return getattr(self._t, method)(*args)
+        except (TimeoutError, RuntimeError, ValueError) as e:
+            raise _translate(e) from e
+
+
+_attached: ProcessTransport | None = None
+
+
+def local_shards(array: Any) -> list[np.ndarray]:
+    """This process's shards of ``array`` as numpy arrays, in device-id order.
+
+    What a process of a multi-process job compares, bitwise, with the same shards of a
+    ``jax.lax`` result (it cannot read the other processes' shards).
+
+    Example:
+        >>> import jax.numpy as jnp
+        >>> [s.tolist() for s in local_shards(jnp.arange(3))]
+        [[0, 1, 2]]
+    """
+    return [np.asarray(s.data) for s in sorted(array.addressable_shards, key=lambda s: s.device.id)]
+
+
+def process_groups(mesh: Any, axis_name: Any) -> list[list[int]]:
+    """The process of every rank of every group of a collective over ``axis_name`` (a name or a tuple) of ``mesh``.
+
+    As the native backend numbers them (:mod:`jaxccl.runtime.axes`): a rank is the linear index
+    of a device's coordinates along ``axis_name`` in the order of the tuple, a group the linear
+    index of its coordinates along the other mesh axes in mesh order.
+
+    >>> import jax
+    >>> from jax.sharding import Mesh
+    >>> process_groups(Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y")), "y")
+    [[0, 0], [0, 0]]
+
+    Raises:
+        ExecutorError: ``axis_name`` names an axis the mesh does not have, or one twice.
+    """
+    from jaxccl.runtime.axes import names
+
+    axes, mesh_axes = names(axis_name), tuple(mesh.axis_names)
+    if len(set(axes)) != len(axes) or any(a not in mesh_axes for a in axes):
+        raise ExecutorError(f"attach(): {axis_name!r} must name distinct axes of a mesh with axes {mesh_axes}")
+    others = [a for a in mesh_axes if a not in axes]
+    devices = np.asarray(mesh.devices)
+    processes = np.vectorize(lambda d: int(d.process_index), otypes=[np.int32])(devices)
+    order = [mesh_axes.index(a) for a in (*others, *axes)]
+    size = int(np.prod([devices.shape[mesh_axes.index(a)] for a in axes]))
+    return np.transpose(processes, order).reshape(-1, size).tolist()
+
+
+def attach(transport: ProcessTransport, mesh: Any, axis_name: Any) -> None:
+    """Makes the native CPU backend run collectives over ``axis_name`` of ``mesh`` across processes.
+
+    ``axis_name`` is one mesh axis or a tuple of them, as the collectives take it; the mesh may
+    have more axes (each coordinate of the others is a group of its own, as in one process). Call
+    it in every process (the same mesh everywhere) before the first native collective over those
+    axes. From then on ``backend="cpu"`` collectives over them run this process's ranks in the
+    native executor and move the bytes to ranks of other processes through ``transport``; sends
+    of the same bytes to several ranks of one other process travel once. The transport stays
+    attached (and open) until :func:`detach`.
+
+    Raises:
+        ExecutorError: ``axis_name`` is not axes of the mesh, or this process holds none of its devices.
+    """
+    from jaxccl.runtime import native
+
+    global _attached
+    groups = process_groups(mesh, axis_name)
+    try:
+        native.module().set_process_group(transport._t.capsule(), transport.process_id, groups)
+    except ValueError as e:
+        raise ExecutorError(str(e)) from e
+    _attached = transport
+
+
+def detach() -> None:
+    """Detaches the transport from the native backend (before closing it)."""
+    global _attached
+    from jaxccl.runtime import native
+
+    native.module().clear_process_group()
+    _attached = None
+
+
+SWAP_KEY_PREFIX = "jaxccl/swap"
+
+
+def swap_key(slot: int, round_id: Any) -> str:
+    """The key directory where the processes publish their swap points of one :func:`stage_agreed` round.
+
+    Every process reads every key of it during that round; afterwards it may be deleted.
+
+    >>> swap_key(3, "loop/7")
+    'jaxccl/swap/3/loop/7'
+    """
+    return f"{SWAP_KEY_PREFIX}/{slot}/{round_id}"
+
+
+DEFAULT_SWAP_MARGIN = 4
+
+
+def stage_agreed(
+    comm: Any,
+    collective: str,
+    schedule: Any,
+    *,
+    round_id: int | str,
+    margin: int = DEFAULT_SWAP_MARGIN,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> tuple[int, int]:
+    """Stages ``schedule`` in every process to become current at one agreed sequence number.
+
+    MCCL Sec. 6.2.2 across processes: every process calls this with the same schedule (it is
+    plain data: synthesize it deterministically in each process or load the same JSON) and the
+    same ``round_id`` (unique per swap of the job). Each publishes the largest sequence number
+    its ranks issued on the slot;
+    the transition point is the largest of them plus ``margin`` (the calls a process may issue
+    while the others are still agreeing), so every process runs the old table up to it and the
+    new one from the next call. The communicator then reports ``schedule`` as the collective's
+    (``comm.schedule(collective)``), as after :meth:`~jaxccl.Communicator.install`.
+    Returns ``(version, transition_seq)``.
+
+    Raises:
+        ScheduleError: ``schedule`` fails the reference interpreter.
+        DeadlineError: a process did not publish within ``timeout_s``.
+        ExecutorError: this process already issued past the agreed point (raise ``margin``).
+    """
+    from jax._src import distributed
+
+    from jaxccl.runtime import native
+
+    client = distributed.global_state.client
+    if client is None:
+        raise ExecutorError("stage_agreed() needs jax.distributed.initialize(...) first")
+    if not schedule.validated:
+        schedule.validate()
+    me, n = distributed.global_state.process_id, distributed.global_state.num_processes
+    slot = comm.slot(collective)
+    key = swap_key(slot, round_id)
+    client.key_value_set(f"{key}/{me}", str(native.swap_state(slot)["issued"]))
+    issued = []
+    for p in range(n):
+        try:
+            issued.append(int(client.blocking_key_value_get(f"{key}/{p}", int(timeout_s * 1000))))
+        except Exception as e:  # XLA raises its own error type for a missed deadline
+            raise DeadlineError(f"process {p} did not publish its swap point within {timeout_s} s: {e}") from e
+    transition = max(issued) + int(margin)
+    version = native.stage(slot, schedule, transition_seq=transition)
+    comm.record_staged(collective, schedule)
+    return version, transition
+
+
+MIN_MEASURED_BYTES = 32 << 10  # smaller sends finish in the transport's buffers: their time is not the link's
+
+
+class TransportMeter:
+    """Measured rates of this process's connections to ranks in other processes, from the transport.
+
+    Every send of the native executor to another process is recorded with its post and completion
+    times. :meth:`rates` drains them and, per (sending rank, receiving rank) pair, divides the bytes
+    sent by the time at least one of the pair's messages was in flight (the union of their
+    intervals; MCCL Sec. 5's "active while a message is in flight"). Sends under ``min_bytes``
+    are left out: they complete in the transport's buffers.
+
+    >>> float(TransportMeter.pair_rates([(0, 2, 1 << 20, 0, 1_000_000), (0, 2, 1 << 20, 500_000, 2_000_000)], 4)[0, 2])
+    1048576000.0
+    """
+
+    def __init__(self, num_ranks: int, *, min_bytes: int = MIN_MEASURED_BYTES):
+        self.num_ranks, self.min_bytes = int(num_ranks), int(min_bytes)
+        self.dropped = 0
+
+    def drain(self) -> list[tuple[int, int, int, int, int]]:
+        """The records since the last drain: (src rank, dst rank, bytes, post ns, done ns)."""
+        from jaxccl.runtime import native
+
+        flat, dropped = native.module().transport_drain()
+        self.dropped += int(dropped)
+        return [tuple(flat[i : i + 5]) for i in range(0, len(flat), 5)]
+
+    def rates(self) -> np.ndarray:
+        """Drains and returns the ``num_ranks x num_ranks`` matrix of measured bytes/s (NaN: not measured)."""
+        return self.pair_rates([r for r in self.drain() if r[2] >= self.min_bytes], self.num_ranks)
+
+    @staticmethod
+    def pair_rates(records: list[tuple[int, int, int, int, int]], num_ranks: int) -> np.ndarray:
+        """Per pair: bytes / (union of the messages' in-flight intervals), in bytes/s."""
+        by_pair: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        for src, dst, nbytes, post, done in records:
+            by_pair.setdefault((int(src), int(dst)), []).append((int(post), int(done), int(nbytes)))
+        out = np.full((num_ranks, num_ranks), np.nan)
+        for (src, dst), msgs in by_pair.items():
+            msgs.sort()
+            busy, end = 0, None
+            for post, done, _ in msgs:
+                if end is None or post > end:
+                    busy += done - post
+                    end = done
+                elif done > end:
+                    busy += done - end
+                    end = done
+            if busy > 0:
+                out[src, dst] = sum(m[2] for m in msgs) / (busy * 1e-9)
+        return out
