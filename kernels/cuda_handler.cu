@@ -21,13 +21,13 @@
 #include <tuple>
 #include <vector>
 
-#include "common.h"
-#include "core_api.h"
+#include "host/common.h"
+#include "host/core_api.h"
 #include "cuda_handler.h"
-#include "dtype.h"
+#include "host/dtype.h"
 #include "interpreter.cuh"
-#include "rendezvous.h"
-#include "table.h"
+#include "host/rendezvous.h"
+#include "host/table.h"
 
 namespace jaxccl {
 namespace cuda {

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "core/reduce.h"
-#include "measurement_format.h"
+#include "core/measurement_format.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxccl {

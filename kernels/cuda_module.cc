@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-#include "core_api.h"
+#include "host/core_api.h"
 #include "cuda_handler.h"
-#include "measurement_format.h"
+#include "core/measurement_format.h"
 
 namespace nb = nanobind;
 

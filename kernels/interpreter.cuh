@@ -22,7 +22,7 @@
 
 #include "core/meter.h"
 #include "core/protocol.h"
-#include "measurement_format.h"
+#include "core/measurement_format.h"
 
 namespace jaxccl {
 namespace cuda {

@@ -6,16 +6,16 @@
 
 #include <string>
 
-#include "core_api.h"
-#include "cpu_executor.h"
-#include "cpu_handler.h"
-#include "output_memory.h"
-#include "network.h"
-#include "registry.h"
-#include "rendezvous.h"
-#include "table.h"
-#include "transport_handler.h"
-#include "transport_proxy.h"
+#include "host/core_api.h"
+#include "cpu/executor.h"
+#include "cpu/handler.h"
+#include "cpu/output_memory.h"
+#include "cpu/link_emulation.h"
+#include "host/registry.h"
+#include "host/rendezvous.h"
+#include "host/table.h"
+#include "transport/handler.h"
+#include "transport/proxy.h"
 
 namespace nb = nanobind;
 

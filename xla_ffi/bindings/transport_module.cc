@@ -1,8 +1,8 @@
 // jaxccl._transport: the transport between processes (transport.h) for Python: the bootstrap through
-// jax.distributed's key-value store (jaxccl/runtime/multiprocess.py) and the tests drive it.
+// jax.distributed's key-value store (jaxccl/distributed/transport.py) and the tests drive it.
 //
 // Errors: a deadline raises TransportDeadline (a TimeoutError), a failed peer TransportPeerFailed, bad
-// arguments ValueError; jaxccl/runtime/multiprocess.py turns them into jaxccl's error types.
+// arguments ValueError; jaxccl/distributed/transport.py turns them into jaxccl's error types.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
@@ -14,8 +14,8 @@
 #include <string>
 #include <tuple>
 
-#include "transport.h"
-#include "transport_proxy.h"
+#include "transport/transport.h"
+#include "transport/proxy.h"
 
 namespace nb = nanobind;
 
@@ -118,7 +118,7 @@ class PyTransport {
 
 NB_MODULE(_transport, m) {
   using jaxccl::PyTransport;
-  m.doc() = "jaxccl's transport between processes (see xla_ffi/transport.h)";
+  m.doc() = "jaxccl's transport between processes (see xla_ffi/transport/transport.h)";
   nb::exception<jaxccl::TransportDeadline>(m, "TransportDeadline", PyExc_TimeoutError);
   nb::exception<jaxccl::TransportPeerFailed>(m, "TransportPeerFailed", PyExc_RuntimeError);
   m.def("transports_built", [] { return std::string(jaxccl::TransportsBuilt()); });

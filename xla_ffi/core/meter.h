@@ -15,7 +15,7 @@
 
 #include <cstdint>
 
-#include "../measurement_format.h"
+#include "measurement_format.h"
 #include "hd.h"
 
 namespace jaxccl {

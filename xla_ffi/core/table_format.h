@@ -169,7 +169,7 @@ struct TableConn {
 };
 
 // A parsed table (host only): the words plus the derived per-connection and per-message indices and the
-// per-rank programs every executor runs (program.h). xla_ffi/table.h parses and checks it.
+// per-rank programs every executor runs (program.h). xla_ffi/host/table.h parses and checks it.
 struct Table {
   std::vector<int32_t> words;
   CollectiveCode collective;

@@ -1,4 +1,4 @@
-#include "cpu_executor.h"
+#include "cpu/executor.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -10,8 +10,8 @@
 #include <xmmintrin.h>
 #endif
 
-#include "dtype.h"
-#include "transport_proxy.h"
+#include "host/dtype.h"
+#include "transport/proxy.h"
 
 namespace jaxccl {
 

@@ -23,11 +23,11 @@
 #include <utility>
 #include <vector>
 
-#include "common.h"
+#include "host/common.h"
 #include "core/protocol.h"
-#include "network.h"
-#include "registry.h"
-#include "table.h"
+#include "cpu/link_emulation.h"
+#include "host/registry.h"
+#include "host/table.h"
 
 namespace jaxccl {
 

@@ -1,11 +1,11 @@
-#include "cpu_handler.h"
+#include "cpu/handler.h"
 
-#include "common.h"
-#include "cpu_executor.h"
-#include "dtype.h"
-#include "output_memory.h"
-#include "registry.h"
-#include "rendezvous.h"
+#include "host/common.h"
+#include "cpu/executor.h"
+#include "host/dtype.h"
+#include "cpu/output_memory.h"
+#include "host/registry.h"
+#include "host/rendezvous.h"
 
 namespace jaxccl {
 namespace {

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "cpu_executor.h"
+#include "cpu/executor.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxccl {

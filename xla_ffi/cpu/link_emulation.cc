@@ -1,4 +1,4 @@
-#include "network.h"
+#include "cpu/link_emulation.h"
 
 #include <algorithm>
 #include <cmath>

@@ -29,9 +29,9 @@
 #include <tuple>
 #include <vector>
 
-#include "common.h"
+#include "host/common.h"
 #include "core/meter.h"
-#include "measurement_format.h"
+#include "core/measurement_format.h"
 
 namespace jaxccl {
 

@@ -1,4 +1,4 @@
-#include "output_memory.h"
+#include "cpu/output_memory.h"
 
 #include <atomic>
 #include <cstdint>

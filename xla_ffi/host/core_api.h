@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string>
 
-#include "registry.h"
+#include "host/registry.h"
 
 namespace jaxccl {
 

@@ -1,4 +1,4 @@
-#include "registry.h"
+#include "host/registry.h"
 
 #include <cmath>
 #include <algorithm>

@@ -24,8 +24,8 @@
 #include <mutex>
 #include <set>
 
-#include "common.h"
-#include "table.h"
+#include "host/common.h"
+#include "host/table.h"
 
 namespace jaxccl {
 

@@ -22,7 +22,7 @@
 #include <tuple>
 #include <vector>
 
-#include "common.h"
+#include "host/common.h"
 
 namespace jaxccl {
 

@@ -1,4 +1,4 @@
-#include "table.h"
+#include "host/table.h"
 
 #include "core/program_builder.h"
 

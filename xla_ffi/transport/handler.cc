@@ -1,14 +1,14 @@
 // jaxccl_cpu_mp_collective: this process's ranks meet in the in-process rendezvous (keyed by their index
 // among the local ranks), the last one starts a launch whose remote connections go through the process
 // group's transport (transport_proxy.h), and each rank runs its threadblocks as in one process.
-#include "transport_handler.h"
+#include "transport/handler.h"
 
-#include "common.h"
-#include "cpu_executor.h"
-#include "cpu_handler.h"
-#include "registry.h"
-#include "rendezvous.h"
-#include "transport_proxy.h"
+#include "host/common.h"
+#include "cpu/executor.h"
+#include "cpu/handler.h"
+#include "host/registry.h"
+#include "host/rendezvous.h"
+#include "transport/proxy.h"
 
 namespace jaxccl {
 namespace {

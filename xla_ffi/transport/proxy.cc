@@ -1,12 +1,12 @@
-#include "transport_proxy.h"
+#include "transport/proxy.h"
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
-#include "cpu_executor.h"
-#include "transport_shared_sends.h"
+#include "cpu/executor.h"
+#include "transport/shared_sends.h"
 
 namespace jaxccl {
 
@@ -85,7 +85,7 @@ ffi::ErrorOr<std::shared_ptr<const ProcessGroup>> ProcessGroupOf(int32_t index) 
   if (Groups().empty()) {
     return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                                      "jaxccl: a native collective across processes needs the processes' transport: call "
-                                     "jaxccl.runtime.multiprocess.attach(transport, mesh, axis_name) in every process first"));
+                                     "jaxccl.distributed.transport.attach(transport, mesh, axis_name) in every process first"));
   }
   if (index < 0 || index >= static_cast<int32_t>(Groups().size())) {
     return ErrorResult<R>(ffi::Error::InvalidArgument(

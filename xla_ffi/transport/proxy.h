@@ -30,9 +30,9 @@
 #include <thread>
 #include <vector>
 
-#include "common.h"
-#include "transport.h"
-#include "transport_shared_sends.h"
+#include "host/common.h"
+#include "transport/transport.h"
+#include "transport/shared_sends.h"
 
 namespace jaxccl {
 
@@ -48,7 +48,7 @@ struct ProcessGroup {
   std::vector<int32_t> process_of_rank;  // per rank of the group
   std::vector<int32_t> local_index;      // per rank: its index among this process's ranks, or -1
   int32_t num_local = 0;
-  Transport* transport = nullptr;  // owned by Python (jaxccl.runtime.multiprocess), alive while attached
+  Transport* transport = nullptr;  // owned by Python (jaxccl.distributed.transport), alive while attached
   bool Local(int32_t rank) const { return process_of_rank[rank] == process_id; }
   // Numbers the launches of a slot in this group (the same in every process: SPMD programs launch a
   // group's collectives of a slot in the same order everywhere).
@@ -90,7 +90,7 @@ int64_t NextLaunchNumber(const ProcessGroup& group, int64_t slot);
 
 // One message to a rank in another process, as the sender's transport saw it: its post and its
 // completion (steady clock). Taken by the proxy for every completed send; drained by Python
-// (jaxccl.runtime.multiprocess.TransportMeter), which turns them into measured link rates.
+// (jaxccl.distributed.transport.TransportMeter), which turns them into measured link rates.
 struct TransportRecord {
   int64_t src_rank, dst_rank, bytes, post_ns, done_ns;
 };

@@ -1,4 +1,4 @@
-#include "transport_shared_sends.h"
+#include "transport/shared_sends.h"
 
 #include <algorithm>
 #include <map>

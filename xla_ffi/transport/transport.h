@@ -33,7 +33,7 @@
 #include <utility>
 #include <vector>
 
-#include "common.h"
+#include "host/common.h"
 
 namespace jaxccl {
 

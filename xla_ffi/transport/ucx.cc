@@ -19,7 +19,7 @@
 #include <thread>
 #include <vector>
 
-#include "transport.h"
+#include "transport/transport.h"
 
 namespace jaxccl {
 namespace {
