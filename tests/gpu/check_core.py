@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 N = 8
-TESTS = pathlib.Path(__file__).resolve().parents[1]
+TESTS = pathlib.Path(__file__).resolve().parents[1] / "executor"  # test_native_executor.py
 SUM_CODES = {"float32": 0, "bfloat16": 1, "float16": 2, "int32": 3}
 KIND_NAMES = dict(enumerate(("s", "r", "rcs", "rrc", "rrs", "rrcs", "cpy", "re", "nop")))  # table op codes
 

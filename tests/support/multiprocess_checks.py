@@ -1,0 +1,101 @@
+"""The four collectives checked across the processes of a job: shared by the multi-process workers.
+
+:func:`check_collectives` runs jaxccl's collectives (with the communicator given: the ppermute
+backend in tests/workers/multiprocess_worker.py, the native CPU backend in
+tests/workers/multiprocess_native_worker.py) over every device of every process, on random data of
+float32 and int32, and compares this process's shards bitwise:
+
+- with ``jax.lax`` on the same inputs (``CHECK <case> lax ok|MISMATCH``);
+- for reductions, also with a NumPy left fold in ascending rank order (``CHECK <case> ordered
+  ok|MISMATCH``), jaxccl's default reduction order. XLA's gloo collectives do not promise that
+  order for float32, so for float32 reductions the ``lax`` line reports what was measured
+  (``differs`` with the largest difference) instead of failing.
+
+>>> ordered_sum(np.array([[1.0], [2.0]], np.float32)).tolist()
+[3.0]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def ordered_sum(blocks: np.ndarray) -> np.ndarray:
+    """``((0 + x0) + x1) + ...``: XLA:CPU's order, from the identity (which makes -0 sums +0)."""
+    acc = np.zeros_like(blocks[0])
+    for b in blocks:
+        acc = acc + b  # float32 + float32 in NumPy rounds like XLA's add
+    return acc
+
+
+def check_collectives(comm: Any, mesh: Any, axis: str = "d") -> bool:
+    """Runs the four collectives over ``axis`` of the 1-D ``mesh`` with ``comm``; prints CHECK lines.
+
+    Returns whether every required check passed (float32 reductions against ``jax.lax`` are reported,
+    not required).
+    """
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+
+    n = mesh.shape[axis]
+    sharding = NamedSharding(mesh, P(axis))
+
+    def expect_rs(g: np.ndarray) -> np.ndarray:  # psum_scatter(v, scatter_dimension=1, tiled=True)
+        v = g.reshape(n, 2, n, 3)  # [source rank, row, destination block, col]
+        return np.concatenate([ordered_sum(v[:, :, r]) for r in range(n)], axis=0)
+
+    def expect_psum(g: np.ndarray) -> np.ndarray:
+        return ordered_sum(g.reshape(n, 2, 3 * n))
+
+    cases = {
+        "all_gather": (
+            lambda v: jaxccl.all_gather(v, axis, axis=1, tiled=True),
+            lambda v: jax.lax.all_gather(v, axis, axis=1, tiled=True),
+            None,
+        ),
+        "all_to_all": (
+            lambda v: jaxccl.all_to_all(v, axis, 1, 0, tiled=True),
+            lambda v: jax.lax.all_to_all(v, axis, 1, 0, tiled=True),
+            None,
+        ),
+        "psum_scatter": (
+            lambda v: jaxccl.psum_scatter(v, axis, scatter_dimension=1, tiled=True),
+            lambda v: jax.lax.psum_scatter(v, axis, scatter_dimension=1, tiled=True),
+            expect_rs,
+        ),
+        "psum": (lambda v: jaxccl.psum(v, axis), lambda v: jax.lax.psum(v, axis), expect_psum),
+    }
+    rng = np.random.default_rng(1234)  # the same global data in every process
+    ok = True
+    for dtype in (np.float32, np.int32):
+        raw = (rng.standard_normal((2 * n, 3 * n)) * 1000).astype(dtype)
+        assert np.count_nonzero(raw) > raw.size // 2
+        x = jax.make_array_from_callback(raw.shape, sharding, lambda idx, raw=raw: raw[idx])
+        for name, (mine, ref, expect) in cases.items():
+            spec = P() if name == "psum" else P(axis)
+            with comm:
+                a = jax.jit(jax.shard_map(mine, mesh=mesh, in_specs=P(axis), out_specs=spec))(x)
+            b = jax.jit(jax.shard_map(ref, mesh=mesh, in_specs=P(axis), out_specs=spec))(x)
+            shards_a = sorted(a.addressable_shards, key=lambda s: s.device.id)
+            shards_b = sorted(b.addressable_shards, key=lambda s: s.device.id)
+            got = [np.asarray(s.data) for s in shards_a]
+            lax_vals = [np.asarray(s.data) for s in shards_b]
+            same = a.shape == b.shape and all(u.tobytes() == w.tobytes() for u, w in zip(got, lax_vals))
+            label = f"{name} {np.dtype(dtype).name}"
+            if same or expect is None or dtype is not np.float32:
+                ok &= same
+                print(f"CHECK {label} lax {'ok' if same else 'MISMATCH'}", flush=True)
+            else:
+                diff = max(float(np.max(np.abs(u - w))) for u, w in zip(got, lax_vals))
+                print(f"CHECK {label} lax differs (gloo reduction order; max |diff| {diff:.3g})", flush=True)
+            if expect is not None:
+                want = expect(raw)
+                good = all(u.tobytes() == want[s.index].tobytes() for u, s in zip(got, shards_a))
+                ok &= good
+                print(f"CHECK {label} ordered {'ok' if good else 'MISMATCH'}", flush=True)
+    return ok

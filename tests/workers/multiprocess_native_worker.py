@@ -1,0 +1,399 @@
+"""One process of tests/test_multiprocess_native.py (started by jaxccl.distributed.launch).
+
+Usage: python tests/workers/multiprocess_native_worker.py MODE [ARGS]
+
+- ``exchange``: every process sends random data of several sizes to every other through the
+  transport (bootstrapped on jax.distributed) and checks what it receives bitwise against the
+  sender's generator; prints ``CHECK ...`` lines, ``RATE src dst bytes/s`` for the largest size,
+  and ``ALL OK``.
+- ``stream NBYTES ROUNDS``: process 0 sends ROUNDS messages of NBYTES to process 1, which prints
+  the throughput of each receive from the transport's completion times (``RATE bytes/s``).
+- ``collectives LOCAL_DEVICES``: the four collectives on the native CPU backend over every device
+  of every process (LOCAL_DEVICES per process), float32 and int32, each process's shards compared
+  bitwise with ``jax.lax`` (gloo) and, for reductions, with a NumPy fold in ascending rank order
+  (jaxccl's order; gloo's float sums need not follow it); prints ``CHECK ...`` lines and ``ALL OK``.
+- ``mesh LOCAL_DEVICES``: a 2-D mesh ``("x", "y")`` whose rows are the processes; the four
+  collectives over ``"x"`` (groups that span the processes), ``"y"`` (groups inside one process) and
+  ``("y", "x")`` (one group of every device, ``y`` major) on the native CPU backend, each attached
+  in turn, compared bitwise with ``jax.lax`` (gloo) on random integer-valued data of float32 and
+  int32, whose sums are exact in any order; prints ``CHECK ...`` lines and ``ALL OK``.
+- ``swap LOCAL_DEVICES STEPS``: native AllGather steps across processes, each checked bitwise
+  against ``jax.lax``; at a step drawn from a seed every process shares, a ring schedule is
+  staged everywhere at one agreed sequence number (``stage_agreed``); prints ``SWAP version seq``
+  from the registry after the run.
+- ``meter LOCAL_DEVICES STEPS``: native AllGather steps of 1 MiB per rank; after each, this
+  process's measured send rates to the other process's ranks (``METER k bytes/s``, the median
+  over pairs, from the transport's completion times).
+- ``kill``: the last process sends one message to process 0, prints ``SENT`` and sleeps (the test
+  kills it); process 0 waits for a second message and prints ``ERROR <type> after <s> s: <message>``.
+- ``killnative LOCAL_DEVICES [ring]``: native AllGather steps in a loop (``STEP k``) until one fails; the
+  test kills the last process mid-run, and the others print ``ERROR ...`` as above (``ring``: a ring
+  schedule, whose local ranks wait for local ranks).
+- ``stale LOCAL_DEVICES``: process 1 sends one message with a stale identity; process 0 prints
+  ``REFUSED <error>``, then both check three more AllGathers (``CHECK after k ok``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # run as a script
+from multiprocess_checks import check_collectives  # noqa: E402
+
+SIZES = (4 << 10, 1 << 20, 8 << 20)
+TIMEOUT_S = 60.0
+
+
+def payload(src: int, dst: int, nbytes: int) -> np.ndarray:
+    # Never all zeros: random bits from a generator both sides can seed.
+    return np.random.default_rng([src, dst, nbytes]).integers(1, 2**31 - 1, nbytes // 4, dtype=np.int32)
+
+
+def transport_options() -> dict[str, str]:
+    from jaxccl.distributed.transport import NETWORK_ONLY
+
+    return dict(NETWORK_ONLY) if os.environ.get("JAXCCL_TEST_NETWORK_ONLY") == "1" else {}
+
+
+def exchange(t) -> bool:
+    ok = True
+    me, n = t.process_id, t.num_processes
+    for k, nbytes in enumerate(SIZES):
+        inbox = {p: np.zeros(nbytes // 4, np.int32) for p in range(n) if p != me}
+        outbox = {p: payload(me, p, nbytes) for p in range(n) if p != me}
+        recvs = {p: t.irecv(p, k, inbox[p]) for p in inbox}
+        sends = {p: t.isend(p, k, outbox[p]) for p in outbox}
+        done = {p: t.wait(r, TIMEOUT_S) for p, r in recvs.items()}
+        for r in sends.values():
+            t.wait(r, TIMEOUT_S)
+        for p, got in inbox.items():
+            same = got.tobytes() == payload(p, me, nbytes).tobytes() and done[p].bytes == nbytes
+            ok &= same
+            print(f"CHECK {nbytes} from {p} {'ok' if same else 'MISMATCH'}", flush=True)
+            if nbytes == SIZES[-1]:
+                print(f"RATE {p} {me} {nbytes / max(done[p].seconds, 1e-9):.0f}", flush=True)
+    return ok
+
+
+def stream(t, nbytes: int, rounds: int) -> bool:
+    buf = payload(0, 1, nbytes) if t.process_id == 0 else np.zeros(nbytes // 4, np.int32)
+    for k in range(rounds):
+        if t.process_id == 0:
+            t.wait(t.isend(1, k, buf), TIMEOUT_S)
+        elif t.process_id == 1:
+            c = t.wait(t.irecv(0, k, buf), TIMEOUT_S)
+            print(f"RATE {c.bytes / max(c.seconds, 1e-9):.0f}", flush=True)
+    return t.process_id != 1 or buf.tobytes() == payload(0, 1, nbytes).tobytes()
+
+
+def collectives(t) -> bool:
+    import jax
+    from jax.sharding import Mesh
+
+    import jaxccl
+    from jaxccl.distributed.transport import attach
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    attach(t, mesh, "d")
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    ok = check_collectives(comm, mesh)
+    from jaxccl.runtime import native
+
+    launches = {c: native.launch_count(comm.slot(c)) for c in ("all_gather", "all_to_all")}
+    ran_native = all(v >= 2 for v in launches.values())  # float32 and int32: the native executor ran them
+    ok &= ran_native
+    print(f"CHECK native launches {'ok' if ran_native else 'MISSING'} {launches}", flush=True)
+    comm.close()
+    return ok
+
+
+def one_collective(lib, name: str, axis, v):
+    """``name`` of ``lib`` (jaxccl or jax.lax) over ``axis`` on a rank's block ``v``."""
+    if name == "all_gather":
+        return lib.all_gather(v, axis, axis=1, tiled=True)
+    if name == "all_to_all":
+        return lib.all_to_all(v, axis, 1, 0, tiled=True)
+    if name == "psum_scatter":
+        return lib.psum_scatter(v, axis, scatter_dimension=1, tiled=True)
+    return lib.psum(v, axis)
+
+
+def mesh_axes(t) -> bool:
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+    from jaxccl.distributed.transport import attach, local_shards
+    from jaxccl.runtime import native
+
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    mesh = Mesh(devices.reshape(t.num_processes, -1), ("x", "y"))
+    spec = P("x", "y")
+    sharding = NamedSharding(mesh, spec)
+    rng = np.random.default_rng(77)  # the same global data in every process
+    ok = True
+    for axis in ("x", "y", ("y", "x")):
+        attach(t, mesh, axis)
+        comm = jaxccl.Communicator(mesh, axis, backend="cpu")
+        n = comm.axis_size
+        for dtype in (np.float32, np.int32):
+            # integers up to 2**20: float32 sums of up to 8 of them are exact, so every order agrees
+            raw = rng.integers(-(2**20), 2**20, (2 * n * mesh.shape["x"], 3 * n * mesh.shape["y"])).astype(dtype)
+            assert np.count_nonzero(raw) > raw.size // 2
+            x = jax.make_array_from_callback(raw.shape, sharding, lambda idx, raw=raw: raw[idx])
+            for name in ("all_gather", "all_to_all", "psum_scatter", "psum"):
+                f = {
+                    lib: jax.jit(
+                        jax.shard_map(
+                            functools.partial(one_collective, lib, name, axis), mesh=mesh, in_specs=spec, out_specs=spec
+                        )
+                    )
+                    for lib in (jaxccl, jax.lax)
+                }
+                with comm:
+                    a = f[jaxccl](x)
+                b = f[jax.lax](x)
+                got = [s.tobytes() for s in local_shards(a)]
+                want = [s.tobytes() for s in local_shards(b)]
+                same = a.shape == b.shape and got == want
+                ok &= same
+                print(f"CHECK {axis} {name} {np.dtype(dtype).name} lax {'ok' if same else 'MISMATCH'}", flush=True)
+        launches = native.launch_count(comm.slot("all_gather"))
+        ok &= launches >= 2
+        print(f"CHECK {axis} native launches {'ok' if launches >= 2 else 'MISSING'} {launches}", flush=True)
+        comm.close()
+    return ok
+
+
+def swap(t, steps: int) -> bool:
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+    from jaxccl.distributed.transport import attach, local_shards, stage_agreed
+    from jaxccl.runtime import native
+
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    attach(t, mesh, "d")
+    topo = jaxccl.topology.rail(hosts=t.num_processes, gpus_per_host=n // t.num_processes)
+    comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu")
+    comm.install("all_gather", jaxccl.synth.allgather(topo))
+    sharding = NamedSharding(mesh, P("d"))
+
+    def step(collective):
+        body = lambda v: collective(v, "d", axis=0, tiled=True)  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+    ours, reference = step(jaxccl.all_gather), step(jax.lax.all_gather)
+    swap_at = int(np.random.default_rng(99).integers(1, steps - 6))  # the same in every process
+    ok = True
+    for k in range(steps):
+        raw = np.random.default_rng(k).standard_normal((n * 64, 33)).astype(np.float32)
+        x = jax.make_array_from_callback(raw.shape, sharding, lambda idx, raw=raw: raw[idx])
+        if k == swap_at:
+            version, seq = stage_agreed(comm, "all_gather", jaxccl.synth.ring_allgather(topo), round_id=1)
+            print(f"STAGED version {version} at seq {seq} (step {k})", flush=True)
+        with comm:
+            a = ours(x)
+        b = reference(x)
+        same = all(u.tobytes() == w.tobytes() for u, w in zip(local_shards(a), local_shards(b)))
+        ok &= same
+        print(f"CHECK step {k} lax {'ok' if same else 'MISMATCH'}", flush=True)
+    state = native.swap_state(comm.slot("all_gather"))
+    print(f"SWAP {state['current_version']} {state['last_swap_seq']}", flush=True)
+    comm.close()
+    return ok
+
+
+def stale(t) -> bool:
+    """Process 1 sends one message with the identity of its previous launch; process 0's proxy must refuse it.
+
+    Prints ``REFUSED <error>`` where the error names the stale message, then checks that both processes run
+    correct collectives again once the failed launch is over.
+    """
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+    from jaxccl.distributed.transport import attach, local_shards
+    from jaxccl.errors import ExecutorError
+    from jaxccl.runtime import native
+    from jaxccl.runtime.failures import executor_errors
+
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    attach(t, mesh, "d")
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    sharding = NamedSharding(mesh, P("d"))
+
+    def step(collective):
+        body = lambda v: collective(v, "d", axis=0, tiled=True)  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+
+    ours, reference = step(jaxccl.all_gather), step(jax.lax.all_gather)
+
+    def run(k: int, check: bool = True) -> bool:
+        raw = np.random.default_rng(k).standard_normal((n * 64, 5)).astype(np.float32)
+        x = jax.make_array_from_callback(raw.shape, sharding, lambda idx, raw=raw: raw[idx])
+        with executor_errors(), comm:  # the launch's error surfaces when its result is read
+            a = local_shards(ours(x))
+        if not check:
+            return True
+        b = local_shards(reference(x))
+        return all(u.tobytes() == w.tobytes() for u, w in zip(a, b))
+
+    ok = run(0)
+    if t.process_id == 1:
+        native._inject_stale_message(comm.slot("all_gather"), across_processes=True)
+    try:
+        run(1, check=False)  # only the receiver fails: the processes must not go on to gloo out of step
+        print("NO ERROR" if t.process_id == 0 else "SENT", flush=True)
+        ok &= t.process_id == 1
+    except ExecutorError as e:
+        print(f"REFUSED {type(e).__name__}: {e}", flush=True)
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier("jaxccl_test_stale", 60_000)
+    for k in range(2, 5):
+        same = run(k)
+        ok &= same
+        print(f"CHECK after {k} {'ok' if same else 'MISMATCH'}", flush=True)
+    comm.close()
+    return ok
+
+
+def meter(t, steps: int) -> bool:
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+    from jaxccl.distributed.transport import TransportMeter, attach
+
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    attach(t, mesh, "d")
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    body = lambda v: jaxccl.all_gather(v, "d", axis=0, tiled=True)  # noqa: E731
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    raw = np.random.default_rng(5).standard_normal((n * 256, 1024)).astype(np.float32)  # 1 MiB per rank
+    x = jax.make_array_from_callback(raw.shape, NamedSharding(mesh, P("d")), lambda idx: raw[idx])
+    m = TransportMeter(n)
+    with comm:
+        for k in range(steps):
+            step(x).block_until_ready()
+            rates = m.rates()
+            mine = [i for i, d in enumerate(jax.devices()) if d.process_index == jax.process_index()]
+            remote = [rates[s, d] for s in mine for d in range(n) if d not in mine and np.isfinite(rates[s, d])]
+            print(f"METER {k} {float(np.median(remote)) if remote else float('nan'):.0f}", flush=True)
+    comm.close()
+    return True
+
+
+def kill(t) -> bool:
+    from jaxccl.errors import ExecutorError
+
+    buf = np.zeros(1 << 18, np.int32)
+    victim = t.num_processes - 1  # never process 0: it runs jax.distributed's coordinator
+    if t.process_id == victim:
+        t.wait(t.isend(0, 1, payload(victim, 0, buf.nbytes)), TIMEOUT_S)
+        print("SENT", flush=True)
+        time.sleep(600)  # the test kills this process here
+        return False
+    if t.process_id != 0:
+        return True
+    t.wait(t.irecv(victim, 1, buf), TIMEOUT_S)
+    start = time.monotonic()
+    try:
+        t.wait(t.irecv(victim, 2, buf), float(os.environ.get("JAXCCL_TEST_DEADLINE_S", "20")))
+    except ExecutorError as e:
+        print(f"ERROR {type(e).__name__} after {time.monotonic() - start:.2f} s: {e}", flush=True)
+        return True
+    print("NO ERROR", flush=True)
+    return False
+
+
+def kill_native(t, schedule: str = "direct") -> bool:
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+    from jaxccl.distributed.transport import attach
+    from jaxccl.errors import ExecutorError
+
+    n = jax.device_count()
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    attach(t, mesh, "d")
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    if schedule == "ring":  # local ranks wait for local ranks that wait for the hung process
+        from jaxccl.synth.baselines import ring_allgather
+
+        comm.install("all_gather", ring_allgather(n))
+    body = lambda v: jaxccl.all_gather(v, "d", axis=0, tiled=True)  # noqa: E731
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+    raw = np.random.default_rng(5).standard_normal((n * 256, 1024)).astype(np.float32)  # 1 MiB per rank
+    x = jax.make_array_from_callback(raw.shape, NamedSharding(mesh, P("d")), lambda idx: raw[idx])
+    last = time.monotonic()
+    try:
+        with comm:
+            for k in range(100_000):
+                step(x).block_until_ready()
+                last = time.monotonic()
+                print(f"STEP {k}", flush=True)
+    except ExecutorError as e:
+        print(f"ERROR {type(e).__name__} after {time.monotonic() - last:.2f} s: {e}", flush=True)
+        return True
+    return False
+
+
+def main(argv: list[str]) -> int:
+    from jaxccl.distributed.launch import initialize_from_env
+    from jaxccl.distributed.transport import ProcessTransport
+
+    mode = argv[0]
+    with_devices = ("collectives", "mesh", "swap", "killnative", "meter", "stale")
+    initialize_from_env(local_devices=int(argv[1]) if mode in with_devices else 1)
+    t = ProcessTransport.bootstrap(timeout_s=TIMEOUT_S, options=transport_options())
+    if mode == "exchange":
+        ok = exchange(t)
+    elif mode == "stream":
+        ok = stream(t, int(argv[1]), int(argv[2]))
+    elif mode == "kill":
+        ok = kill(t)
+    elif mode == "collectives":
+        ok = collectives(t)
+    elif mode == "mesh":
+        ok = mesh_axes(t)
+    elif mode == "meter":
+        ok = meter(t, int(argv[2]))
+    elif mode == "killnative":
+        ok = kill_native(t, *argv[2:3])
+    elif mode == "swap":
+        ok = swap(t, int(argv[2]))
+    elif mode == "stale":
+        ok = stale(t)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    print("ALL OK" if ok else "FAILED", flush=True)
+    if mode in ("kill", "killnative"):
+        os._exit(0 if ok else 1)  # the peer is dead: jax.distributed's shutdown barrier would wait for it
+    t.close()
+    import jax
+
+    jax.distributed.shutdown()  # a barrier: the coordinator (process 0) leaves last
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
