@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     same = bitwise_equal(losses, ref_losses) and bitwise_equal(params, ref_params)
     for i, (a, b) in enumerate(zip(ref_losses, losses)):
         print(f"step {i:3d}  loss jax.lax {a:.7f}  jaxccl {b:.7f}{'' if a.tobytes() == b.tobytes() else '  DIFFERENT'}")
-    print(f"seconds per step: jax.lax {ref_dt:.4f}, jaxccl {dt:.4f} (see benchmarks/transformer_step.py)")
+    print(f"seconds per step: jax.lax {ref_dt:.4f}, jaxccl {dt:.4f} (see benchmarks/executor/transformer_step.py)")
     print("loss curves and final weights bitwise equal" if same else "MISMATCH between jax.lax and jaxccl")
     if args.json:
         with open(args.json, "w") as f:

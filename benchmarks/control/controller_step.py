@@ -26,7 +26,7 @@ callback (from ``Controller.step_times``; both step-driven variants share one
 controller, so it is given once).
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/controller_step.py [--quick] [--json results.json]
+    nice -n 10 python -m benchmarks.control.controller_step [--quick] [--json results.json]
 """
 
 from __future__ import annotations

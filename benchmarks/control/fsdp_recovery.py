@@ -23,7 +23,7 @@ bytes per rank: ``size``).
 ``predicted_ms`` adds the two schedules' large-message predictions.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/fsdp_recovery.py [--quick] [--json results.json]
+    nice -n 10 python -m benchmarks.control.fsdp_recovery [--quick] [--json results.json]
 """
 
 from __future__ import annotations

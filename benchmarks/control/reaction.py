@@ -13,7 +13,7 @@ MCCL's testbed numbers are printed beside ours: detection 53.1 ms, synthesizer
 13.1 ms, swap 11.6 ms, total 78.2 ms. Goal: swap < 1 ms in-process.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/reaction.py [--runs 5] [--json results.json]
+    nice -n 10 python -m benchmarks.control.reaction [--runs 5] [--json results.json]
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """A long fuzzing campaign: the property-based suites of the tests, with many more examples.
 
-Runs ``tests/test_fuzz_parsers.py`` (MSCCL XML, schedule JSON, topology JSON),
-``tests/test_fuzz_collectives.py`` (collective arguments against jax.lax) and
-``tests/test_fuzz_tables.py`` (mutated compiled tables) under the ``long``
+Runs ``tests/schedule/test_fuzz_parsers.py`` (MSCCL XML, schedule JSON, topology JSON),
+``tests/runtime/test_fuzz_collectives.py`` (collective arguments against jax.lax) and
+``tests/schedule/test_fuzz_tables.py`` (mutated compiled tables) under the ``long``
 Hypothesis profile (``JAXCCL_FUZZ=long``: randomized, not derandomized,
 thousands of examples per property) and prints one row per suite: outcome,
 wall time. CI runs the same properties derandomized with a small budget.
 
 Then a counted table campaign (``--tables``, 20,000 by default): random
-mutations of compiled tables (the mutations of ``tests/test_fuzz_tables.py``),
+mutations of compiled tables (the mutations of ``tests/schedule/test_fuzz_tables.py``),
 each checked by the native registry as it comes (*sealed* by the compiler: the
 checksum refuses every real change) and once more after :func:`seal` recomputed
 its checksum (*resealed*: only the structural checks stand between it and the
@@ -20,8 +20,8 @@ table's rows. A compiler output that runs wrong is an executor bug: the
 campaign fails.
 
 Usage:
-    nice -n 10 python benchmarks/fuzz.py [--seed N] [--tables 20000] [--runs 150] [--json PATH]
-    nice -n 10 python benchmarks/fuzz.py --tables-only
+    nice -n 10 python -m benchmarks.correctness.fuzz [--seed N] [--tables 20000] [--runs 150] [--json PATH]
+    nice -n 10 python -m benchmarks.correctness.fuzz --tables-only
 """
 
 from __future__ import annotations
@@ -32,12 +32,16 @@ import subprocess
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from jaxccl.util import report  # noqa: E402
 
-ROOT = os.path.join(os.path.dirname(__file__), "..")
-SUITES = ("tests/test_fuzz_parsers.py", "tests/test_fuzz_collectives.py", "tests/test_fuzz_tables.py")
-DEFAULT_JSON = os.path.join(os.path.dirname(__file__), "results", "fuzz.json")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+SUITES = (
+    "tests/schedule/test_fuzz_parsers.py",
+    "tests/runtime/test_fuzz_collectives.py",
+    "tests/schedule/test_fuzz_tables.py",
+)
+DEFAULT_JSON = os.path.join(ROOT, "benchmarks", "results", "fuzz.json")
 
 
 def table_campaign(count: int, seed: int, max_runs: int) -> list[dict]:
@@ -49,7 +53,7 @@ def table_campaign(count: int, seed: int, max_runs: int) -> list[dict]:
     import numpy as np
     from jax.sharding import Mesh
 
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    sys.path.insert(0, os.path.join(ROOT, "tests", "schedule"))
     import test_fuzz_tables as tf
 
     from jaxccl.errors import ExecutorError, ScheduleError

@@ -19,7 +19,7 @@ Reductions run on int32 data (any summation order is then exact) so that every
 reduction schedule, ordered or not, is checked against ``jax.lax`` bitwise.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/soak.py [--collectives 10000] [--seed 0] [--json PATH]
+    nice -n 10 python -m benchmarks.correctness.soak [--collectives 10000] [--seed 0] [--json PATH]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from jaxccl.util import report
 NUM_DEVICES = 8
 KINDS = ("all_gather", "all_to_all", "psum_scatter", "psum")
 ELEMS = (64, 1024, 8192, 65536)  # per rank, 4 bytes each: 256 B .. 256 KiB
-DEFAULT_JSON = os.path.join(os.path.dirname(__file__), "results", "soak.json")
+DEFAULT_JSON = os.path.join(os.path.dirname(__file__), "..", "results", "soak.json")
 
 
 def resources() -> dict[str, float]:

@@ -1,6 +1,6 @@
-"""Long profile of the model-based change test: the state machine of tests/stateful_machine.py for an hour.
+"""Long profile of the model-based change test: the state machine of tests/support/stateful_machine.py for an hour.
 
-The machine of ``tests/test_stateful_change.py`` (installs, reinstalls ``A -> B -> A``,
+The machine of ``tests/runtime/test_stateful_change.py`` (installs, reinstalls ``A -> B -> A``,
 tables staged at an agreed call, hot-swaps from another thread under running
 collectives, size and dtype changes, link faults, closing and reopening
 communicators) runs here in its batched form: every call of a collective is one
@@ -22,7 +22,7 @@ and size counts, samples of mismatches and errors). Exit status 1 when anything
 mismatched or failed.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/stateful_change.py [--minutes 60] [--seed 0] [--json PATH]
+    nice -n 10 python -m benchmarks.correctness.stateful_change [--minutes 60] [--seed 0] [--json PATH]
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ import threading
 import time
 from typing import Any
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # the state machine lives with the tests (tests/stateful_machine.py)
+sys.path.insert(0, os.path.join(ROOT, "tests", "support"))  # the state machine lives with the tests
 
-DEFAULT_JSON = os.path.join(os.path.dirname(__file__), "results", "stateful_change.json")
+DEFAULT_JSON = os.path.join(ROOT, "benchmarks", "results", "stateful_change.json")
 
 
 def _report(harness: Any, args: argparse.Namespace, wall: float, cpu: float, *, hang: str | None) -> dict[str, Any]:

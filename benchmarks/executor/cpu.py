@@ -16,7 +16,7 @@ Acceptance: jaxccl / jax.lax <= 1.0 at every per-rank size >= 1 MiB and <= 1.3 a
 collective.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/executor_cpu.py [--quick] [--json results.json]
+    nice -n 10 python -m benchmarks.executor.cpu [--quick] [--json results.json]
 """
 
 from __future__ import annotations

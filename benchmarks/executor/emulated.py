@@ -14,8 +14,8 @@ the executor's tile cap buys at sizes whose messages exceed N x 64 KiB; ``--no-b
 program order and the ring (slow at large sizes).
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/executor_emulated.py [--quick] [--json results.json]
-    PYTHONPATH=. nice -n 10 python benchmarks/executor_emulated.py --mib 64 --tile-cap 32 --no-baselines
+    nice -n 10 python -m benchmarks.executor.emulated [--quick] [--json results.json]
+    nice -n 10 python -m benchmarks.executor.emulated --mib 64 --tile-cap 32 --no-baselines
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@
     the footprint of this run.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/measurement.py [--quick] [--json results.json]
+    nice -n 10 python -m benchmarks.executor.measurement [--quick] [--json results.json]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ time over ``lax``'s from the same run. ``bitwise_ok``: the step's new
 parameters and loss equal ``lax``'s bit for bit.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/transformer_step.py [--quick] [--runs 15] [--json results.json]
+    nice -n 10 python -m benchmarks.executor.transformer_step [--quick] [--runs 15] [--json results.json]
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ SIZES = {  # name -> Config overrides (examples/transformer.py)
 
 
 def _example():
-    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "transformer.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "transformer.py"
     spec = importlib.util.spec_from_file_location("transformer_example", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclass looks its module up there

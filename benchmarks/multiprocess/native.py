@@ -11,7 +11,7 @@ data-movement result is checked bitwise against jax.lax once per size; float red
 checked against the ppermute backend (both sum in ascending rank order; gloo's order differs).
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/multiprocess.py [--network loopback|netns] \\
+    nice -n 10 python -m benchmarks.multiprocess.native [--network loopback|netns] \\
         [--processes 2] [--ranks 8] [--quick] [--json results.json]
 """
 

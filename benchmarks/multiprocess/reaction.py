@@ -25,7 +25,7 @@ hot-swap 11.6 ms (OOB synchronization 5.74 ms, loading 4.48 ms), total 78.2 ms. 
 detection is counted in steps.
 
 Usage (as root, with the ``multiprocess`` extra built):
-    nice -n 10 python benchmarks/reaction_multiprocess.py [--runs 5] [--json results.json]
+    nice -n 10 python -m benchmarks.multiprocess.reaction [--runs 5] [--json results.json]
 """
 
 from __future__ import annotations

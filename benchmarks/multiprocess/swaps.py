@@ -11,7 +11,7 @@ what the proxy posted and completed), and the first line naming a missed message
 
 Needs root (network namespaces) and the ``multiprocess`` extra. Run:
 
-    PYTHONPATH=. nice -n 10 python benchmarks/multiprocess_swaps.py --jobs 8 --json out.json
+    nice -n 10 python -m benchmarks.multiprocess.swaps --jobs 8 --json out.json
 """
 
 from __future__ import annotations

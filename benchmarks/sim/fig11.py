@@ -10,7 +10,7 @@ Prints progress and a table; writes JSON and a PNG (defaults under
 :mod:`jaxccl.sim.experiments` and ``docs/results.md``.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/sim_fig11.py [--quick] [--gpus 128 256] [--workload llama405b]
+    nice -n 10 python -m benchmarks.sim.fig11 [--quick] [--gpus 128 256] [--workload llama405b]
         [--json PATH] [--png PATH]
 """
 

@@ -7,7 +7,7 @@ Prints progress and a table; writes JSON and a PNG (defaults under
 :mod:`jaxccl.sim.experiments` and ``docs/results.md``.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/sim_fig8.py [--quick] [--hosts 2 4 8] [--json PATH] [--png PATH]
+    nice -n 10 python -m benchmarks.sim.fig8 [--quick] [--hosts 2 4 8] [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ for the healthy topology) and ``reopt`` (re-synthesized for the degraded one, wa
 algbw, their ratio, the flows, the simulator's wall and CPU time and its engine counters.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/sim_fig8_cells.py --hosts 32 --scenarios none fail2 \\
+    nice -n 10 python -m benchmarks.sim.fig8_cells --hosts 32 --scenarios none fail2 \\
         --schedules reopt nccl --log benchmarks/results/sim/sim_fig8_all_gather_32.log
 """
 

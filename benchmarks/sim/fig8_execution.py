@@ -11,7 +11,7 @@ synthesizer's predicted ratio and dataflow's fraction of the prediction;
 writes JSON.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/sim_fig8_execution.py [--hosts 4 8] [--scenario none fail2]
+    nice -n 10 python -m benchmarks.sim.fig8_execution [--hosts 4 8] [--scenario none fail2]
         [--json PATH]
 """
 

@@ -1,11 +1,11 @@
 """Markdown tables of the simulator benchmarks for ``docs/results.md``, our numbers next to MCCL's.
 
-Reads the JSON that ``benchmarks/sim_fig1.py``, ``sim_fig8.py``, ``sim_fig11.py`` and
+Reads the JSON that ``benchmarks/sim/fig1.py``, ``sim_fig8.py``, ``sim_fig11.py`` and
 ``sim_scale.py`` wrote (default ``benchmarks/results/sim/``) and prints one markdown
 section per file found; a missing file is named and skipped.
 
 Usage:
-    PYTHONPATH=. python benchmarks/sim_report.py [--dir benchmarks/results/sim]
+    python -m benchmarks.sim.report [--dir benchmarks/results/sim]
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ time for comparison, and the process's peak memory. Progress on stderr, a
 table, ``--json`` and a ``--png`` of wall time against GPUs.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/sim_scale.py [--quick] [--gpus 256 2048] [--json PATH] [--png PATH]
+    nice -n 10 python -m benchmarks.sim.scale [--quick] [--gpus 256 2048] [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations

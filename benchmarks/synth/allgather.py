@@ -18,8 +18,8 @@ Two benchmarks:
   runs before staging). Both results must reach the same algbw and validate.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/synth_allgather.py [--max-hosts 8] [--json results.json]
-    PYTHONPATH=. nice -n 10 python benchmarks/synth_allgather.py --warm [--runs 20] [--json results.json]
+    nice -n 10 python -m benchmarks.synth.allgather [--max-hosts 8] [--json results.json]
+    nice -n 10 python -m benchmarks.synth.allgather --warm [--runs 20] [--json results.json]
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ rate): CPU seconds (``time.process_time()``) and wall seconds of the whole
 with the algbw, gap and chunk count of both.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/synth_alltoall.py [--min-hosts 16] [--max-hosts 64] \
+    nice -n 10 python -m benchmarks.synth.alltoall [--min-hosts 16] [--max-hosts 64] \
         [--runs 3] [--json results.json]
-    nice -n 10 python benchmarks/synth_alltoall.py --cold-vs main [--runs 3] [--cases torus:8:healthy,...] \
+    nice -n 10 python -m benchmarks.synth.alltoall --cold-vs main [--runs 3] [--cases torus:8:healthy,...] \
         [--json results.json]
 """
 
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from jaxccl.cli.synth_alltoall import add_arguments, main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CASES = (
     "rail:2:base",
     "rail:2:fail2",

@@ -14,7 +14,7 @@ Three tables, every ratio against a baseline measured in the same run:
   rail fabric, the group's own view against the view with relays.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/synth_topologies.py [--runs 7] [--max-torus 8] \
+    nice -n 10 python -m benchmarks.synth.topologies [--runs 7] [--max-torus 8] \
         [--json benchmarks/results/synth_topologies.json]
 """
 

@@ -48,9 +48,9 @@ Prints progress and tables; writes JSON (default ``benchmarks/results/tuning_rea
 ``--executor``: ``benchmarks/results/tuning_react_executor.json``).
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/tuning_react.py [--quick] [--json PATH]
+    nice -n 10 python -m benchmarks.tune.react [--quick] [--json PATH]
         [--patterns tree,ring,recursive_doubling] [--ranks 8,16] [--seeds 5] [--modes pipelined,store-and-forward]
-    PYTHONPATH=. nice -n 10 python benchmarks/tuning_react.py --executor [--quick] [--seeds 5] [--runs 5]
+    nice -n 10 python -m benchmarks.tune.react --executor [--quick] [--seeds 5] [--runs 5]
         [--time-scale 5e-4] [--bytes 1048576] [--patterns tree]
 """
 

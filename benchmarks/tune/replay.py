@@ -17,7 +17,7 @@ The pools, the split and the model's predictions are saved under
 ``benchmarks/results/tuning/`` so the tables re-run without simulating.
 
 Usage:
-    PYTHONPATH=. nice -n 10 python benchmarks/tuning_replay.py [--quick] [--views actual nominal]
+    nice -n 10 python -m benchmarks.tune.replay [--quick] [--views actual nominal]
         [--pools PATH] [--resimulate] [--recalibrate] [--trials N] [--seeds N] [--json PATH]
 """
 

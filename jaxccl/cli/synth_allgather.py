@@ -7,7 +7,7 @@ optionally under ``--scenario`` and warm-started from ``--previous``, checks
 it with the reference interpreter, prints its algbw and bound, and writes it
 with ``--out``. This takes about a second.
 
-With ``--benchmark`` it runs the benchmark of ``benchmarks/synth_allgather.py``
+With ``--benchmark`` it runs the benchmark of ``benchmarks/synth/allgather.py``
 (minutes): rail-optimized ``1 x H x 8`` topologies (MCCL Sec. 6.1) for
 ``H = 2, 4, ..., 64`` (or ``--hosts 2,4,8``) in the states base, fail1, fail2
 and fail3; per (size, state, method) the cold solve time, the warm solve
@@ -233,7 +233,7 @@ def _single(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``jaxccl synth allgather`` (also used by ``benchmarks/synth_allgather.py``)."""
+    """The options of ``jaxccl synth allgather`` (also used by ``benchmarks/synth/allgather.py``)."""
     add_topology_arguments(p)
     p.add_argument("--collective", choices=("all_gather", "reduce_scatter"), default="all_gather")
     p.add_argument("--method", choices=METHODS, default="forestcoll", help="synthesis method (default forestcoll)")

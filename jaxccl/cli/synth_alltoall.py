@@ -7,7 +7,7 @@ or a topology JSON file) or for the rail ``1 x --hosts x --gpus-per-host``
 ``--previous SCHEDULE.json``, checks it with the reference interpreter and
 writes it with ``--out``.
 
-With ``--benchmark`` it runs the benchmark of ``benchmarks/synth_alltoall.py``
+With ``--benchmark`` it runs the benchmark of ``benchmarks/synth/alltoall.py``
 (minutes): rail-optimized ``1 x H x 8`` topologies (MCCL Sec. 6.1) for
 ``H = 2, 4, ..., 64`` (16-512 GPUs; or ``--hosts 2,4,8``) in the states base,
 fail1, fail2 and fail3; per (size, state) the cold time, the warm time
@@ -308,7 +308,7 @@ def _single(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of ``jaxccl synth alltoall`` (also used by ``benchmarks/synth_alltoall.py``)."""
+    """The options of ``jaxccl synth alltoall`` (also used by ``benchmarks/synth/alltoall.py``)."""
     add_topology_arguments(p)
     p.add_argument("--max-chunks", type=positive_int, default=10, help="most chunks per commodity (default 10)")
     p.add_argument(

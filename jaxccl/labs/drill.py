@@ -11,7 +11,7 @@ result is compared bitwise with ``jax.lax.all_gather``'s of the same input.
 Process 0 reports what happened as one JSON line (``RESULT {...}``); :func:`run_drill` returns
 it with the harness's times of each cut, which share the clock of the events
 (``time.monotonic_ns``). Used by ``tests/test_multiprocess_loop.py`` and
-``benchmarks/reaction_multiprocess.py``.
+``benchmarks/multiprocess/reaction.py``.
 
 Worker: ``python -m jaxccl.labs.drill '<config json>' <signal folder>`` (started by
 :func:`run_drill`).

@@ -5,7 +5,7 @@ ReduceScatter/AllReduce schedule computes a sum, a max or a min. What a
 schedule fixes is the order of the terms; with a rank-ordered schedule the
 result is bitwise equal to XLA:CPU's all-reduce, which folds the ranks in
 ascending order starting from the operator's identity, one step at a time in
-the element type (measured bit for bit, ``tests/test_reductions.py``):
+the element type (measured bit for bit, ``tests/schedule/test_reductions.py``):
 
 ====== ================================== ==========================================
 op     step (``acc`` so far, ``x`` new)   identity and what it implies

@@ -4,7 +4,7 @@ A ring schedule keeps every hop of every ring busy for its whole run, so in
 the large-message regime its time is the most loaded link's bytes over its
 capacity (plus one route latency for the pipeline to drain). That is the
 bound of any schedule moving the same bytes over the same routes, and the
-flow simulator reproduces it for rings (``tests/test_sim.py`` checks both
+flow simulator reproduces it for rings (``tests/sim/test_sim.py`` checks both
 against each other); :func:`ring_time` evaluates it without building the
 schedule, which for an 8-channel ring of 2048 GPUs would hold 33 million
 messages.

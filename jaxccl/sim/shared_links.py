@@ -15,7 +15,7 @@ planned routes survive only as the schedule's per-link chunk counts
 the cluster's links and takes the time of the busiest link, plus the
 latency of filling the deepest tree: the fluid limit that a schedule's
 ``algbw`` states for one schedule alone (the simulator reaches it within a few
-percent on large messages, ``tests/test_sim.py``), for several at once.
+percent on large messages, ``tests/sim/test_sim.py``), for several at once.
 
 >>> from jaxccl.synth import allgather
 >>> from jaxccl.topology import rail

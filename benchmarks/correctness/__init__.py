@@ -1,0 +1,1 @@
+"""Benchmarks: correctness (see :mod:`benchmarks`)."""

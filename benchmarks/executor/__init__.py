@@ -1,0 +1,1 @@
+"""Benchmarks: executor (see :mod:`benchmarks`)."""

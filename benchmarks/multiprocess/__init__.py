@@ -1,0 +1,1 @@
+"""Benchmarks: multiprocess (see :mod:`benchmarks`)."""

@@ -1,0 +1,1 @@
+"""Benchmarks: sim (see :mod:`benchmarks`)."""

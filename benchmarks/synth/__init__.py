@@ -1,0 +1,1 @@
+"""Benchmarks: synth (see :mod:`benchmarks`)."""
