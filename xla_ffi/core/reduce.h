@@ -4,7 +4,7 @@
 // runs a sum, a max or a min, chosen by a Reduction{element type, operator} that the handler builds from
 // the buffer's dtype and the call's `reduce_op` attribute.
 //
-// The reference is XLA:CPU's all-reduce, measured bit for bit (tests/test_reductions.py): a fold over
+// The reference is XLA:CPU's all-reduce, measured bit for bit (tests/schedule/test_reductions.py): a fold over
 // the ranks in ascending order that starts from the operator's identity and applies, per step,
 //   sum: acc = x + acc   (of two NaNs, f32/f64 keep the new term's, f16 the accumulator's)
 //   max: acc = (acc < x) ? x : acc   (identity -inf: a NaN term is skipped, ties keep the earlier term)
