@@ -9,7 +9,7 @@ model runs a second time with ``jax.lax`` collectives; the losses and the final
 weights must be bitwise equal. Exits 1 if they are not.
 
 Usage:
-    PYTHONPATH=. python examples/train_small.py [--steps 8] [--backend auto|cpu|ppermute]
+    python examples/train_small.py [--steps 8] [--backend auto|cpu|ppermute]
 """
 
 from __future__ import annotations

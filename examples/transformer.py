@@ -23,7 +23,7 @@ curves (and the final weights) must be bitwise equal; the script exits 1 if
 they are not.
 
 Usage:
-    PYTHONPATH=. python examples/transformer.py [--steps 20] [--backend auto|cpu|ppermute] [--json PATH]
+    python examples/transformer.py [--steps 20] [--backend auto|cpu|ppermute] [--json PATH]
 """
 
 from __future__ import annotations

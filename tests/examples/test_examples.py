@@ -1,10 +1,11 @@
-"""examples/transformer.py: the data x model transformer through jax.lax and through jaxccl.offload, bitwise."""
+"""The examples: examples/transformer.py through jax.lax and jaxccl.offload, bitwise; every example runs as a script."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import pathlib
+import subprocess
 import sys
 
 import jax
@@ -79,3 +80,22 @@ def test_script_reports_bitwise_equality(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["bitwise_equal"] and report["loss_lax"] == report["loss_jaxccl"] and len(report["loss_lax"]) == 3
     assert "bitwise equal" in capsys.readouterr().out
+
+
+EXAMPLES = sorted((pathlib.Path(__file__).resolve().parents[2] / "examples").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", EXAMPLES, ids=lambda p: p.name)
+def test_every_example_runs_as_its_docstring_says(script, tmp_path):
+    """Each example, run as a user would (a fresh process, a few steps), exits 0: its own checks passed."""
+    assert EXAMPLES, "no examples found"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--steps", "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    output = f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+    assert proc.returncode == 0, f"{script.name} exited {proc.returncode}:\n{output}"
