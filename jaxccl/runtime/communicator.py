@@ -267,7 +267,7 @@ class Communicator:
         from jaxccl.telemetry import TelemetryCollector
 
         hosts = np.array([self.topology.host_of(r) for r in range(self.axis_size)], dtype=np.int32)
-        native._cuda_module().measure_configure(True, hosts.tolist(), 1, 1, 8)
+        native.configure_cuda_measurement(hosts.tolist())  # the documented defaults (CUDA_MEASURE_*)
         self._collector = TelemetryCollector(self.axis_size, alpha=alpha, scale=1.0)
 
     def inject(self, topology: Any) -> None:
@@ -305,8 +305,8 @@ class Communicator:
         else:
             from jaxccl.runtime import native
 
-            raw, dropped = native._cuda_module().measure_drain()
-            self._collector.fold(bytes(raw), dropped=self._collector.dropped + int(dropped))
+            raw, dropped = native.drain_cuda_measurement()
+            self._collector.fold(raw, dropped=self._collector.dropped + dropped)
         return self._collector.snapshot()
 
     # ------------------------------------------------------------------ schedules
