@@ -16,9 +16,9 @@ A degradation off the cut that does not become the new bottleneck leaves every
 
 Example:
     >>> from jaxccl.topology import rail
-    >>> from jaxccl.synth import allgather
+    >>> from jaxccl.synth import all_gather
     >>> topo = rail(hosts=2, gpus_per_host=4)
-    >>> p = profile(allgather(topo), topo)
+    >>> p = profile(all_gather(topo), topo)
     >>> check(p, nominal_capacities(topo), gamma=0.1).flagged
     False
     >>> bad = nominal_capacities(topo.degrade(0, "tor:s0r0", gbps=200))

@@ -52,7 +52,7 @@ def _whole_shard_allgather(topo: Any, previous: Any) -> Any:
     """
     from jaxccl import synth
 
-    return synth.allgather(topo, previous=previous, max_chunks=MAX_CHUNKS)
+    return synth.all_gather(topo, previous=previous, max_chunks=MAX_CHUNKS)
 
 
 class _Worker:

@@ -188,7 +188,7 @@ class _Worker:
         attach(self.transport, mesh, "d")
         self.topology = rank_rail(config.hosts, config.gpus_per_host, config.shape)
         self.comm = jaxccl.Communicator(mesh, "d", topology=self.topology, backend="cpu")
-        self.healthy = jaxccl.synth.allgather(self.topology)
+        self.healthy = jaxccl.synth.all_gather(self.topology)
         self.comm.install("all_gather", self.healthy)
         self.slot = self.comm.slot("all_gather")
         self.native = native

@@ -216,7 +216,7 @@ def _catalog_entries(collective: Collective) -> list[tuple[str, Callable[[Any], 
             ("nccl_ring", one(nccl.nccl_allreduce)),
             ("nccl_tree", one(tree_ar)),
             ("ordered", one(synth.ordered_allreduce)),
-            ("rs_ag_tree", lambda t: (_built(synth.reduce_scatter, t), _built(synth.allgather, t))),
+            ("rs_ag_tree", lambda t: (_built(synth.reduce_scatter, t), _built(synth.all_gather, t))),
             ("rs_ag_direct", lambda t: (_built(synth.direct_reduce_scatter, t), _built(dag, t))),
         ]
     raise TuneError(f"no arm catalogue for {collective.value!r}; the tuner covers {list(COLLECTIVES)}")

@@ -23,7 +23,7 @@ changes a job sees, in any order:
 Schedules come from one pool per process (:func:`schedule_pool`): every baseline
 (direct, rings, rail rings, recursive doubling, NCCL-like rings and trees,
 ordered folds, binary and double binary trees) and synthesized ones
-(``jaxccl.synth.allgather``, ``alltoall``, ``reduce_scatter`` and the ordered
+(``jaxccl.synth.all_gather``, ``all_to_all``, ``reduce_scatter`` and the ordered
 ReduceScatter) for the rail topology ``rail(hosts=2, gpus_per_host=4)``, healthy
 and under faults. Every collective's result is compared bitwise with ``jax.lax``
 on random non-zero data. Float reductions are bitwise only when every schedule
