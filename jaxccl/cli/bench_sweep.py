@@ -21,6 +21,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from jaxccl.errors import UsageError
+
 __all__ = [
     "COLLECTIVES",
     "DTYPES",
@@ -76,14 +78,14 @@ def sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     [1048576]
     """
     if min_bytes > max_bytes:
-        raise ValueError(f"--min-bytes {min_bytes} is larger than --max-bytes {max_bytes}")
+        raise UsageError(f"--min-bytes {min_bytes} is larger than --max-bytes {max_bytes}")
     if factor < 2 and min_bytes < max_bytes:
-        raise ValueError(f"--step-factor must be at least 2 to go from {min_bytes} to {max_bytes} bytes")
+        raise UsageError(f"--step-factor must be at least 2 to go from {min_bytes} to {max_bytes} bytes")
     sizes = [min_bytes]
     while sizes[-1] * factor <= max_bytes:
         sizes.append(sizes[-1] * factor)
         if len(sizes) > MAX_POINTS:
-            raise ValueError(f"the sweep has more than {MAX_POINTS} sizes; raise --step-factor")
+            raise UsageError(f"the sweep has more than {MAX_POINTS} sizes; raise --step-factor")
     return sizes
 
 

@@ -33,7 +33,13 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.errors import CommunicatorClosedError, ExecutorError, ScheduleError
+from jaxccl.errors import (
+    ArgumentError,
+    CommunicatorClosedError,
+    ExecutorError,
+    ScheduleError,
+    UnsupportedTypeError,
+)
 from jaxccl.schedule.ir import Collective, Schedule
 
 __all__ = ["BACKENDS", "COLLECTIVES", "Communicator", "current", "default_communicator", "resolve"]
@@ -83,7 +89,7 @@ def _canonical(collective: str | Collective) -> Collective:
     try:
         return Collective(name)
     except ValueError:
-        raise ValueError(
+        raise ArgumentError(
             f"unknown collective {collective!r}; expected one of {COLLECTIVES} (or 'psum_scatter', 'psum')"
         ) from None
 
@@ -174,10 +180,10 @@ class Communicator:
         axis_names = tuple(getattr(mesh, "axis_names", ()))
         spanned = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
         if not spanned or len(set(spanned)) != len(spanned):
-            raise ValueError(f"Communicator: axis_name {axis_name!r} must name one or more distinct mesh axes")
+            raise ArgumentError(f"Communicator: axis_name {axis_name!r} must name one or more distinct mesh axes")
         for name in spanned:
             if name not in axis_names:
-                raise ValueError(f"Communicator: mesh has no axis {name!r}; its axes are {axis_names}")
+                raise ArgumentError(f"Communicator: mesh has no axis {name!r}; its axes are {axis_names}")
         axis_name = spanned[0] if len(spanned) == 1 else spanned
         # ---
         self._init(
@@ -248,11 +254,13 @@ class Communicator:
         from jaxccl.telemetry import TelemetryCollector
 
         if not isinstance(config, LinkEmulation):
-            raise ValueError(f"Communicator: link_emulation must be a LinkEmulation, got {type(config).__name__}")
+            raise UnsupportedTypeError(
+                f"Communicator: link_emulation must be a LinkEmulation, got {type(config).__name__}"
+            )
         if self.backend != "cpu":
             raise ExecutorError(f"Communicator: link emulation needs backend='cpu', not {self.backend!r}")
         if self.topology is None:
-            raise ValueError("Communicator: link emulation needs a topology (the links to emulate)")
+            raise ArgumentError("Communicator: link emulation needs a topology (the links to emulate)")
         self.network = EmulatedNetwork(self.topology, config)
         self._collector = TelemetryCollector(self.axis_size, alpha=alpha, scale=1.0 / config.time_scale)
 
@@ -480,7 +488,7 @@ class Communicator:
             [[0, 4, 1, 5], [2, 6, 3, 7]]
         """
         if self.mesh is None:
-            raise ValueError(f"{self!r} has no mesh (a default communicator serves any mesh with its axis)")
+            raise ArgumentError(f"{self!r} has no mesh (a default communicator serves any mesh with its axis)")
         self._check_open()
         names = tuple(self.mesh.axis_names)
         inside = self.axis_name if isinstance(self.axis_name, tuple) else (self.axis_name,)
@@ -665,7 +673,7 @@ def resolve(axis_name: Hashable, axis_size: int) -> Communicator:
     if comm is None:
         return default_communicator(axis_name, axis_size)
     if comm.axis_size != axis_size:
-        raise ValueError(
+        raise ArgumentError(
             f"{comm!r} is in scope for axis {axis_name!r}, but that axis has {axis_size} devices here "
             f"(the communicator was built for {comm.axis_size})"
         )

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxccl.errors import SynthesisError
+from jaxccl.errors import ArgumentError, SynthesisError
 from jaxccl.schedule.ir import Collective, Schedule
 from jaxccl.sim import run as sim_run
 from jaxccl.sim.analytic import ring_time
@@ -388,7 +388,7 @@ RELAY_COLLECTIVES = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)  # synthe
 def _cluster(num_gpus: int) -> Topology:
     """MCCL Sec. 6.3: segments of 16 hosts x 8 GPUs."""
     if num_gpus % 128:
-        raise ValueError(f"cluster sizes are multiples of 128 GPUs (segments of 16 hosts), got {num_gpus}")
+        raise ArgumentError(f"cluster sizes are multiples of 128 GPUs (segments of 16 hosts), got {num_gpus}")
     return rail(hosts=16, gpus_per_host=8, segments=num_gpus // 128)
 
 

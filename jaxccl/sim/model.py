@@ -91,7 +91,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxccl.errors import ScheduleError, TopologyError
+from jaxccl.errors import ArgumentError, ScheduleError, TopologyError
 from jaxccl.schedule.ir import Schedule, Threadblock
 from jaxccl.sim.ordering import threadblock_order
 from jaxccl.sim.routes import Router
@@ -301,11 +301,11 @@ def compile_jobs(
         if not isinstance(s, Schedule):
             raise ScheduleError(f"job {j}: expected a Schedule, got {type(s).__name__}")
         if not job.bytes_per_rank >= 0:
-            raise ValueError(f"job {j}: bytes_per_rank must be >= 0, got {job.bytes_per_rank!r}")
+            raise ArgumentError(f"job {j}: bytes_per_rank must be >= 0, got {job.bytes_per_rank!r}")
         placements.append(_placement(job, num_gpus))
         reps = job.iterations
         if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
-            raise ValueError(f"job {j}: iterations must be a positive integer, got {reps!r}")
+            raise ArgumentError(f"job {j}: iterations must be a positive integer, got {reps!r}")
         chunk = float(job.bytes_per_rank) / s.in_chunks
         job_chunk_bytes.append(chunk / reps)
         job_out_bytes.append(chunk * s.out_chunks)

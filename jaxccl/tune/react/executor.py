@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.errors import ExecutorError, OptionError, ScheduleError
+from jaxccl.errors import ExecutorError, OptionError, ScheduleError, TuneError
 from jaxccl.schedule.ir import Collective, Schedule, chunk_bounds, period_elements
 from jaxccl.tune.react.measure import Measurement
 
@@ -348,7 +348,7 @@ def interleaved_runs(
     Returns one list of measurements per schedule.
     """
     if runs < 1:
-        raise ValueError(f"runs must be >= 1, got {runs}")
+        raise TuneError(f"runs must be >= 1, got {runs}")
     out: list[list[Measurement]] = [[] for _ in schedules]
     for i in range(warmup + runs):
         for k, s in enumerate(schedules):

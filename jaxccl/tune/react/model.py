@@ -44,7 +44,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxccl.errors import OptionError
+from jaxccl.errors import OptionError, TuneError
 from jaxccl.tune.react.critical_path import CriticalPath
 from jaxccl.tune.react.pattern import Pattern
 
@@ -103,7 +103,7 @@ class FlowHistory:
         """Adds one epoch of ``pattern``'s flow times (NaN entries are skipped)."""
         fct = np.asarray(fct, dtype=np.float64)
         if fct.shape != (pattern.num_flows,):
-            raise ValueError(f"fct must have one entry per flow ({pattern.num_flows}), got shape {fct.shape}")
+            raise TuneError(f"fct must have one entry per flow ({pattern.num_flows}), got shape {fct.shape}")
         ok = np.isfinite(fct) & (fct > 0) & (pattern.flow_size > 0)
         self._epochs.append(
             _Epoch(
@@ -130,7 +130,7 @@ class FlowHistory:
         deg = np.concatenate([e.degree for e in self._epochs]) if self._epochs else np.zeros(0)
         fct = np.concatenate([e.fct for e in self._epochs]) if self._epochs else np.zeros(0)
         if not fct.size:
-            raise ValueError("FlowHistory is empty: record at least one epoch before estimating")
+            raise TuneError("FlowHistory is empty: record at least one epoch before estimating")
         unit = fct / (size * deg)  # seconds per chunk at degree 1
         pair = src * n + dst
         sums = np.bincount(pair, weights=unit, minlength=n * n)
@@ -175,6 +175,6 @@ class FlowHistory:
     def predicted_time(self, pattern: Pattern, paths: Sequence[CriticalPath]) -> float:
         """``E_D``: mean over ``paths`` of the summed estimated times of their flows in ``pattern``."""
         if not paths:
-            raise ValueError("predicted_time needs at least one critical path")
+            raise TuneError("predicted_time needs at least one critical path")
         est = self.estimate(pattern)
         return float(np.mean([est[list(p.flows)].sum() if p.flows else 0.0 for p in paths]))
