@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from jaxccl.errors import UsageError
+from jaxccl.util.options import choose
 
 __all__ = [
     "COLLECTIVES",
@@ -101,11 +102,10 @@ def bus_factor(collective: str, num_ranks: int) -> float:
     (0.75, 0.75, 0.75)
     """
     n = num_ranks
+    choose("collective", collective, COLLECTIVES)
     if collective in ALL_REDUCES:
         return 2 * (n - 1) / n
-    if collective in COLLECTIVES:
-        return (n - 1) / n
-    raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+    return (n - 1) / n
 
 
 def refusal(collective: str, dtype: str) -> str | None:
@@ -149,8 +149,7 @@ def buffer_elements(collective: str, size: int, *, num_ranks: int, itemsize: int
     >>> buffer_elements("psum", 4096, num_ranks=8, itemsize=2)
     2048
     """
-    if collective not in COLLECTIVES:
-        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+    choose("collective", collective, COLLECTIVES)
     return size // itemsize // num_ranks * num_ranks
 
 

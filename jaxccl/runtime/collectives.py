@@ -52,6 +52,7 @@ from jaxccl.runtime import axes as _axes
 from jaxccl.runtime import communicator as _comm
 from jaxccl.runtime import primitives as _p
 from jaxccl.schedule.reduction import ReduceOp, supports
+from jaxccl.util.options import choose
 
 __all__ = ["all_gather", "all_to_all", "pmax", "pmean", "pmin", "psum", "psum_scatter"]
 
@@ -219,15 +220,14 @@ def all_gather(
         >>> f(np.arange(4.0, dtype=np.float32)).tolist()  # both devices hold [0, 1, 2, 3]
         [0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0]
     """
-    if to not in _ALL_GATHER_TO:
-        raise ValueError(f"jaxccl.all_gather: to={to!r}; expected one of {_ALL_GATHER_TO}")
+    choose("to", to, _ALL_GATHER_TO)
     if to == "reduced":
-        raise NotImplementedError(
+        raise UnsupportedError(
             "jaxccl.all_gather: to='reduced' (explicit-sharding reduced types) is not supported; use 'varying' "
             "or 'invarying'"
         )
     if to == "invarying" and axis_index_groups is not None:
-        raise NotImplementedError("jaxccl.all_gather: to='invarying' does not take axis_index_groups (as jax.lax)")
+        raise UnsupportedError("jaxccl.all_gather: to='invarying' does not take axis_index_groups (as jax.lax)")
     if not _axes.names(axis_name):
         return x
     prim = _p.all_gather_invariant_p if to == "invarying" else _p.all_gather_p

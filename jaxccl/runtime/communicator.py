@@ -38,9 +38,11 @@ from jaxccl.errors import (
     CommunicatorClosedError,
     ExecutorError,
     ScheduleError,
+    TopologyError,
     UnsupportedTypeError,
 )
 from jaxccl.schedule.ir import Collective, Schedule
+from jaxccl.util.options import choose
 
 __all__ = ["BACKENDS", "COLLECTIVES", "Communicator", "current", "default_communicator", "resolve"]
 
@@ -207,10 +209,9 @@ class Communicator:
         link_emulation: Any = None,
         telemetry_alpha: float = 0.5,
     ) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"Communicator: unknown backend {backend!r}; expected one of {BACKENDS}")
+        choose("backend", backend, BACKENDS)
         if topology is not None and getattr(topology, "num_gpus", None) != axis_size:
-            raise ValueError(
+            raise TopologyError(
                 f"Communicator: topology has {getattr(topology, 'num_gpus', None)} GPUs but mesh axis "
                 f"{axis_name!r} has {axis_size} devices"
             )

@@ -193,14 +193,14 @@ def _catalog_entries(collective: Collective) -> list[tuple[str, Callable[[Any], 
         return direct_allgather(topo.num_gpus)
 
     def tree_ar(topo: Any) -> Schedule:
-        return nccl.nccl_allreduce(topo, algorithm="tree")
+        return nccl.nccl_allreduce(topo, method="tree")
 
     if collective is Collective.ALL_GATHER:
         return [
             ("ring", one(synth.ring_allgather)),
             ("nccl_ring", one(nccl.nccl_allgather)),
             ("rd", lambda t: (_built(synth.recursive_doubling_allgather, t),) if pow2(t) else None),
-            ("tree", one(synth.allgather)),
+            ("tree", one(synth.all_gather)),
             ("direct", one(dag)),
         ]
     if collective is Collective.REDUCE_SCATTER:

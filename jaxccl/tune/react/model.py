@@ -44,9 +44,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxccl.errors import OptionError, TuneError
+from jaxccl.errors import TuneError
 from jaxccl.tune.react.critical_path import CriticalPath
 from jaxccl.tune.react.pattern import Pattern
+from jaxccl.util.options import choose
 
 __all__ = ["EPSILON", "FlowHistory", "accepts", "predicted_gain"]
 
@@ -89,8 +90,8 @@ class FlowHistory:
 
     def __init__(self, horizon: int = HISTORY_EPOCHS, *, unknown: str = "median"):
         if not isinstance(horizon, int) or horizon < 1:
-            raise ValueError(f"horizon must be a positive integer, got {horizon!r}")
-        OptionError.check("unknown", unknown, UNKNOWN_METHODS)
+            raise TuneError(f"horizon must be a positive integer, got {horizon!r}")
+        choose("unknown", unknown, UNKNOWN_METHODS)
         self.horizon = horizon
         self.unknown = unknown
         self._epochs: collections.deque[_Epoch] = collections.deque(maxlen=horizon)
