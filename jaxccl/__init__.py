@@ -11,15 +11,21 @@ types and the subpackages that hold the real code: ``topology``,
 from jaxccl import schedule, synth, topology
 from jaxccl.devices import emulate
 from jaxccl.errors import (
+    ArgumentError,
     CommunicatorClosedError,
+    ContextError,
     DeadlineError,
     ExecutorError,
     JaxcclError,
     OptionError,
     ScheduleError,
+    SimulationError,
     SynthesisError,
     TopologyError,
     TuneError,
+    UnboundAxisError,
+    UnsupportedError,
+    UnsupportedTypeError,
 )
 from jaxccl.offload import offload  # imports JAX only when called
 
@@ -69,16 +75,22 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "ArgumentError",
     "Communicator",
     "CommunicatorClosedError",
+    "ContextError",
     "DeadlineError",
     "ExecutorError",
     "JaxcclError",
     "OptionError",
     "ScheduleError",
+    "SimulationError",
     "SynthesisError",
     "TopologyError",
     "TuneError",
+    "UnboundAxisError",
+    "UnsupportedError",
+    "UnsupportedTypeError",
     "all_gather",
     "all_to_all",
     "emulate",

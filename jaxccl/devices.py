@@ -6,6 +6,8 @@ import os
 import re
 import sys
 
+from jaxccl.errors import ArgumentError, ContextError
+
 _FLAG = "--xla_force_host_platform_device_count"
 
 
@@ -16,7 +18,7 @@ def emulate(num_devices: int) -> None:
     ``PJRT_NPROC=2*num_devices`` (XLA:CPU deadlocks with more than 32
     in-flight steps with collectives otherwise). Calling it again with the
     same count is a no-op. If JAX's backend is already running with another
-    device count, raises ``RuntimeError``: restart the process and call
+    device count, raises :class:`~jaxccl.errors.ContextError` (a ``RuntimeError``): restart the process and call
     ``emulate`` first.
 
     Example:
@@ -26,11 +28,11 @@ def emulate(num_devices: int) -> None:
         8
     """
     if not isinstance(num_devices, int) or isinstance(num_devices, bool) or num_devices < 1:
-        raise ValueError(f"emulate(): num_devices must be a positive integer, got {num_devices!r}")
+        raise ArgumentError(f"emulate(): num_devices must be a positive integer, got {num_devices!r}")
     running = _running_cpu_device_count()
     if running is not None:
         if running != num_devices:
-            raise RuntimeError(
+            raise ContextError(
                 f"emulate({num_devices}): JAX's CPU backend is already initialized with {running} device(s); "
                 "call jaxccl.emulate() before anything touches jax.devices() (restart the process)"
             )

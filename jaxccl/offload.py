@@ -33,6 +33,8 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from jaxccl.errors import UnsupportedError
+
 __all__ = ["eval_jaxpr", "offload"]
 
 # JAX is imported inside the functions: ``import jaxccl`` imports this module (so that ``jaxccl.offload`` is
@@ -268,7 +270,7 @@ def _rewrite_params(eqn: Any) -> dict:
         elif isinstance(value, tuple) and value and all(isinstance(v, jex_core.ClosedJaxpr) for v in value):
             params[key] = tuple(_rewrite_closed(v) for v in value)
         elif isinstance(value, jex_core.Jaxpr) and _jaxpr_has_collectives(value):
-            raise NotImplementedError(
+            raise UnsupportedError(
                 f"jaxccl.offload: cannot rewrite the collectives inside {eqn.primitive} (its sub-program is an open "
                 "jaxpr); call jaxccl's collectives directly there"
             )

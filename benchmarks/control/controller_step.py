@@ -98,7 +98,7 @@ def run(args) -> dict:
     comm = jaxccl.Communicator(
         mesh, "d", topology=topo, backend="cpu", link_emulation=LinkEmulation(time_scale=args.time_scale)
     )
-    comm.install("all_gather", jaxccl.synth.allgather(topo))
+    comm.install("all_gather", jaxccl.synth.all_gather(topo))
     comm.install("reduce_scatter", ordered_reduce_scatter(topo))
     rows = []
     for size in args.sizes:

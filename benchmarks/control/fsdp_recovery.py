@@ -76,7 +76,7 @@ def closed_loop(args, mesh, ours, ref, healthy, failed, rng):
     comm = jaxccl.Communicator(
         mesh, "d", topology=healthy, backend="cpu", link_emulation=LinkEmulation(time_scale=args.time_scale)
     )
-    comm.install("all_gather", jaxccl.synth.allgather(healthy))
+    comm.install("all_gather", jaxccl.synth.all_gather(healthy))
     comm.install("reduce_scatter", ordered_reduce_scatter(healthy))
     stale = {c: comm.schedule(c) for c in ("reduce_scatter", "all_gather")}
     ctl = Controller(comm, collectives=("all_reduce",), gamma=0.15)

@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     topo = rail(hosts=2, gpus_per_host=4)
     faults = [scenario(topo, "fail1"), scenario(topo, "fail2"), topo.degrade(0, "tor:s0r0", gbps=100), topo]
     pools = {
-        "all_gather": [jaxccl.synth.allgather(topo), baselines.ring_allgather(topo, channels=2)],
-        "all_to_all": [jaxccl.synth.alltoall(topo), baselines.direct_alltoall(topo)],
+        "all_gather": [jaxccl.synth.all_gather(topo), baselines.ring_allgather(topo, channels=2)],
+        "all_to_all": [jaxccl.synth.all_to_all(topo), baselines.direct_alltoall(topo)],
         "reduce_scatter": [baselines.ring_reduce_scatter(topo), baselines.direct_reduce_scatter(topo)],
     }
     for pool in pools.values():

@@ -59,7 +59,7 @@ def _run(args: argparse.Namespace) -> dict:
     for name in SCENARIOS:
         topo = base if name == "none" else scenario(base, name)
         emulation = LinkEmulation(time_scale=args.time_scale)
-        synthesized = jaxccl.synth.allgather(topo)
+        synthesized = jaxccl.synth.all_gather(topo)
         schedules = {"synthesized": synthesized}
         if args.tile_cap:
             schedules[capped] = synthesized

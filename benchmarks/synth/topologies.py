@@ -27,7 +27,7 @@ import sys
 import time
 from collections import Counter
 
-from jaxccl.synth import allgather, alltoall
+from jaxccl.synth import all_gather, all_to_all
 from jaxccl.topology import Topology, rail, scenario, torus
 
 
@@ -46,7 +46,7 @@ def alltoall_tori(max_side: int) -> list[dict]:
     for side in range(4, max_side + 1, 2):
         topo = torus(side, side)
         cpu, wall = time.process_time(), time.perf_counter()
-        s = alltoall(topo)
+        s = all_to_all(topo)
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         base = direct_algbw(topo)
         rows.append(
@@ -75,14 +75,14 @@ def warm_allgather(runs: int) -> list[dict]:
     ]
     rows = []
     for name, healthy, failed, n in cases:
-        base = allgather(healthy)
+        base = all_gather(healthy)
         warm_t, cold_t = [], []
         for _ in range(n):  # interleaved: this machine drifts
             t = time.perf_counter()
-            warm = allgather(failed, previous=base)
+            warm = all_gather(failed, previous=base)
             warm_t.append(time.perf_counter() - t)
             t = time.perf_counter()
-            cold = allgather(failed)
+            cold = all_gather(failed)
             cold_t.append(time.perf_counter() - t)
         ratios = [c / w for c, w in zip(cold_t, warm_t)]
         rows.append(
@@ -111,7 +111,7 @@ def groups() -> list[dict]:
     ]
     rows = []
     for name, topo, group in cases:
-        s = allgather(topo, group=group)
+        s = all_gather(topo, group=group)
         info = s.info["group"]
         own = info["algbw"].get("own", 0.0)
         rows.append(

@@ -18,7 +18,7 @@ Example:
     >>> topology("rail:2x")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    jaxccl.cli.args.UsageError: bad topology 'rail:2x': use rail:SxHxN, rail:HxN, ...
+    jaxccl.errors.UsageError: bad topology 'rail:2x': use rail:SxHxN, rail:HxN, ...
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import os
 import re
 from typing import Any
 
-from jaxccl.errors import JaxcclError
+from jaxccl.errors import JaxcclError, UsageError
 
 __all__ = [
     "TOPOLOGY_FORMS",
@@ -49,17 +49,13 @@ _SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
-class UsageError(JaxcclError, argparse.ArgumentTypeError, ValueError):
-    """Bad command-line input: one line for the user, exit status 2."""
-
-
 def positive_int(text: str) -> int:
     """An integer >= 1.
 
     >>> positive_int("0")
     Traceback (most recent call last):
     ...
-    jaxccl.cli.args.UsageError: expected a positive integer, got '0'
+    jaxccl.errors.UsageError: expected a positive integer, got '0'
     """
     try:
         value = int(text)

@@ -18,7 +18,7 @@ square of the rank count) is :func:`runtime_bytes`, measured on 8 to 128 emulate
 Measured peaks (8 devices, 64 and 128 MiB, float32, bfloat16, int8) are 0.45 to 0.8 of the estimate.
 
 A run whose estimate exceeds ``MEMORY_MARGIN`` of ``MemAvailable`` (``/proc/meminfo``) is
-refused with :class:`~jaxccl.cli.args.UsageError` (exit status 2), naming the estimate, what is
+refused with :class:`~jaxccl.errors.UsageError` (exit status 2), naming the estimate, what is
 available and the largest ``-e`` that fits; so is an emulation of more than ``MAX_DEVICES``
 devices in one process, whatever the memory (each device is also XLA threads: ``PJRT_NPROC``
 is twice the device count).
@@ -32,7 +32,7 @@ Example:
     >>> check_memory(("psum",), [1 << 40], "float32", local_devices=8, num_ranks=8, available=64 << 30)
     Traceback (most recent call last):
     ...
-    jaxccl.cli.args.UsageError: the run needs about 47.3 TiB of memory ...
+    jaxccl.errors.UsageError: the run needs about 47.3 TiB of memory ...
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def check_devices(devices: int) -> None:
     >>> check_devices(100_000)
     Traceback (most recent call last):
     ...
-    jaxccl.cli.args.UsageError: --devices 100000: jaxccl bench emulates at most 1024 devices per process ...
+    jaxccl.errors.UsageError: --devices 100000: jaxccl bench emulates at most 1024 devices per process ...
     """
     if devices > MAX_DEVICES:
         raise UsageError(

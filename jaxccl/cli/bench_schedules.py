@@ -66,12 +66,12 @@ def _synthesized(collective: str, topo: Any) -> list[Any]:
     from jaxccl import synth
 
     if collective == "all_gather":
-        return [synth.allgather(topo)]
+        return [synth.all_gather(topo)]
     if collective == "all_to_all":
-        return [synth.alltoall(topo)]
+        return [synth.all_to_all(topo)]
     if collective == "psum_scatter":
         return [synth.reduce_scatter(topo)]
-    return [synth.reduce_scatter(topo), synth.allgather(topo)]  # psum = ReduceScatter + AllGather
+    return [synth.reduce_scatter(topo), synth.all_gather(topo)]  # psum = ReduceScatter + AllGather
 
 
 def _baseline(name: str, collective: str, topo: Any) -> list[Any]:

@@ -21,6 +21,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from jaxccl.errors import UsageError
+from jaxccl.util.options import choose
+
 __all__ = [
     "COLLECTIVES",
     "DTYPES",
@@ -76,14 +79,14 @@ def sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
     [1048576]
     """
     if min_bytes > max_bytes:
-        raise ValueError(f"--min-bytes {min_bytes} is larger than --max-bytes {max_bytes}")
+        raise UsageError(f"--min-bytes {min_bytes} is larger than --max-bytes {max_bytes}")
     if factor < 2 and min_bytes < max_bytes:
-        raise ValueError(f"--step-factor must be at least 2 to go from {min_bytes} to {max_bytes} bytes")
+        raise UsageError(f"--step-factor must be at least 2 to go from {min_bytes} to {max_bytes} bytes")
     sizes = [min_bytes]
     while sizes[-1] * factor <= max_bytes:
         sizes.append(sizes[-1] * factor)
         if len(sizes) > MAX_POINTS:
-            raise ValueError(f"the sweep has more than {MAX_POINTS} sizes; raise --step-factor")
+            raise UsageError(f"the sweep has more than {MAX_POINTS} sizes; raise --step-factor")
     return sizes
 
 
@@ -99,11 +102,10 @@ def bus_factor(collective: str, num_ranks: int) -> float:
     (0.75, 0.75, 0.75)
     """
     n = num_ranks
+    choose("collective", collective, COLLECTIVES)
     if collective in ALL_REDUCES:
         return 2 * (n - 1) / n
-    if collective in COLLECTIVES:
-        return (n - 1) / n
-    raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+    return (n - 1) / n
 
 
 def refusal(collective: str, dtype: str) -> str | None:
@@ -147,8 +149,7 @@ def buffer_elements(collective: str, size: int, *, num_ranks: int, itemsize: int
     >>> buffer_elements("psum", 4096, num_ranks=8, itemsize=2)
     2048
     """
-    if collective not in COLLECTIVES:
-        raise ValueError(f"unknown collective {collective!r}; expected one of {COLLECTIVES}")
+    choose("collective", collective, COLLECTIVES)
     return size // itemsize // num_ranks * num_ranks
 
 

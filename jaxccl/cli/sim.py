@@ -107,7 +107,7 @@ def _experiment(name: str):
         if name == "fig8" and args.hosts:
             kwargs["hosts"] = args.hosts
         if name == "fig8":
-            kwargs["exec_model"] = args.model
+            kwargs["execution"] = args.model
             if args.collective:
                 kwargs["collectives"] = args.collective
         if name == "fig11" and args.gpus:

@@ -66,7 +66,7 @@ def flat_rail(hosts: int, gpus_per_host: int = 8, segments: int = 1):
     from jaxccl.topology.presets import MAX_HOSTS_PER_SEGMENT
 
     if hosts % segments:
-        raise ValueError(f"{hosts} hosts do not split into {segments} segments")
+        raise UsageError(f"{hosts} hosts do not split into {segments} segments")
     limit = None if segments == 1 else MAX_HOSTS_PER_SEGMENT  # only single segments go beyond 32 hosts
     return rail(hosts=hosts // segments, gpus_per_host=gpus_per_host, segments=segments, max_hosts_per_segment=limit)
 

@@ -124,7 +124,7 @@ def _timed_pairs(cold, warm, runs: int) -> tuple[Any, Any, dict[str, list[float]
             w = times[f"warm_{kind}"][-1]
             times[f"ratio_{kind}"].append(times[f"cold_{kind}"][-1] / w if w > 0 else float("inf"))
     if cold_out is None or warm_out is None:
-        raise ValueError("runs must be >= 1")
+        raise UsageError("runs must be >= 1")
     return cold_out, warm_out, times
 
 

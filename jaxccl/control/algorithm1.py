@@ -16,9 +16,9 @@ A degradation off the cut that does not become the new bottleneck leaves every
 
 Example:
     >>> from jaxccl.topology import rail
-    >>> from jaxccl.synth import allgather
+    >>> from jaxccl.synth import all_gather
     >>> topo = rail(hosts=2, gpus_per_host=4)
-    >>> p = profile(allgather(topo), topo)
+    >>> p = profile(all_gather(topo), topo)
     >>> check(p, nominal_capacities(topo), gamma=0.1).flagged
     False
     >>> bad = nominal_capacities(topo.degrade(0, "tor:s0r0", gbps=200))
@@ -32,7 +32,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from jaxccl.errors import ScheduleError
+from jaxccl.errors import ArgumentError, ScheduleError, TopologyError
 
 __all__ = ["CheckResult", "ScheduleProfile", "check", "nominal_capacities", "profile"]
 
@@ -136,10 +136,10 @@ def check(p: ScheduleProfile, capacities: Mapping[Edge, float], *, gamma: float)
     unmeasured links, e.g. ``{**nominal_capacities(topo), **measured}``).
     """
     if gamma < 0:
-        raise ValueError(f"Algorithm 1: gamma must be >= 0, got {gamma}")
+        raise ArgumentError(f"Algorithm 1: gamma must be >= 0, got {gamma}")
     missing = [a for a in p.link_chunks if a not in capacities]
     if missing:
-        raise ValueError(f"Algorithm 1: no capacity for link(s) {missing[:3]} of the schedule")
+        raise TopologyError(f"Algorithm 1: no capacity for link(s) {missing[:3]} of the schedule")
     x_min = min(capacities[a] / n for a, n in p.link_chunks.items())  # phase 1
     slacks: dict[Edge, float] = {}
     deltas: dict[Edge, float] = {}

@@ -43,6 +43,7 @@ import numpy as np
 
 from jaxccl.control.algorithm1 import CheckResult, ScheduleProfile, check, nominal_capacities, profile
 from jaxccl.control.step_driven import StepTimes
+from jaxccl.errors import ArgumentError
 
 __all__ = ["REDUCTIONS", "Controller", "Event", "managed_collectives", "measured_topology"]
 
@@ -77,8 +78,8 @@ def _default_synthesizers(exact_reductions: bool) -> dict[str, Synthesizer]:
     else:  # the reversed AllGather tree packing, warm-started: faster, sums in tree order
         reduce_scatter = lambda topo, prev: synth.reduce_scatter(topo, previous=_tree_or_none(prev))  # noqa: E731
     return {
-        "all_gather": lambda topo, prev: synth.allgather(topo, previous=prev),
-        "all_to_all": lambda topo, prev: synth.alltoall(topo, previous=prev),
+        "all_gather": lambda topo, prev: synth.all_gather(topo, previous=prev),
+        "all_to_all": lambda topo, prev: synth.all_to_all(topo, previous=prev),
         "reduce_scatter": reduce_scatter,
     }
 
@@ -235,11 +236,11 @@ class Controller:
         min_gain: float = 0.05,
     ):
         if comm.topology is None:
-            raise ValueError("Controller: the communicator has no topology")
+            raise ArgumentError("Controller: the communicator has no topology")
         if gamma < 0 or interval_s <= 0:
-            raise ValueError(f"Controller: need gamma >= 0 and interval_s > 0, got {gamma}, {interval_s}")
+            raise ArgumentError(f"Controller: need gamma >= 0 and interval_s > 0, got {gamma}, {interval_s}")
         if not 0 <= min_gain < 10:
-            raise ValueError(f"Controller: need 0 <= min_gain < 10, got {min_gain}")
+            raise ArgumentError(f"Controller: need 0 <= min_gain < 10, got {min_gain}")
         self.min_gain = float(min_gain)
         self.comm = comm
         self.gamma = float(gamma)
@@ -251,7 +252,7 @@ class Controller:
         self.synthesizers = {**_default_synthesizers(self.exact_reductions), **(synthesizers or {})}
         wanted = [_ALIASES.get(c, c) for c in collectives]
         if "all_reduce" in wanted and comm.schedule("all_reduce") is not None:
-            raise ValueError(
+            raise ArgumentError(
                 f"Controller: {comm!r} runs psum with its installed all_reduce schedule "
                 f"{comm.schedule('all_reduce').name!r}; the controller adapts psum as ReduceScatter + AllGather, "
                 "which runs when no all_reduce schedule is installed (give the communicator a topology)"
@@ -259,7 +260,7 @@ class Controller:
         collectives = managed_collectives(collectives)
         unknown = [c for c in collectives if c not in self.synthesizers]
         if unknown:
-            raise ValueError(f"Controller: no synthesizer for {unknown}; known: {sorted(self.synthesizers)}")
+            raise ArgumentError(f"Controller: no synthesizer for {unknown}; known: {sorted(self.synthesizers)}")
         self._managed = {c: _Managed(c, comm.topology) for c in collectives}
         self._events: list[Event] = []
         self._lock = threading.Lock()

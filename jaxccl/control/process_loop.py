@@ -47,7 +47,7 @@ import numpy as np
 
 from jaxccl.control.controller import Controller, Event
 from jaxccl.distributed.transport import DEFAULT_SWAP_MARGIN, TransportMeter, stage_agreed, swap_key
-from jaxccl.errors import DeadlineError, ExecutorError
+from jaxccl.errors import ArgumentError, DeadlineError, ExecutorError
 from jaxccl.telemetry import RECORD_DTYPE, TelemetryCollector
 from jaxccl.telemetry.records import INTER, INTRA
 
@@ -162,9 +162,11 @@ class ProcessLoop:
         if self._client is None:
             raise ExecutorError("ProcessLoop needs jax.distributed.initialize(...) first")
         if comm.topology is None:
-            raise ValueError("ProcessLoop: the communicator has no topology (the links the controller reasons about)")
+            raise ArgumentError(
+                "ProcessLoop: the communicator has no topology (the links the controller reasons about)"
+            )
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise ValueError(f"ProcessLoop: every must be a positive integer, got {every!r}")
+            raise ArgumentError(f"ProcessLoop: every must be a positive integer, got {every!r}")
         self.comm = comm
         self.process_id = int(distributed.global_state.process_id)
         self.num_processes = int(distributed.global_state.num_processes)

@@ -39,6 +39,8 @@ import functools
 import time
 from typing import Any
 
+from jaxccl.errors import ArgumentError
+
 __all__ = ["StepTimes", "at_step_end"]
 
 
@@ -97,7 +99,7 @@ def at_step_end(controller: Any, *after: Any, times: StepTimes | None = None, ev
     device would run the controller).
     """
     if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-        raise ValueError(f"at_step_end: every must be a positive integer, got {every!r}")
+        raise ArgumentError(f"at_step_end: every must be a positive integer, got {every!r}")
     import jax
     import jax.numpy as jnp
     from jax.experimental import io_callback

@@ -235,7 +235,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         link_emulation=LinkEmulation(time_scale=cfg.time_scale),
         telemetry_alpha=cfg.alpha,
     )
-    healthy_schedule = jaxccl.synth.allgather(topo)
+    healthy_schedule = jaxccl.synth.all_gather(topo)
     comm.install("all_gather", healthy_schedule)
     healthy_version = native.swap_state(comm.slot("all_gather"))["staged_version"] or native.current_version(
         comm.slot("all_gather")

@@ -16,16 +16,12 @@ at the lab's NIC rate. With ``--network loopback`` there is no NIC: 2 processes 
 
 from __future__ import annotations
 
-from jaxccl.errors import JaxcclError
+from jaxccl.errors import DemoNetworkError
 
 HOSTS = 2
 RANKS_PER_HOST = 4
 NUM_RANKS = HOSTS * RANKS_PER_HOST
 FAILED_RANK = 1  # its NIC is cut (rank 0's NIC carries the job's coordinator, as in the loop's drill)
-
-
-class DemoNetworkError(JaxcclError, RuntimeError):
-    """The real-socket demo cannot run here (what is missing) or one of its processes failed (which, and why)."""
 
 
 def default_processes(network: str) -> int:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 # The drill's harness signals (an atomic file per signal), shared with it.
+from jaxccl.errors import DemoNetworkError
 from jaxccl.labs.drill import _wait_signal
 
 CUT_REQUEST = "JAXCCL-DEMO-CUT"
@@ -52,7 +53,7 @@ def _whole_shard_allgather(topo: Any, previous: Any) -> Any:
     """
     from jaxccl import synth
 
-    return synth.allgather(topo, previous=previous, max_chunks=MAX_CHUNKS)
+    return synth.all_gather(topo, previous=previous, max_chunks=MAX_CHUNKS)
 
 
 class _Worker:
@@ -78,7 +79,7 @@ class _Worker:
         self.transport = ProcessTransport.bootstrap(timeout_s=WAIT_S, options=options)
         mesh = Mesh(np.array(jax.devices()), ("data",))
         if mesh.size != NUM_RANKS:
-            raise RuntimeError(f"the demo needs {NUM_RANKS} ranks, the job has {mesh.size}")
+            raise DemoNetworkError(f"the demo needs {NUM_RANKS} ranks, the job has {mesh.size}")
         attach(self.transport, mesh, "data")
         self.topo = demo_topology(cfg["nic_rate_mbit"])
         self.comm = jaxccl.Communicator(mesh, "data", topology=self.topo, backend="cpu")
@@ -188,7 +189,7 @@ class _Worker:
                     )
                     gather_fn(shard).block_until_ready()  # the agreed transition call
                     if native.last_launch_version(self.slot) != version:
-                        raise RuntimeError(f"A/B: the staged v{version} did not run at the agreed call")
+                        raise DemoNetworkError(f"A/B: the staged v{version} did not run at the agreed call")
                     t0 = time.perf_counter()
                     gather_fn(shard).block_until_ready()
                     ab[key].append(self.out_bytes / (time.perf_counter() - t0))

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from jaxccl.errors import DeadlineError
+from jaxccl.errors import ArgumentError, DeadlineError
 
 if TYPE_CHECKING:  # the launcher runs a process in a lab's namespace; labs sit above it and import it
     from jaxccl.labs.netlab import NetLab
@@ -59,7 +59,7 @@ def start(
 ) -> list[subprocess.Popen]:
     """Starts the job's processes (``argv`` each, output captured); see :func:`launch`."""
     if lab is not None and lab.num_nodes < num_processes:
-        raise ValueError(f"a lab of {lab.num_nodes} nodes cannot hold {num_processes} processes")
+        raise ArgumentError(f"a lab of {lab.num_nodes} nodes cannot hold {num_processes} processes")
     port = LAB_COORDINATOR_PORT if lab is not None else free_port()
     base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
     base.update(env or {})

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.errors import DeadlineError, ExecutorError, JaxcclError
+from jaxccl.errors import DeadlineError, ExecutorError, TransportArgumentError
 
 KEY_PREFIX = "jaxccl/transport"
 DEFAULT_TIMEOUT_S = 60.0
@@ -40,10 +40,6 @@ DEFAULT_TIMEOUT_S = 60.0
 # socket buffers make a send complete when its bytes are (nearly) delivered, not when the kernel
 # buffered them, so its completion time measures the link (TransportMeter).
 NETWORK_ONLY = {"TLS": "tcp,self", "TCP_SNDBUF": "128k", "TCP_RCVBUF": "128k"}
-
-
-class TransportArgumentError(JaxcclError, ValueError):
-    """Bad input to the transport: a peer that is not another process, a tag too wide, an unknown option."""
 
 
 @functools.cache

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.errors import DeadlineError
+from jaxccl.errors import ArgumentError, DeadlineError, NetlabError
 from jaxccl.labs.netlab import LinkShape
 
 RESULT_PREFIX = "RESULT "
@@ -119,13 +119,13 @@ def run_drill(config: DrillConfig, *, timeout_s: float = 300.0, log_dir: Path | 
     written whole to ``log_dir/process-<i>.log`` (also when the drill fails).
 
     Raises:
-        NetlabError: namespaces are not available here.
-        RuntimeError: a process failed or reported nothing.
+        NetlabError: namespaces are not available here, or a process failed or reported nothing.
+        ArgumentError: ``config.victim`` is not a rank other than 0.
     """
     from jaxccl.labs.rail import RailLab
 
     if not 1 <= config.victim < config.num_ranks:
-        raise ValueError(f"drill: victim must be a rank in 1..{config.num_ranks - 1}, got {config.victim}")
+        raise ArgumentError(f"drill: victim must be a rank in 1..{config.num_ranks - 1}, got {config.victim}")
     cut_ns: list[int] = []
     lab = RailLab(config.hosts, config.gpus_per_host, config.shape)
     with tempfile.TemporaryDirectory(prefix="jaxccl-drill-") as tmp, lab:
@@ -157,7 +157,7 @@ def run_drill(config: DrillConfig, *, timeout_s: float = 300.0, log_dir: Path | 
         tails = "\n----\n".join(
             f"process {r.process_id} (rc {r.returncode}):\n{out[-3000:]}" for r, out in zip(results, outputs)
         )
-        raise RuntimeError(f"drill failed:\n{tails}")
+        raise NetlabError(f"drill failed:\n{tails}")
     for cycle, ns in zip(report["cycles"], cut_ns):
         cycle["cut_ns"] = ns
     report["outputs"] = outputs
@@ -188,7 +188,7 @@ class _Worker:
         attach(self.transport, mesh, "d")
         self.topology = rank_rail(config.hosts, config.gpus_per_host, config.shape)
         self.comm = jaxccl.Communicator(mesh, "d", topology=self.topology, backend="cpu")
-        self.healthy = jaxccl.synth.allgather(self.topology)
+        self.healthy = jaxccl.synth.all_gather(self.topology)
         self.comm.install("all_gather", self.healthy)
         self.slot = self.comm.slot("all_gather")
         self.native = native

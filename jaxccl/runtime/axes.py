@@ -35,6 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxccl.errors import ArgumentError, UnsupportedTypeError
+
 __all__ = ["GroupedAxis", "axis_index", "canonical_groups", "group_id", "grouped", "names", "num_groups", "ppermute"]
 
 
@@ -150,13 +152,15 @@ def canonical_groups(fn: str, groups: Any, axis_size: int) -> tuple[tuple[int, .
     try:
         out = tuple(tuple(int(i) for i in g) for g in groups)
     except TypeError:
-        raise TypeError(f"jaxccl.{fn}: axis_index_groups must be a list of lists of ints, got {groups!r}") from None
+        raise UnsupportedTypeError(
+            f"jaxccl.{fn}: axis_index_groups must be a list of lists of ints, got {groups!r}"
+        ) from None
     if not out or not out[0]:
-        raise ValueError(f"jaxccl.{fn}: axis_index_groups must not be empty, got {groups!r}")
+        raise ArgumentError(f"jaxccl.{fn}: axis_index_groups must not be empty, got {groups!r}")
     if len({len(g) for g in out}) != 1:
-        raise ValueError(f"jaxccl.{fn}: axis_index_groups must all be the same size, got {groups!r}")
+        raise ArgumentError(f"jaxccl.{fn}: axis_index_groups must all be the same size, got {groups!r}")
     if sorted(i for g in out for i in g) != list(range(axis_size)):
-        raise ValueError(
+        raise ArgumentError(
             f"jaxccl.{fn}: axis_index_groups must cover every index of the axis (size {axis_size}) exactly once, "
             f"got {groups!r}"
         )

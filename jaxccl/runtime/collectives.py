@@ -47,10 +47,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxccl.errors import ArgumentError, UnboundAxisError, UnsupportedError, UnsupportedTypeError
 from jaxccl.runtime import axes as _axes
 from jaxccl.runtime import communicator as _comm
 from jaxccl.runtime import primitives as _p
 from jaxccl.schedule.reduction import ReduceOp, supports
+from jaxccl.util.options import choose
 
 __all__ = ["all_gather", "all_to_all", "pmax", "pmean", "pmin", "psum", "psum_scatter"]
 
@@ -77,19 +79,19 @@ def _axis(fn: str, axis_name: Any) -> tuple[Any, int]:
     """
     given = _axes.names(axis_name)
     if not given:
-        raise ValueError(f"jaxccl.{fn}: axis_name is an empty tuple; name at least one mesh axis")
+        raise ArgumentError(f"jaxccl.{fn}: axis_name is an empty tuple; name at least one mesh axis")
     if len(set(given)) != len(given):
-        raise ValueError(f"jaxccl.{fn}: axis_name {tuple(given)} names an axis more than once")
+        raise ArgumentError(f"jaxccl.{fn}: axis_name {tuple(given)} names an axis more than once")
     names, manual, shape = _axes_in_scope()
     for name in given:
         if name not in names:
             where = f"axes in scope: {tuple(names)}" if names else "no named axes are in scope"
-            raise NameError(
+            raise UnboundAxisError(
                 f"jaxccl.{fn}: unbound axis name {name!r} ({where}); call it inside jax.shard_map over a "
                 "mesh with that axis"
             )
         if name not in manual:
-            raise NotImplementedError(
+            raise UnsupportedError(
                 f"jaxccl.{fn}: axis {name!r} is not a manual axis of jax.shard_map (vmap/pmap axes are not "
                 f"supported); manual mesh axes in scope: {tuple(sorted(manual, key=str))}"
             )
@@ -101,9 +103,9 @@ def _canon(fn: str, what: str, value: Any, ndim: int) -> int:
     try:
         v = operator.index(value)
     except TypeError:
-        raise TypeError(f"jaxccl.{fn}: {what} must be an int, got {value!r}") from None
+        raise UnsupportedTypeError(f"jaxccl.{fn}: {what} must be an int, got {value!r}") from None
     if not -ndim <= v < ndim:
-        raise ValueError(f"jaxccl.{fn}: {what}={value} is out of range for an operand with {ndim} dimension(s)")
+        raise ArgumentError(f"jaxccl.{fn}: {what}={value} is out of range for an operand with {ndim} dimension(s)")
     return v % ndim
 
 
@@ -115,9 +117,11 @@ def _check_dtype(fn: str, dtype: Any, *, reduction: bool, op: ReduceOp = ReduceO
             ReduceOp.MAX: "integer, floating (16-64 bit) and bool dtypes",
             ReduceOp.MIN: "integer, floating (16-64 bit) and bool dtypes",
         }[op]
-        raise TypeError(f"jaxccl.{fn}: dtype {dt.name} is not supported for reductions; supported: {what}")
+        raise UnsupportedTypeError(f"jaxccl.{fn}: dtype {dt.name} is not supported for reductions; supported: {what}")
     if not reduction and (dt.kind not in "biufcV" or dt.name in _SUB_BYTE):
-        raise TypeError(f"jaxccl.{fn}: dtype {dt.name} is not supported (sub-byte and object dtypes cannot be moved)")
+        raise UnsupportedTypeError(
+            f"jaxccl.{fn}: dtype {dt.name} is not supported (sub-byte and object dtypes cannot be moved)"
+        )
 
 
 def _varying(x: jax.Array, axis_name: Any) -> jax.Array:
@@ -141,7 +145,7 @@ def _prepare_in_groups(fn: str, x: Any, axis_name: Any, groups: Any, *, reductio
 def _refuse_typed_groups(fn: str, x: jax.Array, axis_name: Any, groups: Any) -> None:
     """``jax.lax`` has no type for a reduction over groups under ``check_vma=True``: refuse it as lax does."""
     if groups is not None and set(_axes.names(axis_name)) & jax.typeof(x).mat.varying:
-        raise NotImplementedError(
+        raise UnsupportedError(
             f"jaxccl.{fn}: axis_index_groups under jax.shard_map(check_vma=True) is not supported (jax.lax "
             "refuses it too); use check_vma=False"
         )
@@ -216,15 +220,14 @@ def all_gather(
         >>> f(np.arange(4.0, dtype=np.float32)).tolist()  # both devices hold [0, 1, 2, 3]
         [0.0, 1.0, 2.0, 3.0, 0.0, 1.0, 2.0, 3.0]
     """
-    if to not in _ALL_GATHER_TO:
-        raise ValueError(f"jaxccl.all_gather: to={to!r}; expected one of {_ALL_GATHER_TO}")
+    choose("to", to, _ALL_GATHER_TO)
     if to == "reduced":
-        raise NotImplementedError(
+        raise UnsupportedError(
             "jaxccl.all_gather: to='reduced' (explicit-sharding reduced types) is not supported; use 'varying' "
             "or 'invarying'"
         )
     if to == "invarying" and axis_index_groups is not None:
-        raise NotImplementedError("jaxccl.all_gather: to='invarying' does not take axis_index_groups (as jax.lax)")
+        raise UnsupportedError("jaxccl.all_gather: to='invarying' does not take axis_index_groups (as jax.lax)")
     if not _axes.names(axis_name):
         return x
     prim = _p.all_gather_invariant_p if to == "invarying" else _p.all_gather_p
@@ -289,13 +292,13 @@ def all_to_all(
         ca = _canon("all_to_all", "concat_axis", concat_axis, nd)
         if tiled:
             if leaf.shape[sa] % n:
-                raise ValueError(
+                raise ArgumentError(
                     f"jaxccl.all_to_all: split_axis {sa} has size {leaf.shape[sa]}, which is not divisible by "
                     f"the size {n} of axis {name!r}"
                 )
         else:
             if leaf.shape[sa] != n:
-                raise ValueError(
+                raise ArgumentError(
                     f"jaxccl.all_to_all: with tiled=False the size of split_axis {sa} ({leaf.shape[sa]}) must equal "
                     f"the size {n} of axis {name!r}"
                 )
@@ -361,12 +364,12 @@ def psum_scatter(
         d = _canon("psum_scatter", "scatter_dimension", scatter_dimension, leaf.ndim)
         size = leaf.shape[d]
         if tiled and size % n:
-            raise ValueError(
+            raise ArgumentError(
                 f"jaxccl.psum_scatter: scatter_dimension {d} has size {size}, which is not divisible by the size "
                 f"{n} of axis {name!r}"
             )
         if not tiled and size != n:
-            raise ValueError(
+            raise ArgumentError(
                 f"jaxccl.psum_scatter: with tiled=False the size of scatter_dimension {d} ({size}) must equal the "
                 f"size {n} of axis {name!r}"
             )

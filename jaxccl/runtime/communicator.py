@@ -33,8 +33,16 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.errors import CommunicatorClosedError, ExecutorError, ScheduleError
+from jaxccl.errors import (
+    ArgumentError,
+    CommunicatorClosedError,
+    ExecutorError,
+    ScheduleError,
+    TopologyError,
+    UnsupportedTypeError,
+)
 from jaxccl.schedule.ir import Collective, Schedule
+from jaxccl.util.options import choose
 
 __all__ = ["BACKENDS", "COLLECTIVES", "Communicator", "current", "default_communicator", "resolve"]
 
@@ -83,7 +91,7 @@ def _canonical(collective: str | Collective) -> Collective:
     try:
         return Collective(name)
     except ValueError:
-        raise ValueError(
+        raise ArgumentError(
             f"unknown collective {collective!r}; expected one of {COLLECTIVES} (or 'psum_scatter', 'psum')"
         ) from None
 
@@ -174,10 +182,10 @@ class Communicator:
         axis_names = tuple(getattr(mesh, "axis_names", ()))
         spanned = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
         if not spanned or len(set(spanned)) != len(spanned):
-            raise ValueError(f"Communicator: axis_name {axis_name!r} must name one or more distinct mesh axes")
+            raise ArgumentError(f"Communicator: axis_name {axis_name!r} must name one or more distinct mesh axes")
         for name in spanned:
             if name not in axis_names:
-                raise ValueError(f"Communicator: mesh has no axis {name!r}; its axes are {axis_names}")
+                raise ArgumentError(f"Communicator: mesh has no axis {name!r}; its axes are {axis_names}")
         axis_name = spanned[0] if len(spanned) == 1 else spanned
         # ---
         self._init(
@@ -201,10 +209,9 @@ class Communicator:
         link_emulation: Any = None,
         telemetry_alpha: float = 0.5,
     ) -> None:
-        if backend not in BACKENDS:
-            raise ValueError(f"Communicator: unknown backend {backend!r}; expected one of {BACKENDS}")
+        choose("backend", backend, BACKENDS)
         if topology is not None and getattr(topology, "num_gpus", None) != axis_size:
-            raise ValueError(
+            raise TopologyError(
                 f"Communicator: topology has {getattr(topology, 'num_gpus', None)} GPUs but mesh axis "
                 f"{axis_name!r} has {axis_size} devices"
             )
@@ -248,11 +255,13 @@ class Communicator:
         from jaxccl.telemetry import TelemetryCollector
 
         if not isinstance(config, LinkEmulation):
-            raise ValueError(f"Communicator: link_emulation must be a LinkEmulation, got {type(config).__name__}")
+            raise UnsupportedTypeError(
+                f"Communicator: link_emulation must be a LinkEmulation, got {type(config).__name__}"
+            )
         if self.backend != "cpu":
             raise ExecutorError(f"Communicator: link emulation needs backend='cpu', not {self.backend!r}")
         if self.topology is None:
-            raise ValueError("Communicator: link emulation needs a topology (the links to emulate)")
+            raise ArgumentError("Communicator: link emulation needs a topology (the links to emulate)")
         self.network = EmulatedNetwork(self.topology, config)
         self._collector = TelemetryCollector(self.axis_size, alpha=alpha, scale=1.0 / config.time_scale)
 
@@ -267,7 +276,7 @@ class Communicator:
         from jaxccl.telemetry import TelemetryCollector
 
         hosts = np.array([self.topology.host_of(r) for r in range(self.axis_size)], dtype=np.int32)
-        native._cuda_module().measure_configure(True, hosts.tolist(), 1, 1, 8)
+        native.configure_cuda_measurement(hosts.tolist())  # the documented defaults (CUDA_MEASURE_*)
         self._collector = TelemetryCollector(self.axis_size, alpha=alpha, scale=1.0)
 
     def inject(self, topology: Any) -> None:
@@ -305,8 +314,8 @@ class Communicator:
         else:
             from jaxccl.runtime import native
 
-            raw, dropped = native._cuda_module().measure_drain()
-            self._collector.fold(bytes(raw), dropped=self._collector.dropped + int(dropped))
+            raw, dropped = native.drain_cuda_measurement()
+            self._collector.fold(raw, dropped=self._collector.dropped + dropped)
         return self._collector.snapshot()
 
     # ------------------------------------------------------------------ schedules
@@ -480,7 +489,7 @@ class Communicator:
             [[0, 4, 1, 5], [2, 6, 3, 7]]
         """
         if self.mesh is None:
-            raise ValueError(f"{self!r} has no mesh (a default communicator serves any mesh with its axis)")
+            raise ArgumentError(f"{self!r} has no mesh (a default communicator serves any mesh with its axis)")
         self._check_open()
         names = tuple(self.mesh.axis_names)
         inside = self.axis_name if isinstance(self.axis_name, tuple) else (self.axis_name,)
@@ -665,7 +674,7 @@ def resolve(axis_name: Hashable, axis_size: int) -> Communicator:
     if comm is None:
         return default_communicator(axis_name, axis_size)
     if comm.axis_size != axis_size:
-        raise ValueError(
+        raise ArgumentError(
             f"{comm!r} is in scope for axis {axis_name!r}, but that axis has {axis_size} devices here "
             f"(the communicator was built for {comm.axis_size})"
         )

@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.errors import ExecutorError, TopologyError
+from jaxccl.errors import ArgumentError, ExecutorError, TopologyError
+from jaxccl.util.options import choose
 
 __all__ = ["TRACE_DTYPE", "EmulatedNetwork", "LinkEmulation"]
 
@@ -106,15 +107,14 @@ class LinkEmulation:
     slots_per_tb: int = 8
 
     def __post_init__(self) -> None:
-        if self.timestamps not in ("link", "observed"):
-            raise ValueError(f"LinkEmulation: timestamps must be 'link' or 'observed', got {self.timestamps!r}")
+        choose("timestamps", self.timestamps, ("link", "observed"))
         if not (MIN_TIME_SCALE <= self.time_scale <= 1):
-            raise ValueError(f"LinkEmulation: time_scale must be in [{MIN_TIME_SCALE}, 1], got {self.time_scale}")
+            raise ArgumentError(f"LinkEmulation: time_scale must be in [{MIN_TIME_SCALE}, 1], got {self.time_scale}")
         for name in ("intra_threshold", "inter_threshold", "slots_per_tb"):
             if int(getattr(self, name)) < 1:
-                raise ValueError(f"LinkEmulation: {name} must be >= 1, got {getattr(self, name)}")
+                raise ArgumentError(f"LinkEmulation: {name} must be >= 1, got {getattr(self, name)}")
         if int(self.slots_per_tb) > MAX_SLOTS_PER_TB:
-            raise ValueError(f"LinkEmulation: slots_per_tb must be <= {MAX_SLOTS_PER_TB}, got {self.slots_per_tb}")
+            raise ArgumentError(f"LinkEmulation: slots_per_tb must be <= {MAX_SLOTS_PER_TB}, got {self.slots_per_tb}")
 
     def real_rate(self, capacity: float) -> float:
         """Real bytes/s the executor moves for a link of ``capacity`` emulated bytes/s."""

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,13 @@ except ImportError as e:  # pragma: no cover - depends on the build
 CPU_TARGET = "jaxccl_cpu_collective"
 CUDA_TARGET = "jaxccl_cuda_collective"
 TIMEOUT_ENV = "JAXCCL_TIMEOUT_S"
+
+# The CUDA kernel's passive measurement (MCCL Sec. 5) as a Communicator turns it on
+# (:func:`configure_cuda_measurement`): the values of LinkEmulation's defaults on the CPU executor.
+CUDA_MEASURE_INTRA_THRESHOLD = 1  # active connections to the same host before a window opens (MCCL Fig. 4's N)
+CUDA_MEASURE_INTER_THRESHOLD = 1  # active connections to other hosts before a window opens
+CUDA_MEASURE_SLOTS_PER_TB = 8  # Measurements Buffer slots each threadblock owns (records it can hold undrained)
+CUDA_MEASURE_MIN_WINDOW_BYTES = 32 << 10  # windows that carried fewer bytes are dropped as noise
 
 _registered = False
 _cuda: Any = None
@@ -303,6 +311,54 @@ def _inject_stale_message(slot: int, *, across_processes: bool = False) -> None:
     stale identity and its own, and the communicator stays usable.
     """
     _native._inject_stale_message(int(slot), bool(across_processes))
+
+
+def configure_cuda_measurement(
+    host_of_rank: Sequence[int],
+    *,
+    enabled: bool = True,
+    intra_threshold: int = CUDA_MEASURE_INTRA_THRESHOLD,
+    inter_threshold: int = CUDA_MEASURE_INTER_THRESHOLD,
+    slots_per_tb: int = CUDA_MEASURE_SLOTS_PER_TB,
+    min_window_bytes: int = CUDA_MEASURE_MIN_WINDOW_BYTES,
+) -> None:
+    """Turns the CUDA kernel's passive measurement on (or off) for the launches that start from now on.
+
+    The settings are process-wide (one set for every CUDA collective). A
+    :class:`~jaxccl.Communicator` with ``backend="cuda"`` and a topology calls
+    this with its ranks' hosts and the defaults; :func:`drain_cuda_measurement`
+    collects the records.
+
+    Args:
+        host_of_rank: the host id of each rank of the axis (empty: all on one host).
+        enabled: measure (else launches from now on do not).
+        intra_threshold: active connections of an accumulator to its own host before a window opens.
+        inter_threshold: the same for connections to other hosts.
+        slots_per_tb: Measurements Buffer slots each threadblock owns.
+        min_window_bytes: windows that carried fewer bytes are dropped.
+
+    Raises:
+        ExecutorError: the CUDA module is not built, or it refused a setting (a negative host id,
+            more ranks than it supports, a threshold or slot count out of range).
+    """
+    mod = _cuda_module()
+    if mod is None:
+        raise ExecutorError("configure_cuda_measurement: jaxccl was built without its CUDA module")
+    settings = (int(intra_threshold), int(inter_threshold), int(slots_per_tb), int(min_window_bytes))
+    _wrap(mod.measure_configure, bool(enabled), [int(h) for h in host_of_rank], *settings)
+
+
+def drain_cuda_measurement() -> tuple[bytes, int]:
+    """The CUDA kernel's measurement records (32 bytes each, freed) and how many were dropped since the last drain.
+
+    Raises:
+        ExecutorError: the CUDA module is not built.
+    """
+    mod = _cuda_module()
+    if mod is None:
+        raise ExecutorError("drain_cuda_measurement: jaxccl was built without its CUDA module")
+    raw, dropped = mod.measure_drain()
+    return bytes(raw), int(dropped)
 
 
 def get_timeout() -> float:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxccl.errors import ArgumentError
 from jaxccl.runtime import axes as _axes
 from jaxccl.runtime.rounds import Instr, Plan, plan
 from jaxccl.schedule.ir import Buffer, OpKind, Schedule, period_elements
@@ -116,7 +117,7 @@ class _Boxes:
 def execute(p: Plan, x: jax.Array, axis_name, op: ReduceOp = ReduceOp.SUM) -> jax.Array:
     """Executes plan ``p`` on the flat input ``x`` of this rank (reducing with ``op``); returns the flat output."""
     if x.ndim != 1 or x.shape[0] != p.in_elems:
-        raise ValueError(f"ppermute backend: expected a flat input of {p.in_elems} elements, got shape {x.shape}")
+        raise ArgumentError(f"ppermute backend: expected a flat input of {p.in_elems} elements, got shape {x.shape}")
     idx = _axes.axis_index(axis_name) if p.num_ranks > 1 else jnp.int32(0)
     t = _Tables(idx)
     bufs = {

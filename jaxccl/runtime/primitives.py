@@ -62,6 +62,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters.mlir import ir
 
+from jaxccl.errors import ContextError, UnsupportedError
 from jaxccl.runtime import axes as _axes
 from jaxccl.runtime import communicator as _comm
 from jaxccl.schedule.ir import Collective
@@ -82,7 +83,7 @@ _sites = itertools.count(1)
 
 def _no_impl(name: str):
     def impl(*args, **kwargs):
-        raise RuntimeError(f"jaxccl.{name} must be called inside jax.shard_map (under jax.jit or not)")
+        raise ContextError(f"jaxccl.{name} must be called inside jax.shard_map (under jax.jit or not)")
 
     return impl
 
@@ -310,7 +311,7 @@ def _group_axes(ctx, axis_name) -> tuple[tuple[object, int], ...]:
     shape = dict(mesh.shape)
     auto = [a for a in mesh.axis_names if a not in manual and shape[a] > 1]
     if auto:
-        raise NotImplementedError(
+        raise UnsupportedError(
             f"jaxccl native backends need every mesh axis manual in jax.shard_map; axes {auto} are not "
             "(use backend='ppermute' for partially manual shard_map)"
         )
@@ -365,7 +366,7 @@ def _lowering(impl):
         platforms = ctx.module_context.platforms
         backends = {_comm.lowering_backend(comm, p) for p in platforms}
         if len(backends) != 1:
-            raise NotImplementedError(f"jaxccl: lowering for several platforms at once ({platforms}) is not supported")
+            raise UnsupportedError(f"jaxccl: lowering for several platforms at once ({platforms}) is not supported")
         backend = backends.pop()
         if backend == "ppermute":
             fn = functools.partial(impl, backend=backend)

@@ -62,7 +62,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
-from jaxccl.errors import ScheduleError
+from jaxccl.errors import ArgumentError, ScheduleError
 from jaxccl.schedule.ir import Buffer, Collective, OpKind, Schedule, chunk_bounds, period_elements
 from jaxccl.schedule.reduction import ReduceOp, finish, step
 
@@ -201,7 +201,7 @@ def evaluate(schedule: Schedule, inputs: Sequence, op: ReduceOp = ReduceOp.SUM) 
     n, c = schedule.num_ranks, schedule.chunks_per_period
     xs = [np.asarray(x).reshape(-1) for x in inputs]
     if len(xs) != n or len({(x.shape, x.dtype) for x in xs}) != 1:
-        raise ValueError(f"evaluate: expected {n} flat inputs of one shape and dtype")
+        raise ArgumentError(f"evaluate: expected {n} flat inputs of one shape and dtype")
     period = period_elements(schedule.collective, n, xs[0].shape[0])
     plan = simulate_rounds(schedule, num_slots=None)
 

@@ -182,11 +182,13 @@ def run_jobs(
         max_tiles: the executor's cap on tiles per launch (256), replaced
             for what-if studies (``sharing="tiles"``).
         progress: called with the fraction of messages done.
-        max_wall_s: give up (``RuntimeError``) after this much wall time.
+        max_wall_s: give up (:class:`~jaxccl.errors.SimulationError`, a ``RuntimeError``) after this much wall time.
 
     Raises:
         ScheduleError: a malformed or deadlocking schedule.
         TopologyError: a placement that does not fit ``topo``.
+        OptionError: ``routing``, ``execution`` or ``sharing`` is not one of its choices.
+        SimulationError: the run exceeded ``max_wall_s``.
     """
     t0 = time.perf_counter()
     router = _router(topo, routing)

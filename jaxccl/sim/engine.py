@@ -50,7 +50,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxccl.errors import ScheduleError
+from jaxccl.errors import ScheduleError, SimulationError
 from jaxccl.sim.fairness import max_min_rates
 from jaxccl.sim.model import ARR, END, GOT, LAUNCH, MSG_KINDS, Program, _ranges
 
@@ -766,7 +766,7 @@ class _Sim:
                     self.progress(self.done_msgs / self.n_msgs)
                     next_report = self.done_msgs / self.n_msgs + 0.01
                 if self.max_wall_s is not None and _time.perf_counter() - self.t_wall > self.max_wall_s:
-                    raise RuntimeError(
+                    raise SimulationError(
                         f"simulation exceeded its wall-time limit of {self.max_wall_s:.0f} s at t={t0:.6g} s"
                     )
         self.stats["batches"] = batches

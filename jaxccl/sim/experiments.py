@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from jaxccl.errors import SynthesisError
+from jaxccl.errors import ArgumentError, SynthesisError
 from jaxccl.schedule.ir import Collective, Schedule
 from jaxccl.sim import run as sim_run
 from jaxccl.sim.analytic import ring_time
@@ -43,6 +43,7 @@ from jaxccl.synth.nccl import nccl_schedule, rail_channel_orders
 from jaxccl.topology import Topology, rail, scenario
 from jaxccl.topology.groups import groups_within, rail_swap, relay_domain, subtopology
 from jaxccl.topology.presets import tor
+from jaxccl.util.options import choose, renamed
 from jaxccl.util.report import progress as _progress
 
 __all__ = ["PAPER", "Synthesizers", "fig1", "fig8", "fig11"]
@@ -194,8 +195,7 @@ def _sim(
     In order, MSCCL's and NCCL's runtimes pipeline in 512 KiB protocol steps
     and every message weighs the same on a link (``sharing="messages"``).
     """
-    if exec_model not in EXEC_MODELS:
-        raise ValueError(f"unknown execution model {exec_model!r}; expected one of {EXEC_MODELS}")
+    choose("execution", exec_model, EXEC_MODELS)
     if exec_model == "dataflow" and sched.info.get("baseline") != "nccl":
         return sim_run(topo, sched, nbytes, max_tiles=max_tiles)
     return sim_run(
@@ -327,17 +327,19 @@ def fig8(
     scenarios: Sequence[str] | None = None,
     size: int = 128 * MiB,
     collectives: Sequence[str] = ("all_gather", "all_to_all"),
-    exec_model: str = "dataflow",
+    execution: str = "dataflow",
     what_if_tiles: int | None = None,
     show_progress: bool = True,
+    exec_model: str | None = None,
 ) -> dict[str, Any]:
     """MCCL Fig. 8: 128 MB per source on 1x{2,4,8,16,32}x8 with no failure and Fail1-3.
 
     Args:
         quick: 1x2x8 only.
-        exec_model: ``"dataflow"`` (jaxccl's executors: no head-of-line
+        execution: ``"dataflow"`` (jaxccl's executors: no head-of-line
             blocking) or ``"in_order"`` (MSCCL's runtime: ops in threadblock
-            order, MSCCL tiling); see :mod:`jaxccl.sim.model`.
+            order, MSCCL tiling); see :mod:`jaxccl.sim.model`. Its old name
+            ``exec_model=`` is deprecated (removed in the next release).
         hosts: hosts of the single segment (default 2, 4, 8, 16, 32).
         scenarios: ``"none"``, ``"fail1"``, ``"fail2"``, ``"fail3"`` (default all).
         size: bytes per source.
@@ -346,7 +348,12 @@ def fig8(
             this cap on the executor's tiles per launch instead of its
             ``MAX_TILES`` (``algbw_what_if_tiles`` in their rows); ``None``: skip.
         show_progress: draw a progress bar on stderr.
+
+    Raises:
+        OptionError: ``execution`` is not one of :data:`EXEC_MODELS`.
     """
+    execution = renamed("fig8", "exec_model", exec_model, "execution", execution, "dataflow")
+    exec_model = choose("execution", execution, EXEC_MODELS)
     t0 = time.perf_counter()
     hosts = list(hosts or ([2] if quick else [2, 4, 8, 16, 32]))
     scens = list(scenarios or ["none", "fail1", "fail2", "fail3"])
@@ -388,7 +395,7 @@ RELAY_COLLECTIVES = (Collective.ALL_GATHER, Collective.REDUCE_SCATTER)  # synthe
 def _cluster(num_gpus: int) -> Topology:
     """MCCL Sec. 6.3: segments of 16 hosts x 8 GPUs."""
     if num_gpus % 128:
-        raise ValueError(f"cluster sizes are multiples of 128 GPUs (segments of 16 hosts), got {num_gpus}")
+        raise ArgumentError(f"cluster sizes are multiples of 128 GPUs (segments of 16 hosts), got {num_gpus}")
     return rail(hosts=16, gpus_per_host=8, segments=num_gpus // 128)
 
 

@@ -91,10 +91,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxccl.errors import ScheduleError, TopologyError
+from jaxccl.errors import ArgumentError, ScheduleError, TopologyError
 from jaxccl.schedule.ir import Schedule, Threadblock
 from jaxccl.sim.ordering import threadblock_order
 from jaxccl.sim.routes import Router
+from jaxccl.util.options import choose
 
 __all__ = [
     "DEFAULT_FLOW_BUDGET",
@@ -270,17 +271,17 @@ def compile_jobs(
         ScheduleError: an op names a missing dependency, a send has no receive
             (or counts differ), a threadblock sends without a peer...
         TopologyError: a placement does not fit the topology.
+        OptionError: ``execution`` or ``sharing`` is not one of its choices.
+        ArgumentError: a size, count or iteration number out of range.
     """
     if pipeline_bytes is not None and not pipeline_bytes > 0:
-        raise ValueError(f"pipeline_bytes must be positive or None, got {pipeline_bytes!r}")
+        raise ArgumentError(f"pipeline_bytes must be positive or None, got {pipeline_bytes!r}")
     if num_slots is not None and (not isinstance(num_slots, int) or num_slots < 1):
-        raise ValueError(f"num_slots must be a positive integer or None, got {num_slots!r}")
-    if execution not in EXECUTIONS:
-        raise ValueError(f"execution must be one of {EXECUTIONS}, got {execution!r}")
-    if sharing not in SHARINGS:
-        raise ValueError(f"sharing must be one of {SHARINGS}, got {sharing!r}")
+        raise ArgumentError(f"num_slots must be a positive integer or None, got {num_slots!r}")
+    choose("execution", execution, EXECUTIONS)
+    choose("sharing", sharing, SHARINGS)
     if not isinstance(max_tiles, int) or isinstance(max_tiles, bool) or max_tiles < 1:
-        raise ValueError(f"max_tiles must be a positive integer, got {max_tiles!r}")
+        raise ArgumentError(f"max_tiles must be a positive integer, got {max_tiles!r}")
     in_order = execution == "in_order"
     num_gpus = router.topo.num_gpus
 
@@ -301,11 +302,11 @@ def compile_jobs(
         if not isinstance(s, Schedule):
             raise ScheduleError(f"job {j}: expected a Schedule, got {type(s).__name__}")
         if not job.bytes_per_rank >= 0:
-            raise ValueError(f"job {j}: bytes_per_rank must be >= 0, got {job.bytes_per_rank!r}")
+            raise ArgumentError(f"job {j}: bytes_per_rank must be >= 0, got {job.bytes_per_rank!r}")
         placements.append(_placement(job, num_gpus))
         reps = job.iterations
         if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
-            raise ValueError(f"job {j}: iterations must be a positive integer, got {reps!r}")
+            raise ArgumentError(f"job {j}: iterations must be a positive integer, got {reps!r}")
         chunk = float(job.bytes_per_rank) / s.in_chunks
         job_chunk_bytes.append(chunk / reps)
         job_out_bytes.append(chunk * s.out_chunks)

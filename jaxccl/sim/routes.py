@@ -19,8 +19,8 @@ from collections.abc import Hashable
 
 import numpy as np
 
-from jaxccl.errors import OptionError
 from jaxccl.topology import Topology
+from jaxccl.util.options import choose
 
 __all__ = ["ROUTING_METHODS", "Router"]
 
@@ -44,7 +44,7 @@ class Router:
     """
 
     def __init__(self, topo: Topology, method: str = "primary"):
-        OptionError.check("routing", method, ROUTING_METHODS)
+        choose("routing", method, ROUTING_METHODS)
         self.topo = topo
         self.method = method
         self.links: list[tuple[Hashable, Hashable]] = []

@@ -3,7 +3,7 @@
 The groups of one kind (every DP group of a training step, say) run their
 collective at the same time. On their own GPUs and NICs they never meet; a
 group collective that relays through GPUs outside the group
-(``jaxccl.synth.allgather(topo, group=...)``, :mod:`jaxccl.synth.group`)
+(``jaxccl.synth.all_gather(topo, group=...)``, :mod:`jaxccl.synth.group`)
 crosses the NICs and NVLinks of the *other* groups of its hosts, which carry
 those groups' own traffic at the same moment.
 
@@ -17,11 +17,11 @@ latency of filling the deepest tree: the fluid limit that a schedule's
 ``algbw`` states for one schedule alone (the simulator reaches it within a few
 percent on large messages, ``tests/sim/test_sim.py``), for several at once.
 
->>> from jaxccl.synth import allgather
+>>> from jaxccl.synth import all_gather
 >>> from jaxccl.topology import rail
 >>> topo = rail(hosts=2, gpus_per_host=2)
 >>> groups = [[0, 2], [1, 3]]
->>> loads = [link_bytes(allgather(topo, group=g), topo, g, 1e6) for g in groups]
+>>> loads = [link_bytes(all_gather(topo, group=g), topo, g, 1e6) for g in groups]
 >>> alone = fluid_time(topo, loads[:1])
 >>> both = fluid_time(topo, loads)
 >>> bool(alone < both)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxccl.errors import ArgumentError
 from jaxccl.schedule.ir import Collective
 
 __all__ = ["WORKLOADS", "CollectiveCall", "Workload", "group_gpus"]
@@ -91,7 +92,7 @@ class Workload:
             return num_gpus // self.inner["TP"]
         if group == "DP_EP":
             return num_gpus // self.inner["EP"]
-        raise KeyError(group)
+        raise ArgumentError(f"unknown group {group!r}; a workload has {sorted(self.inner)}, 'DP' and 'DP_EP'")
 
 
 AG, RS, AR, A2A = Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_REDUCE, Collective.ALL_TO_ALL

@@ -10,7 +10,7 @@ schedules into one multi-channel schedule (:func:`merge_channels`) and exposes
 the baselines the simulator compares against:
 
 - :func:`nccl_allgather`, :func:`nccl_reduce_scatter`, :func:`nccl_allreduce`
-  (ring, or NCCL's double binary tree with ``algorithm="tree"``);
+  (ring, or NCCL's double binary tree with ``method="tree"``);
 - :func:`nccl_alltoall` (direct: one send/receive pair per peer, as NCCL's
   grouped point-to-point AllToAll);
 - :func:`nccl_schedule` dispatching on the collective name.
@@ -39,8 +39,10 @@ from jaxccl.synth.baselines import (
     ring_allreduce,
     ring_reduce_scatter,
 )
+from jaxccl.util.options import choose, renamed
 
 __all__ = [
+    "METHODS",
     "merge_channels",
     "nccl_allgather",
     "nccl_allreduce",
@@ -49,6 +51,8 @@ __all__ = [
     "nccl_schedule",
     "rail_channel_orders",
 ]
+
+METHODS = ("ring", "tree")  # nccl_allreduce's method= choices
 
 
 def _gpus_per_host(topo: Any) -> int:
@@ -178,14 +182,25 @@ def nccl_reduce_scatter(topo: Any, *, channels: int | None = None) -> Schedule:
     return merge_channels(parts, name="nccl_reduce_scatter", info=info)
 
 
-def nccl_allreduce(topo: Any, *, channels: int | None = None, algorithm: str = "ring") -> Schedule:
-    """NCCL's AllReduce: rail-aligned rings (``"ring"``) or the double binary tree (``"tree"``)."""
+def nccl_allreduce(
+    topo: Any, *, channels: int | None = None, method: str = "ring", algorithm: str | None = None
+) -> Schedule:
+    """NCCL's AllReduce: rail-aligned rings (``method="ring"``) or the double binary tree (``method="tree"``).
+
+    ``algorithm=`` is the deprecated old name of ``method=`` (removed in the next release).
+
+    Raises:
+        OptionError: ``method`` is not ``"ring"`` or ``"tree"``.
+
+    >>> from jaxccl.topology import rail
+    >>> nccl_allreduce(rail(hosts=2, gpus_per_host=2), method="tree").name
+    'nccl_allreduce_tree'
+    """
+    method = choose("method", renamed("nccl_allreduce", "algorithm", algorithm, "method", method, "ring"), METHODS)
     _check_topo(topo, "nccl_allreduce")
-    if algorithm == "tree":
+    if method == "tree":
         s = double_binary_tree_allreduce(topo)
         return s.replace(name="nccl_allreduce_tree", info={**s.info, "baseline": "nccl"})
-    if algorithm != "ring":
-        raise ScheduleError(f"unknown NCCL AllReduce algorithm {algorithm!r}; expected 'ring' or 'tree'")
     orders = rail_channel_orders(topo, channels)
     parts = [ring_allreduce(topo, order=o) for o in orders]
     info = {"algorithm": "ring", "channels": len(orders), "orders": orders, "baseline": "nccl"}

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxccl.errors import ArgumentError
 from jaxccl.telemetry.records import INTRA, decode
 
 __all__ = ["Telemetry", "TelemetryCollector"]
@@ -132,7 +133,7 @@ class TelemetryCollector:
 
     def __init__(self, num_gpus: int, *, alpha: float = 0.5, scale: float = 1.0):
         if not (0 < alpha <= 1):
-            raise ValueError(f"TelemetryCollector: alpha must be in (0, 1], got {alpha}")
+            raise ArgumentError(f"TelemetryCollector: alpha must be in (0, 1], got {alpha}")
         self.num_gpus = int(num_gpus)
         self.alpha = float(alpha)
         self.scale = float(scale)

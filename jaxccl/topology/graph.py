@@ -184,7 +184,7 @@ class Topology:
         6250000000.0
         """
         if gbps is not None and capacity is not None:
-            raise ValueError("give either gbps= or capacity=, not both")
+            raise TopologyError("give either gbps= or capacity=, not both")
         if gbps is not None:
             gbps = strict.real(gbps, f"degrade {u!r} -> {v!r}: gbps", TopologyError)
         if capacity is not None:
@@ -246,7 +246,7 @@ class Topology:
     def scaled(self, factor: float) -> Topology:
         """A copy with every capacity multiplied by ``factor`` (> 0)."""
         if not factor > 0:
-            raise ValueError(f"scale factor must be positive, got {factor}")
+            raise TopologyError(f"scale factor must be positive, got {factor}")
         return self.with_edges({(u, v): {"capacity": c * factor} for u, v, c, _ in self.edges()})
 
     # ------------------------------------------------------------ (de)serialize

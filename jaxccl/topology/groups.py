@@ -6,7 +6,7 @@ cluster GPU ``group[i]``, routes of the whole cluster); a synthesizer needs the
 group as a topology of its own, :func:`subtopology`: the group's GPUs renumbered
 ``0..k-1`` (keeping their host/rail/segment attributes) with every switch that
 still joins two of them. A group collective that may relay through GPUs
-outside the group (``jaxccl.synth.allgather(topo, group=...)``) gets the GPUs
+outside the group (``jaxccl.synth.all_gather(topo, group=...)``) gets the GPUs
 of the hosts it touches, :func:`relay_domain`; the groups of the same kind
 inside that domain, :func:`groups_within`, run at the same time and share its
 links.

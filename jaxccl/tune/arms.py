@@ -193,14 +193,14 @@ def _catalog_entries(collective: Collective) -> list[tuple[str, Callable[[Any], 
         return direct_allgather(topo.num_gpus)
 
     def tree_ar(topo: Any) -> Schedule:
-        return nccl.nccl_allreduce(topo, algorithm="tree")
+        return nccl.nccl_allreduce(topo, method="tree")
 
     if collective is Collective.ALL_GATHER:
         return [
             ("ring", one(synth.ring_allgather)),
             ("nccl_ring", one(nccl.nccl_allgather)),
             ("rd", lambda t: (_built(synth.recursive_doubling_allgather, t),) if pow2(t) else None),
-            ("tree", one(synth.allgather)),
+            ("tree", one(synth.all_gather)),
             ("direct", one(dag)),
         ]
     if collective is Collective.REDUCE_SCATTER:
@@ -216,7 +216,7 @@ def _catalog_entries(collective: Collective) -> list[tuple[str, Callable[[Any], 
             ("nccl_ring", one(nccl.nccl_allreduce)),
             ("nccl_tree", one(tree_ar)),
             ("ordered", one(synth.ordered_allreduce)),
-            ("rs_ag_tree", lambda t: (_built(synth.reduce_scatter, t), _built(synth.allgather, t))),
+            ("rs_ag_tree", lambda t: (_built(synth.reduce_scatter, t), _built(synth.all_gather, t))),
             ("rs_ag_direct", lambda t: (_built(synth.direct_reduce_scatter, t), _built(dag, t))),
         ]
     raise TuneError(f"no arm catalogue for {collective.value!r}; the tuner covers {list(COLLECTIVES)}")

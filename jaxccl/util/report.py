@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TextIO, TypeVar
 
+from jaxccl.errors import ArgumentError
+
 T = TypeVar("T")
 
 
@@ -52,7 +54,7 @@ def timed_runs(fn: Callable[[], T], runs: int, solve_time: Callable[[T], float])
         totals.append(time.perf_counter() - t)
         solves.append(float(solve_time(out)))
     if out is None:
-        raise ValueError("timed_runs needs runs >= 1")
+        raise ArgumentError("timed_runs needs runs >= 1")
     return out, solves, totals
 
 

@@ -20,13 +20,13 @@ NIC = (0, "tor:s0r0")
 
 @pytest.fixture(scope="module")
 def ag():
-    return jaxccl.synth.allgather(TOPO)
+    return jaxccl.synth.all_gather(TOPO)
 
 
 # ------------------------------------------------------------------ Algorithm 1 (pure)
 @pytest.mark.parametrize("kind", ["allgather", "alltoall", "ring"])
 def test_algorithm1_flags_a_degraded_cut_link_only(kind, ag):
-    s = {"allgather": ag, "alltoall": jaxccl.synth.alltoall(TOPO), "ring": baselines.ring_allgather(TOPO)}[kind]
+    s = {"allgather": ag, "alltoall": jaxccl.synth.all_to_all(TOPO), "ring": baselines.ring_allgather(TOPO)}[kind]
     p = profile(s, TOPO)
     cut_link = next(a for a in p.cut if 0 in a or 4 in a)  # a NIC link of GPU 0's rail
     healthy = nominal_capacities(TOPO)
@@ -202,7 +202,7 @@ def test_results_stay_bitwise_equal_across_hot_swaps_at_random_points(ag):
         ag,
         baselines.ring_allgather(TOPO, channels=2),
         baselines.recursive_doubling_allgather(8),
-        jaxccl.synth.allgather(TOPO.degrade(*NIC, gbps=200)),
+        jaxccl.synth.all_gather(TOPO.degrade(*NIC, gbps=200)),
     ]
     rng = np.random.default_rng(7)
     stop = threading.Event()

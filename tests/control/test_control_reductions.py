@@ -145,7 +145,7 @@ def _step_time(rs, ag, topo):
 
 def test_degraded_nic_resynthesizes_and_swaps_reduce_scatter_and_all_gather():
     _, comm = _comm()
-    stale_ag, stale_rs = jaxccl.synth.allgather(TOPO), ordered_reduce_scatter(TOPO)
+    stale_ag, stale_rs = jaxccl.synth.all_gather(TOPO), ordered_reduce_scatter(TOPO)
     comm.install("all_gather", stale_ag)
     comm.install("reduce_scatter", stale_rs)
     ctl = Controller(comm, collectives=("all_reduce",), gamma=0.15)  # psum = ReduceScatter + AllGather: both halves
@@ -231,7 +231,7 @@ def _train_step(ctl):
 
 def test_step_driven_controller_swaps_between_steps():
     _, comm = _comm()
-    comm.install("all_gather", jaxccl.synth.allgather(TOPO))
+    comm.install("all_gather", jaxccl.synth.all_gather(TOPO))
     comm.install("reduce_scatter", ordered_reduce_scatter(TOPO))
     ctl = Controller(comm, collectives=("all_reduce",), gamma=0.15)
     step, ref = _train_step(ctl), jax.jit(_fsdp_body(jax.lax))

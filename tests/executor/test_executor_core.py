@@ -82,7 +82,7 @@ def test_a_ready_send_overtakes_one_that_waits(program_order):
 
 def test_tiled_synthesized_all_gather_on_emulated_links():
     topo = rail(hosts=2, gpus_per_host=4)
-    s = jaxccl.synth.allgather(jaxccl.topology.scenario(topo, "fail2")).validate()
+    s = jaxccl.synth.all_gather(jaxccl.topology.scenario(topo, "fail2")).validate()
     net = EmulatedNetwork(topo, LinkEmulation(time_scale=1e-2, trace=True, measure=False))
     try:
         x = random((8 * (1 << 16),), np.float32)  # 256 KiB per rank: several tiles
@@ -182,7 +182,7 @@ def test_imported_msccl_xml_runs_in_dataflow_order():
     from jaxccl.schedule import from_msccl_xml
 
     text = ((pathlib.Path(__file__).parents[1] / "data") / "ring_allgather_8.xml").read_text()
-    synthesized = jaxccl.synth.allgather(jaxccl.topology.scenario(rail(hosts=2, gpus_per_host=4), "fail2"))
+    synthesized = jaxccl.synth.all_gather(jaxccl.topology.scenario(rail(hosts=2, gpus_per_host=4), "fail2"))
     x = random((8 * 4099,), np.float32, seed=4)
     want = lax_ref(lambda v: lax.all_gather(v, AXIS, tiled=True), 8, x)
     for s in (from_msccl_xml(text), from_msccl_xml(synthesized.to_msccl_xml())):

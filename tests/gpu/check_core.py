@@ -120,7 +120,7 @@ def _cases() -> list[tuple[str, Any, list[Any], Any]]:
         ("msccl xml import", from_msccl_xml(ring.to_msccl_xml()), [np.float32], ag),
         (
             "synthesized allgather rail 2x4 (tiles)",
-            jaxccl.synth.allgather(rail(hosts=2, gpus_per_host=4)),
+            jaxccl.synth.all_gather(rail(hosts=2, gpus_per_host=4)),
             [np.float32],
             ag,
         ),
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxccl.telemetry.records import INTER, INTRA, decode
     from jaxccl.topology import rail
 
-    s = jaxccl.synth.allgather(rail(hosts=2, gpus_per_host=4))
+    s = jaxccl.synth.all_gather(rail(hosts=2, gpus_per_host=4))
     res = _gpu(cu, s, _random(N * (1 << 18), np.float32, seed=5), measure=True, hosts=[0] * 4 + [1] * 4)
     recs = decode(res["records"])
     kinds_seen = {int(k) for k in recs["kind"]} if len(recs) else set()

@@ -189,7 +189,7 @@ def test_constructor_errors():
     mesh = _mesh()
     with pytest.raises(ValueError, match="no axis 'x'.*\\('d',\\)"):
         jaxccl.Communicator(mesh, "x")
-    with pytest.raises(ValueError, match="unknown backend 'nccl'"):
+    with pytest.raises(ValueError, match="backend='nccl' is not one of 'cpu', 'cuda', 'ppermute', 'auto'"):
         jaxccl.Communicator(mesh, "d", backend="nccl")
     with pytest.raises(ValueError, match="8 GPUs but mesh axis 'd' has 4"):
         jaxccl.Communicator(mesh, "d", topology=jaxccl.topology.single_node(8))

@@ -417,7 +417,7 @@ def test_communicator_over_two_axes_runs_a_synthesized_schedule_on_its_topology(
         backend="cpu",
         link_emulation=LinkEmulation(time_scale=1e-2, min_window_bytes=0),
     )
-    comm.install("all_gather", jaxccl.synth.allgather(topo))
+    comm.install("all_gather", jaxccl.synth.all_gather(topo))
     assert [[d.id for d in g] for g in comm.group_devices()] == [[0, 4, 1, 5, 2, 6, 3, 7]]
 
     def program(lib):

@@ -158,7 +158,7 @@ def test_live_injection_keeps_results_bitwise_equal():
     topo = rail(hosts=2, gpus_per_host=4)
     mesh = _mesh(8)
     comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu", link_emulation=LinkEmulation(time_scale=1e-2))
-    comm.install("all_gather", jaxccl.synth.allgather(topo))
+    comm.install("all_gather", jaxccl.synth.all_gather(topo))
     f, ref = all_gather_pair(mesh)
     scenarios = [jaxccl.topology.scenario(topo, s) for s in ("fail1", "fail2")] + [topo]
     stop = threading.Event()

@@ -26,7 +26,7 @@ NIC = (0, "tor:s0r0")
 def test_controller_cannot_stage_a_schedule_that_does_not_fit(wrong, message):
     mesh = Mesh(np.array(jax.devices()), ("d",))
     comm = jaxccl.Communicator(mesh, "d", topology=TOPO, backend="cpu", link_emulation=LinkEmulation(time_scale=1e-3))
-    ag = jaxccl.synth.allgather(TOPO)
+    ag = jaxccl.synth.all_gather(TOPO)
     comm.install("all_gather", ag)
     f, ref = all_gather_pair(mesh)
     ctl = Controller(comm, gamma=0.15, synthesizers={"all_gather": lambda topo, previous: wrong()})

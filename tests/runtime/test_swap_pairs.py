@@ -58,12 +58,12 @@ BUILDERS: dict[str, dict[str, Builder]] = {
         "ring": lambda: baselines.ring_allgather(N),
         "ring2": lambda: baselines.ring_allgather(N, channels=2),
         "recursive_doubling": lambda: baselines.recursive_doubling_allgather(N),
-        "synth": lambda: jaxccl.synth.allgather(_topo()),
+        "synth": lambda: jaxccl.synth.all_gather(_topo()),
         "default_direct": lambda: default_schedules.direct_allgather(N),
     },
     "all_to_all": {
         "direct": lambda: baselines.direct_alltoall(N),  # also the default
-        "synth": lambda: jaxccl.synth.alltoall(_topo()),
+        "synth": lambda: jaxccl.synth.all_to_all(_topo()),
     },
     "psum_scatter": {
         "ring": lambda: baselines.ring_reduce_scatter(N),

@@ -446,7 +446,7 @@ def test_nccl_baselines_validate_and_use_every_nic():
     topo = rail(hosts=2, gpus_per_host=4)
     for s in (nccl_allgather(topo), nccl_reduce_scatter(topo), nccl_allreduce(topo), nccl_alltoall(topo)):
         s.validate()
-    nccl_allreduce(topo, algorithm="tree").validate()
+    nccl_allreduce(topo, method="tree").validate()
     res = sim.run(topo, nccl_allgather(topo), 8 << 20)
     nics = [x for (u, v), x in res.link_utilization.items() if isinstance(u, int) and str(v).startswith("tor")]
     assert len(nics) == topo.num_gpus and min(nics) > 0.9

@@ -16,7 +16,7 @@ from jaxccl.sim import run as sim_run
 from jaxccl.sim.experiments import Synthesizers, _relay_call, _symmetric_records
 from jaxccl.sim.shared_links import fluid_time, link_bytes
 from jaxccl.sim.workloads import WORKLOADS, group_gpus
-from jaxccl.synth import allgather, reduce_scatter
+from jaxccl.synth import all_gather, reduce_scatter
 from jaxccl.topology import rail, scenario
 from jaxccl.topology.groups import groups_within, relay_domain, subtopology
 from jaxccl.topology.presets import tor
@@ -32,7 +32,7 @@ def _one_way_slow_nic() -> object:
 @pytest.mark.parametrize("collective", [Collective.ALL_GATHER, Collective.REDUCE_SCATTER])
 def test_fluid_time_of_one_schedule_matches_the_simulator(collective):
     topo = _one_way_slow_nic()
-    make = allgather if collective is Collective.ALL_GATHER else reduce_scatter
+    make = all_gather if collective is Collective.ALL_GATHER else reduce_scatter
     s = make(topo)
     nbytes = 256 * MiB
     members = list(range(topo.num_gpus))
@@ -48,7 +48,7 @@ def test_fluid_time_of_one_schedule_matches_the_simulator(collective):
 def test_groups_sharing_relays_are_slower_together_than_alone():
     topo = rail(hosts=2, gpus_per_host=2)
     groups = [[0, 2], [1, 3]]
-    schedules = [allgather(topo, group=g) for g in groups]
+    schedules = [all_gather(topo, group=g) for g in groups]
     assert all(s.info["group"]["view"] == "relays" for s in schedules)
     loads = [link_bytes(s, topo, g, 64 * MiB) for s, g in zip(schedules, groups)]
     alone = fluid_time(topo, loads[:1])
@@ -90,7 +90,7 @@ def test_relay_domain_and_groups_within_on_a_two_segment_cluster():
 
 def test_bad_inputs_are_named():
     topo = rail(hosts=2, gpus_per_host=2)
-    s = allgather(topo, group=[0, 2])
+    s = all_gather(topo, group=[0, 2])
     with pytest.raises(ScheduleError, match="ranks"):
         link_bytes(s, topo, [0, 1, 2], MiB)
     with pytest.raises(ScheduleError, match="lacks"):
@@ -108,10 +108,10 @@ def test_rail_twins_take_the_loads_their_own_synthesis_gives():
     domain = relay_domain(cluster, gpus)
     topo = subtopology(cluster, domain)
     members = [[domain.index(g), domain.index(g + 64)] for g in range(8)]
-    records = _symmetric_records(topo, members, lambda m: allgather(topo, group=m), MiB)
+    records = _symmetric_records(topo, members, lambda m: all_gather(topo, group=m), MiB)
     assert [r["synthesized"] for r in records] == [True, True] + [False] * 6
     for m, r in zip(members, records):
-        want = link_bytes(allgather(topo, group=m), topo, m, MiB)
+        want = link_bytes(all_gather(topo, group=m), topo, m, MiB)
         assert fluid_time(topo, [r["loads"]]) == pytest.approx(fluid_time(topo, [want]), rel=1e-12)
         nic = (m[0], tor(0, m[0]))
         assert r["loads"].get(nic, 0.0) == pytest.approx(want.get(nic, 0.0), rel=1e-12)

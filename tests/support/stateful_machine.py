@@ -23,7 +23,7 @@ changes a job sees, in any order:
 Schedules come from one pool per process (:func:`schedule_pool`): every baseline
 (direct, rings, rail rings, recursive doubling, NCCL-like rings and trees,
 ordered folds, binary and double binary trees) and synthesized ones
-(``jaxccl.synth.allgather``, ``alltoall``, ``reduce_scatter`` and the ordered
+(``jaxccl.synth.all_gather``, ``all_to_all``, ``reduce_scatter`` and the ordered
 ReduceScatter) for the rail topology ``rail(hosts=2, gpus_per_host=4)``, healthy
 and under faults. Every collective's result is compared bitwise with ``jax.lax``
 on random non-zero data. Float reductions are bitwise only when every schedule
@@ -158,19 +158,19 @@ def _recipes() -> dict[str, dict[str, Callable[[Any], Schedule]]]:
             "rail_ring_2ch": lambda t: baselines.ring_allgather(t, channels=2),
             "recursive_doubling": lambda t: baselines.recursive_doubling_allgather(n),
             "nccl": lambda t: nccl.nccl_allgather(t),
-            "synth": lambda t: synth.allgather(t),
-            "synth_latency": lambda t: synth.allgather(t, method="latency"),
-            "synth_fail1": lambda t: synth.allgather(scenario(t, "fail1")),
-            "synth_fail2": lambda t: synth.allgather(scenario(t, "fail2")),
-            "synth_fail3_gpu5": lambda t: synth.allgather(scenario(t, "fail3", gpu=5)),
+            "synth": lambda t: synth.all_gather(t),
+            "synth_latency": lambda t: synth.all_gather(t, method="latency"),
+            "synth_fail1": lambda t: synth.all_gather(scenario(t, "fail1")),
+            "synth_fail2": lambda t: synth.all_gather(scenario(t, "fail2")),
+            "synth_fail3_gpu5": lambda t: synth.all_gather(scenario(t, "fail3", gpu=5)),
         },
         "all_to_all": {
             "direct": lambda t: baselines.direct_alltoall(n),
             "nccl": lambda t: nccl.nccl_alltoall(t),
-            "synth": lambda t: synth.alltoall(t),
-            "synth_fail1": lambda t: synth.alltoall(scenario(t, "fail1")),
-            "synth_fail2": lambda t: synth.alltoall(scenario(t, "fail2")),
-            "synth_fail3_gpu5": lambda t: synth.alltoall(scenario(t, "fail3", gpu=5)),
+            "synth": lambda t: synth.all_to_all(t),
+            "synth_fail1": lambda t: synth.all_to_all(scenario(t, "fail1")),
+            "synth_fail2": lambda t: synth.all_to_all(scenario(t, "fail2")),
+            "synth_fail3_gpu5": lambda t: synth.all_to_all(scenario(t, "fail3", gpu=5)),
         },
         "reduce_scatter": {
             "direct": lambda t: baselines.direct_reduce_scatter(n),
@@ -192,7 +192,7 @@ def _recipes() -> dict[str, dict[str, Callable[[Any], Schedule]]]:
             "binary_tree": lambda t: baselines.binary_tree_allreduce(n),
             "double_binary_tree": lambda t: baselines.double_binary_tree_allreduce(n),
             "nccl_ring": lambda t: nccl.nccl_allreduce(t),
-            "nccl_tree": lambda t: nccl.nccl_allreduce(t, algorithm="tree"),
+            "nccl_tree": lambda t: nccl.nccl_allreduce(t, method="tree"),
         },
     }
 

@@ -89,7 +89,7 @@ def _rounded_rate(sched: Schedule, topo: Topology) -> tuple[float, dict]:
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_column_generation_reaches_the_cflp_optimum(name, pricing):
     topo = SMALL[name]()
-    a = alltoall(topo, pricing=pricing)
+    a = alltoall(topo, method=pricing)
     ref = _cflp(name)
     assert a.info["lp_converged"]
     assert a.bound == pytest.approx(ref, rel=1e-6)
@@ -319,8 +319,8 @@ def test_dijkstra_pricing_refuses_a_binding_step_bound():
     net = build_network(ring(6))
     with pytest.raises(SynthesisError, match="ignores the step bound"):
         shortest_path_trees(net, np.ones(net.num_arcs), max_steps=4, method="dijkstra")
-    with pytest.raises(OptionError, match="pricing='bellman' is not one of 'dijkstra', 'dag' or None"):
-        alltoall(ring(4), pricing="bellman")
+    with pytest.raises(OptionError, match="method='bellman' is not one of 'dijkstra', 'dag' or None"):
+        alltoall(ring(4), method="bellman")
 
 
 # ------------------------------------------------------------------------------- compile

@@ -13,7 +13,7 @@ from test_synth_sweep import allgather_bound
 
 import jaxccl
 from jaxccl.errors import TopologyError
-from jaxccl.synth import allgather, reduce_scatter
+from jaxccl.synth import all_gather, reduce_scatter
 from jaxccl.synth.group import relay_name, relay_topology
 from jaxccl.topology import rail, torus
 from jaxccl.topology.groups import subtopology
@@ -30,7 +30,7 @@ CASES = {
 def test_group_relays_when_faster_and_reaches_the_independent_bound(name):
     make, group = CASES[name]
     topo = make()
-    s = allgather(topo, group=group).validate()
+    s = all_gather(topo, group=group).validate()
     info = s.info["group"]
     assert s.num_ranks == len(group) and info["gpus"] == group
     bound_relays = allgather_bound(relay_topology(topo, group))
@@ -51,7 +51,7 @@ def test_group_relays_when_faster_and_reaches_the_independent_bound(name):
 def test_relays_beat_the_group_view_on_a_rail():
     # GPUs 0, 4, 8, 12 share one 50 GB/s rail; through their hosts' NVSwitches they reach the other rails too
     topo = rail(hosts=4, gpus_per_host=4)
-    s = allgather(topo, group=[0, 4, 8, 12])
+    s = all_gather(topo, group=[0, 4, 8, 12])
     assert s.info["group"]["view"] == "relays"
     assert s.info["group"]["algbw"]["relays"] == pytest.approx(4 * s.info["group"]["algbw"]["own"], rel=1e-9)
     assert relay_name(1) in {str(u) for u, _, _ in s.info["link_chunks"]}
@@ -59,7 +59,7 @@ def test_relays_beat_the_group_view_on_a_rail():
 
 def test_whole_topology_as_a_group_equals_no_group():
     topo = rail(hosts=2, gpus_per_host=4)
-    assert allgather(topo, group=range(8)).algbw == allgather(topo).algbw
+    assert all_gather(topo, group=range(8)).algbw == all_gather(topo).algbw
 
 
 @pytest.mark.parametrize(
@@ -67,7 +67,7 @@ def test_whole_topology_as_a_group_equals_no_group():
 )
 def test_bad_groups_are_named(group, match):
     with pytest.raises(TopologyError, match=match):
-        allgather(rail(hosts=2, gpus_per_host=4), group=group)
+        all_gather(rail(hosts=2, gpus_per_host=4), group=group)
 
 
 def test_group_schedule_runs_bitwise_on_cpu_executor():
@@ -76,7 +76,7 @@ def test_group_schedule_runs_bitwise_on_cpu_executor():
     from jax.sharding import Mesh
     from jax.sharding import PartitionSpec as P
 
-    s = allgather(torus(4, 4), group=[0, 4, 8, 12])
+    s = all_gather(torus(4, 4), group=[0, 4, 8, 12])
     mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
     x = np.random.default_rng(5).standard_normal(4 * 333).astype(np.float32)
 

@@ -24,7 +24,7 @@ import pytest
 import scipy.optimize
 import scipy.sparse as sp
 
-from jaxccl.synth import allgather, alltoall, reduce_scatter
+from jaxccl.synth import all_gather, all_to_all, reduce_scatter
 from jaxccl.synth.alltoall import decode_paths
 from jaxccl.topology import Topology, fat_tree, mixed_hosts, rail, torus
 
@@ -129,12 +129,12 @@ def degrade_randomly(topo: Topology, rng: np.random.Generator, count: int) -> To
 # ------------------------------------------------------------------ checks
 def check_allgather(topo: Topology) -> None:
     bound = allgather_bound(topo)
-    for synth in (allgather, reduce_scatter):
+    for synth in (all_gather, reduce_scatter):
         s = synth(topo).validate()
         assert s.algbw <= s.bound * (1 + 1e-12)
         assert s.algbw >= bound * (1 - 5e-3), (synth.__name__, s.algbw, bound)
         assert s.bound <= bound * (1 + 1e-6)
-    s = allgather(topo)
+    s = all_gather(topo)
     loads = {(u, v): c for u, v, c in s.info["link_chunks"]}
     rate = min(topo.capacity(u, v) / c for (u, v), c in loads.items())
     assert rate * s.chunks_per_period * s.num_ranks >= s.algbw * (1 - 1e-12)  # it reaches what it states
@@ -142,7 +142,7 @@ def check_allgather(topo: Topology) -> None:
 
 def check_alltoall(topo: Topology) -> None:
     bound = alltoall_bound(topo)
-    a = alltoall(topo).validate()
+    a = all_to_all(topo).validate()
     k = a.chunks_per_period
     loads: dict = {}
     per_pair: dict = {}
@@ -172,9 +172,9 @@ def test_random_topologies(seed):
 def test_warm_starts_after_random_degradations(seed):
     # a warm start from the healthy topology's schedule reaches what a cold start reaches
     healthy, topo = random_pair(seed)
-    warm = allgather(topo, previous=allgather(healthy)).validate()
-    assert warm.algbw == allgather(topo).algbw == warm.bound
-    a = alltoall(topo, previous=alltoall(healthy)).validate()
+    warm = all_gather(topo, previous=all_gather(healthy)).validate()
+    assert warm.algbw == all_gather(topo).algbw == warm.bound
+    a = all_to_all(topo, previous=all_to_all(healthy)).validate()
     assert a.bound == pytest.approx(alltoall_bound(topo), rel=1e-5)
     assert a.algbw >= a.bound * (1 - 1e-2)
 

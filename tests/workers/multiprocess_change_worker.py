@@ -46,9 +46,9 @@ def schedule_pool(topo: Any, n: int) -> dict[str, dict[str, Any]]:
             "ring": baselines.ring_allgather(topo),
             "ring2": baselines.ring_allgather(topo, channels=2),
             "recursive_doubling": baselines.recursive_doubling_allgather(n),
-            "synthesized": jaxccl.synth.allgather(topo),
+            "synthesized": jaxccl.synth.all_gather(topo),
         },
-        "all_to_all": {"direct": baselines.direct_alltoall(n), "synthesized": jaxccl.synth.alltoall(topo)},
+        "all_to_all": {"direct": baselines.direct_alltoall(n), "synthesized": jaxccl.synth.all_to_all(topo)},
         "psum_scatter": {
             "direct": baselines.direct_reduce_scatter(n),
             "ring": baselines.ring_reduce_scatter(topo),

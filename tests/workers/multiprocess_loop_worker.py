@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
     fast_rail = {e: {"capacity": 1000 * base.capacity(*e)} for e in base.graph.edges if "tor:s0r0" in e}
     topo = base.with_edges(fast_rail)
     comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu")
-    comm.install("all_gather", jaxccl.synth.allgather(topo))
+    comm.install("all_gather", jaxccl.synth.all_gather(topo))
     slot = comm.slot("all_gather")
     state = native.swap_state(slot)  # the installed schedule is current from the first call
     print(f"INSTALLED {max(state['current_version'], state['staged_version'])}", flush=True)

@@ -186,7 +186,7 @@ def swap(t, steps: int) -> bool:
     attach(t, mesh, "d")
     topo = jaxccl.topology.rail(hosts=t.num_processes, gpus_per_host=n // t.num_processes)
     comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu")
-    comm.install("all_gather", jaxccl.synth.allgather(topo))
+    comm.install("all_gather", jaxccl.synth.all_gather(topo))
     sharding = NamedSharding(mesh, P("d"))
 
     def step(collective):

@@ -15,15 +15,11 @@ import subprocess
 import uuid
 from collections.abc import Sequence
 
-from jaxccl.errors import JaxcclError
+from jaxccl.errors import NetlabError
 
 COMMAND_TIMEOUT_S = 20.0
 LAB_PREFIX = "jxl-"  # every namespace a lab makes starts with it
 NETNS_ETC = "/etc/netns"  # `ip netns exec NAME` bind-mounts the files of NETNS_ETC/NAME over /etc
-
-
-class NetlabError(JaxcclError, RuntimeError):
-    """Setting up, shaping or removing the network namespaces of a lab failed (the command and its message)."""
 
 
 def run(argv: Sequence[str], *, check: bool = True, timeout_s: float = COMMAND_TIMEOUT_S) -> str:

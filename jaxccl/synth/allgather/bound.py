@@ -23,7 +23,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from jaxccl.errors import SynthesisError
+from jaxccl.errors import ArgumentError, SynthesisError
 from jaxccl.synth.allgather.flow import RootedCheck
 from jaxccl.synth.allgather.network import Net, shape_cached
 
@@ -57,7 +57,7 @@ def cut_ratio(net: Net, side: np.ndarray) -> Fraction:
     """``B+(X) / |X ∩ GPUs|`` for the node mask ``side``."""
     gpus = int(side[: net.num_gpus].sum())
     if gpus == 0 or gpus == net.num_gpus:
-        raise ValueError("the set must hold some GPUs but not all")
+        raise ArgumentError("the set must hold some GPUs but not all")
     out = int(net.units[side[net.src] & ~side[net.dst]].sum())
     return Fraction(out, gpus)
 
@@ -190,7 +190,7 @@ def tree_units(
     p, q = bound.rate.numerator, bound.rate.denominator
     n = net.num_gpus
     if max_chunks is not None and max_chunks < 1:
-        raise ValueError(f"max_chunks must be >= 1, got {max_chunks}")
+        raise ArgumentError(f"max_chunks must be >= 1, got {max_chunks}")
     if max_chunks is None or p <= max_chunks:
         cut_units = net.units[bound.cut_edges(net)]
         g = math.gcd(*[int(c) for c in cut_units]) if len(cut_units) else 1

@@ -17,7 +17,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from jaxccl.errors import OptionError, SynthesisError, TopologyError
+from jaxccl.errors import SynthesisError, TopologyError
 from jaxccl.schedule import Collective, Schedule
 from jaxccl.synth.allgather.balance import balance_switches
 from jaxccl.synth.allgather.bound import DEFAULT_MAX_CHUNKS, candidate_rate, optimal_rate, switch_cuts, tree_units
@@ -31,6 +31,7 @@ from jaxccl.synth.allgather.warm import previous_hints, reuse_fraction
 from jaxccl.synth.group import RELAY_PREFIX, group_view, relay_topology
 from jaxccl.synth.links import dead_links, usable_topology
 from jaxccl.topology import Topology
+from jaxccl.util.options import choose
 
 METHODS = ("forestcoll", "latency")
 DEFAULT_METHOD = "forestcoll"
@@ -135,7 +136,7 @@ def _synthesize_for(topo, group, previous, method, max_chunks, collective: Colle
         return _synthesize(topo, previous, method, max_chunks, collective)
     if not isinstance(topo, Topology):
         raise TopologyError(f"expected a jaxccl.topology.Topology, got {type(topo).__name__}")
-    OptionError.check("method", method, METHODS)
+    choose("method", method, METHODS)
     relays = relay_topology(topo, group)
     best, algbw = None, {}
     try:
@@ -159,7 +160,7 @@ def _synthesize_for(topo, group, previous, method, max_chunks, collective: Colle
 
 
 def _synthesize(topo, previous, method, max_chunks, collective: Collective) -> Schedule:
-    OptionError.check("method", method, METHODS)
+    choose("method", method, METHODS)
     t_start = time.perf_counter()
     times: dict[str, float] = {}
     usable = usable_topology(topo)

@@ -12,7 +12,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
-from jaxccl.errors import SynthesisError
+from jaxccl.errors import ArgumentError, SynthesisError
 
 INF = 1 << 30  # an "infinite" capacity; every finite cut in a query stays below it
 _INT32_MAX = (1 << 31) - 1
@@ -57,7 +57,7 @@ class FlowNetwork:
         """The capacity matrix for per-edge capacities ``cap``."""
         cap = np.asarray(cap, dtype=np.int64)
         if len(cap) != self.num_edges:
-            raise ValueError(f"expected {self.num_edges} capacities, got {len(cap)}")
+            raise ArgumentError(f"expected {self.num_edges} capacities, got {len(cap)}")
         data = np.add.reduceat(cap[self._order], self._starts) if self.num_edges else np.zeros(0, dtype=np.int64)
         if data.size and (data.min() < 0 or data.max() > _INT32_MAX):
             raise SynthesisError("max-flow capacities overflow int32; the topology's capacities span too wide a range")

@@ -14,6 +14,7 @@ from collections import defaultdict
 
 import numpy as np
 
+from jaxccl.errors import SynthesisError
 from jaxccl.synth.allgather.network import Net
 
 
@@ -55,7 +56,7 @@ class Logical:
             return
         for e in ((u, w), (w, t)):
             if self.cap[e] < y:
-                raise ValueError(f"cannot split {y} units off {e}: only {self.cap[e]} left")
+                raise SynthesisError(f"cannot split {y} units off {e}: only {self.cap[e]} left")
             self.cap[e] -= y
         if u != t:
             self.cap[(u, t)] += y
@@ -117,5 +118,5 @@ class Logical:
                     stack.append(((e[0], w), take))
                     stack.append(((w, e[1]), take))
             if f:
-                raise ValueError(f"logical link {e} carries more units than it was given")
+                raise SynthesisError(f"logical link {e} carries more units than it was given")
         return np.array(out, dtype=np.int64)

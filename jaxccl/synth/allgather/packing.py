@@ -44,6 +44,7 @@ from scipy.sparse.csgraph import breadth_first_order, maximum_flow
 
 from jaxccl.errors import SynthesisError
 from jaxccl.synth.allgather.flow import INF, FlowNetwork, small_bipartite_flow
+from jaxccl.util.options import choose
 
 
 @dataclasses.dataclass
@@ -201,8 +202,7 @@ def match_pack(
     Raises:
         SynthesisError: if a level makes no progress.
     """
-    if check not in ("full", "local"):
-        raise ValueError(f"check must be 'full' or 'local', got {check!r}")
+    choose("check", check, ("full", "local"))
     m = _Matcher(n, k, links, prefer, check, sets or [], start)
     if verify is not None and check == "local":
         m.verify_at = np.asarray(verify, dtype=bool)

@@ -33,7 +33,7 @@ def previous_hints(previous: Schedule | None, net: Net, collective: Collective) 
     info = dict(previous.info)
     if previous.collective != collective or "trees" not in info:
         raise SynthesisError(
-            f"previous= must be a {collective.value} schedule of jaxccl.synth.allgather (with info['trees']); "
+            f"previous= must be a {collective.value} schedule of jaxccl.synth.all_gather (with info['trees']); "
             f"got {previous!r}"
         )
     if previous.num_ranks != net.num_gpus:

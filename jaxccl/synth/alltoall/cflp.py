@@ -32,6 +32,7 @@ import scipy.sparse as sp
 from jaxccl.errors import SynthesisError, TopologyError
 from jaxccl.synth.alltoall.master import check_status, new_highs
 from jaxccl.topology import Topology
+from jaxccl.util.options import choose
 
 
 def cflp_bound(topo: Topology, *, max_steps: int | None = None, per: str = "source") -> float:
@@ -52,8 +53,7 @@ def cflp_bound(topo: Topology, *, max_steps: int | None = None, per: str = "sour
     """
     if not isinstance(topo, Topology):
         raise TopologyError(f"expected a jaxccl.topology.Topology, got {type(topo).__name__}")
-    if per not in ("source", "pair"):
-        raise ValueError(f"per must be 'source' or 'pair', got {per!r}")
+    choose("per", per, ("source", "pair"))
     n = topo.num_gpus
     if n < 2:
         raise TopologyError("AllToAll needs at least 2 GPUs")

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.errors import OptionError, SynthesisError, TopologyError
+from jaxccl.errors import SynthesisError, TopologyError
 from jaxccl.schedule import Schedule
 from jaxccl.synth.alltoall.cg import (
     GAP_TOL,
@@ -73,6 +73,7 @@ from jaxccl.synth.alltoall.state import WarmState, recall, remember
 from jaxccl.synth.alltoall.warm import PreviousRoutes, keep_previous, kept_prefix, merged_arcs, routes_from
 from jaxccl.synth.links import dead_links, usable_topology
 from jaxccl.topology import Topology
+from jaxccl.util.options import choose, renamed
 
 NAME = "cg_alltoall"
 # A warm start keeps the previous chunk count when its rounding is within this fraction of the LP bound.
@@ -90,9 +91,10 @@ def alltoall(
     time_budget: float | None = None,
     max_steps: int | None = None,
     minimize_steps: bool = False,
-    pricing: str | None = None,
+    method: str | None = None,
     reuse_tolerance: float = REUSE_TOLERANCE,
     name: str = NAME,
+    pricing: str | None = None,
 ) -> Schedule:
     """Synthesizes an AllToAll schedule by column generation and deep-dive rounding (MCCL Sec. 4.2).
 
@@ -120,7 +122,7 @@ def alltoall(
             at most ``m_s - 1`` GPU-to-GPU hops). Default: MCCL's ``|V| - 1``.
         minimize_steps: binary-search the smallest ``m_s`` that keeps the LP
             optimum (MCCL App. D) and synthesize with it.
-        pricing: shortest-path method of the pricing, ``"dag"`` (the step
+        method: shortest-path method of the pricing, ``"dag"`` (the step
             sweep over the time-expanded DAG) or ``"dijkstra"`` (compiled,
             exact when the step bound cannot bind); default: ``"dijkstra"``
             when ``m_s >= N``, else ``"dag"``.
@@ -129,6 +131,7 @@ def alltoall(
             within this fraction of the LP bound (see the module docstring);
             0 rounds every ``K`` as a cold start would.
         name: the schedule's name.
+        pricing: deprecated old name of ``method`` (removed in the next release).
 
     Returns:
         An ``all_to_all`` :class:`~jaxccl.schedule.Schedule` with ``chunks_per_period = K``.
@@ -146,7 +149,7 @@ def alltoall(
 
     Raises:
         TopologyError: ``topo`` is not a Topology or has fewer than 2 GPUs.
-        OptionError: ``pricing`` is not one of its choices.
+        OptionError: ``method`` is not one of its choices.
         SynthesisError: bad ``max_chunks``/``time_budget``/``max_steps``/``reuse_tolerance``, a
             ``previous`` schedule of another collective or size, or a solver failure.
 
@@ -161,7 +164,8 @@ def alltoall(
     """
     t_start = time.perf_counter()
     max_chunks = _check_args(topo, max_chunks, time_budget)
-    OptionError.check("pricing", pricing, PRICING_METHODS, allow_none=True)
+    method = renamed("alltoall", "pricing", pricing, "method", method, None)
+    pricing = choose("method", method, PRICING_METHODS, allow_none=True)
     tol_ok = isinstance(reuse_tolerance, (int, float)) and not isinstance(reuse_tolerance, bool)
     if not (tol_ok and 0 <= reuse_tolerance < 1):
         raise SynthesisError(f"reuse_tolerance must be a fraction in [0, 1), got {reuse_tolerance!r}")

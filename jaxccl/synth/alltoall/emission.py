@@ -33,7 +33,6 @@ import itertools
 
 import numpy as np
 
-from jaxccl.errors import OptionError
 from jaxccl.schedule import Buffer, Op, OpKind, Schedule, ScheduleBuilder, Threadblock
 from jaxccl.schedule.interpreter import gc_paused
 from jaxccl.schedule.ir import Collective
@@ -41,6 +40,7 @@ from jaxccl.synth.alltoall.columns import ColumnPool
 from jaxccl.synth.alltoall.layout import Layout, concat_ranges, hops, keeps_order, layout, layout_delta
 from jaxccl.synth.alltoall.network import Network
 from jaxccl.synth.alltoall.planning import Plan, plan
+from jaxccl.util.options import choose
 
 METHODS = ("direct", "builder")
 DEFAULT_METHOD = "direct"
@@ -124,7 +124,7 @@ def emit(
         record: if given, the :class:`Emitted` of this schedule is appended.
         build_kwargs: Schedule fields (name, algbw, bound, info).
     """
-    OptionError.check("method", method, METHODS)
+    choose("method", method, METHODS)
     if method == "builder":
         return _with_builder(n, c, p, build_kwargs)
     src = reuse = None

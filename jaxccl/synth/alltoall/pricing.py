@@ -38,8 +38,9 @@ import dataclasses
 
 import numpy as np
 
-from jaxccl.errors import OptionError, SynthesisError
+from jaxccl.errors import SynthesisError
 from jaxccl.synth.alltoall.network import HeadGroup, Network
+from jaxccl.util.options import choose
 
 # Sources per sweep block: bounds the per-step predecessor arrays (steps x block x nodes).
 _BLOCK_ENTRIES = 1 << 22
@@ -120,7 +121,7 @@ def shortest_path_trees(
         want = np.asarray(extract, dtype=bool).copy()
     if method is None:
         method = DEFAULT_METHOD if m_s >= n else "dag"
-    OptionError.check("method", method, METHODS)
+    choose("method", method, METHODS)
     if method == "dijkstra":
         if m_s < n:
             raise SynthesisError(f"method='dijkstra' ignores the step bound; it needs m_s >= N = {n}, got {m_s}")

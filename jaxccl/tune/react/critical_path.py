@@ -28,6 +28,7 @@ import dataclasses
 
 import numpy as np
 
+from jaxccl.errors import TuneError
 from jaxccl.tune.react.pattern import Pattern
 
 __all__ = ["CriticalPath", "critical_path", "critical_paths", "path_time"]
@@ -49,7 +50,7 @@ def critical_path(pattern: Pattern, weights: np.ndarray) -> CriticalPath:
     """
     w = np.nan_to_num(np.asarray(weights, dtype=np.float64), nan=0.0)
     if w.shape != (pattern.num_flows,):
-        raise ValueError(f"weights must have one entry per flow ({pattern.num_flows}), got shape {w.shape}")
+        raise TuneError(f"weights must have one entry per flow ({pattern.num_flows}), got shape {w.shape}")
     n, t_max = pattern.num_ranks, pattern.num_steps
     best: CriticalPath | None = None
     src_dev, dst_dev, steps = pattern.src_device, pattern.dst_device, pattern.steps
@@ -89,7 +90,7 @@ def critical_paths(pattern: Pattern, fct: np.ndarray) -> list[CriticalPath]:
     """REACT's ``B + 1`` critical paths: one per epoch of ``fct[B, F]`` and one on the mean times."""
     fct = np.asarray(fct, dtype=np.float64)
     if fct.ndim != 2:
-        raise ValueError(f"fct must be [epochs, flows], got shape {fct.shape}")
+        raise TuneError(f"fct must be [epochs, flows], got shape {fct.shape}")
     paths = [critical_path(pattern, row) for row in fct]
     ok = np.isfinite(fct)
     mean = np.where(ok, fct, 0.0).sum(axis=0) / np.maximum(ok.sum(axis=0), 1)

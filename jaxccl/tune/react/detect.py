@@ -28,6 +28,8 @@ import dataclasses
 
 import numpy as np
 
+from jaxccl.errors import TuneError
+
 __all__ = ["DELTA1", "DELTA2", "Congestion", "detect_congestion"]
 
 DELTA1 = 0.2
@@ -82,17 +84,17 @@ def detect_congestion(
         delta2: Eq. 2 threshold.
 
     Raises:
-        ValueError: shapes that do not fit, or non-positive times.
+        TuneError: shapes that do not fit, or non-positive times (a ``ValueError``).
     """
     fct = np.asarray(fct, dtype=np.float64)
     if fct.ndim != 2:
-        raise ValueError(f"fct must be [epochs, flows], got shape {fct.shape}")
+        raise TuneError(f"fct must be [epochs, flows], got shape {fct.shape}")
     sizes = np.asarray(sizes, dtype=np.float64)
     degrees = np.asarray(degrees)
     if sizes.shape != (fct.shape[1],) or degrees.shape != (fct.shape[1],):
-        raise ValueError(f"sizes and degrees must have one entry per flow ({fct.shape[1]})")
+        raise TuneError(f"sizes and degrees must have one entry per flow ({fct.shape[1]})")
     if (fct[np.isfinite(fct)] <= 0).any():
-        raise ValueError("flow completion times must be positive")
+        raise TuneError("flow completion times must be positive")
     with np.errstate(divide="ignore", invalid="ignore"):
         b = sizes[None, :] / fct
     measured = np.isfinite(b).any(axis=0)

@@ -49,9 +49,10 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.errors import ExecutorError, OptionError, ScheduleError
+from jaxccl.errors import ExecutorError, ScheduleError, TuneError
 from jaxccl.schedule.ir import Collective, Schedule, chunk_bounds, period_elements
 from jaxccl.tune.react.measure import Measurement
+from jaxccl.util.options import choose
 
 __all__ = [
     "END_MODES",
@@ -143,7 +144,7 @@ def trace_measurement(
             sending op, or carries other bytes than expected.
         OptionError: unknown ``end``.
     """
-    OptionError.check("end", end, END_MODES)
+    choose("end", end, END_MODES)
     if len(trace) == 0:
         raise ExecutorError(f"executor trace of schedule {schedule.name!r} is empty (was trace=True set?)")
     src, dst = trace["src"].astype(np.int64), trace["dst"].astype(np.int64)
@@ -216,11 +217,11 @@ class ExecutorRunner:
             raise ExecutorError("ExecutorRunner needs a Communicator with link_emulation=LinkEmulation(trace=True)")
         if not net.config.trace:
             raise ExecutorError("ExecutorRunner needs LinkEmulation(trace=True): per-message times come from the trace")
-        OptionError.check("end", end, END_MODES)
+        choose("end", end, END_MODES)
         n = comm.axis_size
         elems = int(bytes_per_rank) // 4 // (2 * n) * (2 * n)
         if elems < 2 * n:
-            raise ValueError(f"bytes_per_rank must be at least {8 * n} (2 N int32 elements), got {bytes_per_rank!r}")
+            raise TuneError(f"bytes_per_rank must be at least {8 * n} (2 N int32 elements), got {bytes_per_rank!r}")
         self.comm = comm
         self.num_ranks = n
         self.elems = elems
@@ -348,7 +349,7 @@ def interleaved_runs(
     Returns one list of measurements per schedule.
     """
     if runs < 1:
-        raise ValueError(f"runs must be >= 1, got {runs}")
+        raise TuneError(f"runs must be >= 1, got {runs}")
     out: list[list[Measurement]] = [[] for _ in schedules]
     for i in range(warmup + runs):
         for k, s in enumerate(schedules):

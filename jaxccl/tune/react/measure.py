@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.errors import TopologyError
+from jaxccl.errors import TopologyError, TuneError
 from jaxccl.schedule.builder import ScheduleBuilder
 from jaxccl.schedule.ir import Buffer, Schedule
 from jaxccl.sim.engine import simulate
@@ -102,7 +102,7 @@ def flow_times(compiled: CompiledPattern, measurement: Measurement) -> np.ndarra
         try:
             spans = [measurement.op_times[k] for k in keys]
         except KeyError as e:
-            raise ValueError(f"measurement has no time for sending op {e.args[0]} of flow {f}") from None
+            raise TuneError(f"measurement has no time for sending op {e.args[0]} of flow {f}") from None
         out[f] = max(b for _, b in spans) - min(a for a, _ in spans)
     return out
 
@@ -148,7 +148,7 @@ def degraded_topology(topology: Any, targets: Sequence[int], p: int) -> Any:
         0.25
     """
     if not isinstance(p, int) or isinstance(p, bool) or p < 0:
-        raise ValueError(f"degraded_topology: p must be a non-negative integer, got {p!r}")
+        raise TuneError(f"degraded_topology: p must be a non-negative integer, got {p!r}")
     out = topology
     for t in targets:
         if t not in topology.gpus:
@@ -182,7 +182,7 @@ def external_flows_schedule(count: int) -> Schedule:
     It is traffic for the simulator, not a collective (it is never validated).
     """
     if not isinstance(count, int) or count < 1:
-        raise ValueError(f"external flows: count must be a positive integer, got {count!r}")
+        raise TuneError(f"external flows: count must be a positive integer, got {count!r}")
     b = ScheduleBuilder("all_to_all", 2, count)
     for k in range(count):
         b.transfer(0, 1, (Buffer.INPUT, k), (Buffer.OUTPUT, k), channel=k)
@@ -223,7 +223,7 @@ class SimulatorRunner:
         cache: bool = True,
     ):
         if not bytes_per_rank > 0:
-            raise ValueError(f"bytes_per_rank must be positive, got {bytes_per_rank!r}")
+            raise TuneError(f"bytes_per_rank must be positive, got {bytes_per_rank!r}")
         self.bytes_per_rank = float(bytes_per_rank)
         self.external = tuple(external)
         self.external_factor = float(external_factor)

@@ -44,9 +44,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxccl.errors import OptionError
+from jaxccl.errors import TuneError
 from jaxccl.tune.react.critical_path import CriticalPath
 from jaxccl.tune.react.pattern import Pattern
+from jaxccl.util.options import choose
 
 __all__ = ["EPSILON", "FlowHistory", "accepts", "predicted_gain"]
 
@@ -89,8 +90,8 @@ class FlowHistory:
 
     def __init__(self, horizon: int = HISTORY_EPOCHS, *, unknown: str = "median"):
         if not isinstance(horizon, int) or horizon < 1:
-            raise ValueError(f"horizon must be a positive integer, got {horizon!r}")
-        OptionError.check("unknown", unknown, UNKNOWN_METHODS)
+            raise TuneError(f"horizon must be a positive integer, got {horizon!r}")
+        choose("unknown", unknown, UNKNOWN_METHODS)
         self.horizon = horizon
         self.unknown = unknown
         self._epochs: collections.deque[_Epoch] = collections.deque(maxlen=horizon)
@@ -103,7 +104,7 @@ class FlowHistory:
         """Adds one epoch of ``pattern``'s flow times (NaN entries are skipped)."""
         fct = np.asarray(fct, dtype=np.float64)
         if fct.shape != (pattern.num_flows,):
-            raise ValueError(f"fct must have one entry per flow ({pattern.num_flows}), got shape {fct.shape}")
+            raise TuneError(f"fct must have one entry per flow ({pattern.num_flows}), got shape {fct.shape}")
         ok = np.isfinite(fct) & (fct > 0) & (pattern.flow_size > 0)
         self._epochs.append(
             _Epoch(
@@ -130,7 +131,7 @@ class FlowHistory:
         deg = np.concatenate([e.degree for e in self._epochs]) if self._epochs else np.zeros(0)
         fct = np.concatenate([e.fct for e in self._epochs]) if self._epochs else np.zeros(0)
         if not fct.size:
-            raise ValueError("FlowHistory is empty: record at least one epoch before estimating")
+            raise TuneError("FlowHistory is empty: record at least one epoch before estimating")
         unit = fct / (size * deg)  # seconds per chunk at degree 1
         pair = src * n + dst
         sums = np.bincount(pair, weights=unit, minlength=n * n)
@@ -175,6 +176,6 @@ class FlowHistory:
     def predicted_time(self, pattern: Pattern, paths: Sequence[CriticalPath]) -> float:
         """``E_D``: mean over ``paths`` of the summed estimated times of their flows in ``pattern``."""
         if not paths:
-            raise ValueError("predicted_time needs at least one critical path")
+            raise TuneError("predicted_time needs at least one critical path")
         est = self.estimate(pattern)
         return float(np.mean([est[list(p.flows)].sum() if p.flows else 0.0 for p in paths]))
