@@ -93,7 +93,7 @@ import numpy as np
 
 from jaxccl.errors import ScheduleError, TopologyError
 from jaxccl.schedule.ir import Schedule, Threadblock
-from jaxccl.sim.ordering import threadblock_order
+from jaxccl.sim.ordering import LOOKAHEAD, dataflow_order
 from jaxccl.sim.routes import Router
 
 __all__ = [
@@ -290,6 +290,7 @@ def compile_jobs(
     op_flags = array("b")  # bit 0: sends, bit 1: receives
     op_count = array("i")
     dep_op, dep_of = array("q"), array("q")
+    window = _Window()  # the executor's lookahead window (dataflow execution)
     send_conn, send_op, recv_conn, recv_op = array("q"), array("q"), array("q"), array("q")
     conns: dict[tuple[int, int, int, int], int] = {}
     job_chunk_bytes: list[float] = []
@@ -310,9 +311,11 @@ def compile_jobs(
         job_chunk_bytes.append(chunk / reps)
         job_out_bytes.append(chunk * s.out_chunks)
         job_base.append(len(op_job))
+        rank_tb_first: list[list[int]] = []
         for r, tbs in enumerate(s.ranks):
             tb_first = np.cumsum([0] + [reps * len(tb.ops) for tb in tbs]).tolist()
             tb_first = [len(op_job) + x for x in tb_first]
+            rank_tb_first.append(tb_first)
             send_keys: set[tuple[int, int]] = set()
             recv_keys: set[tuple[int, int]] = set()
             for t, tb in enumerate(tbs):
@@ -335,12 +338,7 @@ def compile_jobs(
                 if sc < 0 or rc < 0:
                     _check_peers(tb, sc >= 0, rc >= 0, f"job {j}: rank {r} threadblock {t}")
                 n_tb_ops = len(tb.ops)
-                kept = () if in_order else threadblock_order(tb)
                 for rep in range(reps):
-                    first_op = len(op_job)
-                    for i, k in kept:
-                        dep_of.append(first_op + k)
-                        dep_op.append(first_op + i)
                     for i, op in enumerate(tb.ops):
                         kind = op.kind
                         o = len(op_job)
@@ -362,8 +360,11 @@ def compile_jobs(
                                 raise ScheduleError(
                                     f"job {j}: rank {r} threadblock {t} op {i} depends on missing op ({dt}, {di})"
                                 )
-                            dep_of.append(o)
-                            dep_op.append(tb_first[dt] + rep * len(tbs[dt].ops) + di)
+                            if in_order:
+                                dep_of.append(o)
+                                dep_op.append(tb_first[dt] + rep * len(tbs[dt].ops) + di)
+        if not in_order:
+            _dataflow_edges(s, reps, rank_tb_first, num_slots, f"job {j}", dep_of, dep_op, window)
     n_ops = len(op_job)
     flags = np.frombuffer(op_flags, dtype=np.int8) if n_ops else np.zeros(0, dtype=np.int8)
     sends = (flags & 1).astype(bool)
@@ -462,7 +463,7 @@ def compile_jobs(
     preds: list[np.ndarray] = []
     succs: list[np.ndarray] = []
 
-    n_nodes = base + MSG_KINDS * n_msgs + n_jobs
+    n_nodes = base + MSG_KINDS * n_msgs + n_jobs + window.num_nodes
     idx_dtype = np.int32 if n_nodes < 2**31 else np.int64
 
     def edge(p: np.ndarray, s: np.ndarray) -> None:
@@ -510,6 +511,10 @@ def compile_jobs(
     msg_streamed[sd_src] = True
     msg_streamed[f_src] = True
     edge(ready[local], complete[local])
+    w_base = base + MSG_KINDS * n_msgs + n_jobs  # window nodes come last
+    edge(complete[_i64(window.done_op)], w_base + _i64(window.done_node))  # a unit is done...
+    edge(w_base + _i64(window.chain_from), w_base + _i64(window.chain_from) + 1)  # ...and so are those before it
+    edge(w_base + _i64(window.gate_node), ready[_i64(window.gate_op)])  # a unit's window reaches it
     pred = np.concatenate(preds)
     succ = np.concatenate(succs)
     preds.clear()
@@ -519,7 +524,7 @@ def compile_jobs(
     succ_idx = succ[np.argsort(pred, kind="stable")]
     del pred, succ
     pending[mnode(END, m_all)] += 1
-    pending[base + MSG_KINDS * n_msgs :] += 1  # job starts come from the event queue
+    pending[base + MSG_KINDS * n_msgs : w_base] += 1  # job starts come from the event queue
 
     src_msg = np.concatenate([sd_msg, f_msg])
     src_src = np.concatenate([sd_src, f_src])
@@ -628,6 +633,80 @@ def _check_peers(tb: Threadblock, has_send_peer: bool, has_recv_peer: bool, wher
             raise ScheduleError(f"{where} op {i} sends without a send peer")
         if op.kind.receives and not has_recv_peer:
             raise ScheduleError(f"{where} op {i} receives without a receive peer")
+
+
+class _Window:
+    """The executor's lookahead window as DAG nodes (``NextReadyUnit``, :data:`jaxccl.sim.ordering.LOOKAHEAD`).
+
+    A threadblock starts unit ``u`` (iteration ``u // n`` of row ``u % n``) only once all its units up to
+    ``u - LOOKAHEAD`` are done. Per threadblock with more units than that, window node ``k`` is "units
+    ``0..k`` done": a unit is done when its op completes (a dependency ``nop`` row of the table: when what
+    it waits for does), and node ``k - 1`` precedes node ``k``. Node ``u - LOOKAHEAD`` precedes the op of
+    unit ``u``.
+    """
+
+    def __init__(self) -> None:
+        self.num_nodes = 0
+        self.done_op, self.done_node = array("q"), array("q")  # complete[op] -> window node
+        self.chain_from = array("q")  # window node k -> window node k + 1
+        self.gate_node, self.gate_op = array("q"), array("q")  # window node -> ready[op]
+
+    def add(self, units: Sequence[tuple[int, ...]], unit_op: Sequence[int]) -> None:
+        """One threadblock: per unit, the ops whose completion makes it done, and its own op (-1: none)."""
+        k0 = self.num_nodes
+        last = len(units) - LOOKAHEAD
+        for u in range(last):
+            for o in units[u]:
+                self.done_op.append(o)
+                self.done_node.append(k0 + u)
+            if u:
+                self.chain_from.append(k0 + u - 1)
+        for u in range(LOOKAHEAD, len(units)):
+            if unit_op[u] >= 0:
+                self.gate_node.append(k0 + u - LOOKAHEAD)
+                self.gate_op.append(unit_op[u])
+        self.num_nodes += last
+
+
+def _dataflow_edges(
+    s: Schedule,
+    reps: int,
+    rank_tb_first: list[list[int]],
+    num_slots: int | None,
+    where: str,
+    dep_of: array,
+    dep_op: array,
+    window: _Window,
+) -> None:
+    """The executor's waits of every op of ``s`` as edges ``dep_op -> dep_of`` (per iteration), and its window."""
+    try:
+        order = dataflow_order(s, num_slots)
+    except ScheduleError as e:
+        raise ScheduleError(f"{where}: {e}") from None
+    for r, tbs in enumerate(s.ranks):
+        tb_first = rank_tb_first[r]
+        sizes = [len(tb.ops) for tb in tbs]
+        for t, waits in enumerate(order.op_waits(r)):
+            for rep in range(reps):
+                base = tb_first[t] + rep * sizes[t]
+                for i, w in enumerate(waits):
+                    for dt, di in w:
+                        dep_of.append(base + i)
+                        dep_op.append(tb_first[dt] + rep * sizes[dt] + di)
+        rows = order.ranks[r]
+        row_ops = None
+        for first, n, _, _ in rows.tbs:
+            if reps * n <= LOOKAHEAD:
+                continue
+            if row_ops is None:
+                row_ops = order.row_ops(r)
+            units: list[tuple[int, ...]] = []
+            unit_op: list[int] = []
+            for rep in range(reps):
+                for x in range(first, first + n):
+                    units.append(tuple(tb_first[dt] + rep * sizes[dt] + di for dt, di in row_ops[x]))
+                    unit_op.append(units[-1][0] if rows.op[x] >= 0 else -1)
+            window.add(units, unit_op)
 
 
 def _i64(a: array) -> np.ndarray:
