@@ -9,12 +9,16 @@ The model is MSCCL's (``docs/schedule-ir.md``) seen at flow level:
   :class:`jaxccl.sim.routes.Router` for ECMP). Chunk bytes are
   ``bytes_per_rank / input chunks`` (fluid: no rounding to elements).
 * **Threadblocks** run their ops by readiness (``execution="dataflow"``, the
-  default, the rule of jaxccl's executors): an op is *ready* when its ``deps``
-  have completed and so have the earlier ops of its threadblock that its data
-  needs (:mod:`jaxccl.sim.ordering`: overlapping chunks with a write, and
-  ``nop`` barriers); an op whose data is ready never waits behind an unrelated
-  op of its threadblock (no head-of-line blocking). ``execution="in_order"``
-  is MSCCL's original runtime: an op also waits for the previous op of its
+  default), by the executors' rule as :mod:`jaxccl.sim.ordering` ports it: an
+  op is *ready* when the earlier ops of its rank that its data needs have
+  completed (overlapping chunks with a write, as a program-order run orders
+  them) and so has the one dependency the compiled table keeps for it; a
+  ``nop`` orders nothing; a threadblock starts an op (of an iteration) only
+  once all its ops at least ``LOOKAHEAD`` (256) units before it completed; a
+  schedule that deadlocks in program order runs in program order. An op whose
+  data is ready never waits behind an unrelated op of its threadblock (no
+  head-of-line blocking). ``execution="in_order"`` is MSCCL's original
+  runtime: an op waits for all its ``deps`` and for the previous op of its
   threadblock. A sending op
   completes when its flow has pushed the last byte (sends are eager: the sender
   does not wait for the receiving op); a receiving op completes when it is ready
@@ -262,8 +266,8 @@ def compile_jobs(
     """Builds the event DAG of ``jobs`` on ``router``'s topology.
 
     ``execution`` is one of :data:`EXECUTIONS`: ``"dataflow"`` (ops wait for
-    their ``deps``, the earlier ops of their threadblock that their data needs,
-    their data and their slots) or ``"in_order"`` (also for the previous op of
+    what the executors' dataflow order makes them wait for, their data and
+    their slots) or ``"in_order"`` (for their ``deps`` and the previous op of
     their threadblock); see the module docstring.
 
     Raises:
