@@ -461,10 +461,19 @@ def next_ready_unit(
     ``first`` moves past done units; then the first ready unit among ``lookahead`` from it is picked
     (``lookahead=1``: program order). Returns ``(unit, first)``; ``unit`` is :data:`ALL_DONE` or
     :data:`NONE_READY` when there is none.
+
+    Raises:
+        ScheduleError: no such threadblock, ``tiles`` or ``lookahead`` below 1, ``first`` out of range.
     """
+    if not 0 <= rank < len(order.ranks) or not 0 <= tb < len(order.ranks[rank].tbs):
+        raise ScheduleError(f"no threadblock {tb} of rank {rank}")
+    if tiles < 1 or lookahead < 1:
+        raise ScheduleError(f"tiles and lookahead must be >= 1, got {tiles} and {lookahead}")
     rows = order.ranks[rank]
     t0, n = rows.tbs[tb][0], rows.tbs[tb][1]
     end = n * tiles
+    if not 0 <= first <= end:
+        raise ScheduleError(f"first unit {first} is outside 0..{end}")
     while first < end and probe.done(first // n, t0 + first % n):
         first += 1
     if first == end:

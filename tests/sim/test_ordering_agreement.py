@@ -335,3 +335,20 @@ def test_the_simulator_holds_units_beyond_the_window():
     # rank 0's first op receives; its sends do not wait for it, but those beyond the window do
     assert ready[1] < complete[0] and ready[LOOKAHEAD - 1] < complete[0]
     assert ready[LOOKAHEAD] >= complete[0] and ready[rows] >= complete[0]
+
+
+def test_bad_arguments_are_refused_by_both():
+    from jaxccl.errors import ExecutorError, ScheduleError
+
+    s = baselines.ring_allgather(3)
+    order = dataflow_order(s)
+    flags = np.zeros(3 * 2, np.int32)
+    for rank, tb, tiles, first, lookahead in ((3, 0, 1, 0, 1), (0, 1, 1, 0, 1), (0, 0, 0, 0, 1), (0, 0, 1, 9, 1),
+                                              (0, 0, 1, 0, 0)):  # fmt: skip
+        with pytest.raises(ScheduleError):
+            next_ready_unit(order, rank, tb, tiles, first, ArrayProbe(flags, flags, flags, 4, 1, 8), lookahead)
+        with pytest.raises(ExecutorError):
+            native.next_ready_unit(s, rank, tb, tiles, first, np.zeros(4 * max(tiles, 1)), flags, flags,
+                                   lookahead=lookahead)  # fmt: skip
+    with pytest.raises(ScheduleError, match="depends on missing op"):
+        dataflow_order(Schedule("all_gather", 1, 1, ((Threadblock((Op(OpKind.NOP, count=0, deps=((0, 0),)),)),),)))
