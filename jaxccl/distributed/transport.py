@@ -369,23 +369,39 @@ def stage_agreed(
 
 
 MIN_MEASURED_BYTES = 32 << 10  # smaller sends finish in the transport's buffers: their time is not the link's
+MIN_WINDOW_BYTES = 32 << 10  # the executor's default (LinkEmulation.min_window_bytes): smaller windows are dropped
+INTER_THRESHOLD = 1  # active connections that open an inter-node window (the executor's default, MCCL Sec. 5.2)
 
 
 class TransportMeter:
     """Measured rates of this process's connections to ranks in other processes, from the transport.
 
     Every send of the native executor to another process is recorded with its post and completion
-    times. :meth:`rates` drains them and, per (sending rank, receiving rank) pair, divides the bytes
-    sent by the time at least one of the pair's messages was in flight (the union of their
-    intervals; MCCL Sec. 5's "active while a message is in flight"). Sends under ``min_bytes``
-    are left out: they complete in the transport's buffers.
+    times. :meth:`rates` drains them and measures each (sending rank, receiving rank) pair as the
+    executor's meter measures an inter-node GPU pair (``xla_ffi/core/meter.h``, run through the native
+    module; docs/executor.md, "Measurement"): a *window* opens when a message is posted to the idle
+    pair and closes when the pair has nothing in flight any more; its bandwidth is the bytes delivered
+    in it over its duration; windows under ``min_window_bytes`` are dropped; a pair's rate is the
+    mean of its windows' bandwidths (what the executor's measurement records carry: ``sum_bw /
+    count``). The records name no connection, so each message counts as its own: the meter's active
+    count is the pair's messages in flight, which opens and closes windows exactly where active
+    connections do at the executor's inter-node threshold of 1. Sends under ``min_bytes`` are left
+    out: they complete in the transport's buffers.
 
-    >>> float(TransportMeter.pair_rates([(0, 2, 1 << 20, 0, 1_000_000), (0, 2, 1 << 20, 500_000, 2_000_000)], 4)[0, 2])
-    1048576000.0
+    Two 1 MiB sends that overlap are one window of 2 MiB in 2 ms; a third, later, is a window of its own:
+
+    >>> mib = 1 << 20
+    >>> rec = [(0, 2, mib, 0, 1_000_000), (0, 2, mib, 500_000, 2_000_000), (0, 2, mib, 5_000_000, 5_500_000)]
+    >>> TransportMeter.pair_windows(rec)
+    {(0, 2): [1048576000.0, 2097152000.0]}
+    >>> float(TransportMeter.pair_rates(rec, 4)[0, 2])
+    1572864000.0
     """
 
-    def __init__(self, num_ranks: int, *, min_bytes: int = MIN_MEASURED_BYTES):
-        self.num_ranks, self.min_bytes = int(num_ranks), int(min_bytes)
+    def __init__(
+        self, num_ranks: int, *, min_bytes: int = MIN_MEASURED_BYTES, min_window_bytes: int = MIN_WINDOW_BYTES
+    ):
+        self.num_ranks, self.min_bytes, self.min_window_bytes = int(num_ranks), int(min_bytes), int(min_window_bytes)
         self.dropped = 0
 
     def drain(self) -> list[tuple[int, int, int, int, int]]:
@@ -398,25 +414,40 @@ class TransportMeter:
 
     def rates(self) -> np.ndarray:
         """Drains and returns the ``num_ranks x num_ranks`` matrix of measured bytes/s (NaN: not measured)."""
-        return self.pair_rates([r for r in self.drain() if r[2] >= self.min_bytes], self.num_ranks)
+        records = [r for r in self.drain() if r[2] >= self.min_bytes]
+        return self.pair_rates(records, self.num_ranks, min_window_bytes=self.min_window_bytes)
 
     @staticmethod
-    def pair_rates(records: list[tuple[int, int, int, int, int]], num_ranks: int) -> np.ndarray:
-        """Per pair: bytes / (union of the messages' in-flight intervals), in bytes/s."""
+    def pair_windows(
+        records: list[tuple[int, int, int, int, int]], *, min_window_bytes: int = MIN_WINDOW_BYTES
+    ) -> dict[tuple[int, int], list[float]]:
+        """Per pair with at least one window: the bandwidths (bytes/s) of its windows, in the order they closed.
+
+        ``records``: (src rank, dst rank, bytes, post ns, done ns), in any order. Each is a post at its
+        post time and a delivery at its done time, replayed in time order (at equal times posts first,
+        so a message posted as another completes keeps the window open) through ``meter.h``'s state
+        machine (:func:`jaxccl.runtime.native.meter_windows`).
+        """
+        from jaxccl.runtime import native
+
         by_pair: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
         for src, dst, nbytes, post, done in records:
-            by_pair.setdefault((int(src), int(dst)), []).append((int(post), int(done), int(nbytes)))
+            by_pair.setdefault((int(src), int(dst)), []).append((int(post), max(int(done), int(post)), int(nbytes)))
+        out: dict[tuple[int, int], list[float]] = {}
+        for pair, msgs in sorted(by_pair.items()):
+            events = sorted([(post, 0, 0) for post, _, _ in msgs] + [(done, 1, nbytes) for _, done, nbytes in msgs])
+            rows = [(0, 1, t, -1, 0) if kind == 0 else (1, 1, t, 0, nbytes) for t, kind, nbytes in events]
+            bw = native.meter_windows(rows, threshold=INTER_THRESHOLD, min_window_bytes=min_window_bytes)
+            if (bw > 0).any():
+                out[pair] = bw[bw > 0].tolist()
+        return out
+
+    @staticmethod
+    def pair_rates(
+        records: list[tuple[int, int, int, int, int]], num_ranks: int, *, min_window_bytes: int = MIN_WINDOW_BYTES
+    ) -> np.ndarray:
+        """Per pair: the mean bandwidth (bytes/s) of its windows (:meth:`pair_windows`); NaN where it has none."""
         out = np.full((num_ranks, num_ranks), np.nan)
-        for (src, dst), msgs in by_pair.items():
-            msgs.sort()
-            busy, end = 0, None
-            for post, done, _ in msgs:
-                if end is None or post > end:
-                    busy += done - post
-                    end = done
-                elif done > end:
-                    busy += done - end
-                    end = done
-            if busy > 0:
-                out[src, dst] = sum(m[2] for m in msgs) / (busy * 1e-9)
+        for (src, dst), windows in TransportMeter.pair_windows(records, min_window_bytes=min_window_bytes).items():
+            out[src, dst] = sum(windows) / len(windows)
         return out

@@ -371,6 +371,98 @@ def stats() -> dict[str, int]:
     return {k: int(v) for k, v in _native.stats().items()}
 
 
+LOOKAHEAD = int(_native.LOOKAHEAD)  # units a threadblock considers at once (kLookahead, core/protocol.h)
+ALL_DONE = int(_native.ALL_DONE)
+NONE_READY = int(_native.NONE_READY)
+
+
+def parse_table(table_or_schedule: Any, *, num_slots: int = 8) -> Any:
+    """The native parser's table and the per-rank programs it builds, kept for :func:`program_rows` and
+    :func:`next_ready_unit` (a Schedule is compiled with ``num_slots`` first).
+
+    Raises:
+        ExecutorError: the table is not valid (the parser's message).
+    """
+    if isinstance(table_or_schedule, _native.ParsedTable):
+        return table_or_schedule
+    return _wrap(_native.ParsedTable, _checked_table(table_or_schedule, num_slots, None))
+
+
+def program_rows(table_or_schedule: Any, *, num_slots: int = 8) -> dict[str, Any]:
+    """The per-rank programs the executor builds of a table (``core/program_builder.h``), for models of its order.
+
+    Returns ``in_order`` (the table deadlocks in program order, so every op waits for its predecessor),
+    ``num_slots``, ``conn_msgs`` (messages per connection and tile) and ``ranks``: per rank ``tbs`` (first op,
+    ops, send and receive connection; -1: none) and per op (rank-local) ``kind`` (its code), ``dep`` (-1:
+    none), ``waits`` (the ops it waits for besides its dependency), ``send_msg`` and ``recv_msg``.
+    :mod:`jaxccl.sim.ordering` is the simulator's port of the rule; ``tests/sim/test_ordering_agreement.py``
+    compares the two.
+
+    >>> from jaxccl.synth.baselines import ring_allgather
+    >>> rank0 = program_rows(ring_allgather(3))["ranks"][0]  # s, cpy, rcs, r: messages 0, 1 out and 0, 1 in
+    >>> rank0["tbs"], rank0["send_msg"], rank0["recv_msg"], rank0["waits"]
+    ([(0, 4, 0, 2)], [0, -1, 1, -1], [-1, -1, 0, 1], [[], [], [], []])
+
+    Raises:
+        ExecutorError: the table is not valid (the parser's message).
+    """
+    d = _native.program_rows(parse_table(table_or_schedule, num_slots=num_slots))
+    return {
+        "in_order": bool(d["in_order"]),
+        "num_slots": int(d["num_slots"]),
+        "conn_msgs": [int(m) for m in d["conn_msgs"]],
+        "ranks": [{k: [list(w) for w in v] if k == "waits" else [tuple(x) for x in v] if k == "tbs" else list(v)
+                   for k, v in r.items()} for r in d["ranks"]],
+    }  # fmt: skip
+
+
+def next_ready_unit(
+    table: Any,
+    rank: int,
+    tb: int,
+    tiles: int,
+    first: int,
+    done: np.ndarray,
+    posted: np.ndarray,
+    consumed: np.ndarray,
+    *,
+    lookahead: int = LOOKAHEAD,
+) -> tuple[int, int]:
+    """``NextReadyUnit`` (``core/protocol.h``) of threadblock ``tb`` of ``rank`` over flag arrays.
+
+    ``table``: a compiled table, or (cheaper when asked many times) its :func:`parse_table`.
+    ``done[tile * num_ops + op]``: the rank's units done; ``posted[k * stride + m]`` / ``consumed[k * stride + m]``:
+    message ``m`` of connection ``k`` posted / consumed (``stride``: the array's size over the connections).
+    Returns ``(unit, first)``: the unit to run (or :data:`ALL_DONE`, :data:`NONE_READY`) and the threadblock's
+    first unfinished unit.
+
+    Raises:
+        ExecutorError: the table is not valid, or an argument does not fit it.
+    """
+    i32 = [np.ascontiguousarray(a, dtype=np.int32) for a in (done, posted, consumed)]
+    unit, nfirst = _wrap(
+        _native.next_ready_unit, parse_table(table), int(rank), int(tb), int(tiles), int(first), *i32, int(lookahead)
+    )
+    return int(unit), int(nfirst)
+
+
+def meter_windows(events: Any, *, threshold: int, min_window_bytes: int) -> np.ndarray:
+    """Replays events through one accumulator of the executor's meter (``MeterOnPost`` / ``MeterOnDelivered``).
+
+    ``events``: rows ``(0, became_busy, tx_start_ns, tx_end_ns, 0)`` for a post (``tx_end_ns < 0``: no
+    transmission interval is known) and ``(1, now_idle, done_ns, 0, bytes)`` for a delivery, in the order
+    they happened. Returns, per event, the bandwidth (bytes/s) of the window it closed, or -1.
+
+    >>> meter_windows([[0, 1, 0, -1, 0], [1, 1, 2_000_000, 0, 1 << 20]], threshold=1, min_window_bytes=0).tolist()
+    [-1.0, 524288000.0]
+
+    Raises:
+        ExecutorError: a row is neither a post nor a delivery, or ``threshold < 1``.
+    """
+    flat = np.ascontiguousarray(np.asarray(events, dtype=np.int64).reshape(-1))
+    return np.asarray(_wrap(_native.meter_windows, flat, int(threshold), int(min_window_bytes)), dtype=np.float64)
+
+
 def _timeout_from_env() -> None:
     value = os.environ.get(TIMEOUT_ENV)
     if value is None or not value.strip():

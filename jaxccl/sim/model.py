@@ -9,12 +9,16 @@ The model is MSCCL's (``docs/schedule-ir.md``) seen at flow level:
   :class:`jaxccl.sim.routes.Router` for ECMP). Chunk bytes are
   ``bytes_per_rank / input chunks`` (fluid: no rounding to elements).
 * **Threadblocks** run their ops by readiness (``execution="dataflow"``, the
-  default, the rule of jaxccl's executors): an op is *ready* when its ``deps``
-  have completed and so have the earlier ops of its threadblock that its data
-  needs (:mod:`jaxccl.sim.ordering`: overlapping chunks with a write, and
-  ``nop`` barriers); an op whose data is ready never waits behind an unrelated
-  op of its threadblock (no head-of-line blocking). ``execution="in_order"``
-  is MSCCL's original runtime: an op also waits for the previous op of its
+  default), by the executors' rule as :mod:`jaxccl.sim.ordering` ports it: an
+  op is *ready* when the earlier ops of its rank that its data needs have
+  completed (overlapping chunks with a write, as a program-order run orders
+  them) and so has the one dependency the compiled table keeps for it; a
+  ``nop`` orders nothing; a threadblock starts an op (of an iteration) only
+  once all its ops at least ``LOOKAHEAD`` (256) units before it completed; a
+  schedule that deadlocks in program order runs in program order. An op whose
+  data is ready never waits behind an unrelated op of its threadblock (no
+  head-of-line blocking). ``execution="in_order"`` is MSCCL's original
+  runtime: an op waits for all its ``deps`` and for the previous op of its
   threadblock. A sending op
   completes when its flow has pushed the last byte (sends are eager: the sender
   does not wait for the receiving op); a receiving op completes when it is ready
@@ -93,7 +97,7 @@ import numpy as np
 
 from jaxccl.errors import ArgumentError, ScheduleError, TopologyError
 from jaxccl.schedule.ir import Schedule, Threadblock
-from jaxccl.sim.ordering import threadblock_order
+from jaxccl.sim.ordering import LOOKAHEAD, dataflow_order
 from jaxccl.sim.routes import Router
 from jaxccl.util.options import choose
 
@@ -263,8 +267,8 @@ def compile_jobs(
     """Builds the event DAG of ``jobs`` on ``router``'s topology.
 
     ``execution`` is one of :data:`EXECUTIONS`: ``"dataflow"`` (ops wait for
-    their ``deps``, the earlier ops of their threadblock that their data needs,
-    their data and their slots) or ``"in_order"`` (also for the previous op of
+    what the executors' dataflow order makes them wait for, their data and
+    their slots) or ``"in_order"`` (for their ``deps`` and the previous op of
     their threadblock); see the module docstring.
 
     Raises:
@@ -291,6 +295,7 @@ def compile_jobs(
     op_flags = array("b")  # bit 0: sends, bit 1: receives
     op_count = array("i")
     dep_op, dep_of = array("q"), array("q")
+    window = _Window()  # the executor's lookahead window (dataflow execution)
     send_conn, send_op, recv_conn, recv_op = array("q"), array("q"), array("q"), array("q")
     conns: dict[tuple[int, int, int, int], int] = {}
     job_chunk_bytes: list[float] = []
@@ -311,9 +316,11 @@ def compile_jobs(
         job_chunk_bytes.append(chunk / reps)
         job_out_bytes.append(chunk * s.out_chunks)
         job_base.append(len(op_job))
+        rank_tb_first: list[list[int]] = []
         for r, tbs in enumerate(s.ranks):
             tb_first = np.cumsum([0] + [reps * len(tb.ops) for tb in tbs]).tolist()
             tb_first = [len(op_job) + x for x in tb_first]
+            rank_tb_first.append(tb_first)
             send_keys: set[tuple[int, int]] = set()
             recv_keys: set[tuple[int, int]] = set()
             for t, tb in enumerate(tbs):
@@ -336,12 +343,7 @@ def compile_jobs(
                 if sc < 0 or rc < 0:
                     _check_peers(tb, sc >= 0, rc >= 0, f"job {j}: rank {r} threadblock {t}")
                 n_tb_ops = len(tb.ops)
-                kept = () if in_order else threadblock_order(tb)
                 for rep in range(reps):
-                    first_op = len(op_job)
-                    for i, k in kept:
-                        dep_of.append(first_op + k)
-                        dep_op.append(first_op + i)
                     for i, op in enumerate(tb.ops):
                         kind = op.kind
                         o = len(op_job)
@@ -363,8 +365,11 @@ def compile_jobs(
                                 raise ScheduleError(
                                     f"job {j}: rank {r} threadblock {t} op {i} depends on missing op ({dt}, {di})"
                                 )
-                            dep_of.append(o)
-                            dep_op.append(tb_first[dt] + rep * len(tbs[dt].ops) + di)
+                            if in_order:
+                                dep_of.append(o)
+                                dep_op.append(tb_first[dt] + rep * len(tbs[dt].ops) + di)
+        if not in_order:
+            _dataflow_edges(s, reps, rank_tb_first, num_slots, f"job {j}", dep_of, dep_op, window)
     n_ops = len(op_job)
     flags = np.frombuffer(op_flags, dtype=np.int8) if n_ops else np.zeros(0, dtype=np.int8)
     sends = (flags & 1).astype(bool)
@@ -463,7 +468,7 @@ def compile_jobs(
     preds: list[np.ndarray] = []
     succs: list[np.ndarray] = []
 
-    n_nodes = base + MSG_KINDS * n_msgs + n_jobs
+    n_nodes = base + MSG_KINDS * n_msgs + n_jobs + window.num_nodes
     idx_dtype = np.int32 if n_nodes < 2**31 else np.int64
 
     def edge(p: np.ndarray, s: np.ndarray) -> None:
@@ -511,6 +516,10 @@ def compile_jobs(
     msg_streamed[sd_src] = True
     msg_streamed[f_src] = True
     edge(ready[local], complete[local])
+    w_base = base + MSG_KINDS * n_msgs + n_jobs  # window nodes come last
+    edge(complete[_i64(window.done_op)], w_base + _i64(window.done_node))  # a unit is done...
+    edge(w_base + _i64(window.chain_from), w_base + _i64(window.chain_from) + 1)  # ...and so are those before it
+    edge(w_base + _i64(window.gate_node), ready[_i64(window.gate_op)])  # a unit's window reaches it
     pred = np.concatenate(preds)
     succ = np.concatenate(succs)
     preds.clear()
@@ -520,7 +529,7 @@ def compile_jobs(
     succ_idx = succ[np.argsort(pred, kind="stable")]
     del pred, succ
     pending[mnode(END, m_all)] += 1
-    pending[base + MSG_KINDS * n_msgs :] += 1  # job starts come from the event queue
+    pending[base + MSG_KINDS * n_msgs : w_base] += 1  # job starts come from the event queue
 
     src_msg = np.concatenate([sd_msg, f_msg])
     src_src = np.concatenate([sd_src, f_src])
@@ -629,6 +638,80 @@ def _check_peers(tb: Threadblock, has_send_peer: bool, has_recv_peer: bool, wher
             raise ScheduleError(f"{where} op {i} sends without a send peer")
         if op.kind.receives and not has_recv_peer:
             raise ScheduleError(f"{where} op {i} receives without a receive peer")
+
+
+class _Window:
+    """The executor's lookahead window as DAG nodes (``NextReadyUnit``, :data:`jaxccl.sim.ordering.LOOKAHEAD`).
+
+    A threadblock starts unit ``u`` (iteration ``u // n`` of row ``u % n``) only once all its units up to
+    ``u - LOOKAHEAD`` are done. Per threadblock with more units than that, window node ``k`` is "units
+    ``0..k`` done": a unit is done when its op completes (a dependency ``nop`` row of the table: when what
+    it waits for does), and node ``k - 1`` precedes node ``k``. Node ``u - LOOKAHEAD`` precedes the op of
+    unit ``u``.
+    """
+
+    def __init__(self) -> None:
+        self.num_nodes = 0
+        self.done_op, self.done_node = array("q"), array("q")  # complete[op] -> window node
+        self.chain_from = array("q")  # window node k -> window node k + 1
+        self.gate_node, self.gate_op = array("q"), array("q")  # window node -> ready[op]
+
+    def add(self, units: Sequence[tuple[int, ...]], unit_op: Sequence[int]) -> None:
+        """One threadblock: per unit, the ops whose completion makes it done, and its own op (-1: none)."""
+        k0 = self.num_nodes
+        last = len(units) - LOOKAHEAD
+        for u in range(last):
+            for o in units[u]:
+                self.done_op.append(o)
+                self.done_node.append(k0 + u)
+            if u:
+                self.chain_from.append(k0 + u - 1)
+        for u in range(LOOKAHEAD, len(units)):
+            if unit_op[u] >= 0:
+                self.gate_node.append(k0 + u - LOOKAHEAD)
+                self.gate_op.append(unit_op[u])
+        self.num_nodes += last
+
+
+def _dataflow_edges(
+    s: Schedule,
+    reps: int,
+    rank_tb_first: list[list[int]],
+    num_slots: int | None,
+    where: str,
+    dep_of: array,
+    dep_op: array,
+    window: _Window,
+) -> None:
+    """The executor's waits of every op of ``s`` as edges ``dep_op -> dep_of`` (per iteration), and its window."""
+    try:
+        order = dataflow_order(s, num_slots)
+    except ScheduleError as e:
+        raise ScheduleError(f"{where}: {e}") from None
+    for r, tbs in enumerate(s.ranks):
+        tb_first = rank_tb_first[r]
+        sizes = [len(tb.ops) for tb in tbs]
+        for t, waits in enumerate(order.op_waits(r)):
+            for rep in range(reps):
+                base = tb_first[t] + rep * sizes[t]
+                for i, w in enumerate(waits):
+                    for dt, di in w:
+                        dep_of.append(base + i)
+                        dep_op.append(tb_first[dt] + rep * sizes[dt] + di)
+        rows = order.ranks[r]
+        row_ops = None
+        for first, n, _, _ in rows.tbs:
+            if reps * n <= LOOKAHEAD:
+                continue
+            if row_ops is None:
+                row_ops = order.row_ops(r)
+            units: list[tuple[int, ...]] = []
+            unit_op: list[int] = []
+            for rep in range(reps):
+                for x in range(first, first + n):
+                    units.append(tuple(tb_first[dt] + rep * sizes[dt] + di for dt, di in row_ops[x]))
+                    unit_op.append(units[-1][0] if rows.op[x] >= 0 else -1)
+            window.add(units, unit_op)
 
 
 def _i64(a: array) -> np.ndarray:

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "bindings/program_export.h"
 #include "host/core_api.h"
 #include "cpu/executor.h"
 #include "cpu/handler.h"
@@ -367,4 +368,5 @@ NB_MODULE(_native, m) {
   m.attr("CORE_API_VERSION") = kCoreApiVersion;
   m.attr("MAX_TILES") = kMaxTiles;  // the tiling rule (core/protocol.h), which the simulator models
   m.attr("MIN_TILE_BYTES") = kMinTileBytes;
+  RegisterProgramExport(m);  // the dataflow order and the meter, for the Python models of them
 }
