@@ -117,7 +117,7 @@ class RankRows:
         while self.op[x] != op:
             x += 1
             if x >= first + n:
-                raise IndexError(f"threadblock {tb} has no op {op}")
+                raise ScheduleError(f"threadblock {tb} has no op {op}")
         return x
 
 
