@@ -21,6 +21,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
+from jaxccl.schedule.reduction import ReduceOp, supports
+
 __all__ = [
     "COLLECTIVES",
     "DTYPES",
@@ -118,8 +120,6 @@ def refusal(collective: str, dtype: str) -> str | None:
     >>> refusal("psum", "bool") is None, refusal("psum_scatter", "bool")
     (True, 'psum_scatter has no sum of bool')
     """
-    from jaxccl.schedule.reduction import ReduceOp, supports
-
     if collective not in REDOP:
         return None
     op = {"max": ReduceOp.MAX, "min": ReduceOp.MIN}.get(REDOP[collective], ReduceOp.SUM)
