@@ -39,7 +39,7 @@ def has_cuda_support() -> bool:
     True
     """
     try:
-        from jaxccl.runtime import native
+        from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
     except ImportError:
         return False
     return native.has_cuda_support()

@@ -162,15 +162,15 @@ def _groups(params: dict) -> dict:
 
 def _reduction(name: str) -> Callable[[Any, dict], Any]:
     def swap(x: Any, params: dict) -> Any:
-        import jaxccl
+        from jaxccl.runtime import collectives  # imports JAX
 
-        return getattr(jaxccl, name)(x, params["axes"], **_groups(params))
+        return getattr(collectives, name)(x, params["axes"], **_groups(params))
 
     return swap
 
 
 def _all_gather(x: Any, params: dict, to: str = "varying") -> Any:
-    from jaxccl.runtime import collectives
+    from jaxccl.runtime import collectives  # imports JAX
 
     return collectives.all_gather(
         x,
@@ -183,7 +183,7 @@ def _all_gather(x: Any, params: dict, to: str = "varying") -> Any:
 
 
 def _psum_scatter(x: Any, params: dict) -> Any:
-    from jaxccl.runtime import collectives
+    from jaxccl.runtime import collectives  # imports JAX
 
     return collectives.psum_scatter(
         x, params["axis_name"], scatter_dimension=params["scatter_dimension"], tiled=params["tiled"], **_groups(params)
@@ -191,7 +191,7 @@ def _psum_scatter(x: Any, params: dict) -> Any:
 
 
 def _all_to_all(x: Any, params: dict) -> Any:
-    from jaxccl.runtime import collectives
+    from jaxccl.runtime import collectives  # imports JAX
 
     # The primitive is always the tiled form: lax.all_to_all(tiled=False) reshapes around it.
     return collectives.all_to_all(

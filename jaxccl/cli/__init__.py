@@ -22,6 +22,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from jaxccl import __version__
 from jaxccl.cli.args import UsageError
 from jaxccl.cli.text import plain
 from jaxccl.errors import JaxcclError
@@ -57,8 +58,6 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> Parser:
     """The parser of every subcommand (subparsers are :class:`Parser` too)."""
-    from jaxccl import __version__
-
     parser = Parser(
         prog="jaxccl",
         description="jaxccl: topology-aware collectives for JAX that re-synthesize themselves when links degrade.",

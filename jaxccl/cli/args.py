@@ -29,7 +29,9 @@ import os
 import re
 from typing import Any
 
+from jaxccl import topology as t
 from jaxccl.errors import JaxcclError, UsageError
+from jaxccl.topology import Topology
 
 __all__ = [
     "TOPOLOGY_FORMS",
@@ -121,8 +123,6 @@ def parse_size(text: str) -> int:
 
 
 def _preset(kind: str, dims: list[int]) -> Any:
-    from jaxccl import topology as t
-
     if kind == "rail" and len(dims) == 3:
         return t.rail(hosts=dims[1], gpus_per_host=dims[2], segments=dims[0])
     if kind == "rail" and len(dims) == 2:
@@ -152,8 +152,6 @@ def topology(spec: str) -> Any:
         UsageError: a malformed spec, a missing or unreadable file, or JSON
             that is not a valid topology.
     """
-    from jaxccl.topology import Topology
-
     kind, sep, arg = spec.partition(":")
     if sep and kind in _KINDS:
         try:

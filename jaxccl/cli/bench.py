@@ -32,10 +32,16 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import jaxccl
+from jaxccl import topology as t
 from jaxccl.cli import bench_launch, bench_memory
 from jaxccl.cli.args import UsageError, parse_size, positive_float, positive_int, topology
+from jaxccl.cli.bench_run import BenchConfig, run
 from jaxccl.cli.bench_schedules import NAMES, load_file
 from jaxccl.cli.bench_sweep import COLLECTIVES, DTYPES, SCHEDULE_COLLECTIVE, print_table, refusal, summary, sweep
+from jaxccl.distributed import transport  # the module: tests replace its unavailable_reason
+from jaxccl.runtime.emulated import MIN_TIME_SCALE
+from jaxccl.util import report
 
 __all__ = ["BACKENDS", "DTYPES", "register"]
 
@@ -152,7 +158,6 @@ def _scenario(spec: str | None) -> Callable[[Any], Any] | None:
     """``--scenario`` as a function healthy topology -> degraded topology."""
     if spec is None:
         return None
-    from jaxccl import topology as t
 
     if spec in SCENARIOS:
         return lambda topo: t.scenario(topo, spec)
@@ -194,8 +199,6 @@ def _processes(args: argparse.Namespace) -> tuple[str | None, int, int]:
 
 
 def _check(args: argparse.Namespace, processes: int) -> None:
-    from jaxccl.runtime.emulated import MIN_TIME_SCALE
-
     if processes > 1:
         _check_across_processes(args)
     if args.emulate_links and args.backend != "cpu":
@@ -205,8 +208,6 @@ def _check(args: argparse.Namespace, processes: int) -> None:
     if not MIN_TIME_SCALE <= args.time_scale <= 1:
         raise UsageError(f"--time-scale must be in [{MIN_TIME_SCALE:g}, 1], got {args.time_scale:g}")
     if args.backend == "cuda":
-        import jaxccl
-
         if args.devices is not None:
             raise UsageError("--devices emulates CPU devices; --backend cuda runs on the GPUs it finds")
         if not jaxccl.has_cuda_support():
@@ -221,9 +222,8 @@ def _check_across_processes(args: argparse.Namespace) -> None:
     if args.emulate_links:
         raise UsageError("--emulate-links paces links inside one process; across processes the links are real")
     if args.backend == "cpu":
-        from jaxccl.distributed.transport import unavailable_reason
-
-        if (reason := unavailable_reason()) is not None:
+        reason = transport.unavailable_reason()
+        if reason is not None:
             raise UsageError(f"--backend cpu across processes: {reason}")
 
 
@@ -266,8 +266,6 @@ def _check_memory(
 
 
 def _start_jax(args: argparse.Namespace, coordinator: str | None, processes: int, pid: int) -> None:
-    import jaxccl
-
     if args.backend != "cuda":
         try:
             jaxccl.emulate(args.devices or DEFAULT_DEVICES)
@@ -339,9 +337,6 @@ def _bench(
     processes: int,
     pid: int,
 ) -> int:
-    from jaxccl.cli.bench_run import BenchConfig, run
-    from jaxccl.util import report
-
     cfg = BenchConfig(
         collectives=collectives,
         sizes=tuple(sizes),

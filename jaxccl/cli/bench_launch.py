@@ -25,6 +25,9 @@ import argparse
 import sys
 
 from jaxccl.cli.args import UsageError, positive_float, positive_int
+from jaxccl.distributed.launch import launch
+from jaxccl.labs import netlab  # the module: tests replace its unavailable_reason
+from jaxccl.labs.netlab import LinkShape, NetLab
 
 __all__ = ["NETWORKS", "add_arguments", "run_job", "worker_argv"]
 
@@ -93,9 +96,8 @@ def _check(args: argparse.Namespace) -> None:
     if args.nic_rate_mbit is not None and args.network != "netns":
         raise UsageError("--nic-rate-mbit shapes the NICs of a netns lab: add --network netns")
     if args.network == "netns":
-        from jaxccl.labs.netlab import unavailable_reason
-
-        if (reason := unavailable_reason()) is not None:
+        reason = netlab.unavailable_reason()
+        if reason is not None:
             raise UsageError(f"--network netns: {reason}")
 
 
@@ -116,9 +118,6 @@ def run_job(args: argparse.Namespace) -> int:
     deadline or failed while process 0 did not).
     """
     import contextlib
-
-    from jaxccl.distributed.launch import launch
-    from jaxccl.labs.netlab import LinkShape, NetLab
 
     _check(args)
     with contextlib.ExitStack() as stack:

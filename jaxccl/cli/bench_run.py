@@ -25,7 +25,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import jaxccl
+from jaxccl.cli.args import UsageError
+from jaxccl.cli.bench_schedules import NAMES, load_file, schedules
 from jaxccl.cli.bench_sweep import REDOP, SCHEDULE_COLLECTIVE, buffer_elements, bus_factor, input_elements
+from jaxccl.distributed.transport import NETWORK_ONLY, ProcessTransport, attach, detach
+from jaxccl.runtime.emulated import LinkEmulation
+from jaxccl.topology import single_node
 from jaxccl.util import report
 
 __all__ = ["BenchConfig", "run"]
@@ -72,8 +78,6 @@ class Bench:
         if self.comm is not None:
             self.comm.close()
         if self.transport is not None:
-            from jaxccl.distributed.transport import detach
-
             detach()
             self.transport.close()
             self.transport = None
@@ -112,8 +116,6 @@ def implementation_runner(mesh: Any, collective: str, comm: Any | None) -> Calla
     """
     import jax
     from jax.sharding import PartitionSpec as P
-
-    import jaxccl
 
     lib = jax.lax if comm is None else jaxccl
     f = jax.jit(jax.shard_map(collective_body(lib, collective), mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS)))
@@ -217,11 +219,6 @@ def setup(cfg: BenchConfig) -> Bench:
     import numpy as np
     from jax.sharding import Mesh
 
-    import jaxccl
-    from jaxccl.cli.args import UsageError
-    from jaxccl.runtime.emulated import LinkEmulation
-    from jaxccl.topology import single_node
-
     devices = jax.devices()
     n = len(devices)
     if n < 2:
@@ -251,8 +248,6 @@ def setup(cfg: BenchConfig) -> Bench:
 
 def _attached_transport(mesh: Any, cfg: BenchConfig) -> Any:
     """The native executor's transport between processes, bootstrapped on ``jax.distributed`` and attached."""
-    from jaxccl.distributed.transport import NETWORK_ONLY, ProcessTransport, attach
-
     options = NETWORK_ONLY if cfg.network_only else None
     transport = ProcessTransport.bootstrap(timeout_s=TRANSPORT_TIMEOUT_S, options=options)
     try:
@@ -265,8 +260,6 @@ def _attached_transport(mesh: Any, cfg: BenchConfig) -> Any:
 
 def _install(bench: Bench, cfg: BenchConfig, degraded: Any, topo: Any) -> None:
     """Installs the schedules ``cfg`` names and records the name each collective runs."""
-    from jaxccl.cli.bench_schedules import NAMES, load_file, schedules
-
     comm, n = bench.comm, bench.num_ranks
     if cfg.emulate_links and degraded is not topo:
         comm.inject(degraded)
@@ -297,8 +290,6 @@ def measure(bench: Bench, cfg: BenchConfig, collective: str, size: int) -> dict[
     import jax
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
-
-    import jaxccl
 
     n = bench.num_ranks
     itemsize = jnp.dtype(cfg.dtype).itemsize

@@ -33,9 +33,13 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from jaxccl import synth
 from jaxccl.cli.args import UsageError, read_text
 from jaxccl.cli.bench_sweep import ALL_REDUCES, SCHEDULE_COLLECTIVE
 from jaxccl.errors import JaxcclError
+from jaxccl.schedule import Schedule, from_msccl_xml
+from jaxccl.synth import baselines
+from jaxccl.synth.nccl import nccl_schedule
 
 __all__ = ["NAMES", "load_file", "schedules"]
 
@@ -50,8 +54,6 @@ def load_file(path: str) -> tuple[str, Any]:
     Raises:
         UsageError: the file is missing, unreadable or not a schedule.
     """
-    from jaxccl.schedule import Schedule, from_msccl_xml
-
     if not os.path.isfile(path):
         raise UsageError(f"--schedule {path!r}: neither one of {', '.join(NAMES)} nor an existing file")
     text = read_text(path, f"--schedule {path!r}")
@@ -63,8 +65,6 @@ def load_file(path: str) -> tuple[str, Any]:
 
 
 def _synthesized(collective: str, topo: Any) -> list[Any]:
-    from jaxccl import synth
-
     if collective == "all_gather":
         return [synth.all_gather(topo)]
     if collective == "all_to_all":
@@ -75,9 +75,6 @@ def _synthesized(collective: str, topo: Any) -> list[Any]:
 
 
 def _baseline(name: str, collective: str, topo: Any) -> list[Any]:
-    from jaxccl.synth import baselines
-    from jaxccl.synth.nccl import nccl_schedule
-
     if name == "nccl":
         return [nccl_schedule(SCHEDULE_COLLECTIVE[collective], topo)]
     fn = {

@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TextIO
 
 from jaxccl.errors import UsageError
+from jaxccl.schedule.reduction import ReduceOp, supports
 from jaxccl.util.options import choose
 
 __all__ = [
@@ -120,8 +121,6 @@ def refusal(collective: str, dtype: str) -> str | None:
     >>> refusal("psum", "bool") is None, refusal("psum_scatter", "bool")
     (True, 'psum_scatter has no sum of bool')
     """
-    from jaxccl.schedule.reduction import ReduceOp, supports
-
     if collective not in REDOP:
         return None
     op = {"max": ReduceOp.MAX, "min": ReduceOp.MIN}.get(REDOP[collective], ReduceOp.SUM)

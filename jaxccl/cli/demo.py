@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 
 from jaxccl.cli.args import UsageError, positive_float, positive_int, require_matplotlib
+from jaxccl.demos import closed_loop, network
 from jaxccl.demos.closed_loop import DemoConfig
 from jaxccl.demos.network import NETWORKS, NetworkDemoConfig
+from jaxccl.demos.network_layout import DemoNetworkError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -94,8 +96,6 @@ def _run(args: argparse.Namespace) -> int:
         require_matplotlib()
     if args.network:
         return _run_network(args)
-    from jaxccl.demos.closed_loop import run
-
     cfg = DemoConfig(
         steps=args.steps,
         fail_step=args.fail_step,
@@ -104,7 +104,7 @@ def _run(args: argparse.Namespace) -> int:
         png=args.png,
         quiet=args.quiet,
     )
-    result = run(cfg)
+    result = closed_loop.run(cfg)
     if not result["loss_matches_reference"]:
         print("jaxccl demo: the loss curve differs from the jax.lax reference")
         return 1
@@ -115,9 +115,6 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _run_network(args: argparse.Namespace) -> int:
-    from jaxccl.demos.network import check, run
-    from jaxccl.demos.network_layout import DemoNetworkError
-
     cfg = NetworkDemoConfig(
         steps=args.steps,
         fail_step=args.fail_step,
@@ -131,10 +128,10 @@ def _run_network(args: argparse.Namespace) -> int:
         job_timeout_s=args.job_timeout,
     )
     try:
-        check(cfg)
+        network.check(cfg)
     except DemoNetworkError as e:
         raise UsageError(str(e)) from e
-    result = run(cfg)
+    result = network.run(cfg)
     if not result["loss_matches_reference"]:
         print("jaxccl demo: the loss curve differs from the jax.lax reference")
         return 1

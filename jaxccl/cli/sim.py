@@ -16,8 +16,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import jaxccl.sim as sim
 from jaxccl.cli.args import UsageError, parse_size, positive_int, require_matplotlib, topology
 from jaxccl.cli.text import plain
+from jaxccl.schedule.ir import Collective
+from jaxccl.sim import experiments, plots
+from jaxccl.sim.experiments import Synthesizers
+from jaxccl.sim.plots import plot_links
+from jaxccl.synth import baselines
+from jaxccl.synth.nccl import nccl_schedule
+from jaxccl.topology import scenario
 from jaxccl.util.report import format_bytes, print_table, write_json
 
 
@@ -34,11 +42,6 @@ def _iterations(text: str) -> int | str:
 
 
 def _schedule(args: argparse.Namespace, topo: Any, healthy: Any):
-    from jaxccl.schedule.ir import Collective
-    from jaxccl.sim.experiments import Synthesizers
-    from jaxccl.synth import baselines
-    from jaxccl.synth.nccl import nccl_schedule
-
     col = Collective(args.collective)
     if args.schedule == "nccl":
         return nccl_schedule(col, topo)
@@ -62,10 +65,6 @@ def _schedule(args: argparse.Namespace, topo: Any, healthy: Any):
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    import jaxccl.sim as sim
-    from jaxccl.sim.plots import plot_links
-    from jaxccl.topology import scenario
-
     if args.png:
         require_matplotlib()
     healthy = args.topology
@@ -101,7 +100,6 @@ def _experiment(name: str):
     def cmd(args: argparse.Namespace) -> int:
         if args.png:
             require_matplotlib()
-        from jaxccl.sim import experiments, plots
 
         kwargs: dict[str, Any] = {"quick": args.quick}
         if name == "fig8" and args.hosts:

@@ -35,6 +35,10 @@ from typing import Any
 from jaxccl.cli.args import UsageError, positive_int
 from jaxccl.cli.synth_args import add_mode_arguments, add_topology_arguments, single_topology, wants_benchmark
 from jaxccl.cli.text import plain
+from jaxccl.schedule import Schedule
+from jaxccl.synth.allgather import allgather, reduce_scatter
+from jaxccl.topology import rail, scenario
+from jaxccl.topology.presets import MAX_HOSTS_PER_SEGMENT
 from jaxccl.util import report
 
 HOSTS = (2, 4, 8, 16, 32, 64)
@@ -62,9 +66,6 @@ COLUMNS = (
 
 def flat_rail(hosts: int, gpus_per_host: int = 8, segments: int = 1):
     """A rail-optimized topology ``segments x hosts/segments x gpus_per_host``, also beyond 32 hosts per segment."""
-    from jaxccl.topology import rail
-    from jaxccl.topology.presets import MAX_HOSTS_PER_SEGMENT
-
     if hosts % segments:
         raise UsageError(f"{hosts} hosts do not split into {segments} segments")
     limit = None if segments == 1 else MAX_HOSTS_PER_SEGMENT  # only single segments go beyond 32 hosts
@@ -86,9 +87,6 @@ def run_benchmark(
     stream=None,
 ) -> list[dict[str, Any]]:
     """Runs the benchmark; returns one row per (hosts, state, method)."""
-    from jaxccl.synth.allgather import allgather
-    from jaxccl.topology import scenario
-
     tasks = [(h, m) for h in hosts for m in methods if m != "latency" or h <= latency_max_hosts]
     rows: list[dict[str, Any]] = []
     for h, method in report.progress(tasks, label="synth allgather", stream=stream):
@@ -204,9 +202,6 @@ def _benchmark(args: argparse.Namespace) -> int:
 
 
 def _single(args: argparse.Namespace) -> int:
-    from jaxccl.schedule import Schedule
-    from jaxccl.synth.allgather import allgather, reduce_scatter
-
     topo = single_topology(args)
     previous = None
     if args.previous:

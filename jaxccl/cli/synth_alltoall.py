@@ -46,6 +46,9 @@ from typing import Any
 from jaxccl.cli.args import UsageError, positive_float, positive_int
 from jaxccl.cli.synth_args import add_mode_arguments, add_topology_arguments, single_topology, wants_benchmark
 from jaxccl.cli.text import plain
+from jaxccl.schedule import Schedule
+from jaxccl.synth.alltoall import alltoall
+from jaxccl.topology import rail, scenario
 from jaxccl.util import report
 
 HOSTS = (2, 4, 8, 16, 32, 64)
@@ -77,8 +80,6 @@ GAP_GOAL_PCT = 1.0
 
 def rail_1xhx8(hosts: int, gpus_per_host: int = 8):
     """The single-segment rail ``1 x hosts x gpus_per_host``, also beyond the preset's 32 hosts."""
-    from jaxccl.topology import rail
-
     return rail(hosts=hosts, gpus_per_host=gpus_per_host, max_hosts_per_segment=None)
 
 
@@ -139,9 +140,6 @@ def run_benchmark(
     stream=None,
 ) -> list[dict[str, Any]]:
     """Runs the benchmark; returns one row per (hosts, state)."""
-    from jaxccl.synth.alltoall import alltoall
-    from jaxccl.topology import scenario
-
     warm_kw = {} if reuse_tolerance is None else {"reuse_tolerance": reuse_tolerance}
     rows: list[dict[str, Any]] = []
     for h in report.progress(list(hosts), label="synth alltoall", stream=stream):
@@ -270,9 +268,6 @@ def _benchmark(args: argparse.Namespace) -> int:
 
 
 def _single(args: argparse.Namespace) -> int:
-    from jaxccl.schedule import Schedule
-    from jaxccl.synth.alltoall import alltoall
-
     topo = single_topology(args)
     previous = None
     if args.previous:

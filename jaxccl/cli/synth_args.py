@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxccl.cli.args import HostCountsAction, UsageError, host_counts, positive_int, topology
+from jaxccl.topology import rail, scenario
 
 __all__ = ["add_mode_arguments", "add_topology_arguments", "single_topology", "wants_benchmark"]
 
@@ -72,8 +73,6 @@ def single_topology(args: argparse.Namespace) -> Any:
     Raises:
         UsageError: several ``--hosts``, or ``--hosts`` together with ``--topology``.
     """
-    from jaxccl.topology import rail, scenario
-
     hosts = args.hosts or (DEFAULT_HOSTS,)
     if len(hosts) != 1:
         raise UsageError(f"--hosts {','.join(map(str, hosts))}: one synthesis takes one host count")

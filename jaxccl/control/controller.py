@@ -41,9 +41,12 @@ from typing import Any
 
 import numpy as np
 
+from jaxccl import synth
 from jaxccl.control.algorithm1 import CheckResult, ScheduleProfile, check, nominal_capacities, profile
-from jaxccl.control.step_driven import StepTimes
+from jaxccl.control.step_driven import StepTimes, at_step_end
 from jaxccl.errors import ArgumentError
+from jaxccl.schedule.table import compile_table
+from jaxccl.synth.ordered_reduce_scatter import ordered_reduce_scatter
 
 __all__ = ["REDUCTIONS", "Controller", "Event", "managed_collectives", "measured_topology"]
 
@@ -70,9 +73,6 @@ _ALIASES = {"psum_scatter": "reduce_scatter", "psum": "all_reduce"}
 
 
 def _default_synthesizers(exact_reductions: bool) -> dict[str, Synthesizer]:
-    from jaxccl import synth
-    from jaxccl.synth.ordered_reduce_scatter import ordered_reduce_scatter
-
     if exact_reductions:  # the fold order of jax.lax: bitwise equal results
         reduce_scatter: Synthesizer = lambda topo, prev: ordered_reduce_scatter(topo, previous=prev)  # noqa: E731
     else:  # the reversed AllGather tree packing, warm-started: faster, sums in tree order
@@ -348,8 +348,6 @@ class Controller:
         is staged for the next step. ``every=k`` runs it on every k-th step only.
         See :mod:`jaxccl.control.step_driven`.
         """
-        from jaxccl.control.step_driven import at_step_end
-
         at_step_end(self, *after, times=self.step_times, every=every)
 
     # ------------------------------------------------------------------ one iteration
@@ -442,8 +440,6 @@ class Controller:
             m.staged_version = 0
 
     def _resynthesize(self, m: _Managed, result: CheckResult, caps: dict[tuple, float]) -> None:
-        from jaxccl.schedule.table import compile_table
-
         coll = m.collective
         running = self.comm.schedule(coll)
         target = measured_topology(self.comm.topology, caps, tolerance=self.tolerance)

@@ -48,6 +48,7 @@ import numpy as np
 from jaxccl.control.controller import Controller, Event
 from jaxccl.distributed.transport import DEFAULT_SWAP_MARGIN, TransportMeter, stage_agreed, swap_key
 from jaxccl.errors import ArgumentError, DeadlineError, ExecutorError
+from jaxccl.schedule import Schedule
 from jaxccl.telemetry import RECORD_DTYPE, TelemetryCollector
 from jaxccl.telemetry.records import INTER, INTRA
 
@@ -356,8 +357,6 @@ class ProcessLoop:
 
     def _follow(self, k: int) -> None:
         """A process other than 0: waits for this step's decision and takes part in its swap."""
-        from jaxccl.schedule import Schedule
-
         t0 = time.perf_counter()
         decision = json.loads(self._get(decision_key(self.key_prefix, k), "process 0's decision"))
         self.times.decide_ms = (time.perf_counter() - t0) * 1e3

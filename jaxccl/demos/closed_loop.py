@@ -38,6 +38,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jaxccl
+from jaxccl import sim
+from jaxccl.control import Controller
+from jaxccl.runtime.emulated import LinkEmulation
+from jaxccl.topology import rail
 from jaxccl.util import report
 
 NUM_DEVICES = 8
@@ -191,8 +195,6 @@ def _rate_text(bytes_per_s: float) -> str:
 
 def _simulated(topo: Any, schedule: Any, bytes_per_rank: float) -> tuple[float, float]:
     """The flow-level simulator's algbw at the demo's size: as the executor runs (dataflow), and in order."""
-    from jaxccl import sim
-
     dataflow = sim.run(topo, schedule, bytes_per_rank, execution="dataflow").algbw
     in_order = sim.run(topo, schedule, bytes_per_rank, execution="in_order").algbw
     return float(dataflow), float(in_order)
@@ -210,10 +212,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxccl.control import Controller
-    from jaxccl.runtime import native
-    from jaxccl.runtime.emulated import LinkEmulation
-    from jaxccl.topology import rail
+    from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     topo = rail(hosts=2, gpus_per_host=4)

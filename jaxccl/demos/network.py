@@ -51,7 +51,12 @@ from jaxccl.demos.network_layout import (
     failed_link,
 )
 from jaxccl.demos.network_worker import CUT_DONE_FILE, CUT_REQUEST
+from jaxccl.distributed import transport  # the module: tests replace its unavailable_reason
+from jaxccl.distributed.launch import collect, start
+from jaxccl.labs import netlab  # the module: tests replace its unavailable_reason
 from jaxccl.labs.drill import _signal  # the drill's harness signal, shared with it
+from jaxccl.labs.netlab import LinkShape
+from jaxccl.labs.rail import RailLab
 
 __all__ = ["NETWORKS", "SIZES", "DemoNetworkError", "NetworkDemoConfig", "check", "run", "unavailable_reason"]
 
@@ -94,15 +99,11 @@ def unavailable_reason(network: str) -> str | None:
     """
     if network not in NETWORKS:
         return f"unknown network {network!r}: expected one of {NETWORKS}"
-    from jaxccl.distributed.transport import unavailable_reason as transport_reason
-
-    reason = transport_reason()
+    reason = transport.unavailable_reason()
     if reason is not None:
         return reason
     if network == "netns":
-        from jaxccl.labs.netlab import unavailable_reason as netns_reason
-
-        reason = netns_reason()
+        reason = netlab.unavailable_reason()
         if reason is not None:
             return f"{reason} (--network loopback needs only the transport)"
     return None
@@ -169,17 +170,12 @@ def _worker_config(cfg: NetworkDemoConfig, processes: int) -> str:
 
 def _run_job(cfg: NetworkDemoConfig, processes: int, folder: str, say: Callable[..., None]) -> tuple[int, str | None]:
     """Runs the job; relays process 0's output and cuts the NIC when it asks. Returns the cut's time and the lab."""
-    from jaxccl.distributed.launch import collect, start
-
     argv = [sys.executable, "-m", "jaxccl.demos.network_worker"]
     env = {"JAXCCL_DEMO_CONFIG": _worker_config(cfg, processes), "JAXCCL_DEMO_DIR": folder}
     deadline = time.monotonic() + cfg.job_timeout_s
     output: list[str] = []
     cut = {"ns": 0}
     if cfg.network == "netns":
-        from jaxccl.labs.netlab import LinkShape
-        from jaxccl.labs.rail import RailLab
-
         lab = RailLab(2, 4, LinkShape(rate_mbit=cfg.nic_rate_mbit))
 
         def cut_nic() -> None:

@@ -17,6 +17,9 @@ at the lab's NIC rate. With ``--network loopback`` there is no NIC: 2 processes 
 from __future__ import annotations
 
 from jaxccl.errors import DemoNetworkError
+from jaxccl.labs.netlab import LinkShape
+from jaxccl.labs.rail import rank_rail
+from jaxccl.topology.presets import tor
 
 HOSTS = 2
 RANKS_PER_HOST = 4
@@ -64,9 +67,6 @@ def demo_topology(nic_rate_mbit: float):
     >>> demo_topology(100).capacity(FAILED_RANK, failed_link()[1])
     12500000.0
     """
-    from jaxccl.labs.netlab import LinkShape
-    from jaxccl.labs.rail import rank_rail
-
     return rank_rail(HOSTS, RANKS_PER_HOST, LinkShape(rate_mbit=nic_rate_mbit))
 
 
@@ -76,6 +76,4 @@ def failed_link() -> tuple[int, str]:
     >>> failed_link()
     (1, 'tor:s0r1')
     """
-    from jaxccl.topology.presets import tor
-
     return FAILED_RANK, tor(0, FAILED_RANK % RANKS_PER_HOST)

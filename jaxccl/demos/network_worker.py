@@ -27,9 +27,27 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jaxccl
+from jaxccl import synth
+from jaxccl.control.process_loop import ProcessLoop
+from jaxccl.demos.closed_loop import (
+    DemoConfig,
+    _batch,
+    _describe,
+    _flatten,
+    _model,
+    _programs,
+    _simulated,
+    reaction_fields,
+)
+from jaxccl.demos.network_layout import NUM_RANKS, check_processes, demo_topology, failed_link, process_of_rank
+from jaxccl.distributed.launch import initialize_from_env
+from jaxccl.distributed.transport import NETWORK_ONLY, ProcessTransport, attach, stage_agreed
+
 # The drill's harness signals (an atomic file per signal), shared with it.
 from jaxccl.errors import DemoNetworkError
 from jaxccl.labs.drill import _wait_signal
+from jaxccl.labs.rail import transport_options_from_env
 
 CUT_REQUEST = "JAXCCL-DEMO-CUT"
 CUT_DONE_FILE = "cut-done"
@@ -51,8 +69,6 @@ def _whole_shard_allgather(topo: Any, previous: Any) -> Any:
     the qdisc's buffers on these shaped links: their completion times would no longer measure the
     link, and the loop would see a cut NIC as recovered.
     """
-    from jaxccl import synth
-
     return synth.all_gather(topo, previous=previous, max_chunks=MAX_CHUNKS)
 
 
@@ -64,12 +80,6 @@ class _Worker:
         import numpy as np
         from jax.sharding import Mesh, NamedSharding
         from jax.sharding import PartitionSpec as P
-
-        import jaxccl
-        from jaxccl.demos.closed_loop import DemoConfig, _batch, _flatten, _model, _programs
-        from jaxccl.demos.network_layout import NUM_RANKS, demo_topology
-        from jaxccl.distributed.transport import NETWORK_ONLY, ProcessTransport, attach
-        from jaxccl.labs.rail import transport_options_from_env
 
         self.cfg, self.folder = cfg, folder
         self.me, self.n = jax.process_index(), jax.process_count()
@@ -109,9 +119,7 @@ class _Worker:
         return losses
 
     def train_under_loop(self) -> tuple[list[dict[str, Any]], list[Any], Any, int, dict[int, str]]:
-        from jaxccl.control.process_loop import ProcessLoop
-        from jaxccl.demos.closed_loop import _describe
-        from jaxccl.runtime import native
+        from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
         cfg = self.cfg
         gather_fn, step_fn = self.programs
@@ -175,8 +183,7 @@ class _Worker:
 
     def ab(self, recovered: Any, rounds: int) -> dict[str, list[float]]:
         """The stale and the re-synthesized schedule alternately on the cut network: algbw of each call."""
-        from jaxccl.distributed.transport import stage_agreed
-        from jaxccl.runtime import native
+        from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
         gather_fn, _ = self.programs
         shard = self.put(self.flat)
@@ -196,9 +203,6 @@ class _Worker:
         return ab
 
     def run(self) -> None:
-        from jaxccl.demos.closed_loop import _simulated, reaction_fields
-        from jaxccl.demos.network_layout import failed_link, process_of_rank
-
         cfg = self.cfg
         self.say(
             f"  {self.topo.name} at {cfg['nic_rate_mbit']:g} Mbit/s per NIC; schedule {self.healthy.name}; "
@@ -267,8 +271,6 @@ class _Worker:
 def main() -> int:
     """Runs this process's part of the demo; returns its exit status."""
     cfg = json.loads(os.environ["JAXCCL_DEMO_CONFIG"])
-    from jaxccl.demos.network_layout import check_processes
-    from jaxccl.distributed.launch import initialize_from_env
 
     local = check_processes(cfg["network"], cfg["processes"])
     initialize_from_env(local_devices=local, timeout_s=WAIT_S)

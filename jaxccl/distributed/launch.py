@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from jaxccl.devices import emulate
 from jaxccl.errors import ArgumentError, DeadlineError
 
 if TYPE_CHECKING:  # the launcher runs a process in a lab's namespace; labs sit above it and import it
@@ -133,9 +134,7 @@ def initialize_from_env(*, timeout_s: float = 60.0, local_devices: int | None = 
     except KeyError as e:
         raise DeadlineError(f"not a process of a jaxccl launch: {e} is not set") from e
     if local_devices is not None:
-        import jaxccl
-
-        jaxccl.emulate(local_devices)
+        emulate(local_devices)
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -50,7 +50,7 @@ def _module() -> Any:
         libucx.load_library()
     except ImportError:
         pass  # the build's rpath may still find UCX
-    from jaxccl import _transport
+    from jaxccl import _transport  # the transport's native module loads on demand
 
     return _transport
 
@@ -253,7 +253,7 @@ def process_groups(mesh: Any, axis_name: Any) -> list[list[int]]:
     Raises:
         ExecutorError: ``axis_name`` names an axis the mesh does not have, or one twice.
     """
-    from jaxccl.runtime.axes import names
+    from jaxccl.runtime.axes import names  # imports JAX
 
     axes, mesh_axes = names(axis_name), tuple(mesh.axis_names)
     if len(set(axes)) != len(axes) or any(a not in mesh_axes for a in axes):
@@ -280,7 +280,7 @@ def attach(transport: ProcessTransport, mesh: Any, axis_name: Any) -> None:
     Raises:
         ExecutorError: ``axis_name`` is not axes of the mesh, or this process holds none of its devices.
     """
-    from jaxccl.runtime import native
+    from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
     global _attached
     groups = process_groups(mesh, axis_name)
@@ -294,7 +294,7 @@ def attach(transport: ProcessTransport, mesh: Any, axis_name: Any) -> None:
 def detach() -> None:
     """Detaches the transport from the native backend (before closing it)."""
     global _attached
-    from jaxccl.runtime import native
+    from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
     native.module().clear_process_group()
     _attached = None
@@ -345,7 +345,7 @@ def stage_agreed(
     """
     from jax._src import distributed
 
-    from jaxccl.runtime import native
+    from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
     client = distributed.global_state.client
     if client is None:
@@ -406,7 +406,7 @@ class TransportMeter:
 
     def drain(self) -> list[tuple[int, int, int, int, int]]:
         """The records since the last drain: (src rank, dst rank, bytes, post ns, done ns)."""
-        from jaxccl.runtime import native
+        from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
         flat, dropped = native.module().transport_drain()
         self.dropped += int(dropped)

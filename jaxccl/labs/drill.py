@@ -34,8 +34,13 @@ from typing import Any
 
 import numpy as np
 
+from jaxccl import synth
+from jaxccl.control.process_loop import ProcessLoop
+from jaxccl.distributed.launch import initialize_from_env
+from jaxccl.distributed.transport import ProcessTransport, attach, local_shards, stage_agreed
 from jaxccl.errors import ArgumentError, DeadlineError, NetlabError
 from jaxccl.labs.netlab import LinkShape
+from jaxccl.labs.rail import RailLab, rank_rail, transport_options_from_env
 
 RESULT_PREFIX = "RESULT "
 
@@ -122,8 +127,6 @@ def run_drill(config: DrillConfig, *, timeout_s: float = 300.0, log_dir: Path | 
         NetlabError: namespaces are not available here, or a process failed or reported nothing.
         ArgumentError: ``config.victim`` is not a rank other than 0.
     """
-    from jaxccl.labs.rail import RailLab
-
     if not 1 <= config.victim < config.num_ranks:
         raise ArgumentError(f"drill: victim must be a rank in 1..{config.num_ranks - 1}, got {config.victim}")
     cut_ns: list[int] = []
@@ -175,10 +178,9 @@ class _Worker:
         from jax.sharding import Mesh, NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        import jaxccl
-        from jaxccl.distributed.transport import ProcessTransport, attach
-        from jaxccl.labs.rail import rank_rail, transport_options_from_env
-        from jaxccl.runtime import native
+        from jaxccl.runtime import native  # the native module, loaded on demand
+        from jaxccl.runtime.collectives import all_gather  # imports JAX
+        from jaxccl.runtime.communicator import Communicator  # imports JAX
 
         self.config, self.folder = config, folder
         self.me = jax.process_index()
@@ -187,8 +189,8 @@ class _Worker:
         mesh = Mesh(np.array(jax.devices()), ("d",))
         attach(self.transport, mesh, "d")
         self.topology = rank_rail(config.hosts, config.gpus_per_host, config.shape)
-        self.comm = jaxccl.Communicator(mesh, "d", topology=self.topology, backend="cpu")
-        self.healthy = jaxccl.synth.all_gather(self.topology)
+        self.comm = Communicator(mesh, "d", topology=self.topology, backend="cpu")
+        self.healthy = synth.all_gather(self.topology)
         self.comm.install("all_gather", self.healthy)
         self.slot = self.comm.slot("all_gather")
         self.native = native
@@ -197,7 +199,7 @@ class _Worker:
             body = lambda v: collective(v, "d", axis=0, tiled=True)  # noqa: E731
             return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
 
-        self.ours = gathered(jaxccl.all_gather)
+        self.ours = gathered(all_gather)
         rows = config.shard_bytes // (4 * 256)
         sharding = NamedSharding(mesh, P("d"))
         self.inputs = []
@@ -211,8 +213,6 @@ class _Worker:
 
     @staticmethod
     def _shards(y: Any) -> list[bytes]:
-        from jaxccl.distributed.transport import local_shards
-
         return [s.tobytes() for s in local_shards(y)]
 
     def call(self) -> float:
@@ -235,13 +235,9 @@ class _Worker:
         return self.config.num_ranks * self.config.shard_bytes / seconds
 
     def stage(self, schedule: Any, round_id: str) -> None:
-        from jaxccl.distributed.transport import stage_agreed
-
         stage_agreed(self.comm, "all_gather", schedule, round_id=round_id, margin=0, timeout_s=self.config.timeout_s)
 
     def cycle(self, c: int) -> dict[str, Any]:
-        from jaxccl.control.process_loop import ProcessLoop
-
         cfg = self.config
         loop = ProcessLoop(
             self.comm,
@@ -315,8 +311,6 @@ class _Worker:
 
 
 def main(argv: list[str]) -> int:
-    from jaxccl.distributed.launch import initialize_from_env
-
     config = DrillConfig(**json.loads(argv[0]))
     initialize_from_env(local_devices=1, timeout_s=config.timeout_s)
     ok = _Worker(config, Path(argv[1])).run()

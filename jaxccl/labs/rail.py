@@ -27,10 +27,12 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable, Mapping, Sequence
 
+from jaxccl.distributed.launch import LAB_COORDINATOR_PORT, collect
 from jaxccl.distributed.transport import NETWORK_ONLY
 from jaxccl.labs.netlab import LinkShape, NetLab
 from jaxccl.labs.netlab.commands import NetlabError, in_namespace, run, shape_rate
 from jaxccl.labs.netlab.lab import SUBNET, node_address
+from jaxccl.topology import rail
 
 __all__ = ["LOOPBACK_SPEEDUP", "RailLab", "rank_rail"]
 
@@ -40,8 +42,6 @@ _ROUTE_TABLE_BASE = 100
 
 def rank_rail(hosts: int, gpus_per_host: int, nic: LinkShape):
     """The topology of a :class:`RailLab`: ``hosts x gpus_per_host`` ranks, every NIC shaped as ``nic``."""
-    from jaxccl.topology import rail
-
     nic_gbps = nic.rate_bytes_per_s * 8 / 1e9
     return rail(hosts, gpus_per_host, nic_gbps=nic_gbps, nvlink_gbps=nic_gbps * LOOPBACK_SPEEDUP)
 
@@ -163,8 +163,6 @@ class RailLab:
         :func:`~jaxccl.distributed.launch.launch`. Each process finds its UCX options in
         ``JAXCCL_UCX_OPTIONS`` (``key=value;...``)."""
         import os
-
-        from jaxccl.distributed.launch import LAB_COORDINATOR_PORT, collect
 
         base = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PJRT_NPROC")}
         base.update(env or {})

@@ -41,7 +41,13 @@ from jaxccl.errors import (
     TopologyError,
     UnsupportedTypeError,
 )
+from jaxccl.runtime import default_schedules
+from jaxccl.runtime.emulated import EmulatedNetwork, LinkEmulation
+from jaxccl.runtime.failures import as_executor_error, note_closed_slots
 from jaxccl.schedule.ir import Collective, Schedule
+from jaxccl.schedule.table import check_table, compiled_table, header
+from jaxccl.synth import baselines
+from jaxccl.telemetry import TelemetryCollector
 from jaxccl.util.options import choose
 
 __all__ = ["BACKENDS", "COLLECTIVES", "Communicator", "current", "default_communicator", "resolve"]
@@ -98,7 +104,7 @@ def _canonical(collective: str | Collective) -> Collective:
 
 def _native():
     try:
-        from jaxccl.runtime import native
+        from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
     except ImportError as e:  # the extension is not built
         raise ExecutorError(
             f"the jaxccl native module is not available ({e}); build it (pip install -e .) or use backend='ppermute'"
@@ -116,9 +122,6 @@ def native_available() -> bool:
 
 
 def _default_schedule(collective: Collective, n: int, with_all_reduce: bool) -> Schedule | None:
-    from jaxccl.runtime import default_schedules
-    from jaxccl.synth import baselines
-
     if collective is Collective.ALL_GATHER:
         return default_schedules.direct_allgather(n)
     if collective is Collective.ALL_TO_ALL:
@@ -251,9 +254,6 @@ class Communicator:
 
     # ------------------------------------------------------------------ link emulation
     def _start_emulation(self, config: Any, alpha: float) -> None:
-        from jaxccl.runtime.emulated import EmulatedNetwork, LinkEmulation
-        from jaxccl.telemetry import TelemetryCollector
-
         if not isinstance(config, LinkEmulation):
             raise UnsupportedTypeError(
                 f"Communicator: link_emulation must be a LinkEmulation, got {type(config).__name__}"
@@ -272,8 +272,7 @@ class Communicator:
         """
         import numpy as np
 
-        from jaxccl.runtime import native
-        from jaxccl.telemetry import TelemetryCollector
+        from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
         hosts = np.array([self.topology.host_of(r) for r in range(self.axis_size)], dtype=np.int32)
         native.configure_cuda_measurement(hosts.tolist())  # the documented defaults (CUDA_MEASURE_*)
@@ -312,7 +311,7 @@ class Communicator:
         if self.network is not None:
             self._collector.fold(self.network.drain(), dropped=self.network.stats()["dropped"])
         else:
-            from jaxccl.runtime import native
+            from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
             raw, dropped = native.drain_cuda_measurement()
             self._collector.fold(raw, dropped=self._collector.dropped + dropped)
@@ -404,8 +403,6 @@ class Communicator:
 
     def _check_registry_holds(self, coll: Collective, schedule: Schedule) -> None:
         """Raises unless the slot's staged table (or, with none staged, its current one) is ``schedule``'s."""
-        from jaxccl.schedule.table import compiled_table, header
-
         state = _native().swap_state(self._slots[coll])
         held = state["staged_checksum"] if state["staged_version"] else state["current_checksum"]
         expected = header(compiled_table(schedule, num_slots=8))["checksum"]
@@ -440,8 +437,6 @@ class Communicator:
 
     def _install_native(self, coll: Collective, schedule: Schedule, table: Any = None) -> int:
         """Stages ``schedule`` in ``coll``'s slot: its compilation, or ``table`` once checked to be exactly that."""
-        from jaxccl.schedule.table import check_table, compiled_table
-
         self._check_open()
         if table is None:
             table = compiled_table(schedule, num_slots=8)
@@ -512,8 +507,6 @@ class Communicator:
         """
         with self._lock:
             if self._finalizer.alive:
-                from jaxccl.runtime.failures import note_closed_slots
-
                 note_closed_slots(list(self._slots.values()), repr(self))
             self._finalizer()
         self.network = None
@@ -546,8 +539,6 @@ class Communicator:
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._cms.pop().__exit__(exc_type, exc, tb)
         if exc is not None:
-            from jaxccl.runtime.failures import as_executor_error
-
             converted = as_executor_error(exc)
             if converted is not None and converted is not exc:
                 raise converted from exc
@@ -609,7 +600,7 @@ class _Lease:
 
 def _release(slots: dict[Collective, int], network: Any) -> None:
     """Removes ``slots`` from the native registry and closes ``network`` (a communicator's close/finalizer)."""
-    from jaxccl.runtime import native
+    from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
     for slot in list(slots.values()):
         with contextlib.suppress(ExecutorError):  # already gone

@@ -178,7 +178,7 @@ class EmulatedNetwork:
     """
 
     def __init__(self, topology: Any, config: LinkEmulation | None = None):
-        from jaxccl.runtime import native
+        from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
         self._native = native.module()
         self.config = config or LinkEmulation()

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 
 from jaxccl.errors import ExecutorError, ScheduleError
+from jaxccl.schedule.ir import Schedule
+from jaxccl.schedule.table import check_table, compile_table, compiled_table
 
 try:
     from jaxccl import _native
@@ -67,7 +69,7 @@ def _cuda_module() -> Any:
     if not _cuda_checked:
         _cuda_checked = True
         try:
-            from jaxccl import _native_cuda
+            from jaxccl import _native_cuda  # the CUDA module is optional: loaded on demand
         except ImportError:
             _native_cuda = None
         if _native_cuda is not None:
@@ -101,11 +103,7 @@ def new_slot() -> int:
 
 def as_table(table_or_schedule: Any, *, num_slots: int = 8) -> np.ndarray:
     """A compiled table from a :class:`~jaxccl.schedule.Schedule` (compiled here) or an int32 array."""
-    from jaxccl.schedule.ir import Schedule
-
     if isinstance(table_or_schedule, Schedule):
-        from jaxccl.schedule.table import compile_table
-
         return compile_table(table_or_schedule, num_slots=num_slots)
     arr = np.asarray(table_or_schedule)
     if arr.ndim != 1 or arr.dtype != np.int32:
@@ -116,9 +114,6 @@ def as_table(table_or_schedule: Any, *, num_slots: int = 8) -> np.ndarray:
 def _checked_table(table_or_schedule: Any, num_slots: int, schedule: Any) -> np.ndarray:
     """The table to hand the registry: a Schedule's (memoized) compilation, or a table checked against
     ``schedule`` when one is given (:func:`jaxccl.schedule.table.check_table`)."""
-    from jaxccl.schedule.ir import Schedule
-    from jaxccl.schedule.table import check_table, compiled_table
-
     if isinstance(table_or_schedule, Schedule):
         if schedule is not None and schedule is not table_or_schedule:
             raise ScheduleError("pass either a schedule or a table with schedule=, not two schedules")

@@ -65,6 +65,7 @@ from jax.interpreters.mlir import ir
 from jaxccl.errors import ContextError, UnsupportedError
 from jaxccl.runtime import axes as _axes
 from jaxccl.runtime import communicator as _comm
+from jaxccl.runtime import native_backend, ppermute_backend
 from jaxccl.schedule.ir import Collective
 from jaxccl.schedule.reduction import ReduceOp, finish, wire_dtype
 
@@ -209,15 +210,12 @@ def _flat_collective(
     """The flat-buffer collective on this rank (chunk layout of docs/schedule-ir.md), reducing with ``op``."""
     axis = _axes.grouped(axis_name, axis_index_groups)
     if backend == "ppermute":
-        from jaxccl.runtime import ppermute_backend
-
         if coll.reduces and axis_size > 1:
             # An identity ppermute is a fusion barrier: without it XLA:CPU fuses the producer of the operand
             # into the schedule's additions and may contract a multiply and an add into an FMA, which
             # rounds differently from lax (whose collective reads a materialized operand).
             flat = _axes.ppermute(flat, axis, perm=[(i, i) for i in range(axis_size)])
         return ppermute_backend.run_schedule(comm.schedule(coll), flat, axis, op)
-    from jaxccl.runtime import native_backend
 
     kind, group_axes = backend
     return native_backend.flat_collective(

@@ -13,13 +13,12 @@ from jaxccl.schedule.ir import (
     make_schedule,
     period_elements,
 )
+from jaxccl.schedule.msccl_xml import from_msccl_xml as _from_msccl_xml
 
 
 def from_msccl_xml(text: str) -> Schedule:
     """Imports an MSCCL XML algorithm; see :mod:`jaxccl.schedule.msccl_xml`."""
-    from jaxccl.schedule.msccl_xml import from_msccl_xml as _impl
-
-    return _impl(text)
+    return _from_msccl_xml(text)
 
 
 __all__ = [

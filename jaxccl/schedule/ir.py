@@ -347,7 +347,7 @@ class Schedule:
         order (bitwise equal to ``jax.lax`` on CPU); the default checks it
         when ``info["ordered_reduction"]`` is true.
         """
-        from jaxccl.schedule.interpreter import DEFAULT_NUM_SLOTS, check
+        from jaxccl.schedule.interpreter import DEFAULT_NUM_SLOTS, check  # cycle: the interpreter imports ir
 
         check(self, num_slots=num_slots, ordered_reduction=ordered_reduction)
         if num_slots in (None, DEFAULT_NUM_SLOTS) and ordered_reduction is None:
@@ -468,7 +468,7 @@ class Schedule:
         self, *, min_bytes: int = 0, max_bytes: int | None = None, proto: str = "Simple", runtime_limits: bool = True
     ) -> str:
         """Exports MSCCL XML (``<algo>/<gpu>/<tb>/<step>``); see :mod:`jaxccl.schedule.msccl_xml`."""
-        from jaxccl.schedule.msccl_xml import to_msccl_xml
+        from jaxccl.schedule.msccl_xml import to_msccl_xml  # cycle: msccl_xml imports ir
 
         return to_msccl_xml(self, min_bytes=min_bytes, max_bytes=max_bytes, proto=proto, runtime_limits=runtime_limits)
 

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from jaxccl.errors import ScheduleError
-from jaxccl.schedule.ir import Buffer, OpKind, Schedule
+from jaxccl.schedule.ir import Buffer, Collective, Op, OpKind, Schedule, Threadblock, make_schedule
 
 MAGIC = 0x4C43434A  # "JCCL" little-endian
 VERSION = 2
@@ -366,8 +366,6 @@ def schedule_of(table: np.ndarray) -> Schedule:
         >>> schedule_of(compile_table(ring_allgather(4))).num_ops == ring_allgather(4).num_ops
         True
     """
-    from jaxccl.schedule.ir import Collective, Op, Threadblock, make_schedule
-
     d = decode(table)
     h = d["header"]
     collectives = {c.code: c for c in Collective}

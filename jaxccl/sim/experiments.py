@@ -39,6 +39,8 @@ from jaxccl.sim.model import EXECUTIONS, MAX_TILES, auto_iterations
 from jaxccl.sim.routes import Router
 from jaxccl.sim.shared_links import fluid_time, link_bytes
 from jaxccl.sim.workloads import WORKLOADS, CollectiveCall, Workload, group_gpus
+from jaxccl.synth.allgather import allgather, reduce_scatter
+from jaxccl.synth.alltoall import alltoall
 from jaxccl.synth.nccl import nccl_schedule, rail_channel_orders
 from jaxccl.topology import Topology, rail, scenario
 from jaxccl.topology.groups import groups_within, rail_swap, relay_domain, subtopology
@@ -92,22 +94,14 @@ class Synthesizers:
         if key in self._fns:
             return self._fns[key]
         fn = None
-        try:
-            if collective is Collective.ALL_GATHER:
-                from jaxccl.synth.allgather import allgather as fn
-            elif collective is Collective.ALL_TO_ALL:
-                from jaxccl.synth.alltoall import alltoall as fn
-            elif collective is Collective.REDUCE_SCATTER:
-                from jaxccl.synth.allgather import reduce_scatter as fn
-            else:
-                self.missing[key] = f"no synthesizer for {key} (static NCCL schedule used)"
-        except ImportError as e:
-            what = (
-                "jaxccl.synth.allgather.allgather"
-                if collective is Collective.ALL_GATHER
-                else "jaxccl.synth.alltoall.alltoall"
-            )
-            self.missing[key] = f"{what} is not available ({e})"
+        if collective is Collective.ALL_GATHER:
+            fn = allgather
+        elif collective is Collective.ALL_TO_ALL:
+            fn = alltoall
+        elif collective is Collective.REDUCE_SCATTER:
+            fn = reduce_scatter
+        else:
+            self.missing[key] = f"no synthesizer for {key} (static NCCL schedule used)"
         self._fns[key] = fn
         return fn
 

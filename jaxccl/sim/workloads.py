@@ -32,6 +32,7 @@ import dataclasses
 
 from jaxccl.errors import ArgumentError
 from jaxccl.schedule.ir import Collective
+from jaxccl.topology.groups import group_of
 
 __all__ = ["WORKLOADS", "CollectiveCall", "Workload", "group_gpus"]
 
@@ -136,8 +137,6 @@ def group_gpus(workload: Workload, group: str, num_gpus: int, gpu: int = 0) -> l
     >>> group_gpus(LLAMA_405B, "DP", 128, 0)
     [0, 16, 32, 48, 64, 80, 96, 112]
     """
-    from jaxccl.topology.groups import group_of
-
     size = workload.group_size(group, num_gpus)
     kind = ("all" if size == num_gpus else "outer") if group == "DP" else _GROUP_KIND[group]
     return group_of(kind, gpu, num_gpus, size)

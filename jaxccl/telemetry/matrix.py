@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxccl.errors import ArgumentError
+from jaxccl.telemetry.export import write_heatmap
 from jaxccl.telemetry.records import INTRA, decode
 
 __all__ = ["Telemetry", "TelemetryCollector"]
@@ -71,8 +72,6 @@ class Telemetry:
 
     def heatmap(self, path: str, *, title: str = "jaxccl measured throughput") -> None:
         """Writes the matrix as a PNG heatmap in Gbit/s (MCCL Fig. 13 style)."""
-        from jaxccl.telemetry.export import write_heatmap
-
         write_heatmap(self.matrix, path, title=title)
 
     def link_capacities(

@@ -29,9 +29,11 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from jaxccl import synth
 from jaxccl.errors import TuneError
 from jaxccl.schedule.builder import ScheduleBuilder
 from jaxccl.schedule.ir import Buffer, Collective, Schedule
+from jaxccl.synth import nccl
 
 __all__ = [
     "COLLECTIVES",
@@ -179,8 +181,6 @@ def _built(fn: Callable[[Any], Schedule], topo: Any) -> Schedule:
 
 def _catalog_entries(collective: Collective) -> list[tuple[str, Callable[[Any], tuple[Schedule, ...] | None]]]:
     # Imported here: the synthesizers pull in scipy/HiGHS, which the selector alone does not need.
-    from jaxccl import synth
-    from jaxccl.synth import nccl
 
     def pow2(topo: Any) -> bool:
         n = topo.num_gpus

@@ -71,7 +71,7 @@ class OnlineTuner:
 
         Returns whether the selector used it (contexts under the size gate are not learned).
         """
-        from jaxccl.runtime import native
+        from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
         ctx = self._context(collective, nbytes)
         if not self.selector.wants_timing(ctx):

@@ -48,9 +48,13 @@ from typing import Any
 
 import numpy as np
 
+import jaxccl.sim as sim
+from jaxccl.topology import rail, scenario
 from jaxccl.tune.arms import COLLECTIVES, Arm, Context, TuneError, arm_catalog, arm_names
+from jaxccl.tune.bandits.policies import POLICIES
 from jaxccl.tune.bandits.selector import RHO_MAX, ContextBandit, filter_arms
 from jaxccl.tune.cost_model import CostModel, calibrate, margin
+from jaxccl.util.report import progress
 
 __all__ = [
     "FAMILIES",
@@ -258,8 +262,6 @@ def _stable_seed(*parts: Any) -> int:
 
 def _topologies(config: PoolConfig, hosts: int) -> dict[str, Any]:
     """``{"healthy": rail, scenario: degraded rail}`` for every scenario (the healthy one always)."""
-    from jaxccl.topology import rail, scenario
-
     nominal = rail(hosts=hosts, gpus_per_host=config.gpus_per_host)
     out = {"healthy": nominal}
     for s in SCENARIOS:
@@ -282,9 +284,6 @@ def simulate_pools(
     log: Callable[[str], None] | None = None,
 ) -> Pools:
     """Simulates every (context, arm) of ``config`` and draws its pool (see the module docstring)."""
-    import jaxccl.sim as sim
-    from jaxccl.util.report import progress
-
     cfg = config or PoolConfig()
     t0 = time.perf_counter()
     arms_by_coll: dict[str, list[str]] = {}
@@ -477,8 +476,6 @@ def evaluate(
     Contexts below ``size_gate_bytes`` play the model's argmin (AUTO) on every step.
     Random policies run ``seeds`` seeds per context and report the mean.
     """
-    from jaxccl.tune.bandits.policies import POLICIES
-
     cfg = {"policy": config} if isinstance(config, str) else dict(config)
     cls = POLICIES.get(cfg.get("policy"))
     if cls is None:

@@ -22,6 +22,7 @@ from jaxccl.schedule import Collective, Schedule
 from jaxccl.synth.allgather.balance import balance_switches
 from jaxccl.synth.allgather.bound import DEFAULT_MAX_CHUNKS, candidate_rate, optimal_rate, switch_cuts, tree_units
 from jaxccl.synth.allgather.compile import allgather_schedule, reduce_scatter_schedule
+from jaxccl.synth.allgather.latency import remove_switches_latency
 from jaxccl.synth.allgather.network import Net, build_net, shape_cached
 from jaxccl.synth.allgather.packing import Packing, globally_tight, pack, tree_groups, tree_lists
 from jaxccl.synth.allgather.repair import repair_pack
@@ -190,8 +191,6 @@ def _synthesize(topo, previous, method, max_chunks, collective: Collective) -> S
 
 def _split(net: Net, units, method: str, stats: SplitStats, *, verify: bool = True):
     if method == "latency":
-        from jaxccl.synth.allgather.latency import remove_switches_latency
-
         return remove_switches_latency(net, units.caps, units.k, stats=stats)
     return remove_switches(net, units.caps, units.k, stats=stats, verify=verify)
 

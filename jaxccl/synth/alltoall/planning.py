@@ -33,7 +33,7 @@ import numpy as np
 from jaxccl.errors import ScheduleError
 from jaxccl.synth.alltoall.columns import ColumnPool
 from jaxccl.synth.alltoall.network import Network
-from jaxccl.synth.alltoall.routes import decode_column, encode_column
+from jaxccl.synth.alltoall.routes import _columns, decode_column, encode_column
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,8 +225,6 @@ def previous_plan(paths: Mapping[str, Any], n: int, c: int) -> Plan | None:
     None if the table lacks the class ranges and scratch offsets (``start``,
     ``scratch``) or does not fit ``n`` ranks and ``c`` chunks.
     """
-    from jaxccl.synth.alltoall.routes import _columns
-
     if "start" not in paths or "scratch" not in paths:
         return None
     try:

@@ -39,8 +39,9 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxccl.tune.arms import Context, TuneError
+from jaxccl.tune.arms import Context, TuneError, arm_catalog
 from jaxccl.tune.bandits.policies import Policy, make_policy
+from jaxccl.tune.cost_model import CostModel
 
 __all__ = ["DEFAULT_POLICY", "RHO_MAX", "SCHEMA", "ContextBandit", "Selector", "context_seed", "filter_arms"]
 
@@ -401,9 +402,6 @@ class Selector:
             >>> [s.collective.value for s in sel.schedules(ctx, arm)]
             ['all_gather']
         """
-        from jaxccl.tune.arms import arm_catalog
-        from jaxccl.tune.cost_model import CostModel
-
         cm = model or CostModel()
         catalogs: dict[str, list] = {}
 

@@ -50,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from jaxccl.errors import ExecutorError, ScheduleError, TuneError
+from jaxccl.runtime.emulated import LinkEmulation
 from jaxccl.schedule.ir import Collective, Schedule, chunk_bounds, period_elements
 from jaxccl.tune.react.measure import Measurement
 from jaxccl.util.options import choose
@@ -254,8 +255,7 @@ class ExecutorRunner:
         import jax
         from jax.sharding import Mesh
 
-        import jaxccl
-        from jaxccl.runtime.emulated import LinkEmulation
+        from jaxccl.runtime.communicator import Communicator  # imports JAX
 
         n = topology.num_gpus
         devices = jax.devices()
@@ -263,7 +263,7 @@ class ExecutorRunner:
             raise ExecutorError(f"ExecutorRunner: {n} devices needed, JAX has {len(devices)} (jaxccl.emulate({n}))")
         mesh = Mesh(np.array(devices[:n]), (axis_name,))
         emu = LinkEmulation(time_scale=time_scale, trace=True, measure=False)
-        comm = jaxccl.Communicator(mesh, axis_name, topology=topology, backend="cpu", link_emulation=emu)
+        comm = Communicator(mesh, axis_name, topology=topology, backend="cpu", link_emulation=emu)
         return cls(comm, bytes_per_rank, **kwargs)
 
     @property
@@ -278,14 +278,14 @@ class ExecutorRunner:
         import jax
         from jax.sharding import PartitionSpec as P
 
-        import jaxccl
+        from jaxccl.runtime.collectives import all_gather, psum  # imports JAX
 
         ax, mesh = self.comm.axis_name, self.comm.mesh
         if coll is Collective.ALL_REDUCE:
-            mine, ref = (lambda v: jaxccl.psum(v, ax)), (lambda v: jax.lax.psum(v, ax))
+            mine, ref = (lambda v: psum(v, ax)), (lambda v: jax.lax.psum(v, ax))
             out_bytes = float(self.elems * 4)
         elif coll is Collective.ALL_GATHER:
-            mine = lambda v: jaxccl.all_gather(v, ax, tiled=True)  # noqa: E731
+            mine = lambda v: all_gather(v, ax, tiled=True)  # noqa: E731
             ref = lambda v: jax.lax.all_gather(v, ax, tiled=True)  # noqa: E731
             out_bytes = float(self.elems * 4 * self.num_ranks)
         else:

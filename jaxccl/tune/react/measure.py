@@ -44,7 +44,7 @@ from jaxccl.schedule.ir import Buffer, Schedule
 from jaxccl.sim.engine import simulate
 from jaxccl.sim.model import DEFAULT_PIPELINE_BYTES, DEFAULT_SLOTS, Job, compile_jobs
 from jaxccl.sim.routes import Router
-from jaxccl.tune.react.compile import CompiledPattern
+from jaxccl.tune.react.compile import CompiledPattern, compile_pattern
 
 __all__ = [
     "ExternalFlows",
@@ -118,8 +118,6 @@ def pattern_measurer(runner: Runner, topology: Any) -> Callable[[Any], tuple[flo
     def measure(pattern: Any) -> tuple[float, np.ndarray]:
         c = compiled.get(pattern)
         if c is None:
-            from jaxccl.tune.react.compile import compile_pattern
-
             c = compiled[pattern] = compile_pattern(pattern)
         m = runner(c.schedule, topology)
         return m.time_s, flow_times(c, m)

@@ -266,7 +266,7 @@ class Pattern:
     @functools.cached_property
     def semantics(self) -> Any:
         """The bitvector run of App. A.3 (:class:`jaxccl.tune.react.semantics.Semantics`)."""
-        from jaxccl.tune.react.semantics import simulate
+        from jaxccl.tune.react.semantics import simulate  # cycle: semantics imports pattern
 
         return simulate(self)
 
@@ -277,7 +277,7 @@ class Pattern:
 
     def to_schedule(self) -> Any:
         """The pattern as a :class:`~jaxccl.schedule.Schedule` (see :mod:`jaxccl.tune.react.compile`)."""
-        from jaxccl.tune.react.compile import compile_pattern
+        from jaxccl.tune.react.compile import compile_pattern  # cycle: compile imports pattern
 
         return compile_pattern(self).schedule
 
