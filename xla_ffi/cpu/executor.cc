@@ -597,17 +597,10 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
       msg = reinterpret_cast<const char*>(d.ptr);
       bytes[k] = d.bytes;
     }
-    switch (l.op.kind) {
-      case OpCode::kRecv: terms[num_terms++] = msg; break;
-      case OpCode::kCopy: terms[num_terms++] = rb.Addr(l.op.src_buf, l.op.src_off, l.u.tile); break;
-      case OpCode::kRecvReduceCopy:
-        if (k == 0) terms[num_terms++] = rb.Addr(l.op.src_buf, l.op.src_off, l.u.tile);
-        terms[num_terms++] = msg;
-        break;
-      default:  // kReduce
-        if (k == 0) terms[num_terms++] = rb.Addr(l.op.dst_buf, l.op.dst_off, l.u.tile);
-        terms[num_terms++] = rb.Addr(l.op.src_buf, l.op.src_off, l.u.tile);
-    }
+    // A continuation adds into the range in place (its `a` is what the fold wrote): only its `b` is a term.
+    const DataStep d = OpDataStep(l.op, l.u.tile, rb, msg, l.op.receives() ? bytes[k] : 0, nullptr);
+    if (k == 0) terms[num_terms++] = d.a;
+    if (d.b != nullptr) terms[num_terms++] = d.b;
   }
   char* dst = rb.Addr(chain[0].op.dst_buf, chain[0].op.dst_off, u.tile);
   const size_t total = rb.Bytes(chain[0].op.dst_off, chain[0].op.count, u.tile);
