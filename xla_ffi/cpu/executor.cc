@@ -10,6 +10,7 @@
 #include <xmmintrin.h>
 #endif
 
+#include "core/stable_source.h"
 #include "host/dtype.h"
 #include "transport/proxy.h"
 
@@ -154,6 +155,32 @@ size_t NumContextPools() {
 
 // ------------------------------------------------------------------ launch
 
+namespace {
+// Per rank, the direct sends whose bytes a fold computes (CpuLaunch::FindPushes), as sorted (dependency,
+// send) pairs: plain direct sends of the range a fold writes whose dependency is one of the fold's
+// continuations (program.h, next_fold) and whose source is final at it (core/stable_source.h).
+void FoldSends(const Table& t, std::vector<std::vector<std::pair<int32_t, int32_t>>>* out) {
+  out->assign(t.num_ranks, {});
+  for (int32_t r = 0; r < t.num_ranks; ++r) {
+    const ProgramView p(t.programs[r].data());
+    std::vector<char> continues(p.num_ops(), 0);
+    for (int32_t o = 0; o < p.num_ops(); ++o) {
+      const int32_t next = p.op(o).next_fold;
+      if (next >= 0) continues[next] = 1;
+    }
+    ProgramAncestry ancestry(p);
+    for (int32_t o = 0; o < p.num_ops(); ++o) {
+      const ProgOp op = p.op(o);
+      if (op.kind != OpCode::kSend || !op.direct() || op.dep < 0 || !continues[op.dep]) continue;
+      const ProgOp last = p.op(op.dep);
+      if (op.src_buf != last.dst_buf || op.src_off != last.dst_off || op.count != last.count) continue;
+      if (SourceFinalAtDependency(ancestry, o)) (*out)[r].emplace_back(op.dep, o);
+    }
+    std::sort((*out)[r].begin(), (*out)[r].end());
+  }
+}
+}  // namespace
+
 ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t axis_size,
                                                           const std::vector<CpuArrival>& arrivals,
                                                           std::shared_ptr<const ProcessGroup> group) {
@@ -253,6 +280,10 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
     return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kResourceExhausted,
                                      StrCat("jaxccl: cannot allocate ", scratch_bytes, " bytes of scratch per rank")));
   }
+  if (launch->ctx_->fold_sends_version != snap->version) {
+    FoldSends(t, &launch->ctx_->fold_sends);
+    launch->ctx_->fold_sends_version = snap->version;
+  }
   launch->epoch_ = launch->ctx_->epoch;
   launch->buffers_.resize(axis_size);
   launch->rank_first_op_.resize(axis_size);
@@ -265,15 +296,6 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   launch->deadline_ = DeadlineAfter(launch->timeout_s_);
   launch->deadline_ns_ = NowNs() + static_cast<int64_t>(launch->timeout_s_ * 1e9);
   launch->fold_patience_until_.assign(axis_size, 0);
-  launch->direct_sends_.resize(axis_size);
-  for (int32_t r = 0; r < axis_size; ++r) {
-    const ProgramView p(t.programs[r].data());
-    for (int32_t o = 0; o < p.num_ops(); ++o) {
-      const ProgOp op = p.op(o);
-      if (op.kind == OpCode::kSend && op.direct() && op.dep >= 0) launch->direct_sends_[r].emplace_back(op.dep, o);
-    }
-    std::sort(launch->direct_sends_[r].begin(), launch->direct_sends_[r].end());
-  }
   launch->ranks_running_.store(group ? group->num_local : axis_size);
   if (group) {
     auto proxy = CpuProxy::Create(launch.get(), group, NextLaunchNumber(*group, slot));
@@ -613,7 +635,7 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
   if (complete && !net_) {
     Unit units[kMaxChain];
     for (int32_t k = 0; k < n; ++k) units[k] = chain[k].u;
-    num_pushes = FindPushes(rank, p, units, n, chain[0].op, total, pushes);
+    num_pushes = FindPushes(rank, p, units, n, total, pushes);
   }
   for (size_t at = 0; at < total; at += block) {
     const size_t len = std::min(block, total - at);
@@ -640,8 +662,8 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
   return true;
 }
 
-int32_t CpuLaunch::FindPushes(int32_t rank, const ProgramView& p, const Unit* chain, int32_t n, const ProgOp& head,
-                              size_t bytes, Push* out) {
+int32_t CpuLaunch::FindPushes(int32_t rank, const ProgramView& p, const Unit* chain, int32_t n, size_t bytes,
+                              Push* out) {
   struct ChainDoneProbe {  // the fold's own ops count as done
     CpuProbe base;
     const Unit* chain;
@@ -657,12 +679,11 @@ int32_t CpuLaunch::FindPushes(int32_t rank, const ProgramView& p, const Unit* ch
   } probe{CpuProbe{this, rank}, chain, n};
   const Unit& last = chain[n - 1];
   int32_t num = 0;
-  const auto& sends = direct_sends_[rank];  // (dependency, send op), sorted
+  const auto& sends = ctx_->fold_sends[rank];  // (dependency, send op), sorted
   auto it = std::lower_bound(sends.begin(), sends.end(), std::make_pair(last.op, INT32_MIN));
   for (; it != sends.end() && it->first == last.op && num < kMaxPushes; ++it) {
     const int32_t s = it->second;
     const ProgOp op = p.op(s);
-    if (op.src_buf != head.dst_buf || op.src_off != head.dst_off || op.count != head.count) continue;
     const ProgTb tb = p.tb(table_->op_tb[rank_first_op_[rank] + s] - table_->rank_first_tb[rank]);
     const Unit us = UnitOf(p, tb, last.tile * tb.num_ops + (s - tb.first_op));
     if (probe.Done(us.tile, s) || !UnitReady(p, tb, us, op, probe)) continue;
