@@ -10,8 +10,9 @@
 #include <xmmintrin.h>
 #endif
 
+#include "core/launch.h"
 #include "core/stable_source.h"
-#include "host/dtype.h"
+#include "host/launch.h"
 #include "transport/proxy.h"
 
 namespace jaxccl {
@@ -185,62 +186,25 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
                                                           const std::vector<CpuArrival>& arrivals,
                                                           std::shared_ptr<const ProcessGroup> group) {
   using R = std::shared_ptr<CpuLaunch>;
-  int64_t seq = 0;  // the launch's sequence number: the largest any rank issued (MCCL Sec. 6.2.2)
-  for (const CpuArrival& a : arrivals) seq = std::max(seq, a.seq);
-  auto snap = Registry::Get().Acquire(slot, seq);
+  std::vector<LaunchArrival> calls(axis_size);
+  for (int32_t r = 0; r < axis_size; ++r) {
+    const CpuArrival& a = arrivals[r];
+    calls[r] = ArrivalOf(a.in_dtype, a.out_dtype, a.in_elems, a.out_elems, a.reduce_op, a.seq);
+    calls[r].present = !group || group->Local(r);
+  }
+  auto snap = Registry::Get().Acquire(slot, AgreedSequence(calls));
   if (!snap.has_value()) return ErrorResult<R>(std::move(snap.error()));
   const Table& t = *snap->table;
-  if (t.num_ranks != axis_size) {
-    return ErrorResult<R>(ffi::Error::InvalidArgument(StrCat("jaxccl: schedule for N=", t.num_ranks,
-                                                             " installed on an axis of size ", axis_size,
-                                                             " (slot ", slot, ", version ", snap->version, ")")));
-  }
-  auto local = [&](int32_t r) { return !group || group->Local(r); };
-  int32_t first_local = 0;
-  while (first_local < axis_size - 1 && !local(first_local)) ++first_local;
-  const CpuArrival& a0 = arrivals[first_local];
-  for (int32_t r = 0; r < axis_size; ++r) {
-    if (!local(r)) continue;
-    const CpuArrival& a = arrivals[r];
-    if (a.in_dtype != a0.in_dtype || a.out_dtype != a0.in_dtype) {
-      return ErrorResult<R>(ffi::Error::InvalidArgument(
-          StrCat("jaxccl: rank ", r, " has input dtype ", DTypeName(a.in_dtype), " and output dtype ",
-                 DTypeName(a.out_dtype), "; expected ", DTypeName(a0.in_dtype), " for both on every rank")));
-    }
-    if (a.in_elems != a0.in_elems) {
-      return ErrorResult<R>(ffi::Error::InvalidArgument(StrCat("jaxccl: rank ", r, " has ", a.in_elems,
-                                                               " input elements but rank 0 has ", a0.in_elems)));
-    }
-  }
-  const ffi::DataType dtype = a0.in_dtype;
-  const size_t esize = CopyableByteWidth(dtype);
-  if (esize == 0) {
-    return ErrorResult<R>(ffi::Error::InvalidArgument(
-        StrCat("jaxccl: dtype ", DTypeName(dtype), " is not supported (sub-byte and token types cannot be moved)")));
-  }
-  auto period = PeriodElements(t, a0.in_elems);
-  if (!period.has_value()) return ErrorResult<R>(std::move(period.error()));
-  const int64_t expected_out = OutputElements(t, *period);
-  for (int32_t r = 0; r < axis_size; ++r) {
-    if (local(r) && arrivals[r].out_elems != expected_out) {
-      return ErrorResult<R>(ffi::Error::InvalidArgument(StrCat(
-          "jaxccl: rank ", r, "'s output has ", arrivals[r].out_elems, " elements; ", CollectiveName(t.collective),
-          " of ", a0.in_elems, " input elements over ", axis_size, " ranks produces ", expected_out)));
-    }
-  }
-  Reduction reduction;
-  if (t.has_reduction) {
-    for (int32_t r = 0; r < axis_size; ++r) {
-      if (local(r) && arrivals[r].reduce_op != a0.reduce_op) {
-        return ErrorResult<R>(ffi::Error::InvalidArgument(
-            StrCat("jaxccl: rank ", r, " asks for a ", ReduceOpName(arrivals[r].reduce_op), " reduction but rank ",
-                   first_local, " for a ", ReduceOpName(a0.reduce_op), " (", CollectiveName(t.collective), ")")));
-      }
-    }
-    auto r = ReductionFor(dtype, a0.reduce_op);
-    if (!r.has_value()) return ErrorResult<R>(std::move(r.error()));
-    reduction = *r;
-  }
+  // With link emulation the program runs in tiles, so that relayed messages pipeline as on a GPU.
+  std::shared_ptr<Network> net = group ? nullptr : NetworkOfSlot(slot);  // across processes the links are real
+  const bool pace = net && net->pacing();
+  LaunchOptions options;
+  options.pipelined = pace && !ProgramOrder();
+  options.max_tiles = TileCap();
+  options.slot = slot;
+  options.version = snap->version;
+  LaunchPlan plan;
+  if (LaunchError e = PlanLaunch(t, calls, options, &plan); !e.ok()) return ErrorResult<R>(LaunchRefusal(e));
 
   R launch(new CpuLaunch());
   launch->table_ = snap->table;
@@ -248,37 +212,30 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   launch->pool_ = ContextPoolFor(slot);
   launch->ctx_ = launch->pool_->Acquire();
   launch->io_ = arrivals;
-  launch->reduction_ = reduction;
+  launch->reduction_ = plan.reduction;
   launch->timeout_s_ = Registry::Get().timeout_s();
   launch->slot_ = slot;
   launch->start_ns_ = NowNs();
   launch->group_ = group;
-  launch->net_ = group ? nullptr : NetworkOfSlot(slot);  // across processes the links are real
+  launch->net_ = std::move(net);
   if (launch->net_) {
     if (launch->net_->num_ranks() != t.num_ranks) {
       return ErrorResult<R>(ffi::Error::InvalidArgument(
           StrCat("jaxccl: slot ", slot, " runs on an emulated network of ", launch->net_->num_ranks(),
                  " GPUs but its schedule has ", t.num_ranks, " ranks")));
     }
-    launch->pace_ = launch->net_->pacing();
+    launch->pace_ = pace;
     launch->measure_ = launch->net_->measuring() && !t.has_reduction;  // MCCL Sec. 3: no reductions
     if (launch->measure_) launch->caches_.resize(t.tbs.size());
   }
-  const size_t scratch_bytes = static_cast<size_t>(ChunkStart(t.scratch_chunks, t.chunks_per_period, *period)) * esize;
-  // With link emulation the program runs in tiles, so that relayed messages pipeline as on a GPU.
-  size_t largest = 0;
-  for (const TableOp& op : t.ops) {
-    if (OpSends(op.kind)) largest = std::max(largest, RangeBytes(t.chunks_per_period, *period, esize, op.send_offset(), op.count));
-  }
-  const bool tileable = !t.programs.empty() && ProgramView(t.programs[0].data()).tileable();
-  launch->tiles_ = ProgramOrder() ? 1 : ChooseTiles(tileable, launch->pace_, largest, TileCap());
+  launch->tiles_ = plan.tiles;
   launch->lookahead_ = ProgramOrder() ? 1 : kLookahead;
-  launch->op_stride_ = t.programs.empty() ? 0 : ProgramView(t.programs[0].data()).max_ops();
-  launch->layout_ = RegionLayout{launch->op_stride_ * launch->tiles_, t.num_conns(), t.num_slots};
+  launch->op_stride_ = plan.op_stride;
+  launch->layout_ = plan.layout;
   const RegionOwner owner{snap->version, t.checksum, launch->layout_};
-  if (!launch->ctx_->Reset(t, launch->layout_, scratch_bytes, owner)) {
-    return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                                     StrCat("jaxccl: cannot allocate ", scratch_bytes, " bytes of scratch per rank")));
+  if (!launch->ctx_->Reset(t, launch->layout_, plan.scratch_bytes, owner)) {
+    const std::string what = StrCat("jaxccl: cannot allocate ", plan.scratch_bytes, " bytes of scratch per rank");
+    return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kResourceExhausted, what));
   }
   if (launch->ctx_->fold_sends_version != snap->version) {
     FoldSends(t, &launch->ctx_->fold_sends);
@@ -289,8 +246,8 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   launch->rank_first_op_.resize(axis_size);
   for (int32_t r = 0; r < axis_size; ++r) {
     launch->buffers_[r] = RankBuffers{static_cast<const char*>(arrivals[r].in), static_cast<char*>(arrivals[r].out),
-                                      launch->ctx_->scratch[r]->data(), *period, t.chunks_per_period,
-                                      static_cast<int32_t>(esize), launch->tiles_};
+                                      launch->ctx_->scratch[r]->data(), plan.period_elems, t.chunks_per_period,
+                                      plan.esize, launch->tiles_};
     launch->rank_first_op_[r] = t.RankFirstOp(r);
   }
   launch->deadline_ = DeadlineAfter(launch->timeout_s_);
