@@ -7,11 +7,27 @@
 #include <string>
 #include <vector>
 
-#include "host/core_api.h"
-#include "cuda_handler.h"
 #include "core/measurement_format.h"
+#include "handler.h"
+#include "host/core_api.h"
+#include "measure.h"
+#include "test_harness.h"
 
 namespace nb = nanobind;
+
+namespace {
+
+// The measurement settings as measure_configure takes them.
+void PutSettings(nb::dict& d, const jaxccl::cuda::MeasureSettings& s) {
+  d["enabled"] = s.enabled;
+  d["host_of_rank"] = s.host_of_rank;
+  d["intra_threshold"] = s.intra_threshold;
+  d["inter_threshold"] = s.inter_threshold;
+  d["slots_per_tb"] = s.slots_per_tb;
+  d["min_window_bytes"] = s.min_window_bytes;
+}
+
+}  // namespace
 
 NB_MODULE(_native_cuda, m) {
   using namespace jaxccl;
@@ -55,14 +71,8 @@ NB_MODULE(_native_cuda, m) {
       "accumulator are active; each threadblock owns `slots_per_tb` Measurements Buffer slots; windows that "
       "carried fewer than `min_window_bytes` are dropped.");
   m.def("measure_settings", [] {
-    const cuda::MeasureSettings s = cuda::MeasureSettingsNow();
     nb::dict d;
-    d["enabled"] = s.enabled;
-    d["host_of_rank"] = s.host_of_rank;
-    d["intra_threshold"] = s.intra_threshold;
-    d["inter_threshold"] = s.inter_threshold;
-    d["slots_per_tb"] = s.slots_per_tb;
-    d["min_window_bytes"] = s.min_window_bytes;
+    PutSettings(d, cuda::MeasureSettingsNow());
     return d;
   }, "The settings measure_configure installed.");
   m.def(
@@ -82,10 +92,7 @@ NB_MODULE(_native_cuda, m) {
   m.def("measure_stats", [] {
     const cuda::MeasureStatsResult st = cuda::MeasureStats();
     nb::dict d;
-    d["enabled"] = st.enabled;
-    d["slots_per_tb"] = st.slots_per_tb;
-    d["intra_threshold"] = st.intra_threshold;
-    d["inter_threshold"] = st.inter_threshold;
+    PutSettings(d, st.settings);
     d["windows"] = st.windows;
     d["records"] = st.records;
     d["dropped"] = st.dropped;
@@ -102,7 +109,8 @@ NB_MODULE(_native_cuda, m) {
     d["buffer_bytes"] = st.buffer_bytes;
     d["counter_bytes"] = st.counter_bytes;
     return d;
-  }, "Measurement counters since the last reset and the memory footprint (MCCL Table 2) in bytes.");
+  }, "The settings in force, the measurement counters since the last reset and the memory footprint (MCCL Table "
+     "2) in bytes.");
   m.def("measure_reset", [] {
     nb::gil_scoped_release release;
     cuda::MeasureReset();

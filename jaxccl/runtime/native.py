@@ -356,6 +356,17 @@ def drain_cuda_measurement() -> tuple[bytes, int]:
     return bytes(raw), int(dropped)
 
 
+def _stable_sources(table: np.ndarray) -> list[tuple[int, bool, bool]]:
+    """Tests only: the core's stable-source rules (``xla_ffi/core/stable_source.h``) for a compiled table.
+
+    One ``(op, final at its dependency, stable in flight)`` per op that sends a range of its buffers
+    (every sending op but ``rrs``), ops numbered in table order. Stable in flight is the rule of the
+    table's direct flag (``jaxccl.schedule.table._direct_sends``); raises ``ExecutorError`` for a table
+    the registry would refuse.
+    """
+    return [(int(o), bool(f), bool(s)) for o, f, s in _wrap(_native._stable_sources, as_table(table))]
+
+
 def get_timeout() -> float:
     """The current deadline of rendezvous and executor waits, in seconds."""
     return float(_native.get_timeout())

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "bindings/program_export.h"
+#include "core/stable_source.h"
 #include "host/core_api.h"
 #include "cpu/executor.h"
 #include "cpu/handler.h"
@@ -177,6 +178,26 @@ NB_MODULE(_native, m) {
         if (!t.has_value()) Raise(t.error());
       },
       nb::arg("table"), "Checks a compiled table word by word; raises ValueError naming the first bad word.");
+  m.def(
+      "_stable_sources",
+      [](TableArray table) {
+        const auto t = Unwrap(ParseTable(table.data(), table.shape(0)));
+        nb::list out;
+        for (int32_t r = 0; r < t->num_ranks; ++r) {
+          const ProgramView p(t->programs[r].data());
+          ProgramAncestry ancestry(p);
+          const int32_t first = t->RankFirstOp(r);
+          for (int32_t o = 0; o < p.num_ops(); ++o) {
+            if (!SendsARange(p.op(o))) continue;
+            out.append(nb::make_tuple(first + o, SourceFinalAtDependency(ancestry, o),
+                                      SourceStableInFlight(ancestry, o)));
+          }
+        }
+        return out;
+      },
+      nb::arg("table"),
+      "Tests: (op, final at its dependency, stable in flight) for every op of a table that sends a range of its "
+      "buffers (core/stable_source.h), ops numbered in table order.");
   m.def(
       "network_configure",
       [](int64_t id, int32_t n, IntArray hosts, DoubleArray cap, DoubleArray lat, IntArray offs, IntArray links,

@@ -30,25 +30,13 @@ inline constexpr int kProgHeader = 10;
 inline constexpr int kProgTb = 8;
 inline constexpr int kProgOp = 13;
 
-struct ProgOp {
-  OpCode kind;
-  BufferId src_buf;
-  int32_t src_off;
-  BufferId dst_buf;
-  int32_t dst_off;
-  int32_t count;
+// An op as the program orders it: after rank-local op `dep` (-1: none) and the `num_waits` ops listed
+// from `first_wait`; `next_fold` continues its fold (-1: none).
+struct ProgOp : CompiledOp {
   int32_t dep;
-  int32_t flags;
-  int32_t send_msg;
-  int32_t recv_msg;
   int32_t first_wait;
   int32_t num_waits;
   int32_t next_fold;
-  JAXCCL_HD bool direct() const { return (flags & kOpFlagDirect) != 0; }
-  JAXCCL_HD bool sends() const { return OpSends(kind); }
-  JAXCCL_HD bool receives() const { return OpReceives(kind); }
-  JAXCCL_HD int32_t send_offset() const { return SendOffset(kind, src_off, dst_off); }
-  JAXCCL_HD int32_t recv_offset() const { return RecvOffset(kind, src_off, dst_off); }
 };
 
 struct ProgTb {
@@ -73,8 +61,9 @@ class ProgramView {
   }
   JAXCCL_HD ProgOp op(int32_t o) const {
     const int32_t* r = ops_base() + o * kProgOp;
-    return ProgOp{static_cast<OpCode>(r[0]), static_cast<BufferId>(r[1]), r[2], static_cast<BufferId>(r[3]),
-                  r[4], r[5], r[6], r[7], r[8], r[9], r[10], r[11], r[12]};
+    return ProgOp{{static_cast<OpCode>(r[0]), static_cast<BufferId>(r[1]), r[2], static_cast<BufferId>(r[3]), r[4],
+                   r[5], r[7], r[8], r[9]},
+                  r[6], r[10], r[11], r[12]};
   }
   JAXCCL_HD int32_t staged_index(int32_t conn) const { return ops_base()[num_ops() * kProgOp + conn]; }
   JAXCCL_HD int32_t conn_msgs(int32_t conn) const { return ops_base()[num_ops() * kProgOp + num_conns() + conn]; }

@@ -43,7 +43,7 @@ inline constexpr int32_t kLookahead = 256;
 // Most tiles a launch runs, and the smallest message a tile should still carry: a 128 MiB message moves
 // in 512 KiB tiles (NCCL's protocol step), so a relay idles for 1/256 of it while its first tile arrives.
 // The simulator models the same rule with the values the native module exports as MAX_TILES and
-// MIN_TILE_BYTES (jaxccl/sim/model.py; tests/test_executor_core.py checks that they agree).
+// MIN_TILE_BYTES (jaxccl/sim/model.py; tests/executor/test_executor_core.py checks that they agree).
 inline constexpr int32_t kMaxTiles = 256;
 inline constexpr size_t kMinTileBytes = 64 << 10;
 
@@ -222,55 +222,76 @@ JAXCCL_HD int32_t LastMessageOfSlot(int32_t slot, int32_t total, int32_t num_slo
   return slot >= total ? -1 : slot + ((total - 1 - slot) / num_slots) * num_slots;
 }
 
-// What an op does to memory once it is ready. `msg`/`msg_bytes`: the received message (receives);
-// `stage`: the outgoing slot's staging memory (staged sends). Returns where the outgoing message is
-// (sends). Mover is the backend's: Copy(dst, src, bytes), Reduce(reduction, dst, acc, term, n), Barrier().
+// Where a sending op's message is.
 struct Outgoing {
   const char* ptr;
   size_t bytes;
 };
-template <class Mover>
-JAXCCL_HD Outgoing RunOpData(const ProgOp& op, int32_t tile, const RankBuffers& rb, Reduction red, const char* msg,
-                             size_t msg_bytes, char* stage, Mover& m) {
-  Outgoing out{nullptr, 0};
-  const size_t esize = static_cast<size_t>(rb.esize);
+// What an op does to memory once it is ready, as operands: `out` = `a` (a copy of `bytes`), or
+// `out` = `a` (+) `b` (a reduction of `bytes` / esize elements), or nothing (`out` null); and where its
+// message is before it is staged (sends).
+struct DataStep {
+  char* out;
+  const char* a;
+  const char* b;  // null: a copy
+  size_t bytes;
+  Outgoing send;
+};
+// The one switch over op kinds of the data step: RunOpData runs it, and a backend that fuses a fold's
+// ops (program.h, next_fold) reads the fold's terms from it. `msg`/`msg_bytes`: the received message
+// (receives); `stage`: the outgoing slot's staging memory (`rrs` reduces into it).
+JAXCCL_HD DataStep OpDataStep(const ProgOp& op, int32_t tile, const RankBuffers& rb, const char* msg,
+                              size_t msg_bytes, char* stage) {
+  DataStep d{nullptr, nullptr, nullptr, 0, Outgoing{nullptr, 0}};
   switch (op.kind) {
     case OpCode::kNop:
-      return out;
-    case OpCode::kCopy: {
-      char* dst = rb.Addr(op.dst_buf, op.dst_off, tile);
-      const char* src = rb.Addr(op.src_buf, op.src_off, tile);
-      if (dst != src) m.Copy(dst, src, rb.Bytes(op.src_off, op.count, tile));
-      return out;
-    }
+      break;
+    case OpCode::kCopy:
+      d = DataStep{rb.Addr(op.dst_buf, op.dst_off, tile), rb.Addr(op.src_buf, op.src_off, tile), nullptr,
+                   rb.Bytes(op.src_off, op.count, tile), Outgoing{nullptr, 0}};
+      break;
     case OpCode::kReduce: {
       char* dst = rb.Addr(op.dst_buf, op.dst_off, tile);
-      m.Reduce(red, dst, dst, rb.Addr(op.src_buf, op.src_off, tile), rb.Bytes(op.src_off, op.count, tile) / esize);
-      return out;
+      d = DataStep{dst, dst, rb.Addr(op.src_buf, op.src_off, tile), rb.Bytes(op.src_off, op.count, tile),
+                   Outgoing{nullptr, 0}};
+      break;
     }
     case OpCode::kSend:
-      out = Outgoing{rb.Addr(op.src_buf, op.src_off, tile), rb.Bytes(op.src_off, op.count, tile)};
+      d.send = Outgoing{rb.Addr(op.src_buf, op.src_off, tile), rb.Bytes(op.src_off, op.count, tile)};
       break;
     case OpCode::kRecv:
     case OpCode::kRecvCopySend: {
       char* dst = rb.Addr(op.dst_buf, op.dst_off, tile);
-      m.Copy(dst, msg, msg_bytes);
-      out = Outgoing{dst, msg_bytes};
+      d = DataStep{dst, msg, nullptr, msg_bytes, Outgoing{dst, msg_bytes}};
       break;
     }
     case OpCode::kRecvReduceCopy:
     case OpCode::kRecvReduceCopySend: {
       char* dst = rb.Addr(op.dst_buf, op.dst_off, tile);
-      m.Reduce(red, dst, rb.Addr(op.src_buf, op.src_off, tile), msg, msg_bytes / esize);
-      out = Outgoing{dst, msg_bytes};
+      d = DataStep{dst, rb.Addr(op.src_buf, op.src_off, tile), msg, msg_bytes, Outgoing{dst, msg_bytes}};
       break;
     }
     case OpCode::kRecvReduceSend:
       // The sum exists only in the outgoing staging slot.
-      m.Reduce(red, stage, rb.Addr(op.src_buf, op.src_off, tile), msg, msg_bytes / esize);
-      return Outgoing{stage, msg_bytes};
+      d = DataStep{stage, rb.Addr(op.src_buf, op.src_off, tile), msg, msg_bytes, Outgoing{stage, msg_bytes}};
+      break;
   }
-  if (op.sends() && !op.direct()) {
+  return d;
+}
+
+// Runs an op's data step (OpDataStep) and stages its outgoing message; returns where the message is
+// (sends). Mover is the backend's: Copy(dst, src, bytes), Reduce(reduction, dst, acc, term, n), Barrier().
+template <class Mover>
+JAXCCL_HD Outgoing RunOpData(const ProgOp& op, int32_t tile, const RankBuffers& rb, Reduction red, const char* msg,
+                             size_t msg_bytes, char* stage, Mover& m) {
+  const DataStep d = OpDataStep(op, tile, rb, msg, msg_bytes, stage);
+  if (d.b != nullptr) {
+    m.Reduce(red, d.out, d.a, d.b, d.bytes / static_cast<size_t>(rb.esize));
+  } else if (d.out != nullptr && d.out != d.a) {
+    m.Copy(d.out, d.a, d.bytes);
+  }
+  Outgoing out = d.send;
+  if (op.sends() && !op.direct() && out.ptr != stage) {
     m.Barrier();  // the local write (rcs/rrcs) is complete before it is staged
     m.Copy(stage, out.ptr, out.bytes);
     out.ptr = stage;

@@ -62,6 +62,15 @@ enum class ReduceOp : int32_t { kSum = 0, kMax = 1, kMin = 2 };
 
 inline constexpr int32_t kNumReduceOps = 3;
 
+inline const char* ReduceOpName(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return "sum";
+    case ReduceOp::kMax: return "max";
+    case ReduceOp::kMin: return "min";
+  }
+  return "unknown";
+}
+
 struct Reduction {
   ElemType type = ElemType::kNone;
   ReduceOp op = ReduceOp::kSum;

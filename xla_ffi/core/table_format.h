@@ -132,22 +132,36 @@ inline const char* BufferName(BufferId b) {
   return "none";
 }
 
-struct TableOp {
+// A message's buffer on the sending side (with SendOffset: where its bytes are read).
+JAXCCL_HD BufferId SendBuffer(OpCode kind, BufferId src_buf, BufferId dst_buf) {
+  return (kind == OpCode::kRecvCopySend || kind == OpCode::kRecvReduceCopySend) ? dst_buf : src_buf;
+}
+
+// One compiled op: what it does to memory and to its connections. The table (TableOp) and the per-rank
+// program (ProgOp, program.h) extend it with how the op is ordered, each in its own encoding.
+struct CompiledOp {
   OpCode kind;
   BufferId src_buf;
   int32_t src_off;
   BufferId dst_buf;
   int32_t dst_off;
   int32_t count;
-  int32_t dep_tb;  // index within the rank, -1 = none
-  int32_t dep_op;  // index within that threadblock
   int32_t flags;
-  // Derived: the position of this op's message on its send / receive connection (-1 if none).
+  // The position of this op's message on its send / receive connection (-1 if none).
   int32_t send_msg = -1;
   int32_t recv_msg = -1;
   JAXCCL_HD bool direct() const { return (flags & kOpFlagDirect) != 0; }
+  JAXCCL_HD bool sends() const { return OpSends(kind); }
+  JAXCCL_HD bool receives() const { return OpReceives(kind); }
+  JAXCCL_HD BufferId send_buf() const { return SendBuffer(kind, src_buf, dst_buf); }
   JAXCCL_HD int32_t send_offset() const { return SendOffset(kind, src_off, dst_off); }
   JAXCCL_HD int32_t recv_offset() const { return RecvOffset(kind, src_off, dst_off); }
+};
+
+// An op as the table orders it: after op `dep_op` of threadblock `dep_tb` of its rank (-1: none).
+struct TableOp : CompiledOp {
+  int32_t dep_tb = -1;
+  int32_t dep_op = -1;
 };
 
 struct TableTb {

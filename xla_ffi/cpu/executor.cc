@@ -10,7 +10,9 @@
 #include <xmmintrin.h>
 #endif
 
-#include "host/dtype.h"
+#include "core/launch.h"
+#include "core/stable_source.h"
+#include "host/launch.h"
 #include "transport/proxy.h"
 
 namespace jaxccl {
@@ -154,66 +156,55 @@ size_t NumContextPools() {
 
 // ------------------------------------------------------------------ launch
 
+namespace {
+// Per rank, the direct sends whose bytes a fold computes (CpuLaunch::FindPushes), as sorted (dependency,
+// send) pairs: plain direct sends of the range a fold writes whose dependency is one of the fold's
+// continuations (program.h, next_fold) and whose source is final at it (core/stable_source.h).
+void FoldSends(const Table& t, std::vector<std::vector<std::pair<int32_t, int32_t>>>* out) {
+  out->assign(t.num_ranks, {});
+  for (int32_t r = 0; r < t.num_ranks; ++r) {
+    const ProgramView p(t.programs[r].data());
+    std::vector<char> continues(p.num_ops(), 0);
+    for (int32_t o = 0; o < p.num_ops(); ++o) {
+      const int32_t next = p.op(o).next_fold;
+      if (next >= 0) continues[next] = 1;
+    }
+    ProgramAncestry ancestry(p);
+    for (int32_t o = 0; o < p.num_ops(); ++o) {
+      const ProgOp op = p.op(o);
+      if (op.kind != OpCode::kSend || !op.direct() || op.dep < 0 || !continues[op.dep]) continue;
+      const ProgOp last = p.op(op.dep);
+      if (op.src_buf != last.dst_buf || op.src_off != last.dst_off || op.count != last.count) continue;
+      if (SourceFinalAtDependency(ancestry, o)) (*out)[r].emplace_back(op.dep, o);
+    }
+    std::sort((*out)[r].begin(), (*out)[r].end());
+  }
+}
+}  // namespace
+
 ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t axis_size,
                                                           const std::vector<CpuArrival>& arrivals,
                                                           std::shared_ptr<const ProcessGroup> group) {
   using R = std::shared_ptr<CpuLaunch>;
-  int64_t seq = 0;  // the launch's sequence number: the largest any rank issued (MCCL Sec. 6.2.2)
-  for (const CpuArrival& a : arrivals) seq = std::max(seq, a.seq);
-  auto snap = Registry::Get().Acquire(slot, seq);
+  std::vector<LaunchArrival> calls(axis_size);
+  for (int32_t r = 0; r < axis_size; ++r) {
+    const CpuArrival& a = arrivals[r];
+    calls[r] = ArrivalOf(a.in_dtype, a.out_dtype, a.in_elems, a.out_elems, a.reduce_op, a.seq);
+    calls[r].present = !group || group->Local(r);
+  }
+  auto snap = Registry::Get().Acquire(slot, AgreedSequence(calls));
   if (!snap.has_value()) return ErrorResult<R>(std::move(snap.error()));
   const Table& t = *snap->table;
-  if (t.num_ranks != axis_size) {
-    return ErrorResult<R>(ffi::Error::InvalidArgument(StrCat("jaxccl: schedule for N=", t.num_ranks,
-                                                             " installed on an axis of size ", axis_size,
-                                                             " (slot ", slot, ", version ", snap->version, ")")));
-  }
-  auto local = [&](int32_t r) { return !group || group->Local(r); };
-  int32_t first_local = 0;
-  while (first_local < axis_size - 1 && !local(first_local)) ++first_local;
-  const CpuArrival& a0 = arrivals[first_local];
-  for (int32_t r = 0; r < axis_size; ++r) {
-    if (!local(r)) continue;
-    const CpuArrival& a = arrivals[r];
-    if (a.in_dtype != a0.in_dtype || a.out_dtype != a0.in_dtype) {
-      return ErrorResult<R>(ffi::Error::InvalidArgument(
-          StrCat("jaxccl: rank ", r, " has input dtype ", DTypeName(a.in_dtype), " and output dtype ",
-                 DTypeName(a.out_dtype), "; expected ", DTypeName(a0.in_dtype), " for both on every rank")));
-    }
-    if (a.in_elems != a0.in_elems) {
-      return ErrorResult<R>(ffi::Error::InvalidArgument(StrCat("jaxccl: rank ", r, " has ", a.in_elems,
-                                                               " input elements but rank 0 has ", a0.in_elems)));
-    }
-  }
-  const ffi::DataType dtype = a0.in_dtype;
-  const size_t esize = CopyableByteWidth(dtype);
-  if (esize == 0) {
-    return ErrorResult<R>(ffi::Error::InvalidArgument(
-        StrCat("jaxccl: dtype ", DTypeName(dtype), " is not supported (sub-byte and token types cannot be moved)")));
-  }
-  auto period = PeriodElements(t, a0.in_elems);
-  if (!period.has_value()) return ErrorResult<R>(std::move(period.error()));
-  const int64_t expected_out = OutputElements(t, *period);
-  for (int32_t r = 0; r < axis_size; ++r) {
-    if (local(r) && arrivals[r].out_elems != expected_out) {
-      return ErrorResult<R>(ffi::Error::InvalidArgument(StrCat(
-          "jaxccl: rank ", r, "'s output has ", arrivals[r].out_elems, " elements; ", CollectiveName(t.collective),
-          " of ", a0.in_elems, " input elements over ", axis_size, " ranks produces ", expected_out)));
-    }
-  }
-  Reduction reduction;
-  if (t.has_reduction) {
-    for (int32_t r = 0; r < axis_size; ++r) {
-      if (local(r) && arrivals[r].reduce_op != a0.reduce_op) {
-        return ErrorResult<R>(ffi::Error::InvalidArgument(
-            StrCat("jaxccl: rank ", r, " asks for a ", ReduceOpName(arrivals[r].reduce_op), " reduction but rank ",
-                   first_local, " for a ", ReduceOpName(a0.reduce_op), " (", CollectiveName(t.collective), ")")));
-      }
-    }
-    auto r = ReductionFor(dtype, a0.reduce_op);
-    if (!r.has_value()) return ErrorResult<R>(std::move(r.error()));
-    reduction = *r;
-  }
+  // With link emulation the program runs in tiles, so that relayed messages pipeline as on a GPU.
+  std::shared_ptr<Network> net = group ? nullptr : NetworkOfSlot(slot);  // across processes the links are real
+  const bool pace = net && net->pacing();
+  LaunchOptions options;
+  options.pipelined = pace && !ProgramOrder();
+  options.max_tiles = TileCap();
+  options.slot = slot;
+  options.version = snap->version;
+  LaunchPlan plan;
+  if (LaunchError e = PlanLaunch(t, calls, options, &plan); !e.ok()) return ErrorResult<R>(LaunchRefusal(e));
 
   R launch(new CpuLaunch());
   launch->table_ = snap->table;
@@ -221,59 +212,47 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   launch->pool_ = ContextPoolFor(slot);
   launch->ctx_ = launch->pool_->Acquire();
   launch->io_ = arrivals;
-  launch->reduction_ = reduction;
+  launch->reduction_ = plan.reduction;
   launch->timeout_s_ = Registry::Get().timeout_s();
   launch->slot_ = slot;
   launch->start_ns_ = NowNs();
   launch->group_ = group;
-  launch->net_ = group ? nullptr : NetworkOfSlot(slot);  // across processes the links are real
+  launch->net_ = std::move(net);
   if (launch->net_) {
     if (launch->net_->num_ranks() != t.num_ranks) {
       return ErrorResult<R>(ffi::Error::InvalidArgument(
           StrCat("jaxccl: slot ", slot, " runs on an emulated network of ", launch->net_->num_ranks(),
                  " GPUs but its schedule has ", t.num_ranks, " ranks")));
     }
-    launch->pace_ = launch->net_->pacing();
+    launch->pace_ = pace;
     launch->measure_ = launch->net_->measuring() && !t.has_reduction;  // MCCL Sec. 3: no reductions
     if (launch->measure_) launch->caches_.resize(t.tbs.size());
   }
-  const size_t scratch_bytes = static_cast<size_t>(ChunkStart(t.scratch_chunks, t.chunks_per_period, *period)) * esize;
-  // With link emulation the program runs in tiles, so that relayed messages pipeline as on a GPU.
-  size_t largest = 0;
-  for (const TableOp& op : t.ops) {
-    if (OpSends(op.kind)) largest = std::max(largest, RangeBytes(t.chunks_per_period, *period, esize, op.send_offset(), op.count));
-  }
-  const bool tileable = !t.programs.empty() && ProgramView(t.programs[0].data()).tileable();
-  launch->tiles_ = ProgramOrder() ? 1 : ChooseTiles(tileable, launch->pace_, largest, TileCap());
+  launch->tiles_ = plan.tiles;
   launch->lookahead_ = ProgramOrder() ? 1 : kLookahead;
-  launch->op_stride_ = t.programs.empty() ? 0 : ProgramView(t.programs[0].data()).max_ops();
-  launch->layout_ = RegionLayout{launch->op_stride_ * launch->tiles_, t.num_conns(), t.num_slots};
+  launch->op_stride_ = plan.op_stride;
+  launch->layout_ = plan.layout;
   const RegionOwner owner{snap->version, t.checksum, launch->layout_};
-  if (!launch->ctx_->Reset(t, launch->layout_, scratch_bytes, owner)) {
-    return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                                     StrCat("jaxccl: cannot allocate ", scratch_bytes, " bytes of scratch per rank")));
+  if (!launch->ctx_->Reset(t, launch->layout_, plan.scratch_bytes, owner)) {
+    const std::string what = StrCat("jaxccl: cannot allocate ", plan.scratch_bytes, " bytes of scratch per rank");
+    return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kResourceExhausted, what));
+  }
+  if (launch->ctx_->fold_sends_version != snap->version) {
+    FoldSends(t, &launch->ctx_->fold_sends);
+    launch->ctx_->fold_sends_version = snap->version;
   }
   launch->epoch_ = launch->ctx_->epoch;
   launch->buffers_.resize(axis_size);
   launch->rank_first_op_.resize(axis_size);
   for (int32_t r = 0; r < axis_size; ++r) {
     launch->buffers_[r] = RankBuffers{static_cast<const char*>(arrivals[r].in), static_cast<char*>(arrivals[r].out),
-                                      launch->ctx_->scratch[r]->data(), *period, t.chunks_per_period,
-                                      static_cast<int32_t>(esize), launch->tiles_};
+                                      launch->ctx_->scratch[r]->data(), plan.period_elems, t.chunks_per_period,
+                                      plan.esize, launch->tiles_};
     launch->rank_first_op_[r] = t.RankFirstOp(r);
   }
   launch->deadline_ = DeadlineAfter(launch->timeout_s_);
   launch->deadline_ns_ = NowNs() + static_cast<int64_t>(launch->timeout_s_ * 1e9);
   launch->fold_patience_until_.assign(axis_size, 0);
-  launch->direct_sends_.resize(axis_size);
-  for (int32_t r = 0; r < axis_size; ++r) {
-    const ProgramView p(t.programs[r].data());
-    for (int32_t o = 0; o < p.num_ops(); ++o) {
-      const ProgOp op = p.op(o);
-      if (op.kind == OpCode::kSend && op.direct() && op.dep >= 0) launch->direct_sends_[r].emplace_back(op.dep, o);
-    }
-    std::sort(launch->direct_sends_[r].begin(), launch->direct_sends_[r].end());
-  }
   launch->ranks_running_.store(group ? group->num_local : axis_size);
   if (group) {
     auto proxy = CpuProxy::Create(launch.get(), group, NextLaunchNumber(*group, slot));
@@ -597,17 +576,10 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
       msg = reinterpret_cast<const char*>(d.ptr);
       bytes[k] = d.bytes;
     }
-    switch (l.op.kind) {
-      case OpCode::kRecv: terms[num_terms++] = msg; break;
-      case OpCode::kCopy: terms[num_terms++] = rb.Addr(l.op.src_buf, l.op.src_off, l.u.tile); break;
-      case OpCode::kRecvReduceCopy:
-        if (k == 0) terms[num_terms++] = rb.Addr(l.op.src_buf, l.op.src_off, l.u.tile);
-        terms[num_terms++] = msg;
-        break;
-      default:  // kReduce
-        if (k == 0) terms[num_terms++] = rb.Addr(l.op.dst_buf, l.op.dst_off, l.u.tile);
-        terms[num_terms++] = rb.Addr(l.op.src_buf, l.op.src_off, l.u.tile);
-    }
+    // A continuation adds into the range in place (its `a` is what the fold wrote): only its `b` is a term.
+    const DataStep d = OpDataStep(l.op, l.u.tile, rb, msg, l.op.receives() ? bytes[k] : 0, nullptr);
+    if (k == 0) terms[num_terms++] = d.a;
+    if (d.b != nullptr) terms[num_terms++] = d.b;
   }
   char* dst = rb.Addr(chain[0].op.dst_buf, chain[0].op.dst_off, u.tile);
   const size_t total = rb.Bytes(chain[0].op.dst_off, chain[0].op.count, u.tile);
@@ -620,7 +592,7 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
   if (complete && !net_) {
     Unit units[kMaxChain];
     for (int32_t k = 0; k < n; ++k) units[k] = chain[k].u;
-    num_pushes = FindPushes(rank, p, units, n, chain[0].op, total, pushes);
+    num_pushes = FindPushes(rank, p, units, n, total, pushes);
   }
   for (size_t at = 0; at < total; at += block) {
     const size_t len = std::min(block, total - at);
@@ -647,8 +619,8 @@ bool CpuLaunch::ExecuteFold(int32_t g, const ProgramView& p, const ProgTb& tb, c
   return true;
 }
 
-int32_t CpuLaunch::FindPushes(int32_t rank, const ProgramView& p, const Unit* chain, int32_t n, const ProgOp& head,
-                              size_t bytes, Push* out) {
+int32_t CpuLaunch::FindPushes(int32_t rank, const ProgramView& p, const Unit* chain, int32_t n, size_t bytes,
+                              Push* out) {
   struct ChainDoneProbe {  // the fold's own ops count as done
     CpuProbe base;
     const Unit* chain;
@@ -664,12 +636,11 @@ int32_t CpuLaunch::FindPushes(int32_t rank, const ProgramView& p, const Unit* ch
   } probe{CpuProbe{this, rank}, chain, n};
   const Unit& last = chain[n - 1];
   int32_t num = 0;
-  const auto& sends = direct_sends_[rank];  // (dependency, send op), sorted
+  const auto& sends = ctx_->fold_sends[rank];  // (dependency, send op), sorted
   auto it = std::lower_bound(sends.begin(), sends.end(), std::make_pair(last.op, INT32_MIN));
   for (; it != sends.end() && it->first == last.op && num < kMaxPushes; ++it) {
     const int32_t s = it->second;
     const ProgOp op = p.op(s);
-    if (op.src_buf != head.dst_buf || op.src_off != head.dst_off || op.count != head.count) continue;
     const ProgTb tb = p.tb(table_->op_tb[rank_first_op_[rank] + s] - table_->rank_first_tb[rank]);
     const Unit us = UnitOf(p, tb, last.tile * tb.num_ops + (s - tb.first_op));
     if (probe.Done(us.tile, s) || !UnitReady(p, tb, us, op, probe)) continue;

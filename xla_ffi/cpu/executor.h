@@ -106,6 +106,10 @@ struct ExecContext {
   std::vector<std::unique_ptr<TbWait>> waits;           // per rank
   std::vector<std::unique_ptr<ConnMeter>> meters;       // per connection
   std::vector<std::unique_ptr<RankState>> ranks;
+  // Per rank: the direct sends a fold may write itself (CpuLaunch::FindPushes) as (the fold's last op, send)
+  // pairs, sorted; derived from the table of version fold_sends_version.
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> fold_sends;
+  int64_t fold_sends_version = -1;
   // Sizes everything for `t` and starts a new epoch; clears the regions when `next` is not their owner
   // (core/protocol.h, RegionNeedsClearing). False if memory could not be allocated.
   bool Reset(const Table& t, const RegionLayout& layout, size_t scratch_bytes, const RegionOwner& next);
@@ -164,11 +168,10 @@ class CpuLaunch {
     int32_t peer, conn, msg, tile, send_op, recv_op;
   };
   static constexpr int32_t kMaxPushes = 64;
-  // The pushes of the fold that `chain` (its n units, all ready) completes, whose head op is `head` and
-  // range `bytes`: its dependent direct sends of that range that are ready once the fold is done, whose
-  // receives are plain copies ready but for the message. Fills `out`, returns their number.
-  int32_t FindPushes(int32_t rank, const ProgramView& p, const Unit* chain, int32_t n, const ProgOp& head,
-                     size_t bytes, Push* out);
+  // The pushes of the fold that `chain` (its n units, all ready) completes, of range `bytes`: the direct
+  // sends of its result (ExecContext::fold_sends) that are ready once the fold is done, whose receives are
+  // plain copies ready but for the message. Fills `out`, returns their number.
+  int32_t FindPushes(int32_t rank, const ProgramView& p, const Unit* chain, int32_t n, size_t bytes, Push* out);
   void Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& op, const Outgoing& out);
   // The descriptor of the message unit `u` of threadblock `g` receives, checked: its identity is this
   // launch's (core/protocol.h, LaunchIdentity) and its size what the op expects. False after Fail.
@@ -212,7 +215,6 @@ class CpuLaunch {
   std::vector<MeasurementCache> caches_;     // per threadblock, when measuring
   // Per rank (its own thread's): until when a fold may wait for its late terms (0: none is waiting).
   std::vector<int64_t> fold_patience_until_;
-  std::vector<std::vector<std::pair<int32_t, int32_t>>> direct_sends_;  // per rank: (dependency, op), sorted
 
   // Across processes (null in one process): the group, the proxy of this launch's remote connections.
   std::shared_ptr<const ProcessGroup> group_;

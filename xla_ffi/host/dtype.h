@@ -90,26 +90,6 @@ inline ElemType ElemTypeFor(xla::ffi::DataType t) {
   }
 }
 
-inline const char* ReduceOpName(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum: return "sum";
-    case ReduceOp::kMax: return "max";
-    case ReduceOp::kMin: return "min";
-  }
-  return "unknown";
-}
-
-// The reduction `op` of dtype `t`, or an error that names both when the pair is not supported.
-inline xla::ffi::ErrorOr<Reduction> ReductionFor(xla::ffi::DataType t, ReduceOp op) {
-  const Reduction r{ElemTypeFor(t), op};
-  if (!Reducible(r.type, op)) {
-    return xla::ffi::Unexpected<xla::ffi::Error>(xla::ffi::Error::InvalidArgument(
-        std::string("jaxccl: a ") + ReduceOpName(op) + " reduction of dtype " + DTypeName(t) +
-        " is not supported (sum: integers, floats and complex; max/min: integers, floats and PRED)"));
-  }
-  return r;
-}
-
 // The operator of the FFI attribute `reduce_op`, or an error for codes that name none.
 inline xla::ffi::ErrorOr<ReduceOp> ReduceOpOf(int64_t code) {
   if (code < 0 || code >= kNumReduceOps) {

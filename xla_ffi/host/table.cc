@@ -425,25 +425,4 @@ ffi::ErrorOr<std::shared_ptr<const Table>> ParseTable(const int32_t* words, size
   return Parser(words, num_words).Run();
 }
 
-ffi::ErrorOr<int64_t> PeriodElements(const Table& t, int64_t input_elems) {
-  if (t.collective == CollectiveCode::kAllGather || t.collective == CollectiveCode::kAllReduce) return input_elems;
-  if (input_elems % t.num_ranks != 0) {
-    std::ostringstream os;
-    os << "jaxccl " << CollectiveName(t.collective) << ": input of " << input_elems
-       << " elements does not split evenly over " << t.num_ranks << " ranks";
-    return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(os.str()));
-  }
-  return input_elems / t.num_ranks;
-}
-
-int64_t OutputElements(const Table& t, int64_t period_elems) {
-  switch (t.collective) {
-    case CollectiveCode::kAllGather:
-    case CollectiveCode::kAllToAll: return period_elems * t.num_ranks;
-    case CollectiveCode::kReduceScatter:
-    case CollectiveCode::kAllReduce: return period_elems;
-  }
-  return 0;
-}
-
 }  // namespace jaxccl

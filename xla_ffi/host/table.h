@@ -24,11 +24,6 @@ namespace ffi = xla::ffi;
 // Parses and checks a table and builds its per-rank programs; the error names the first bad word.
 ffi::ErrorOr<std::shared_ptr<const Table>> ParseTable(const int32_t* words, size_t num_words);
 
-// Elements per period L for a rank input of `input_elems` elements, or an error.
-ffi::ErrorOr<int64_t> PeriodElements(const Table& t, int64_t input_elems);
-// Output elements the collective produces for period length L.
-int64_t OutputElements(const Table& t, int64_t period_elems);
-
 }  // namespace jaxccl
 
 #endif  // JAXCCL_XLA_FFI_TABLE_H_

@@ -7,8 +7,8 @@
 //
 // Sends share a transfer when they are plain sends (not fused with a receive) from the same rank,
 // buffer, chunk range and tile to ranks of the same other process, and their bytes cannot differ:
-// the range is in the input (never written), or the sends wait for the same op and every op of the
-// sending rank that writes the range comes before it (through explicit dependencies).
+// the range is in the input (never written), or the sends have the same dependency and their source
+// is final at it (core/stable_source.h, SourceFinalAtDependency).
 // The grouping is a pure function of the table, the tiling and the process of every rank, so the
 // sending and the receiving process compute the same groups; a group travels with the tag of its
 // first message in (connection, message) order.

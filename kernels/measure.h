@@ -1,32 +1,17 @@
-// The CUDA FFI handler `jaxccl_cuda_collective` and the hooks the nanobind module exposes.
-#ifndef JAXCCL_KERNELS_CUDA_HANDLER_H_
-#define JAXCCL_KERNELS_CUDA_HANDLER_H_
+// Passive measurement of the CUDA executor (MCCL Sec. 5.1-5.2; protocol in interpreter.cuh, layouts in
+// core/measurement_format.h): its process-wide settings, and the Measurements Buffers of every
+// workspace (workspace.h) drained, counted and reset while collectives run (measure.cu).
+#ifndef JAXCCL_KERNELS_MEASURE_H_
+#define JAXCCL_KERNELS_MEASURE_H_
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "core/reduce.h"
 #include "core/measurement_format.h"
-#include "xla/ffi/api/ffi.h"
 
 namespace jaxccl {
-
-struct CoreApi;
-
 namespace cuda {
-
-// Same operands, result and attributes as jaxccl_cpu_collective; runs on the device's stream.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcclCudaCollective);
-
-// Connects this module to the registry of jaxccl._native; false (with a reason) on a version mismatch.
-bool AttachCore(const CoreApi* api, std::string* error);
-bool CoreAttached();
-
-// Visible CUDA devices (0 when there is no driver or no GPU).
-int DeviceCount();
-
-// ---- passive measurement (MCCL Sec. 5.1-5.2; protocol in interpreter.cuh, layouts in measurement_format.h)
 
 inline constexpr int32_t kMaxSlotsPerTb = 1 << 16;
 
@@ -42,8 +27,7 @@ struct MeasureSettings {
 
 // Counters since the last MeasureReset and the memory footprint (MCCL Table 2) of every buffer.
 struct MeasureStatsResult {
-  bool enabled = false;
-  int32_t slots_per_tb = 0, intra_threshold = 0, inter_threshold = 0;
+  MeasureSettings settings;  // in force
   int64_t windows = 0;   // windows closed with a bandwidth (also those whose record was dropped)
   int64_t records = 0;   // records written into the buffers
   int64_t dropped = 0;   // records dropped (no free slot, or the threadblock's cache was full)
@@ -70,27 +54,7 @@ MeasureStatsResult MeasureStats();
 // Discards undrained records and restarts the counters (call it between collectives).
 void MeasureReset();
 
-// ---- test entry: every rank of a table on one GPU (tests/gpu/check_core.py)
-
-struct TestRunResult {
-  std::string error;         // empty on success
-  int64_t version = 0;       // the table version the launch ran (acquired at the agreed sequence number)
-  int64_t seq = 0;           // that sequence number
-  int32_t tiles = 1;
-  double kernel_ms = 0;      // the interpreter kernel's time (CUDA events)
-  std::vector<char> outputs;  // [num_ranks][output bytes]
-  std::vector<MeasurementRecord> records;
-};
-
-// Runs one call of schedule slot `slot` with all `num_ranks` ranks on the current GPU: each rank issues
-// the call (note_issued), the launch acquires the table for the largest sequence number, as the FFI
-// handler does, and one kernel runs every rank's program (grid y = rank). `inputs`: [num_ranks][in_elems]
-// elements of `esize` bytes; `reduction`: element type and operator (none() for collectives without reduction);
-// `tiles` 0 = the executor's choice. With `measure`, the meter runs with `host_of_rank` (empty: one host).
-TestRunResult TestRunRanks(int64_t slot, const char* inputs, int32_t num_ranks, int64_t in_elems, int32_t esize,
-                           Reduction reduction, int32_t tiles, bool measure, const std::vector<int32_t>& host_of_rank);
-
 }  // namespace cuda
 }  // namespace jaxccl
 
-#endif  // JAXCCL_KERNELS_CUDA_HANDLER_H_
+#endif  // JAXCCL_KERNELS_MEASURE_H_

@@ -1,0 +1,31 @@
+// The CUDA FFI handler `jaxccl_cuda_collective` (handler.cu) and the hooks that connect the module to
+// jaxccl._native's registry.
+#ifndef JAXCCL_KERNELS_HANDLER_H_
+#define JAXCCL_KERNELS_HANDLER_H_
+
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxccl {
+
+struct CoreApi;
+
+namespace cuda {
+
+// Same operands, result and attributes as jaxccl_cpu_collective; runs on the device's stream.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxcclCudaCollective);
+
+// Connects this module to the registry of jaxccl._native; false (with a reason) on a version mismatch.
+bool AttachCore(const CoreApi* api, std::string* error);
+bool CoreAttached();
+// The registry interface AttachCore installed (null before).
+const CoreApi* AttachedCore();
+
+// Visible CUDA devices (0 when there is no driver or no GPU).
+int DeviceCount();
+
+}  // namespace cuda
+}  // namespace jaxccl
+
+#endif  // JAXCCL_KERNELS_HANDLER_H_

@@ -1,0 +1,356 @@
+// One launch of the CUDA executor, host side: the rendezvous of the per-device calls, the launch
+// agreement (core/launch.h), peer access, the per-(slot, device) workspace (workspace.h) with the rank's
+// program, and the kernel.
+//
+// Per call: meet the other ranks (the last one acquires the table at the agreed sequence number, checks
+// the calls and picks the launch epoch), size this device's workspace for the table, publish its address,
+// wait for every rank's address, launch the interpreter on the stream and wait for it to report (the
+// kernel's own waits are bounded by the deadline, so this returns).
+#include "launch.h"
+
+#include <algorithm>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/launch.h"
+#include "handler.h"
+#include "host/core_api.h"
+#include "host/launch.h"
+#include "host/rendezvous.h"
+#include "interpreter.cuh"
+#include "measure.h"
+#include "workspace.h"
+
+namespace jaxccl {
+namespace cuda {
+namespace {
+
+// The measurement settings one launch runs with (taken by the last rank to arrive, for everybody).
+struct MeasureSnapshot {
+  bool on = false;  // enabled and the table has no reduction
+  std::vector<int32_t> host_of_rank;  // [num_ranks]
+  int32_t intra_threshold = 1, inter_threshold = 1, slots_per_tb = 64;
+  int64_t min_window_bytes = 32 << 10;
+};
+
+// What the last rank decided for everybody, plus the second exchange (workspace addresses).
+struct CudaLaunch {
+  TableSnapshot snap;
+  unsigned long long epoch = 0;
+  int64_t period_elems = 0;
+  size_t esize = 0;
+  Reduction reduction;  // none() when the table reduces nothing
+  size_t stage_bytes = 0;
+  int32_t tiles = 1;
+  RegionLayout layout{};
+  std::vector<CudaArrival> arrivals;
+  Clock::time_point deadline;
+  MeasureSnapshot measure;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<char*> regions;  // per rank, this epoch's region
+  int32_t published = 0;
+  std::string failure;
+};
+
+// The last launch epoch of every (slot, group); WorkspaceMutex held.
+std::map<std::pair<int64_t, int64_t>, unsigned long long>& Epochs() {
+  static auto* epochs = new std::map<std::pair<int64_t, int64_t>, unsigned long long>();
+  return *epochs;
+}
+
+using CudaRendezvous = Rendezvous<CudaArrival, CudaLaunch>;
+CudaRendezvous& TheRendezvous() {
+  static auto* r = new CudaRendezvous();
+  return *r;
+}
+
+ffi::Error EnablePeerAccess(int device, int peer) {
+  static std::mutex mu;
+  static std::map<std::pair<int, int>, bool> done;
+  std::lock_guard<std::mutex> lock(mu);
+  if (device == peer || done[{device, peer}]) return ffi::Error::Success();
+  int can = 0;
+  JAXCCL_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, peer));
+  if (!can) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      StrCat("jaxccl (cuda): GPU ", device, " cannot access GPU ", peer,
+                             "'s memory (no peer access); use backend='ppermute'"));
+  }
+  JAXCCL_CUDA_CHECK(cudaSetDevice(device));
+  const cudaError_t e = cudaDeviceEnablePeerAccess(peer, 0);
+  if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) JAXCCL_CUDA_CHECK(e);
+  (void)cudaGetLastError();  // clear a sticky "already enabled"
+  done[{device, peer}] = true;
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<std::shared_ptr<CudaLaunch>> StartLaunch(int64_t slot, int64_t group, int32_t axis_size,
+                                                      const std::vector<CudaArrival>& arrivals) {
+  using R = std::shared_ptr<CudaLaunch>;
+  const CoreApi* core = AttachedCore();
+  auto launch = std::make_shared<CudaLaunch>();
+  std::vector<LaunchArrival> calls(axis_size);
+  for (int32_t r = 0; r < axis_size; ++r) {
+    const CudaArrival& a = arrivals[r];
+    calls[r] = ArrivalOf(a.in_dtype, a.out_dtype, a.in_elems, a.out_elems, a.reduce_op, a.seq);
+  }
+  std::string error;
+  if (!core->acquire(slot, AgreedSequence(calls), &launch->snap, &error)) {
+    return ErrorResult<R>(ffi::Error::InvalidArgument(error));
+  }
+  const Table& t = *launch->snap.table;
+  LaunchOptions options;  // a GPU always pipelines
+  options.slot = slot;
+  options.version = launch->snap.version;
+  LaunchPlan plan;
+  if (LaunchError e = PlanLaunch(t, calls, options, &plan); !e.ok()) return ErrorResult<R>(LaunchRefusal(e));
+  for (int32_t r = 0; r < axis_size; ++r) {
+    for (int32_t q = 0; q < r; ++q) {
+      if (arrivals[q].device == arrivals[r].device) {
+        return ErrorResult<R>(ffi::Error::InvalidArgument(
+            StrCat("jaxccl (cuda): ranks ", q, " and ", r, " are both on GPU ", arrivals[r].device)));
+      }
+    }
+  }
+  launch->period_elems = plan.period_elems;
+  launch->esize = static_cast<size_t>(plan.esize);
+  launch->reduction = plan.reduction;
+  {
+    const MeasureSettings settings = MeasureSettingsNow();
+    MeasureSnapshot& m = launch->measure;
+    m.on = settings.enabled && !t.has_reduction;  // MCCL Sec. 5: collectives without reduction only
+    if (m.on) {
+      if (!settings.host_of_rank.empty() && static_cast<int32_t>(settings.host_of_rank.size()) != axis_size) {
+        return ErrorResult<R>(ffi::Error::InvalidArgument(
+            StrCat("jaxccl (cuda): measurement is configured with host ids for ", settings.host_of_rank.size(),
+                   " ranks but this collective has ", axis_size, "; call measure_configure with ", axis_size,
+                   " host ids (or none: all ranks on one host)")));
+      }
+      m.host_of_rank = settings.host_of_rank;
+      m.host_of_rank.resize(axis_size, 0);
+      m.intra_threshold = settings.intra_threshold;
+      m.inter_threshold = settings.inter_threshold;
+      m.slots_per_tb = settings.slots_per_tb;
+      m.min_window_bytes = settings.min_window_bytes;
+    }
+  }
+  launch->stage_bytes = (plan.largest_staged + 255) / 256 * 256;
+  launch->tiles = plan.tiles;
+  launch->layout = plan.layout;
+  launch->arrivals = arrivals;
+  launch->regions.assign(axis_size, nullptr);
+  launch->deadline = DeadlineAfter(core->timeout_s());
+  {
+    std::lock_guard<std::mutex> lock(WorkspaceMutex());
+    launch->epoch = ++Epochs()[{slot, group}];
+  }
+  return launch;
+}
+
+// Grows the device's workspace for this launch and uploads the rank's program; returns this epoch's region.
+ffi::ErrorOr<char*> PrepareWorkspace(int64_t slot, int32_t rank, const CudaLaunch& l, cudaStream_t stream,
+                                     Workspace** out, MeasureArgs* measure) {
+  const CudaArrival& me = l.arrivals[rank];
+  const Table& t = *l.snap.table;
+  const RegionLayout layout = l.layout;
+  const ProgramView program(t.programs[rank].data());
+  const size_t need =
+      2 * layout.bytes() + static_cast<size_t>(program.num_staged_conns()) * t.num_slots * l.stage_bytes;
+  std::lock_guard<std::mutex> lock(WorkspaceMutex());
+  auto& ws = WorkspacesLocked()[{slot, me.device}];
+  if (!ws) ws = std::make_unique<Workspace>();
+  ws->device = me.device;
+  auto fail = [](cudaError_t e, const char* what) {
+    return ErrorResult<char*>(
+        ffi::Error::Internal(StrCat("jaxccl (cuda): ", what, " failed: ", cudaGetErrorString(e))));
+  };
+  cudaError_t e = cudaSetDevice(me.device);
+  if (e != cudaSuccess) return fail(e, "cudaSetDevice");
+  if (ws->error_host == nullptr) {
+    if ((e = cudaMallocHost(&ws->error_host, 16)) != cudaSuccess) return fail(e, "cudaMallocHost");
+  }
+  if (ws->bytes < need) {
+    // Fresh memory is zero: every epoch-tagged flag reads as older than any launch.
+    if (ws->base != nullptr && (e = cudaFree(ws->base)) != cudaSuccess) return fail(e, "cudaFree");
+    ws->base = nullptr;
+    ws->bytes = 0;
+    if ((e = cudaMalloc(&ws->base, need)) != cudaSuccess) return fail(e, "cudaMalloc(workspace)");
+    // Zeroed before any peer is told the address: peers' kernels write into it from other devices' streams.
+    if ((e = cudaMemsetAsync(ws->base, 0, need, stream)) != cudaSuccess) return fail(e, "cudaMemsetAsync(workspace)");
+    if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) return fail(e, "cudaStreamSynchronize(workspace)");
+    ws->bytes = need;
+    ws->owned = false;  // zeroed above
+  }
+  const RegionOwner owner{l.snap.version, t.checksum, layout};
+  if (ws->owned && RegionNeedsClearing(ws->owner, owner)) {
+    // Another table or layout: its descriptors would read as tags of any epoch. This stream's previous kernel
+    // is done (stream order), and so are the peers' writes into these regions (that kernel waited for them).
+    if ((e = cudaMemsetAsync(ws->base, 0, 2 * layout.bytes(), stream)) != cudaSuccess) {
+      return fail(e, "cudaMemsetAsync(regions)");
+    }
+    if ((e = cudaStreamSynchronize(stream)) != cudaSuccess) return fail(e, "cudaStreamSynchronize(regions)");
+  }
+  ws->owner = owner;
+  ws->owned = true;
+  const size_t scratch_bytes =
+      static_cast<size_t>(ChunkStart(t.scratch_chunks, t.chunks_per_period, l.period_elems)) * l.esize;
+  if (ws->scratch_bytes < scratch_bytes) {
+    if (ws->scratch != nullptr && (e = cudaFree(ws->scratch)) != cudaSuccess) return fail(e, "cudaFree");
+    ws->scratch = nullptr;
+    ws->scratch_bytes = 0;
+    if ((e = cudaMalloc(&ws->scratch, scratch_bytes)) != cudaSuccess) return fail(e, "cudaMalloc(scratch)");
+    ws->scratch_bytes = scratch_bytes;
+  }
+  if (ws->args_dev == nullptr && (e = cudaMalloc(&ws->args_dev, sizeof(KernelArgs))) != cudaSuccess) {
+    return fail(e, "cudaMalloc(kernel arguments)");
+  }
+  if (ws->program_of != &t || ws->program_rank != rank) {
+    const std::vector<int32_t>& words = t.programs[rank];
+    const size_t bytes = words.size() * sizeof(int32_t);
+    if (ws->program_capacity < bytes) {
+      if (ws->program_dev != nullptr && (e = cudaFree(ws->program_dev)) != cudaSuccess) return fail(e, "cudaFree");
+      ws->program_dev = nullptr;
+      if ((e = cudaMalloc(&ws->program_dev, bytes)) != cudaSuccess) return fail(e, "cudaMalloc(program)");
+      ws->program_capacity = bytes;
+    }
+    if ((e = cudaMemcpyAsync(ws->program_dev, words.data(), bytes, cudaMemcpyHostToDevice, stream)) !=
+        cudaSuccess) {
+      return fail(e, "cudaMemcpyAsync(program)");
+    }
+    ws->program_of = &t;
+    ws->program_rank = rank;
+    ws->keep = l.snap.table;
+  }
+  *measure = MeasureArgs{};
+  if (l.measure.on) {
+    const MeasureSnapshot& m = l.measure;
+    const char* what = "";
+    if ((e = EnsureMeasureBuffers(ws.get(), t.num_ranks, t.rank_num_tbs[rank], m.slots_per_tb, stream, &what)) !=
+        cudaSuccess) {
+      return fail(e, what);
+    }
+    const MeasureBuffers& b = ws->measure;
+    // Windows never span launches: each launch starts from idle accumulators (only this rank touches them).
+    if ((e = cudaMemsetAsync(b.dev, 0, b.acc_bytes(), stream)) != cudaSuccess) {
+      return fail(e, "cudaMemsetAsync(measurement accumulators)");
+    }
+    measure->acc = reinterpret_cast<MeterWindow*>(b.dev);
+    measure->cursor = reinterpret_cast<unsigned int*>(b.dev + b.cursor_offset());
+    measure->counters_dev = reinterpret_cast<MeasureCounters*>(b.dev + b.dev_counters_offset());
+    measure->records = reinterpret_cast<MeasurementRecord*>(b.host_on_dev);
+    measure->counters_host = reinterpret_cast<MeasureCounters*>(b.host_on_dev + b.host_counters_offset());
+    measure->slots_per_tb = b.slots_per_tb;
+    measure->intra_threshold = m.intra_threshold;
+    measure->inter_threshold = m.inter_threshold;
+    measure->min_window_bytes = m.min_window_bytes;
+    for (int32_t p = 0; p < t.num_ranks; ++p) {
+      if (m.host_of_rank[p] == m.host_of_rank[rank]) measure->intra_peers |= 1ull << p;
+    }
+  }
+  *out = ws.get();
+  return ws->base + (l.epoch & 1) * layout.bytes();
+}
+
+}  // namespace
+
+const char* ErrorWhat(int32_t code) {
+  switch (code) {
+    case kTimeoutDependency: return "waited for a dependency that did not complete";
+    case kTimeoutMessage: return "waited for a message that never arrived (deadlock or a failed peer)";
+    case kTimeoutSlot: return "waited for a free slot: its connection stayed full";
+    case kTimeoutDrain: return "waited for its messages to be consumed";
+    case kSizeMismatch: return "received a message of the wrong size";
+    case kStaleMessage: return "received a message of another table or launch (stale message, refused)";
+    default: return "failed";
+  }
+}
+
+ffi::Error RunLaunch(cudaStream_t stream, int64_t run_id, int64_t slot, int64_t site, int32_t group, int32_t rank,
+                     int32_t axis_size, const CudaArrival& me) {
+  const CoreApi* core = AttachedCore();
+  const int32_t n = axis_size;
+  auto started = TheRendezvous().Arrive(run_id, site, group, rank, n, me, core->timeout_s(),
+                                        [&](const std::vector<CudaArrival>& all) {
+                                          return StartLaunch(slot, group, n, all);
+                                        });
+  if (!started.has_value()) return std::move(started.error());
+  CudaLaunch& l = **started;
+  const Table& t = *l.snap.table;
+
+  // Phase 2: every rank publishes its workspace region; peers need all of them before any kernel runs.
+  Workspace* ws = nullptr;
+  MeasureArgs measure{};
+  auto region = PrepareWorkspace(slot, rank, l, stream, &ws, &measure);
+  for (int32_t r = 0; r < n && region.has_value(); ++r) {
+    if (ffi::Error e = EnablePeerAccess(me.device, l.arrivals[r].device); e.failure()) {
+      region = ErrorResult<char*>(std::move(e));
+    }
+  }
+  int resident = 0;
+  if (region.has_value() && MaxResidentBlocks(me.device, &resident) == cudaSuccess &&
+      resident < t.rank_num_tbs[rank]) {
+    region = ErrorResult<char*>(ffi::Error::InvalidArgument(
+        StrCat("jaxccl (cuda): rank ", rank, " has ", t.rank_num_tbs[rank], " threadblocks but only ", resident,
+               " interpreter blocks fit on GPU ", me.device, " at once")));
+  }
+  {
+    std::unique_lock<std::mutex> lock(l.mu);
+    if (!region.has_value()) {
+      if (l.failure.empty()) l.failure = StrCat("rank ", rank, ": ", region.error().message());
+    } else {
+      l.regions[rank] = *region;
+    }
+    ++l.published;
+    l.cv.notify_all();
+    const bool all = l.cv.wait_until(lock, l.deadline, [&] { return l.published == n; });
+    if (!all) {
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                        StrCat("jaxccl (cuda): deadline exceeded exchanging workspaces at site ", site));
+    }
+    if (!l.failure.empty()) return ffi::Error::Internal(StrCat("jaxccl (cuda): launch failed: ", l.failure));
+  }
+
+  KernelArgs args{};
+  args.prog = ws->program_dev;
+  args.rank = rank;
+  args.tiles = l.tiles;
+  args.reduction = l.reduction;
+  args.buffers = RankBuffers{static_cast<const char*>(me.in), static_cast<char*>(me.out), ws->scratch, l.period_elems,
+                             t.chunks_per_period, static_cast<int32_t>(l.esize), l.tiles};
+  args.epoch = l.epoch;
+  args.identity = LaunchIdentity(t.checksum, l.epoch);
+  args.timeout_ns = static_cast<unsigned long long>(core->timeout_s() * 1e9);
+  args.layout = l.layout;
+  args.staging = *region + (2 - (l.epoch & 1)) * args.layout.bytes();
+  args.stage_bytes = l.stage_bytes;
+  for (int32_t r = 0; r < n; ++r) args.regions[r] = l.regions[r];
+  args.measure = measure;
+  JAXCCL_CUDA_CHECK(cudaMemcpyAsync(ws->args_dev, &args, sizeof(args), cudaMemcpyHostToDevice, stream));
+  char* error_dev = *region + args.layout.error();
+  JAXCCL_CUDA_CHECK(cudaMemsetAsync(error_dev, 0, 16, stream));
+  JAXCCL_CUDA_CHECK(LaunchInterpreter(ws->args_dev, t.rank_num_tbs[rank], 1, stream));
+  JAXCCL_CUDA_CHECK(cudaStreamSynchronize(stream));  // the arguments' host copy lives on this stack
+  JAXCCL_CUDA_CHECK(cudaMemcpyAsync(ws->error_host, error_dev, 16, cudaMemcpyDeviceToHost, stream));
+  JAXCCL_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const int32_t code = ws->error_host[0];
+  if (code == kSizeMismatch || code == kStaleMessage) {
+    return ffi::Error::Internal(StrCat("jaxccl (cuda): rank ", rank, ", threadblock ", ws->error_host[1], ", op ",
+                                       ws->error_host[2], " ", ErrorWhat(code)));
+  }
+  if (code != kProtocolOk) {
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                      StrCat("jaxccl (cuda): deadline exceeded: rank ", rank, ", threadblock ", ws->error_host[1],
+                             ", op ", ws->error_host[2], " ", ErrorWhat(code), " within ", Seconds(core->timeout_s())));
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace cuda
+}  // namespace jaxccl

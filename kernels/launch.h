@@ -1,0 +1,48 @@
+// One launch of the CUDA executor (launch.cu), as the FFI handler (handler.cu) hands a rank's call to it.
+#ifndef JAXCCL_KERNELS_LAUNCH_H_
+#define JAXCCL_KERNELS_LAUNCH_H_
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/reduce.h"
+#include "host/common.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jaxccl {
+namespace cuda {
+
+// Returns an internal ffi::Error from the enclosing function when a CUDA call fails.
+#define JAXCCL_CUDA_CHECK(expr)                                                                            \
+  do {                                                                                                     \
+    cudaError_t jaxccl_err_ = (expr);                                                                      \
+    if (jaxccl_err_ != cudaSuccess) {                                                                      \
+      return ffi::Error::Internal(StrCat("jaxccl (cuda): ", #expr, " failed: ", cudaGetErrorString(jaxccl_err_), \
+                                         " at ", __FILE__, ":", __LINE__));                                \
+    }                                                                                                      \
+  } while (0)
+
+// One rank's call.
+struct CudaArrival {
+  const void* in = nullptr;
+  void* out = nullptr;
+  int64_t in_elems = 0, out_elems = 0;
+  ffi::DataType in_dtype = ffi::DataType::INVALID, out_dtype = ffi::DataType::INVALID;
+  int device = -1;
+  int64_t seq = 0;  // this rank's sequence number of the call on its slot (hot-swap transition point)
+  ReduceOp reduce_op = ReduceOp::kSum;  // the call's operator (used when its table reduces)
+};
+
+// Runs rank `rank`'s part of the launch its call `me` belongs to (call site `site` of run `run_id`, group
+// `group` of `axis_size` ranks, schedule slot `slot`) on `stream`, and waits for the kernel to report.
+ffi::Error RunLaunch(cudaStream_t stream, int64_t run_id, int64_t slot, int64_t site, int32_t group, int32_t rank,
+                     int32_t axis_size, const CudaArrival& me);
+
+// What a protocol error code (core/protocol.h, ProtocolError) of the kernel means.
+const char* ErrorWhat(int32_t code);
+
+}  // namespace cuda
+}  // namespace jaxccl
+
+#endif  // JAXCCL_KERNELS_LAUNCH_H_
