@@ -10,7 +10,7 @@ result is compared bitwise with ``jax.lax.all_gather``'s of the same input.
 
 Process 0 reports what happened as one JSON line (``RESULT {...}``); :func:`run_drill` returns
 it with the harness's times of each cut, which share the clock of the events
-(``time.monotonic_ns``). Used by ``tests/test_multiprocess_loop.py`` and
+(``time.monotonic_ns``). Used by ``tests/distributed/test_multiprocess_loop.py`` and
 ``benchmarks/multiprocess/reaction.py``.
 
 Worker: ``python -m jaxccl.labs.drill '<config json>' <signal folder>`` (started by

@@ -1,4 +1,4 @@
-"""One process of the model-based test of change across processes (``tests/test_multiprocess_change.py``).
+"""One process of the model-based test of change across processes (``tests/distributed/test_multiprocess_change.py``).
 
 Every process of the job runs the same seeded walk over the rules of the single-process state
 machine (``tests/support/stateful_machine.py``) that make sense across processes, on the native CPU

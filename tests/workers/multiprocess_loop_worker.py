@@ -1,4 +1,4 @@
-"""One process of tests/test_multiprocess_loop.py (started by jaxccl.distributed.launch).
+"""One process of tests/distributed/test_multiprocess_loop.py (started by jaxccl.distributed.launch).
 
 Usage: python tests/workers/multiprocess_loop_worker.py SYNTHESIZER STEPS
 

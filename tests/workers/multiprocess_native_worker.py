@@ -1,4 +1,4 @@
-"""One process of tests/test_multiprocess_native.py (started by jaxccl.distributed.launch).
+"""One process of tests/distributed/test_multiprocess_native.py (started by jaxccl.distributed.launch).
 
 Usage: python tests/workers/multiprocess_native_worker.py MODE [ARGS]
 

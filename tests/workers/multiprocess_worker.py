@@ -1,4 +1,4 @@
-"""One process of tests/test_multiprocess.py: 4 CPU devices of a 2-process JAX job on loopback.
+"""One process of tests/distributed/test_multiprocess.py: 4 CPU devices of a 2-process JAX job on loopback.
 
 Usage: python tests/workers/multiprocess_worker.py PORT PROCESS_ID NUM_PROCESSES
 
