@@ -33,9 +33,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxccl.cli.args import UsageError, positive_int
-from jaxccl.cli.synth_args import add_mode_arguments, add_topology_arguments, single_topology, wants_benchmark
-from jaxccl.cli.text import plain
-from jaxccl.schedule import Schedule
+from jaxccl.cli.synth_args import (
+    add_mode_arguments,
+    add_topology_arguments,
+    finish_benchmark,
+    previous_schedule,
+    register_command,
+    run_benchmark_script,
+    single_topology,
+    wants_benchmark,
+)
 from jaxccl.synth.allgather import allgather, reduce_scatter
 from jaxccl.topology import rail, scenario
 from jaxccl.topology.presets import MAX_HOSTS_PER_SEGMENT
@@ -192,21 +199,12 @@ def _benchmark(args: argparse.Namespace) -> int:
     rows = run_benchmark(
         hosts, states, methods, runs=args.runs, latency_max_hosts=latency_max_hosts, segments=args.segments or 1
     )
-    report.print_table(rows, COLUMNS)
-    lines = acceptance(rows)
-    print("\n".join(lines))
-    if args.json:
-        report.write_json(args.json, {"rows": rows, "acceptance": lines})
-        print(f"wrote {args.json}")
-    return 0
+    return finish_benchmark(args, rows, COLUMNS, acceptance(rows))
 
 
 def _single(args: argparse.Namespace) -> int:
     topo = single_topology(args)
-    previous = None
-    if args.previous:
-        with open(args.previous) as f:
-            previous = Schedule.from_json(f.read())
+    previous = previous_schedule(args)
     fn = reduce_scatter if args.collective == "reduce_scatter" else allgather
     print(f"synthesizing {args.collective} ({args.method}) for {topo.name or 'the topology'} ({topo.num_gpus} GPUs)")
     s = fn(topo, previous=previous, method=args.method)
@@ -244,18 +242,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``allgather`` to ``jaxccl synth``."""
-    p = subparsers.add_parser(
+    register_command(
+        subparsers,
         "allgather",
-        help="synthesize a throughput-optimal AllGather schedule (or benchmark the synthesizer)",
-        description=plain(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "synthesize a throughput-optimal AllGather schedule (or benchmark the synthesizer)",
+        __doc__,
+        add_arguments,
+        main,
     )
-    add_arguments(p)
-    p.set_defaults(func=main)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    ap = argparse.ArgumentParser(description=plain(__doc__.splitlines()[0]))
-    add_arguments(ap)
-    ap.set_defaults(benchmark=True)
-    sys.exit(main(ap.parse_args()))
+    sys.exit(run_benchmark_script(__doc__, add_arguments, main))

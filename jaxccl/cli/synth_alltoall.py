@@ -44,9 +44,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxccl.cli.args import UsageError, positive_float, positive_int
-from jaxccl.cli.synth_args import add_mode_arguments, add_topology_arguments, single_topology, wants_benchmark
-from jaxccl.cli.text import plain
-from jaxccl.schedule import Schedule
+from jaxccl.cli.synth_args import (
+    add_mode_arguments,
+    add_topology_arguments,
+    finish_benchmark,
+    previous_schedule,
+    register_command,
+    run_benchmark_script,
+    single_topology,
+    wants_benchmark,
+)
 from jaxccl.synth.alltoall import alltoall
 from jaxccl.topology import rail, scenario
 from jaxccl.util import report
@@ -258,21 +265,12 @@ def _benchmark(args: argparse.Namespace) -> int:
         validate_max_gpus=256 if args.validate_max_gpus is None else args.validate_max_gpus,
         reuse_tolerance=args.reuse_tolerance,
     )
-    report.print_table(rows, COLUMNS)
-    lines = acceptance(rows)
-    print("\n".join(lines))
-    if args.json:
-        report.write_json(args.json, {"rows": rows, "acceptance": lines})
-        print(f"wrote {args.json}")
-    return 0
+    return finish_benchmark(args, rows, COLUMNS, acceptance(rows))
 
 
 def _single(args: argparse.Namespace) -> int:
     topo = single_topology(args)
-    previous = None
-    if args.previous:
-        with open(args.previous) as f:
-            previous = Schedule.from_json(f.read())
+    previous = previous_schedule(args)
     print(f"synthesizing all_to_all for {topo.name or 'the topology'} ({topo.num_gpus} GPUs)")
     s = alltoall(
         topo,
@@ -328,18 +326,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Adds ``alltoall`` to ``jaxccl synth``."""
-    p = subparsers.add_parser(
+    register_command(
+        subparsers,
         "alltoall",
-        help="synthesize an AllToAll schedule by column generation (or benchmark the synthesizer)",
-        description=plain(__doc__),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "synthesize an AllToAll schedule by column generation (or benchmark the synthesizer)",
+        __doc__,
+        add_arguments,
+        main,
     )
-    add_arguments(p)
-    p.set_defaults(func=main)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    ap = argparse.ArgumentParser(description=plain(__doc__.splitlines()[0]))
-    add_arguments(ap)
-    ap.set_defaults(benchmark=True)
-    sys.exit(main(ap.parse_args()))
+    sys.exit(run_benchmark_script(__doc__, add_arguments, main))

@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxccl.cli.args import HostCountsAction, UsageError, host_counts, positive_int, topology
+from jaxccl.cli.text import plain
+from jaxccl.schedule import Schedule
 from jaxccl.topology import rail, scenario
+from jaxccl.util import report
 
 __all__ = ["add_mode_arguments", "add_topology_arguments", "single_topology", "wants_benchmark"]
 
@@ -83,6 +86,50 @@ def single_topology(args: argparse.Namespace) -> Any:
     else:
         topo = rail(hosts=hosts[0], gpus_per_host=args.gpus_per_host, max_hosts_per_segment=None)
     return scenario(topo, args.scenario) if args.scenario else topo
+
+
+def previous_schedule(args: argparse.Namespace) -> Schedule | None:
+    """The schedule of ``--previous`` (a warm start), or None."""
+    if not args.previous:
+        return None
+    with open(args.previous) as f:
+        return Schedule.from_json(f.read())
+
+
+def finish_benchmark(args: argparse.Namespace, rows: list[dict], columns: Sequence[Any], lines: list[str]) -> int:
+    """Prints a benchmark's table and acceptance lines, writes ``--json``; the command's exit code."""
+    report.print_table(rows, columns)
+    print("\n".join(lines))
+    if args.json:
+        report.write_json(args.json, {"rows": rows, "acceptance": lines})
+        print(f"wrote {args.json}")
+    return 0
+
+
+def register_command(
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    summary: str,
+    doc: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    main: Callable[[argparse.Namespace], int],
+) -> None:
+    """Adds ``jaxccl synth <name>``, described by the command module's docstring ``doc``."""
+    p = subparsers.add_parser(
+        name, help=summary, description=plain(doc), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(p)
+    p.set_defaults(func=main)
+
+
+def run_benchmark_script(
+    doc: str, add_arguments: Callable[[argparse.ArgumentParser], None], main: Callable[[argparse.Namespace], int]
+) -> int:
+    """A command module run as a script: its benchmark (what ``benchmarks/synth/*.py`` do)."""
+    ap = argparse.ArgumentParser(description=plain(doc.splitlines()[0]))
+    add_arguments(ap)
+    ap.set_defaults(benchmark=True)
+    return main(ap.parse_args())
 
 
 def wants_benchmark(args: argparse.Namespace, command: str, benchmark_options: Sequence[str]) -> bool:
