@@ -37,8 +37,8 @@ def synthesized() -> list[Schedule]:
         baselines.ordered_allreduce(4),
         baselines.binary_tree_allreduce(5),
         baselines.double_binary_tree_allreduce(6),
-        jaxccl.synth.allgather(topo),
-        jaxccl.synth.alltoall(topo),
+        jaxccl.synth.all_gather(topo),
+        jaxccl.synth.all_to_all(topo),
         jaxccl.synth.reduce_scatter(topo),
     ]
 
