@@ -1,4 +1,4 @@
-"""The ``jaxccl`` command line: ``jaxccl demo``, ``jaxccl synth ...``, ``jaxccl sim ...``.
+"""The ``jaxccl`` command line: ``jaxccl demo``, ``jaxccl synth ...``, ``jaxccl sim ...``, ``jaxccl info``.
 
 Each subcommand lives in its own module of this package and exposes
 ``register(subparsers)``, adding its parser and setting ``func``. Modules are
@@ -22,8 +22,8 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from jaxccl import __version__
 from jaxccl.cli.args import UsageError
+from jaxccl.cli.info import version_line
 from jaxccl.cli.text import plain
 from jaxccl.errors import JaxcclError
 
@@ -36,6 +36,7 @@ COMMAND_MODULES: tuple[tuple[str | None, str], ...] = (
     ("synth", "jaxccl.cli.synth_alltoall"),
     ("sim", "jaxccl.cli.sim"),
     (None, "jaxccl.cli.bench"),
+    (None, "jaxccl.cli.info"),
 )
 
 GROUP_HELP = {
@@ -63,7 +64,9 @@ def build_parser() -> Parser:
         description="jaxccl: topology-aware collectives for JAX that re-synthesize themselves when links degrade.",
         epilog="User errors print one line and exit with status 2; JAXCCL_TRACEBACK=1 shows the traceback.",
     )
-    parser.add_argument("--version", action="version", version=f"jaxccl {__version__}")
+    parser.add_argument(
+        "--version", action="version", version=version_line(), help="print the version and the native modules built"
+    )
     top = parser.add_subparsers(dest="command", metavar="COMMAND")
     groups: dict[str, argparse._SubParsersAction] = {}
     for group, module_name in COMMAND_MODULES:

@@ -67,6 +67,32 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def ucx_info(options: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The UCX library the transport loaded: its ``version`` and the ``transports`` it would choose from here.
+
+    ``transports`` are ``"transport/device"`` names (``"tcp/eth0"``, ``"posix/memory"``) of a UCX context
+    opened as :class:`ProcessTransport` opens its own: this process's ``UCX_*`` variables (``UCX_TLS``)
+    and ``options`` (UCX variables without ``UCX_``, e.g. :data:`NETWORK_ONLY`) narrow them.
+
+    >>> info = ucx_info() if unavailable_reason() is None else {"version": "", "transports": []}
+    >>> sorted(info)
+    ['transports', 'version']
+
+    Raises:
+        ExecutorError: the transport is not built here, or UCX could not start.
+        TransportArgumentError: an option UCX does not know.
+    """
+    reason = unavailable_reason()
+    if reason is not None:
+        raise ExecutorError(reason)
+    mod = _module()
+    try:
+        transports = mod.ucx_transports(dict(options or {}))
+    except (RuntimeError, ValueError) as e:
+        raise _translate(e) from e
+    return {"version": str(mod.ucx_version()), "transports": [str(t) for t in transports]}
+
+
 @dataclass(frozen=True)
 class Completion:
     """A finished send or receive.

@@ -47,6 +47,7 @@ CUDA_MEASURE_MIN_WINDOW_BYTES = 32 << 10  # windows that carried fewer bytes are
 _registered = False
 _cuda: Any = None
 _cuda_checked = False
+_cuda_error: str | None = None  # why jaxccl._native_cuda did not load (None: it did, or was never built)
 
 
 def _register() -> None:
@@ -65,13 +66,15 @@ def _register() -> None:
 
 def _cuda_module() -> Any:
     """The attached CUDA module, or None when it was not built or cannot load."""
-    global _cuda, _cuda_checked
+    global _cuda, _cuda_checked, _cuda_error
     if not _cuda_checked:
         _cuda_checked = True
         try:
             from jaxccl import _native_cuda  # the CUDA module is optional: loaded on demand
-        except ImportError:
+        except ImportError as e:
             _native_cuda = None
+            if not (isinstance(e, ModuleNotFoundError) and e.name == "jaxccl._native_cuda"):
+                _cuda_error = str(e)  # built, but it does not load (a missing CUDA library)
         if _native_cuda is not None:
             _native_cuda.attach(_native._core_api())
         _cuda = _native_cuda
@@ -82,6 +85,26 @@ def has_cuda_support() -> bool:
     """True if the CUDA executor was built and at least one CUDA device is visible."""
     mod = _cuda_module()
     return mod is not None and mod.device_count() > 0
+
+
+def cuda_status() -> tuple[bool, str | None]:
+    """Whether ``jaxccl._native_cuda`` loads, and why the CUDA executor cannot run here (``None``: it can).
+
+    The reason says which: the module was not built, it was built but does not load (a missing CUDA
+    library), or it loads but no CUDA device is visible.
+
+    >>> loads, reason = cuda_status()
+    >>> has_cuda_support() == (reason is None) and (loads or reason is not None)
+    True
+    """
+    mod = _cuda_module()
+    if mod is None:
+        if _cuda_error is not None:
+            return False, f"jaxccl._native_cuda was built but does not load: {_cuda_error}"
+        return False, "jaxccl was built without its CUDA module (jaxccl._native_cuda; needs nvcc at build time)"
+    if mod.device_count() <= 0:
+        return True, "jaxccl._native_cuda loads, but no CUDA device is visible"
+    return True, None
 
 
 def _wrap(fn: Any, *args: Any) -> Any:

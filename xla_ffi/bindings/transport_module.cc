@@ -8,11 +8,18 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
+#include <ucp/api/ucp.h>
+
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "transport/transport.h"
 #include "transport/proxy.h"
@@ -113,6 +120,54 @@ class PyTransport {
   TransportHandle handle_;
 };
 
+// The version of the UCX library this module loaded (`jaxccl info`).
+std::string UcxVersion() { return ucp_get_version_string(); }
+
+// The transports UCX would choose from here, as "transport/device" (e.g. "tcp/eth0", "posix/memory"): the
+// resources of a UCP context opened as the transport opens its own (tag matching, this process's UCX_*
+// variables, e.g. UCX_TLS). ucp_context_print_info writes them as "#  resource N : md M dev D flags F --
+// tl/dev"; UCX has no structured query for them. `options` are UCX variables without "UCX_", as for Transport.
+std::vector<std::string> UcxTransports(const std::map<std::string, std::string>& options) {
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) throw std::runtime_error(std::string("ucp_config_read: ") + ucs_status_string(st));
+  for (const auto& [key, value] : options) {
+    st = ucp_config_modify(config, key.c_str(), value.c_str());
+    if (st != UCS_OK) {
+      ucp_config_release(config);
+      throw nb::value_error(("UCX option " + key + "=" + value + ": " + ucs_status_string(st)).c_str());
+    }
+  }
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_TAG;
+  ucp_context_h context = nullptr;
+  st = ucp_init(&params, config, &context);
+  ucp_config_release(config);
+  if (st != UCS_OK) throw std::runtime_error(std::string("ucp_init: ") + ucs_status_string(st));
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* stream = open_memstream(&text, &size);
+  if (stream == nullptr) {
+    ucp_cleanup(context);
+    throw std::runtime_error("open_memstream failed");
+  }
+  ucp_context_print_info(context, stream);
+  std::fclose(stream);
+  ucp_cleanup(context);
+  std::vector<std::string> transports;
+  std::istringstream lines(std::string(text, size));
+  std::free(text);
+  for (std::string line; std::getline(lines, line);) {
+    size_t arrow = line.rfind(" -- ");
+    if (line.find("resource") == std::string::npos || arrow == std::string::npos) continue;
+    std::string tl = line.substr(arrow + 4);
+    tl.erase(tl.find_last_not_of(" \t\r") + 1);
+    if (!tl.empty()) transports.push_back(tl);
+  }
+  return transports;
+}
+
 }  // namespace
 }  // namespace jaxccl
 
@@ -122,6 +177,8 @@ NB_MODULE(_transport, m) {
   nb::exception<jaxccl::TransportDeadline>(m, "TransportDeadline", PyExc_TimeoutError);
   nb::exception<jaxccl::TransportPeerFailed>(m, "TransportPeerFailed", PyExc_RuntimeError);
   m.def("transports_built", [] { return std::string(jaxccl::TransportsBuilt()); });
+  m.def("ucx_version", &jaxccl::UcxVersion);
+  m.def("ucx_transports", &jaxccl::UcxTransports, nb::arg("options"));
   m.attr("TRANSPORT_VERSION") = jaxccl::kTransportVersion;
   m.attr("TAG_BITS") = jaxccl::kTransportTagBits;
   nb::class_<PyTransport>(m, "Transport")
