@@ -238,7 +238,9 @@ def _run_job(args: argparse.Namespace) -> int:
         failed = [r for r in results if r.returncode != 0]
         for r in failed:
             last = next((line for line in reversed(r.output.splitlines()) if line.strip()), "no output")
-            ended = f"exit status {r.returncode}" if r.returncode is not None else f"killed after {args.job_timeout:g} s"
+            ended = (
+                f"exit status {r.returncode}" if r.returncode is not None else f"killed after {args.job_timeout:g} s"
+            )
             print(f"jaxccl topology probe: process {r.process_id} {ended}: {last.strip()}", file=sys.stderr)
         if failed:
             return 1

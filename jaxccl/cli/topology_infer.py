@@ -22,10 +22,11 @@ synthesizers accept, with this model:
 Links are duplex with one capacity (the best of both directions): the AllGather synthesizer
 splits switches into logical links, which needs every switch's ingress equal to its egress.
 
-Limits: an asymmetric NIC reads as its faster direction; one flow at a time cannot tell a NIC per rank from one shared by the host (the model
-shares it, as processes share a namespace's NIC), nor see a NIC faster than every other host's
-(the fastest host's NIC reads as the second fastest), nor oversubscribed switches (one switch,
-non-blocking). Latencies include what the executor adds to a message; they are clamped at 0.
+Limits: an asymmetric NIC reads as its faster direction; one flow at a time cannot tell a NIC
+per rank from one shared by the host (the model shares it, as processes share a namespace's
+NIC), nor see a NIC faster than every other host's (the fastest host's NIC reads as the second
+fastest), nor oversubscribed switches (one switch, non-blocking). Latencies include what the
+executor adds to a message; they are clamped at 0.
 
 Example:
     >>> rates = [[0, 10.0, 1.0, 1.0], [10.0, 0, 1.0, 1.0], [1.0, 1.0, 0, 10.0], [1.0, 1.0, 10.0, 0]]
@@ -128,9 +129,7 @@ def group_by_rate(table: PairTable) -> list[int]:
     cut = max(FAST_FACTOR * slow, math.sqrt(slow * fast))
     graph = nx.Graph()
     graph.add_nodes_from(range(n))
-    graph.add_edges_from(
-        (i, j) for i, j in table.pairs() if i < j and min(table.rates[i][j], table.rates[j][i]) >= cut
-    )
+    graph.add_edges_from((i, j) for i, j in table.pairs() if i < j and min(table.rates[i][j], table.rates[j][i]) >= cut)
     host_of = [0] * n
     for h, members in enumerate(sorted((sorted(c) for c in nx.connected_components(graph)), key=min)):
         for r in members:

@@ -151,7 +151,9 @@ def _time_pair(mesh: Any, cfg: ProbeConfig, pair: tuple[int, int] | None, sizes:
 
 
 def _attached_transport(mesh: Any, network_only: bool) -> Any:
-    transport = ProcessTransport.bootstrap(timeout_s=TRANSPORT_TIMEOUT_S, options=NETWORK_ONLY if network_only else None)
+    transport = ProcessTransport.bootstrap(
+        timeout_s=TRANSPORT_TIMEOUT_S, options=NETWORK_ONLY if network_only else None
+    )
     try:
         attach(transport, mesh, AXIS)
     except BaseException:

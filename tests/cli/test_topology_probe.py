@@ -52,9 +52,9 @@ def test_emulated_links_are_probed_at_their_capacities(tmp_path):
     assert topo.hosts == known.hosts
     for h, ranks in enumerate(known.hosts):
         nic = topo.capacity(host_switch(h), NET)
-        assert abs(nic - known.capacity(ranks[0], "tor:s0r0")) <= TOLERANCE * nic  # 400 Gbps NICs
+        assert abs(nic - known.capacity(0, "tor:s0r0")) <= TOLERANCE * nic  # 400 Gbps NICs
         nvlink = topo.capacity(ranks[0], host_switch(h))
-        assert abs(nvlink - known.capacity(ranks[0], "nvs:h0")) <= TOLERANCE * nvlink
+        assert abs(nvlink - known.capacity(ranks[0], f"nvs:h{h}")) <= TOLERANCE * nvlink
     assert topo.path_latency(0, 2) > topo.path_latency(0, 1)  # two switch hops against NVLink's
 
 
@@ -117,9 +117,9 @@ def test_inference_model():
     assert NET not in infer(alike).switches
     given = infer(PairTable(alike.rates, alike.latencies, hosts=[5, 5, 7]))
     assert given.hosts == ((0, 1), (2,))
-    # NICs of 1, 2, 2 units: each host's best pair is its own NIC; latencies never below 0.
+    # NICs of 1, 2, 2 units (a process each): each host's best pair is its own NIC; latencies never below 0.
     rates = [[0, 1.0, 1.0], [1.0, 0, 2.0], [1.0, 2.0, 0]]
-    topo = infer(PairTable(rates, [[0, -1e-3, 2e-6], [2e-6, 0, 2e-6], [2e-6, 2e-6, 0]]))
+    topo = infer(PairTable(rates, [[0, -1e-3, 2e-6], [2e-6, 0, 2e-6], [2e-6, 2e-6, 0]], hosts=[0, 1, 2]))
     assert [topo.capacity(r, NET) for r in range(3)] == [1.0, 2.0, 2.0]
     assert all(lat >= 0 for *_, lat in topo.edges())
 
