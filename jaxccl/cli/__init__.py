@@ -37,11 +37,13 @@ COMMAND_MODULES: tuple[tuple[str | None, str], ...] = (
     ("sim", "jaxccl.cli.sim"),
     (None, "jaxccl.cli.bench"),
     (None, "jaxccl.cli.info"),
+    ("topology", "jaxccl.cli.topology"),
 )
 
 GROUP_HELP = {
     "synth": "synthesize schedules (and benchmark the synthesizers)",
     "sim": "run the flow-level simulator and the paper's experiments",
+    "topology": "topologies from the machine: measure the fabric",
 }
 
 EXIT_USAGE = 2
