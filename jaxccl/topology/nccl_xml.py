@@ -120,7 +120,7 @@ def pcie_bytes_per_s(link_speed: str, link_width: str, where: str = "pci") -> fl
     """Bytes/s of a PCIe link from NCCL's ``link_speed`` ("16.0 GT/s PCIe") and ``link_width`` ("16").
 
     >>> round(pcie_bytes_per_s("16.0 GT/s PCIe", "16") / 1e9, 3), pcie_bytes_per_s("5 GT/s", "8") / 1e9
-    (31.508, 3.2)
+    (31.508, 4.0)
     """
     m = _SPEED.match(link_speed)
     if m is None:
