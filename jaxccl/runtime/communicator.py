@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import threading
 import weakref
 from collections.abc import Hashable
@@ -48,6 +49,7 @@ from jaxccl.schedule.ir import Collective, Schedule
 from jaxccl.schedule.table import check_table, compiled_table, header
 from jaxccl.synth import baselines
 from jaxccl.telemetry import TelemetryCollector
+from jaxccl.topology.discover import discover
 from jaxccl.util.options import choose
 
 __all__ = ["BACKENDS", "COLLECTIVES", "Communicator", "current", "default_communicator", "resolve"]
@@ -56,6 +58,7 @@ BACKENDS = ("cpu", "cuda", "ppermute", "auto")
 COLLECTIVES = tuple(c.value for c in Collective)
 _ALIASES = {"psum_scatter": "reduce_scatter", "psum": "all_reduce"}
 
+_log = logging.getLogger("jaxccl.runtime")
 _uids = itertools.count(1)
 _LIVE: weakref.WeakValueDictionary[int, Communicator] = weakref.WeakValueDictionary()
 _DEFAULTS: dict[tuple[Hashable, int], Communicator] = {}
@@ -144,7 +147,12 @@ class Communicator:
             equal to the axis size. Without one, ``psum`` runs the rank-ordered
             AllReduce schedule; with one, ``psum`` is ReduceScatter + AllGather
             (MCCL Sec. 3: the AllGather half is the adaptive one) until an
-            ``all_reduce`` schedule is installed.
+            ``all_reduce`` schedule is installed. ``"auto"`` takes the machine's
+            topology from :func:`jaxccl.topology.discover` (``NCCL_TOPO_FILE``, else
+            ``nvidia-smi topo -m``, else none), logs the choice on the
+            ``jaxccl.runtime`` logger and keeps where it came from in
+            :attr:`topology_source`; a discovered topology with another number of
+            GPUs than the axis raises ``TopologyError``.
         backend: ``"cpu"`` (the native CPU executor through XLA FFI),
             ``"cuda"`` (native CUDA executor), ``"ppermute"`` (the schedule
             lowered to ``jax.lax.ppermute`` rounds; works everywhere, also
@@ -213,6 +221,19 @@ class Communicator:
         telemetry_alpha: float = 0.5,
     ) -> None:
         choose("backend", backend, BACKENDS)
+        #: Where :attr:`topology` came from: ``"given"``, ``"none"``, or a :func:`jaxccl.topology.discover` source.
+        self.topology_source = "none" if topology is None else "given"
+        if isinstance(topology, str):
+            choose("topology", topology, ("auto",))
+            found = discover()
+            _log.info("Communicator(%r, topology='auto'): %s (%s)", axis_name, found.source, found.detail)
+            if found.topology is not None and found.topology.num_gpus != axis_size:
+                raise TopologyError(
+                    f"Communicator(topology='auto'): {found.source} ({found.detail}) describes "
+                    f"{found.topology.num_gpus} GPUs but mesh axis {axis_name!r} has {axis_size} devices; "
+                    "pass topology= explicitly or point NCCL_TOPO_FILE at this job's topology"
+                )
+            topology, self.topology_source = found.topology, found.source
         if topology is not None and getattr(topology, "num_gpus", None) != axis_size:
             raise TopologyError(
                 f"Communicator: topology has {getattr(topology, 'num_gpus', None)} GPUs but mesh axis "
