@@ -23,7 +23,10 @@ The JSON keys (stable; a value that does not apply is ``null``):
 - ``environment``: every ``JAXCCL_*`` variable that is set, and always ``NCCL_TOPO_FILE``, ``PJRT_NPROC``
   (their values or ``null``) and ``XLA_FLAGS_DEVICE_COUNT`` (``--xla_force_host_platform_device_count`` in
   ``XLA_FLAGS``, an int or ``null``).
-- ``topology``: the topology discovered on this machine (``null`` until topology discovery fills it in).
+- ``topology``: what ``Communicator(topology="auto")`` would use here (:func:`jaxccl.topology.discover.discover`):
+  ``{"source", "detail", "name", "num_gpus", "hosts"}``; ``source`` is ``"NCCL_TOPO_FILE"``, ``"nvidia-smi"``,
+  ``"none"`` (``detail`` says why) or ``"error"`` (a source that exists but does not parse; ``detail`` is the
+  error).
 
 Example:
     >>> report = collect(with_jax=False)
@@ -47,6 +50,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxccl import __version__
+from jaxccl.errors import JaxcclError
+from jaxccl.topology.discover import discover
 
 __all__ = ["NATIVE_MODULES", "collect", "format_text", "native_built", "register", "version_line"]
 
@@ -233,9 +238,30 @@ def collect(*, with_jax: bool = True, environ: Mapping[str, str] | None = None) 
         "ucx": _ucx_section(bool(native["transport"]["loads"])),
         "jax": _jax_section() if with_jax else None,
         "environment": _environment(os.environ if environ is None else environ),
-        # Filled in by topology discovery (jaxccl.topology.discover) where it runs; None: not discovered.
-        "topology": None,
+        "topology": _topology_section(),
     }
+
+
+def _topology_section() -> dict[str, Any]:
+    """The machine's topology as ``Communicator(topology="auto")`` would find it."""
+    try:
+        found = discover()
+    except JaxcclError as e:
+        return {"source": "error", "detail": str(e), "name": None, "num_gpus": None, "hosts": None}
+    topo = found.topology
+    return {
+        "source": found.source,
+        "detail": found.detail,
+        "name": None if topo is None else topo.name,
+        "num_gpus": None if topo is None else topo.num_gpus,
+        "hosts": None if topo is None else len(topo.hosts),
+    }
+
+
+def _topology_text(entry: Mapping[str, Any]) -> str:
+    if entry["num_gpus"] is None:
+        return f"{entry['source']} ({entry['detail']})"
+    return f"{entry['num_gpus']} GPUs on {entry['hosts']} host(s) from {entry['source']} ({entry['detail']})"
 
 
 def _or(value: Any, missing: str) -> str:
@@ -295,7 +321,7 @@ def format_text(report: Mapping[str, Any]) -> str:
         for k, v in report["environment"].items()
     )
     lines.append(f"environment: {env}")
-    lines.append(f"topology: {_or(report['topology'], 'not discovered')}")
+    lines.append(f"topology: {_topology_text(report['topology'])}")
     return "\n".join(lines)
 
 

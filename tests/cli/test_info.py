@@ -59,7 +59,7 @@ def test_the_json_report_has_its_keys_and_this_machines_versions(report):
     import numpy
 
     assert report["packages"]["jax"] == jax.__version__ and report["packages"]["numpy"] == numpy.__version__
-    assert report["topology"] is None  # topology discovery fills it in
+    assert report["topology"]["source"] == "none" and report["topology"]["num_gpus"] is None  # no GPU, no file
 
 
 def test_what_it_says_about_native_modules_is_what_imports(report):
@@ -121,7 +121,7 @@ def test_the_text_report_says_the_same(report):
         state = line.split(entry["module"], 1)[1].strip()
         assert state == ("not built" if not entry["built"] else "loads" if entry["loads"] else "built, does not load")
     assert "jax: backend cpu, 3 devices (cpu: 3); jax.distributed not initialized" in lines
-    assert "topology: not discovered" in lines
+    assert any(ln.startswith("topology: none (") for ln in lines)
     assert "environment: JAXCCL_TIMEOUT_S=7, NCCL_TOPO_FILE unset, PJRT_NPROC=6, XLA_FLAGS_DEVICE_COUNT=3" in lines
     assert format_text(report) == text.rstrip("\n")  # the same report, as JSON and as text
 
@@ -173,3 +173,16 @@ def test_version_names_the_native_modules_built_without_starting_jax():
     expected += f"; {', '.join(missing)}: not built)" if missing else ")"
     assert line == expected
     assert _run("--version").stdout.strip() == expected
+
+
+def test_the_topology_is_what_communicator_auto_would_discover():
+    data = os.path.join(os.path.dirname(__file__), "..", "data", "topologies")
+    found = json.loads(
+        _run("info", "--json", "--no-jax", env={"NCCL_TOPO_FILE": os.path.join(data, "two_hosts.xml")}).stdout
+    )
+    assert found["topology"]["source"] == "NCCL_TOPO_FILE"
+    assert (found["topology"]["num_gpus"], found["topology"]["hosts"]) == (8, 2)
+    broken = os.path.join(data, "dgx_h100.txt")  # an nvidia-smi matrix is not NCCL XML
+    error = json.loads(_run("info", "--json", "--no-jax", env={"NCCL_TOPO_FILE": broken}).stdout)["topology"]
+    assert error["source"] == "error" and error["num_gpus"] is None and "dgx_h100.txt" in error["detail"]
+    assert "topology: error" in _run("info", "--no-jax", env={"NCCL_TOPO_FILE": broken}).stdout
