@@ -395,4 +395,7 @@ def load_nccl_xml(path: str | os.PathLike[str]) -> Topology:
             data = f.read(MAX_BYTES + 1)
     except OSError as e:
         raise TopologyError(f"cannot read {_WHAT} {os.fspath(path)!r}: {e.strerror or e}") from None
-    return from_nccl_xml(data)
+    try:
+        return from_nccl_xml(data)
+    except TopologyError as e:
+        raise TopologyError(f"{os.fspath(path)}: {e}") from None
