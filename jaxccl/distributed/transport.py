@@ -6,9 +6,9 @@ connection slots move with tagged nonblocking sends and receives; every completi
 post and completion times (what the meter reads), every wait has a deadline, and a dead peer
 fails the waits on it with an error that names the process.
 
-The transport is optional: it needs the ``libucx`` wheel at build time
-(``pip install "jaxccl[multiprocess]"``, then rebuild). :func:`unavailable_reason` says why it is
-missing where it is.
+Every install builds it (the ``libucx-cu12`` wheel is a build requirement and a dependency); a source
+build with ``JAXCCL_TRANSPORT=OFF`` leaves it out. :func:`unavailable_reason` says why it is missing where
+it is.
 
 Example (in every process of a job, after ``jax.distributed.initialize``)::
 
@@ -61,8 +61,8 @@ def unavailable_reason() -> str | None:
         _module()
     except ImportError as e:
         return (
-            "jaxccl's transport between processes was not built (install the 'multiprocess' extra, which brings "
-            f"the libucx wheel, then rebuild jaxccl without build isolation): {e}"
+            "jaxccl's transport between processes is not available (built with JAXCCL_TRANSPORT=OFF, or the "
+            f"libucx-cu12 package is missing; reinstall jaxccl with pip, which brings and builds it): {e}"
         )
     return None
 
