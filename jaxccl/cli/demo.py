@@ -52,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help=(
             "run across processes on real sockets: netns (root: a network namespace and a tc-shaped NIC per "
-            "process, one NIC cut live) or loopback (no NIC to cut); needs the multiprocess extra"
+            "process, one NIC cut live) or loopback (no NIC to cut); uses jaxccl's UCX transport"
         ),
     )
     p.add_argument(

@@ -15,7 +15,7 @@ fi
 build="$(mktemp -d "${TMPDIR:-/tmp}/jaxccl-cuda-check.XXXXXX")"
 trap 'rm -rf "$build"' EXIT
 nanobind_dir="$("$python" -c 'import nanobind; print(nanobind.cmake_dir())')"
-cmake -S "$here" -B "$build" -G Ninja -DJAXCCL_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" \
+cmake -S "$here" -B "$build" -G Ninja -DJAXCCL_CUDA=ON -DJAXCCL_TRANSPORT=AUTO -DCMAKE_CUDA_ARCHITECTURES="$arch" \
   -DPython_EXECUTABLE="$(command -v "$python")" -Dnanobind_DIR="$nanobind_dir" >"$build/configure.log" 2>&1 ||
   { cat "$build/configure.log"; exit 1; }
 cmake --build "$build" --target _native_cuda -j "${JOBS:-2}" 2>&1 | tee "$build/build.log" | grep -E "(error|warning):" || true
