@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import xml.etree.ElementTree as ET
 from typing import Any
 from xml.sax.saxutils import quoteattr
@@ -61,7 +60,7 @@ from jaxccl.errors import ScheduleError
 from jaxccl.schedule.inplace import out_of_place
 from jaxccl.schedule.interpreter import gc_paused
 from jaxccl.schedule.ir import Buffer, Collective, Op, OpKind, Schedule, Threadblock
-from jaxccl.util import strict
+from jaxccl.util import safe_xml, strict
 
 NAMESPACE = "urn:jaxccl:schedule:1"
 PROTOCOLS = ("Simple", "LL", "LL128")
@@ -375,53 +374,14 @@ def _step_slow(st: ET.Element, where: str) -> tuple[int, OpKind, Buffer, int, Bu
     return s_attr, kind, src, soff, dst, doff, cnt, _int(st, "depid", where, default=-1), _int(st, "deps", where, -1)
 
 
-class _DepthLimitedBuilder:
-    """``ET.TreeBuilder`` (comments kept) that refuses elements nested deeper than ``strict.MAX_NESTING``.
-
-    MSCCL XML nests four levels (``<algo>/<gpu>/<tb>/<step>``). Expat parses any depth without
-    recursion, but the tree it builds is freed and traversed recursively by CPython (a crash or a
-    ``RecursionError`` in some versions, far from the file): so the depth is refused while parsing,
-    before such a tree exists. Text and comments go straight to the C builder.
-    """
-
-    def __init__(self) -> None:
-        builder = ET.TreeBuilder(insert_comments=True)
-        self._start, self._end = builder.start, builder.end
-        self.data, self.comment, self.close = builder.data, builder.comment, builder.close
-        self._depth = 0
-
-    def start(self, tag: str, attrs: dict[str, str]) -> ET.Element:
-        self._depth += 1
-        if self._depth > strict.MAX_NESTING:
-            raise ScheduleError(
-                f"MSCCL XML: elements nested too deeply (<{tag}> is more than {strict.MAX_NESTING} levels deep; "
-                "MSCCL XML has 4: <algo>/<gpu>/<tb>/<step>)"
-            )
-        return self._start(tag, attrs)
-
-    def end(self, tag: str) -> ET.Element:
-        self._depth -= 1
-        return self._end(tag)
-
-
 def _parse(text: str | bytes) -> ET.Element:
-    if isinstance(text, bytes):
-        try:
-            text = text.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ScheduleError(f"MSCCL XML is not UTF-8: {e}") from e
-    if not isinstance(text, str):
-        raise ScheduleError(f"MSCCL XML must be a string, got {type(text).__name__}")
-    if re.search(r"<!(DOCTYPE|ENTITY)", text):
-        raise ScheduleError("MSCCL XML must not contain a DOCTYPE or entity declarations")
-    parser = ET.XMLParser(target=_DepthLimitedBuilder())
-    try:
-        parser.feed(text)
-        return parser.close()
-    except ET.ParseError as e:
-        line, col = getattr(e, "position", (0, 0))
-        msg = str(e).split(":")[0]
-        raise ScheduleError(f"malformed MSCCL XML: {msg} at line {line}, column {col + 1}") from None
+    return safe_xml.parse(
+        text,
+        what="MSCCL XML",
+        error=ScheduleError,
+        nesting_note="MSCCL XML has 4: <algo>/<gpu>/<tb>/<step>",
+        comments=True,
+    )
 
 
 def from_msccl_xml(text: str | bytes) -> Schedule:

@@ -68,7 +68,7 @@ import networkx as nx
 
 from jaxccl.errors import TopologyError
 from jaxccl.topology.graph import Topology
-from jaxccl.util import strict
+from jaxccl.util import safe_xml, strict
 
 __all__ = [
     "MAX_BYTES",
@@ -154,47 +154,8 @@ class _Build:
     nics: list[tuple[str, float]] = dataclasses.field(default_factory=list)
 
 
-class _DepthLimitedBuilder:
-    """An ``ET.TreeBuilder`` that refuses elements nested deeper than ``strict.MAX_NESTING`` while parsing."""
-
-    def __init__(self) -> None:
-        builder = ET.TreeBuilder()
-        self._start, self._end = builder.start, builder.end
-        self.data, self.close = builder.data, builder.close
-        self._depth = 0
-
-    def start(self, tag: str, attrs: dict[str, str]) -> ET.Element:
-        self._depth += 1
-        if self._depth > strict.MAX_NESTING:
-            raise TopologyError(f"{_WHAT}: elements nested too deeply (<{tag}> is more than {strict.MAX_NESTING} deep)")
-        return self._start(tag, attrs)
-
-    def end(self, tag: str) -> ET.Element:
-        self._depth -= 1
-        return self._end(tag)
-
-
 def _parse(text: str | bytes) -> ET.Element:
-    if isinstance(text, bytes):
-        if len(text) > MAX_BYTES:
-            raise TopologyError(f"{_WHAT} is {len(text)} bytes; at most {MAX_BYTES} are read")
-        try:
-            text = text.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise TopologyError(f"{_WHAT} is not UTF-8: {e}") from None
-    if not isinstance(text, str):
-        raise TopologyError(f"{_WHAT} must be a string, got {type(text).__name__}")
-    if len(text) > MAX_BYTES:
-        raise TopologyError(f"{_WHAT} is {len(text)} characters; at most {MAX_BYTES} are read")
-    if re.search(r"<!(DOCTYPE|ENTITY)", text):
-        raise TopologyError(f"{_WHAT} must not contain a DOCTYPE or entity declarations")
-    parser = ET.XMLParser(target=_DepthLimitedBuilder())
-    try:
-        parser.feed(text)
-        root = parser.close()
-    except ET.ParseError as e:
-        line, col = getattr(e, "position", (0, 0))
-        raise TopologyError(f"malformed {_WHAT}: {str(e).split(':')[0]} at line {line}, column {col + 1}") from None
+    root = safe_xml.parse(text, what=_WHAT, error=TopologyError, max_chars=MAX_BYTES)
     if root.tag != "system":
         raise TopologyError(f"{_WHAT}: the root element must be <system>, got <{root.tag}>")
     return root
