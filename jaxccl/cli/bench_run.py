@@ -231,7 +231,7 @@ def setup(cfg: BenchConfig) -> Bench:
         raise UsageError(f"--topology has {topo.num_gpus} GPUs but the job has {n} devices")
     degraded = cfg.scenario(topo) if cfg.scenario is not None else topo
     emulation = LinkEmulation(time_scale=cfg.time_scale, measure=False) if cfg.emulate_links else None
-    transport = _attached_transport(mesh, cfg) if cfg.backend == "cpu" and jax.process_count() > 1 else None
+    transport = attached_transport(mesh, cfg.network_only) if cfg.backend == "cpu" and jax.process_count() > 1 else None
     try:
         comm = jaxccl.Communicator(mesh, AXIS, topology=topo, backend=cfg.backend, link_emulation=emulation)
     except BaseException:
@@ -246,9 +246,12 @@ def setup(cfg: BenchConfig) -> Bench:
     return bench
 
 
-def _attached_transport(mesh: Any, cfg: BenchConfig) -> Any:
-    """The native executor's transport between processes, bootstrapped on ``jax.distributed`` and attached."""
-    options = NETWORK_ONLY if cfg.network_only else None
+def attached_transport(mesh: Any, network_only: bool) -> Any:
+    """The native executor's transport between processes, bootstrapped on ``jax.distributed`` and attached.
+
+    ``network_only``: sockets only (:data:`~jaxccl.distributed.transport.NETWORK_ONLY`), as on a lab's links.
+    """
+    options = NETWORK_ONLY if network_only else None
     transport = ProcessTransport.bootstrap(timeout_s=TRANSPORT_TIMEOUT_S, options=options)
     try:
         attach(transport, mesh, AXIS)

@@ -33,9 +33,9 @@ import dataclasses
 import time
 from typing import Any
 
-from jaxccl.cli.bench_run import AXIS, TRANSPORT_TIMEOUT_S, implementation_runner
+from jaxccl.cli.bench_run import AXIS, attached_transport, implementation_runner
 from jaxccl.cli.topology_infer import PairTable
-from jaxccl.distributed.transport import NETWORK_ONLY, ProcessTransport, attach, detach
+from jaxccl.distributed.transport import detach
 from jaxccl.errors import ExecutorError
 from jaxccl.runtime.emulated import LinkEmulation
 from jaxccl.schedule.builder import ScheduleBuilder
@@ -150,18 +150,6 @@ def _time_pair(mesh: Any, cfg: ProbeConfig, pair: tuple[int, int] | None, sizes:
         comm.close()
 
 
-def _attached_transport(mesh: Any, network_only: bool) -> Any:
-    transport = ProcessTransport.bootstrap(
-        timeout_s=TRANSPORT_TIMEOUT_S, options=NETWORK_ONLY if network_only else None
-    )
-    try:
-        attach(transport, mesh, AXIS)
-    except BaseException:
-        transport.close()
-        raise
-    return transport
-
-
 def measure(cfg: ProbeConfig) -> PairTable:
     """Times every ordered pair of the job's devices (JAX started, every process calling this); see the module.
 
@@ -178,7 +166,7 @@ def measure(cfg: ProbeConfig) -> PairTable:
     devices = jax.devices()
     n = len(devices)
     mesh = Mesh(np.array(devices), (AXIS,))
-    transport = _attached_transport(mesh, cfg.network_only) if jax.process_count() > 1 else None
+    transport = attached_transport(mesh, cfg.network_only) if jax.process_count() > 1 else None
     try:
         small, large = cfg.small_bytes, cfg.large_bytes
         (t_empty,) = _time_pair(mesh, cfg, None, (small,))
