@@ -82,26 +82,9 @@ _LEGEND_NIC = re.compile(r"\s*(NIC[0-9]+)\s*:\s*(\S+)\s*$")
 _GPU = re.compile(r"GPU([0-9]+)")
 
 
-class _Sets:
-    """Union-find over device indices."""
-
-    def __init__(self, n: int) -> None:
-        self.parent = list(range(n))
-
-    def find(self, a: int) -> int:
-        while self.parent[a] != a:
-            self.parent[a] = self.parent[self.parent[a]]
-            a = self.parent[a]
-        return a
-
-    def union(self, a: int, b: int) -> None:
-        self.parent[self.find(a)] = self.find(b)
-
-    def classes(self) -> list[list[int]]:
-        out: dict[int, list[int]] = {}
-        for i in range(len(self.parent)):
-            out.setdefault(self.find(i), []).append(i)
-        return list(out.values())
+def _classes(sets: nx.utils.UnionFind) -> list[list[int]]:
+    """The union-find's classes, each in ascending order, ordered by their smallest member."""
+    return sorted(sorted(c) for c in sets.to_sets())
 
 
 def _relation(token: str, row: str, col: str) -> str | int:
@@ -179,7 +162,7 @@ def from_nvidia_smi(text: str) -> Topology:
         for j, b in enumerate(names):
             if isinstance(matrix[i][j], int) and not (a in gpus and b in gpus):
                 raise TopologyError(f"{_WHAT}: {a}/{b} is NV{matrix[i][j]}; NVLink joins GPUs only")
-    switches, sockets = _Sets(n), _Sets(n)
+    switches, sockets = nx.utils.UnionFind(range(n)), nx.utils.UnionFind(range(n))
     for i in range(n):
         for j in range(i + 1, n):
             if matrix[i][j] in ("PIX", "PXB"):
@@ -192,7 +175,7 @@ def from_nvidia_smi(text: str) -> Topology:
             sockets.union(index[name], by_numa.setdefault(value, index[name]))
     for i in range(n):
         for j in range(i + 1, n):
-            if matrix[i][j] == "SYS" and sockets.find(i) == sockets.find(j):
+            if matrix[i][j] == "SYS" and sockets[i] == sockets[j]:
                 raise TopologyError(
                     f"{_WHAT}: {names[i]}/{names[j]} is SYS (different sockets), yet other entries or the NUMA "
                     "affinity put them on one socket"
@@ -210,14 +193,14 @@ def from_nvidia_smi(text: str) -> Topology:
     for i in range(n):
         g.add_node(node(i), kind="gpu" if names[i] in gpus else "nic", host=0)
     socket_of: dict[int, str] = {}
-    for k, members in enumerate(sorted(sockets.classes())):
+    for k, members in enumerate(_classes(sockets)):
         g.add_node(f"cpu:{k}", kind="switch", role="cpu", host=0)
         socket_of.update({i: f"cpu:{k}" for i in members})
     cpus = sorted({*socket_of.values()})
     for a in range(len(cpus)):
         for b in range(a + 1, len(cpus)):
             duplex(cpus[a], cpus[b], SYS_BYTES_PER_S, SYS_LATENCY, "sys")
-    for k, members in enumerate(c for c in sorted(switches.classes()) if len(c) > 1):
+    for k, members in enumerate(c for c in _classes(switches) if len(c) > 1):
         sw = f"pcie:{k}"
         g.add_node(sw, kind="switch", role="pcie", host=0)
         duplex(sw, socket_of[members[0]], PCIE_BYTES_PER_S, PCIE_LATENCY, "pcie")
