@@ -35,6 +35,7 @@ NB_MODULE(_native_cuda, m) {
   m.def("registrations", [] {
     nb::dict d;
     d["jaxccl_cuda_collective"] = nb::capsule(reinterpret_cast<void*>(cuda::JaxcclCudaCollective));
+    d["jaxccl_cuda_mp_collective"] = nb::capsule(reinterpret_cast<void*>(cuda::JaxcclCudaMpCollective));
     return d;
   }, "FFI handler capsules by target name (platform CUDA).");
   m.def(

@@ -190,7 +190,8 @@ __global__ void __launch_bounds__(kThreads) InterpreterKernel(const KernelArgs* 
   if (threadIdx.x == 0) {
     s_cache.Clear();
     const MeasureArgs& m = a.measure;
-    if (m.acc != nullptr && tb.send_conn >= 0 && tb.num_sends > 0 && num_slots <= kMeterMaxSlots) {
+    if (m.acc != nullptr && tb.send_conn >= 0 && tb.num_sends > 0 && num_slots <= kMeterMaxSlots &&
+        ((m.remote_peers >> tb.send_peer) & 1ull) == 0) {
       const bool intra = ((m.intra_peers >> tb.send_peer) & 1ull) != 0;
       meter.acc = m.acc + (intra ? 0 : 1 + tb.send_peer);
       meter.cache = &s_cache;

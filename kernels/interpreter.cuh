@@ -5,14 +5,17 @@
 // deadline); all threads then run the core's op data step; thread 0 publishes the flags of the core's
 // protocol (core/protocol.h): consumed tag into the sender's region, message descriptor and posted tag
 // into the receiver's, op_done into its own. On timeout the block records an error code for the host
-// and the rank's other blocks bail out.
+// and the rank's other blocks bail out. Regions are device memory, or, in a launch across processes,
+// pinned host memory mapped into the device, a remote rank's being the shadow the proxy polls
+// (mapped_memory.h): the kernel treats both alike, and stops when the proxy stores kPeerFailed.
 //
 // Passive measurement (MCCL Sec. 5.1-5.2) with the core's window state machine and cache
-// (core/meter.h): a sending block's thread 0 counts its connection active from the post of a message
-// that finds nothing in flight until it sees the last in-flight one consumed (it polls the consumed
-// tags, local loads, in every wait); accumulators (MeterWindow, device memory) are shared by the
-// rank's blocks under a spin lock; each block flushes its cache into its slots of the host-mapped
-// Measurements Buffer at its end (never waiting: a full slot drops the record and counts it).
+// (core/meter.h), of the connections to ranks of this process (MeasureArgs::remote_peers): a sending
+// block's thread 0 counts its connection active from the post of a message that finds nothing in flight
+// until it sees the last in-flight one consumed (it polls the consumed tags in its own region, in every
+// wait); accumulators (MeterWindow, device memory) are shared by the rank's blocks under a spin lock;
+// each block flushes its cache into its slots of the host-mapped Measurements Buffer at its end (never
+// waiting: a full slot drops the record and counts it).
 #ifndef JAXCCL_KERNELS_INTERPRETER_CUH_
 #define JAXCCL_KERNELS_INTERPRETER_CUH_
 
@@ -55,6 +58,10 @@ struct MeasureArgs {
   int32_t pad;
   long long min_window_bytes;       // windows that carried fewer bytes are dropped
   unsigned long long intra_peers;   // bit p: rank p is on this rank's host
+  // Bit p: rank p runs in another process. The kernel does not meter sends to it: that connection's
+  // messages are timed by the proxy on the wire (transport/proxy.h, TransportRecord), and the kernel
+  // would only see the proxy's handshake around the same transfer.
+  unsigned long long remote_peers;
 };
 
 // One rank's launch.

@@ -1,16 +1,20 @@
-// One launch of the CUDA executor (launch.cu), as the FFI handler (handler.cu) hands a rank's call to it.
+// One launch of the CUDA executor (launch.cu), as the FFI handlers (handler.cu) hand a rank's call to it.
 #ifndef JAXCCL_KERNELS_LAUNCH_H_
 #define JAXCCL_KERNELS_LAUNCH_H_
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "core/reduce.h"
 #include "host/common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxccl {
+
+struct ProcessGroup;
+
 namespace cuda {
 
 // Returns an internal ffi::Error from the enclosing function when a CUDA call fails.
@@ -22,6 +26,21 @@ namespace cuda {
                                          " at ", __FILE__, ":", __LINE__));                                \
     }                                                                                                      \
   } while (0)
+
+// Restores the calling thread's current device when it goes out of scope.
+class DeviceGuard {
+ public:
+  DeviceGuard() { has_ = cudaGetDevice(&previous_) == cudaSuccess; }
+  ~DeviceGuard() {
+    if (has_) (void)cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool has_ = false;
+};
 
 // One rank's call.
 struct CudaArrival {
@@ -36,8 +55,11 @@ struct CudaArrival {
 
 // Runs rank `rank`'s part of the launch its call `me` belongs to (call site `site` of run `run_id`, group
 // `group` of `axis_size` ranks, schedule slot `slot`) on `stream`, and waits for the kernel to report.
+// `processes`: the group's process group when it may span processes (jaxccl_cuda_mp_collective: this
+// process's ranks meet, and the proxy in jaxccl._native carries the connections to the others); null
+// when every rank runs in this process.
 ffi::Error RunLaunch(cudaStream_t stream, int64_t run_id, int64_t slot, int64_t site, int32_t group, int32_t rank,
-                     int32_t axis_size, const CudaArrival& me);
+                     int32_t axis_size, const CudaArrival& me, std::shared_ptr<const ProcessGroup> processes);
 
 // What a protocol error code (core/protocol.h, ProtocolError) of the kernel means.
 const char* ErrorWhat(int32_t code);

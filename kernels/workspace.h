@@ -1,5 +1,6 @@
 // The CUDA executor's per-(schedule slot, device) workspaces: the flag regions and staging of its rank,
-// scratch, the rank's program and kernel arguments in device memory, and the rank's measurement memory.
+// scratch, the rank's program and kernel arguments in device memory, the rank's measurement memory and,
+// for launches across processes, its host-mapped flag regions.
 // launch.cu sizes a workspace for each launch; measure.cu reads its measurement memory while
 // collectives run.
 #ifndef JAXCCL_KERNELS_WORKSPACE_H_
@@ -19,6 +20,7 @@
 #include "core/protocol.h"
 #include "core/table_format.h"
 #include "interpreter.cuh"
+#include "mapped_memory.h"
 
 namespace jaxccl {
 namespace cuda {
@@ -48,7 +50,7 @@ struct MeasureBuffers {
 
 struct Workspace {
   int device = -1;
-  char* base = nullptr;  // two regions, then staging
+  char* base = nullptr;  // two regions, then staging (across processes: staging only, the regions are `mapped`)
   size_t bytes = 0;
   const Table* program_of = nullptr;  // the table whose per-rank program is on the device
   int32_t program_rank = -1;
@@ -62,6 +64,7 @@ struct Workspace {
   char* scratch = nullptr;
   size_t scratch_bytes = 0;
   MeasureBuffers measure;
+  MappedRegions mapped;  // across processes: the rank's two flag regions, host-mapped (mapped_memory.h)
 };
 
 using WorkspaceMap = std::map<std::pair<int64_t, int>, std::unique_ptr<Workspace>>;  // by (slot, device)

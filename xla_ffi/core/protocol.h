@@ -65,6 +65,7 @@ enum ProtocolError : int32_t {
   kTimeoutDrain = 4,
   kSizeMismatch = 5,
   kStaleMessage = 6,
+  kPeerFailed = 7,
 };
 
 // Who posted a message: the table it runs (its checksum) and the launch (the low 32 bits of its epoch).
