@@ -10,11 +10,14 @@ e.g. in every process of a job after ``jax.distributed.initialize``.
 The JSON keys (stable; a value that does not apply is ``null``):
 
 - ``jaxccl``, ``python``, ``platform``: versions and ``platform.platform()``.
-- ``packages``: ``jax``, ``jaxlib``, ``numpy``, ``libucx``: installed versions (``null``: not installed).
-- ``native``: ``cpu`` (``jaxccl._native``), ``transport`` (``jaxccl._transport``), ``cuda``
-  (``jaxccl._native_cuda``), each ``{"module", "built", "loads", "reason"}``: ``built`` is the module file
-  being there, ``loads`` whether importing it works (``null``: not tried, with ``--no-jax`` for ``cpu`` and
-  ``cuda``, which load through JAX), ``reason`` why it cannot be used here (``null``: it can).
+- ``packages``: ``jax``, ``jaxlib``, ``numpy``, ``libucx``, ``jaxccl_cuda12_plugin``: installed versions
+  (``null``: not installed).
+- ``native``: ``cpu`` (``jaxccl._native``), ``transport`` (``jaxccl._transport``), ``cuda`` (the CUDA
+  executor: ``jaxccl_cuda12_plugin._native_cuda`` where the ``jaxccl-cuda12-plugin`` package is installed,
+  else ``jaxccl._native_cuda``; :mod:`jaxccl.runtime.cuda_plugin`), each ``{"module", "built", "loads",
+  "reason"}``: ``built`` is the module file being there, ``loads`` whether importing it works (``null``: not
+  tried, with ``--no-jax`` for ``cpu`` and ``cuda``, which load through JAX), ``reason`` why it cannot be
+  used here (``null``: it can).
 - ``ucx``: ``{"version", "transports", "error"}`` of the UCX library the transport loaded (``null``: the
   transport does not load); ``transports`` are ``"transport/device"`` names such as ``"tcp/eth0"``.
 - ``jax``: ``{"backend", "device_count", "local_device_count", "devices", "distributed", "error"}``
@@ -51,19 +54,21 @@ from typing import Any
 
 from jaxccl import __version__
 from jaxccl.errors import JaxcclError
+from jaxccl.runtime import cuda_plugin
 from jaxccl.topology.discover import discover
 
 __all__ = ["NATIVE_MODULES", "collect", "format_text", "native_built", "register", "version_line"]
 
-# The native modules, by the short names --version and the report use.
+# The native modules, by the short names --version and the report use (the CUDA executor: the plugin
+# package's where it is installed, else jaxccl's own).
 NATIVE_MODULES: dict[str, str] = {
     "cpu": "jaxccl._native",
     "transport": "jaxccl._transport",
-    "cuda": "jaxccl._native_cuda",
+    "cuda": cuda_plugin.installed_module() or cuda_plugin.BUILTIN_MODULE,
 }
 CPU_NOT_BUILT = "jaxccl._native was not built: pip install -e . builds it with CMake"
-CUDA_NOT_BUILT = "jaxccl was built without its CUDA module (jaxccl._native_cuda; needs nvcc at build time)"
-PACKAGES = ("jax", "jaxlib", "numpy", "libucx")
+CUDA_NOT_BUILT = cuda_plugin.NOT_INSTALLED
+PACKAGES = ("jax", "jaxlib", "numpy", "libucx", cuda_plugin.PLUGIN_PACKAGE)
 ENV_ALWAYS = ("NCCL_TOPO_FILE", "PJRT_NPROC")
 _DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\S+)")
 
@@ -169,6 +174,8 @@ def _native_section(with_jax: bool) -> dict[str, dict[str, Any]]:
     section["cpu"]["loads"] = True
     cuda_loads, cuda_reason = native.cuda_status()
     section["cuda"].update(loads=cuda_loads, reason=cuda_reason)
+    if native.cuda_module_name() is not None:  # the plugin did not load, jaxccl's own did
+        section["cuda"]["module"] = native.cuda_module_name()
     return section
 
 
@@ -290,8 +297,9 @@ def format_text(report: Mapping[str, Any]) -> str:
         "packages: " + ", ".join(f"{k} {_or(v, 'not installed')}" for k, v in report["packages"].items()),
         "native modules:",
     ]
+    width = max(20, *(len(entry["module"]) for entry in report["native"].values()))
     for name, entry in report["native"].items():
-        lines.append(f"  {name:<10} {entry['module']:<20} {_module_state(entry)}")
+        lines.append(f"  {name:<10} {entry['module']:<{width}} {_module_state(entry)}")
         if entry["reason"] is not None and entry["built"]:
             lines.append(f"  {'':<10} {entry['reason']}")
     ucx = report["ucx"]

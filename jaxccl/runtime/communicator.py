@@ -694,7 +694,9 @@ def resolve(axis_name: Hashable, axis_size: int) -> Communicator:
 
 
 def lowering_backend(comm: Communicator, platform: str) -> str:
-    """The backend ``comm`` runs on ``platform`` ("cpu", "cuda", "rocm", ...)."""
+    """The backend ``comm`` runs on ``platform`` ("cpu", "cuda", "rocm", ...): its own, or for ``"auto"``
+    :func:`~jaxccl.runtime.native_backend.auto_backend` (across processes a native backend only where a
+    transport is attached)."""
     if comm.backend != "auto":
         if comm.backend == "cpu" and platform != "cpu":
             raise ExecutorError(f"{comm!r}: the cpu backend cannot run on platform {platform!r}")
@@ -703,11 +705,13 @@ def lowering_backend(comm: Communicator, platform: str) -> str:
         return comm.backend
     import jax
 
-    if jax.process_count() > 1 or not native_available():
-        return "ppermute"
-    native = _native()
-    if platform == "cpu":
-        return "cpu"
-    if platform == "cuda" and native.has_cuda_support():
-        return "cuda"
-    return "ppermute"
+    from jaxccl.runtime.native_backend import auto_backend  # imports JAX
+
+    native = _native() if native_available() else None
+    return auto_backend(
+        platform,
+        process_count=jax.process_count(),
+        native=native is not None,
+        cuda=native is not None and platform == "cuda" and native.has_cuda_support(),
+        transport=native is not None and native.process_groups_attached(),
+    )

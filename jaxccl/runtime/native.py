@@ -1,8 +1,11 @@
 """The compiled executor: loads ``jaxccl._native``, registers its FFI targets, wraps its registry.
 
-Importing this module registers the CPU target ``jaxccl_cpu_collective`` with
-XLA (once per process) and, when the optional CUDA module was built and a GPU
-is visible, ``jaxccl_cuda_collective``. The registry holds compiled tables
+Importing this module registers the CPU targets ``jaxccl_cpu_collective`` and
+``jaxccl_cpu_mp_collective`` with XLA (once per process) and, when a CUDA module
+is installed and a GPU is visible, ``jaxccl_cuda_collective`` and
+``jaxccl_cuda_mp_collective``. The CUDA module is the ``jaxccl-cuda12-plugin``
+package's when installed (``pip install "jaxccl[cuda12]"``), else jaxccl's own
+(:mod:`jaxccl.runtime.cuda_plugin`). The registry holds compiled tables
 (:func:`jaxccl.schedule.table.compile_table`) in numbered slots; a compiled JAX
 program names only the slot, so :func:`install` swaps schedules without
 recompiling.
@@ -16,6 +19,8 @@ Example:
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -23,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from jaxccl.errors import ExecutorError, ScheduleError
+from jaxccl.runtime import cuda_plugin
 from jaxccl.schedule.ir import Schedule
 from jaxccl.schedule.table import check_table, compile_table, compiled_table
 
@@ -46,8 +52,9 @@ CUDA_MEASURE_MIN_WINDOW_BYTES = 32 << 10  # windows that carried fewer bytes are
 
 _registered = False
 _cuda: Any = None
+_cuda_name: str | None = None  # the CUDA module loaded (one of cuda_plugin.CUDA_MODULES)
 _cuda_checked = False
-_cuda_error: str | None = None  # why jaxccl._native_cuda did not load (None: it did, or was never built)
+_cuda_error: str | None = None  # why an installed CUDA module did not load (None: one did, or none is installed)
 
 
 def _register() -> None:
@@ -64,21 +71,48 @@ def _register() -> None:
     _registered = True
 
 
+def _load_cuda() -> tuple[Any, str | None, str | None]:
+    """The first CUDA module of :data:`~jaxccl.runtime.cuda_plugin.CUDA_MODULES` that loads and attaches to
+    ``jaxccl._native``, its name, and why the first installed one did not (``None``: it did, or none is)."""
+    error = None
+    for name in cuda_plugin.CUDA_MODULES:
+        try:
+            mod = importlib.import_module(name)
+            mod.attach(_native._core_api())
+        except ModuleNotFoundError as e:
+            if e.name is not None and (name == e.name or name.startswith(f"{e.name}.")):
+                continue  # not installed
+            why = f"{name} is installed but does not load: {e}"
+        except ImportError as e:  # a missing CUDA library
+            why = f"{name} is installed but does not load: {e}"
+        except ValueError as e:  # built from another tree than jaxccl._native
+            why = f"{name} does not fit this jaxccl._native: {e}"
+        else:
+            if error is not None:
+                logging.getLogger(__name__).warning("jaxccl uses %s: %s", name, error)
+            return mod, name, None
+        error = error or why
+    return None, None, error
+
+
 def _cuda_module() -> Any:
-    """The attached CUDA module, or None when it was not built or cannot load."""
-    global _cuda, _cuda_checked, _cuda_error
+    """The attached CUDA module, or None when none is installed or it cannot load."""
+    global _cuda, _cuda_name, _cuda_checked, _cuda_error
     if not _cuda_checked:
         _cuda_checked = True
-        try:
-            from jaxccl import _native_cuda  # the CUDA module is optional: loaded on demand
-        except ImportError as e:
-            _native_cuda = None
-            if not (isinstance(e, ModuleNotFoundError) and e.name == "jaxccl._native_cuda"):
-                _cuda_error = str(e)  # built, but it does not load (a missing CUDA library)
-        if _native_cuda is not None:
-            _native_cuda.attach(_native._core_api())
-        _cuda = _native_cuda
+        _cuda, _cuda_name, _cuda_error = _load_cuda()  # the CUDA module is optional: loaded on demand
     return _cuda
+
+
+def cuda_module_name() -> str | None:
+    """The CUDA module in use: ``"jaxccl_cuda12_plugin._native_cuda"`` (the plugin package),
+    ``"jaxccl._native_cuda"`` (jaxccl's own build), or ``None`` (none loads).
+
+    >>> cuda_module_name() in (*cuda_plugin.CUDA_MODULES, None)
+    True
+    """
+    _cuda_module()
+    return _cuda_name
 
 
 def has_cuda_support() -> bool:
@@ -88,10 +122,12 @@ def has_cuda_support() -> bool:
 
 
 def cuda_status() -> tuple[bool, str | None]:
-    """Whether ``jaxccl._native_cuda`` loads, and why the CUDA executor cannot run here (``None``: it can).
+    """Whether a CUDA module loads (:func:`cuda_module_name`), and why the CUDA executor cannot run here
+    (``None``: it can).
 
-    The reason says which: the module was not built, it was built but does not load (a missing CUDA
-    library), or it loads but no CUDA device is visible.
+    The reason says which: no CUDA module is installed (neither the plugin package nor jaxccl's own
+    build), one is but does not load (a missing CUDA library, or built from another jaxccl), or it
+    loads but no CUDA device is visible.
 
     >>> loads, reason = cuda_status()
     >>> has_cuda_support() == (reason is None) and (loads or reason is not None)
@@ -99,12 +135,20 @@ def cuda_status() -> tuple[bool, str | None]:
     """
     mod = _cuda_module()
     if mod is None:
-        if _cuda_error is not None:
-            return False, f"jaxccl._native_cuda was built but does not load: {_cuda_error}"
-        return False, "jaxccl was built without its CUDA module (jaxccl._native_cuda; needs nvcc at build time)"
+        return False, _cuda_error or cuda_plugin.NOT_INSTALLED
     if mod.device_count() <= 0:
-        return True, "jaxccl._native_cuda loads, but no CUDA device is visible"
+        return True, f"{_cuda_name} loads, but no CUDA device is visible"
     return True, None
+
+
+def process_groups_attached() -> bool:
+    """Whether a transport's process groups are attached (:func:`jaxccl.distributed.transport.attach`): only
+    then do the native backends run collectives whose ranks span processes.
+
+    >>> process_groups_attached()
+    False
+    """
+    return bool(_native.process_groups_attached())
 
 
 def _wrap(fn: Any, *args: Any) -> Any:
@@ -361,7 +405,7 @@ def configure_cuda_measurement(
     """
     mod = _cuda_module()
     if mod is None:
-        raise ExecutorError("configure_cuda_measurement: jaxccl was built without its CUDA module")
+        raise ExecutorError(f"configure_cuda_measurement: {cuda_plugin.NOT_INSTALLED}")
     settings = (int(intra_threshold), int(inter_threshold), int(slots_per_tb), int(min_window_bytes))
     _wrap(mod.measure_configure, bool(enabled), [int(h) for h in host_of_rank], *settings)
 
@@ -370,11 +414,11 @@ def drain_cuda_measurement() -> tuple[bytes, int]:
     """The CUDA kernel's measurement records (32 bytes each, freed) and how many were dropped since the last drain.
 
     Raises:
-        ExecutorError: the CUDA module is not built.
+        ExecutorError: no CUDA module is installed.
     """
     mod = _cuda_module()
     if mod is None:
-        raise ExecutorError("drain_cuda_measurement: jaxccl was built without its CUDA module")
+        raise ExecutorError(f"drain_cuda_measurement: {cuda_plugin.NOT_INSTALLED}")
     raw, dropped = mod.measure_drain()
     return bytes(raw), int(dropped)
 

@@ -12,9 +12,9 @@ what makes hot-swap recompile-free), ``site`` (a unique id of the lowered call
 site, part of the rendezvous key), ``axis_size`` and ``reduce_op`` (the
 operator of a reducing table, :class:`~jaxccl.schedule.reduction.ReduceOp`:
 one table serves sum, max and min). In a job of several
-processes the CPU call is ``jaxccl_cpu_mp_collective``, which runs this
-process's ranks and reaches the others through the transport attached with
-:func:`jaxccl.distributed.transport.attach`.
+processes the call is ``jaxccl_cpu_mp_collective`` (``jaxccl_cuda_mp_collective``),
+which runs this process's ranks and reaches the others through the transport
+attached with :func:`jaxccl.distributed.transport.attach` (:func:`target`).
 """
 
 from __future__ import annotations
@@ -27,10 +27,43 @@ from jax import lax
 from jaxccl.runtime import axes as _axes
 from jaxccl.schedule.ir import Collective
 
-__all__ = ["TARGETS", "flat_collective", "output_elems"]
+__all__ = ["MULTIPROCESS_TARGETS", "TARGETS", "auto_backend", "flat_collective", "output_elems", "target"]
 
 TARGETS = {"cpu": "jaxccl_cpu_collective", "cuda": "jaxccl_cuda_collective"}
-MULTIPROCESS_CPU_TARGET = "jaxccl_cpu_mp_collective"
+MULTIPROCESS_TARGETS = {"cpu": "jaxccl_cpu_mp_collective", "cuda": "jaxccl_cuda_mp_collective"}
+
+
+def target(backend: str, process_count: int) -> str:
+    """The FFI target of ``backend`` ("cpu" or "cuda") in a job of ``process_count`` processes.
+
+    Across processes the call is the one that runs this process's ranks and reaches the others through
+    the attached transport; it is taken for every collective then, also one whose ranks all run here.
+
+    >>> target("cuda", 1), target("cuda", 2)
+    ('jaxccl_cuda_collective', 'jaxccl_cuda_mp_collective')
+    """
+    return (MULTIPROCESS_TARGETS if process_count > 1 else TARGETS)[backend]
+
+
+def auto_backend(platform: str, *, process_count: int, native: bool, cuda: bool, transport: bool) -> str:
+    """What ``backend="auto"`` runs on ``platform``: the native executor of the platform where it can run,
+    else ``"ppermute"``.
+
+    ``native``: ``jaxccl._native`` loads; ``cuda``: the CUDA executor loads and sees a GPU; ``transport``: a
+    transport's process groups are attached (across processes the native backends need one).
+
+    >>> auto_backend("cuda", process_count=2, native=True, cuda=True, transport=True)
+    'cuda'
+    >>> auto_backend("cpu", process_count=2, native=True, cuda=False, transport=False)
+    'ppermute'
+    """
+    if not native or (process_count > 1 and not transport):
+        return "ppermute"
+    if platform == "cpu":
+        return "cpu"
+    if platform == "cuda" and cuda:
+        return "cuda"
+    return "ppermute"
 
 
 def output_elems(coll: Collective, input_elems: int, n: int) -> int:
@@ -78,8 +111,7 @@ def flat_collective(
     if dep is not None:
         coords = coords + dep
     out = jax.ShapeDtypeStruct((output_elems(coll, int(flat.shape[0]), n),), flat.dtype)
-    target = MULTIPROCESS_CPU_TARGET if backend == "cpu" and jax.process_count() > 1 else TARGETS[backend]
-    call = jax.ffi.ffi_call(target, out, has_side_effect=True)
+    call = jax.ffi.ffi_call(target(backend, jax.process_count()), out, has_side_effect=True)
     return call(
         flat, coords, slot=np.int64(slot), site=np.int64(site), axis_size=np.int64(n), reduce_op=np.int64(reduce_op)
     )

@@ -126,6 +126,8 @@ NB_MODULE(_native, m) {
       "Attaches the transport (a capsule of jaxccl._transport) and the process of every rank of every group of "
       "the mesh (process_of_rank[group][rank]).");
   m.def("clear_process_group", [] { DetachProcessGroups(); }, "Detaches the process groups.");
+  m.def("process_groups_attached", [] { return ProcessGroupOf(0).has_value(); },
+        "Whether set_process_group attached process groups (native collectives may then span processes).");
   m.def(
       "transport_drain",
       [] {
