@@ -69,7 +69,8 @@ if(_jaxccl_build_cuda)
   target_include_directories(jaxccl_cuda_impl SYSTEM PRIVATE ${XLA_FFI_INCLUDE_DIR})
   target_include_directories(jaxccl_cuda_impl PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/xla_ffi
                                                       ${CMAKE_CURRENT_SOURCE_DIR}/kernels)
-  target_compile_options(jaxccl_cuda_impl PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Wno-unused-parameter>)
+  target_compile_options(jaxccl_cuda_impl
+                         PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:-Xcompiler=-Wall,-Wextra,-Wno-unused-parameter>)
   target_link_libraries(jaxccl_cuda_impl PUBLIC CUDA::cudart_static)
 
   nanobind_add_module(_native_cuda NB_STATIC kernels/cuda_module.cc)

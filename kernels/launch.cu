@@ -455,12 +455,16 @@ ffi::Error RunKernel(cudaStream_t stream, int64_t slot, int64_t site, int32_t ra
 ffi::Error FinishAcrossProcesses(int32_t rank, CudaLaunch& l, const int32_t* error, ffi::Error result) {
   ProxyHandle& proxy = *l.proxy;
   const bool peer_failed = error[0] == kPeerFailed;  // the kernel ran and stopped for the proxy's failure
-  if (result.failure() && !peer_failed) proxy.Abort(result.message(), result.errc().value_or(ffi::ErrorCode::kInternal));
+  if (result.failure() && !peer_failed) {
+    proxy.Abort(result.message(), result.errc().value_or(ffi::ErrorCode::kInternal));
+  }
   proxy.WaitDone();
   if (ffi::Error failure = proxy.Failure(); failure.failure()) {
     // The kernel stopped for the proxy's failure (or it won over the kernel's own): the proxy's error says it.
+    // kPeerFailed comes from the proxy, which names no threadblock.
     result = peer_failed ? ffi::Error(failure.errc().value_or(ffi::ErrorCode::kInternal),
-                                      StrCat(result.message(), ": ", failure.message()))
+                                      StrCat("jaxccl (cuda): rank ", rank, " stopped: ", ErrorWhat(kPeerFailed), ": ",
+                                             failure.message()))
                          : std::move(failure);
   }
   std::unique_ptr<ProxyHandle> last;
