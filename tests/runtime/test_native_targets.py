@@ -55,3 +55,19 @@ def test_auto_in_this_process_follows_the_rule_with_what_is_installed_here():
         expected = auto_backend(platform, process_count=1, native=True, cuda=cuda, transport=False)
         assert communicator.lowering_backend(comm, platform) == expected
     assert communicator.lowering_backend(comm, "cpu") == "cpu"
+
+
+def test_a_transport_counts_as_attached_from_attach_to_detach():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from jaxccl.distributed.transport import ProcessTransport, attach, detach
+
+    with ProcessTransport(0, 2) as t:  # a job of 2 processes whose mesh runs every rank in process 0
+        attach(t, Mesh(np.array(jax.devices()), ("d",)), "d")
+        try:
+            assert native.process_groups_attached()
+        finally:
+            detach()
+    assert not native.process_groups_attached()
