@@ -29,7 +29,7 @@ from jaxccl.distributed.transport import check_loop_backend, stage_agreed
 from jaxccl.distributed.transport import unavailable_reason as transport_unavailable
 from jaxccl.errors import ArgumentError, ExecutorError
 from jaxccl.runtime.communicator import default_communicator
-from jaxccl.topology import rail
+from jaxccl.topology import rail, single_node
 
 WORKER = Path(__file__).parents[1] / "workers" / "loop_sources_worker.py"
 TRANSPORT = transport_unavailable()
@@ -68,11 +68,15 @@ def test_a_default_communicator_is_refused_saying_why():
 
 @pytest.mark.skipif(not jaxccl.has_cuda_support(), reason="needs the CUDA executor and a GPU")
 def test_a_cuda_communicator_is_taken_with_its_kernel_as_a_source():
-    comm = _comm("cuda") if len(jax.devices("gpu")) >= 4 else None
-    if comm is None:
-        pytest.skip("needs 4 GPUs in this process")
+    gpus = jax.devices("gpu")
+    comm = jaxccl.Communicator(Mesh(np.array(gpus), ("d",)), "d", topology=single_node(len(gpus)), backend="cuda")
     check_loop_backend(comm, "ProcessLoop")
-    assert comm.measuring and comm.measurement().backend == "cuda"
+    with pytest.raises(ExecutorError, match="jax.distributed.initialize"):  # past the backend check
+        ProcessLoop(comm)
+    assert comm.measuring
+    m = comm.measurement()
+    assert (m.backend, m.scope) == ("cuda", "process")
+    assert comm.telemetry().num_gpus == len(gpus)
 
 
 # ------------------------------------------------------------------ which rows leave a process
