@@ -111,7 +111,7 @@ def overhead(channels_list, chunks, runs):
                     "aa_control_pct": (t_ctl / t_off - 1) * 100,
                     # isolated cost: hook work per message x messages per collective (2 ranks x channels), / time
                     "hook_estimate_pct": hook_ns * 1e-9 * 2 * ch / t_off * 100,
-                    "windows": on.network.stats()["windows"],
+                    "windows": on.measurement().windows,
                 }
             )
             for comm in (on, off, ctl):
@@ -187,13 +187,13 @@ def memory(run_stats):
         {
             "structure": "this run: accumulators",
             "formula": "all GPUs",
-            "bytes": run_stats["accumulator_bytes"],
+            "bytes": run_stats.accumulator_bytes,
             "mccl_bytes": None,
         },
         {
             "structure": "this run: buffer",
-            "formula": f"{run_stats['regions']} TB regions",
-            "bytes": run_stats["buffer_bytes"],
+            "formula": f"{run_stats.regions} TB regions",
+            "bytes": run_stats.buffer_bytes,
             "mccl_bytes": None,
         },
     ]
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     with comm:
         f(_input(1 << 16)).block_until_ready()
     print("\n(c) memory footprint (MCCL Table 2: NGPU=128, SRV=8, TB=1024)")
-    mem = memory(comm.network.stats())
+    mem = memory(comm.measurement())
     report.print_table(mem)
     big = [r for r in over if r["channels"] >= 16]
     print(

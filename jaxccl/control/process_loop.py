@@ -5,8 +5,11 @@ step (its collectives finished). A step of the loop:
 
 1. **Measure.** Each process drains what it measured since its last step: the transport's
    completion times of its sends to ranks in other processes (:class:`TransportMeter`, MCCL
-   Sec. 5's "active while a message is in flight") and, with link emulation, the executor's meter
-   for its own ranks. It publishes its rows of the link matrix in the job's key-value store.
+   Sec. 5's "active while a message is in flight"; the proxy records them on both backends) and,
+   where the executor measures (:attr:`jaxccl.Communicator.measuring`: the CUDA kernel's
+   per-threadblock accumulators, or CPU link emulation), its meter for pairs inside the process
+   (:meth:`jaxccl.Communicator.telemetry`). It publishes its rows of the link matrix
+   (:func:`published_rows`) in the job's key-value store.
 2. **Gather.** Process 0 reads every process's rows (one deadline) and folds them into one EWMA
    matrix (:class:`~jaxccl.telemetry.TelemetryCollector`): the whole communicator's telemetry.
 3. **Decide.** Process 0 runs one step of the :class:`~jaxccl.control.Controller` on it (MCCL's
@@ -23,7 +26,7 @@ in time) never reaches the training step: it is logged (logger ``jaxccl.control`
 
 Example (in every process, after :func:`~jaxccl.distributed.transport.attach`)::
 
-    loop = ProcessLoop(comm)               # comm: backend="cpu", a topology of the job's links
+    loop = ProcessLoop(comm)               # comm: backend "cpu" or "cuda", a topology of the job's links
     for batch in data:
         loss = train_step(params, batch)   # runs jaxccl collectives over comm's axis
         loss.block_until_ready()
@@ -46,13 +49,19 @@ from typing import Any
 import numpy as np
 
 from jaxccl.control.controller import Controller, Event
-from jaxccl.distributed.transport import DEFAULT_SWAP_MARGIN, TransportMeter, stage_agreed, swap_key
+from jaxccl.distributed.transport import (
+    DEFAULT_SWAP_MARGIN,
+    TransportMeter,
+    check_loop_backend,
+    stage_agreed,
+    swap_key,
+)
 from jaxccl.errors import ArgumentError, DeadlineError, ExecutorError
 from jaxccl.schedule import Schedule
 from jaxccl.telemetry import RECORD_DTYPE, TelemetryCollector
 from jaxccl.telemetry.records import INTER, INTRA
 
-__all__ = ["LOOP_KEY_PREFIX", "ProcessLoop", "decision_key", "rates_key"]
+__all__ = ["LOOP_KEY_PREFIX", "ProcessLoop", "decision_key", "published_rows", "rates_key"]
 
 log = logging.getLogger("jaxccl.control")
 
@@ -91,6 +100,38 @@ def records_of(matrix: np.ndarray) -> bytes:
     return recs.tobytes()
 
 
+def published_rows(
+    transport: np.ndarray,
+    executor: np.ndarray | None,
+    *,
+    process_of_rank: Sequence[int],
+    host_of_rank: Sequence[int],
+    process: int,
+) -> list[list[float]]:
+    """The entries of the link matrix that ``process`` publishes: ``[src, dst, bytes/s]``, ``src`` its own rank.
+
+    Each entry has one source: a pair whose receiver runs in another process, the transport's
+    completion times (``transport``, :meth:`TransportMeter.rates`); a pair inside the process and a
+    rank's intra-host injection (the diagonal), the executor's meter (``executor``: the latest samples
+    of :meth:`jaxccl.Communicator.telemetry`; ``None`` where it does not measure). Pairs of two ranks
+    of one host are no entries of the matrix; NaN is "not measured".
+
+    >>> nan = np.nan
+    >>> transport = np.array([[nan, nan, 5.0], [nan, nan, nan], [nan, nan, nan]])
+    >>> executor = np.array([[1.0, 2.0, 9.0], [nan, 3.0, nan], [4.0, nan, 6.0]])
+    >>> published_rows(transport, executor, process_of_rank=[0, 0, 1], host_of_rank=[0, 1, 2], process=0)
+    [[0, 0, 1.0], [0, 1, 2.0], [0, 2, 5.0], [1, 1, 3.0]]
+    """
+    proc, host = np.asarray(process_of_rank), np.asarray(host_of_rank)
+    n = len(proc)
+    inside = proc[:, None] == proc[None, :]
+    m = np.where(inside, np.nan if executor is None else executor, transport)
+    keep = (proc == process)[:, None] & np.isfinite(m)
+    keep &= (host[:, None] != host[None, :]) | np.eye(n, dtype=bool)
+    src, dst = np.nonzero(keep)
+    return [[int(i), int(j), float(m[i, j])] for i, j in zip(src, dst)]
+
+
 class _GatheredView:
     """What the controller of process 0 sees as its communicator: the gathered telemetry, agreed staging."""
 
@@ -126,9 +167,12 @@ class ProcessLoop:
     """The closed loop of one communicator across the processes of a job; call :meth:`step` in every process.
 
     Args:
-        comm: the communicator (native ``cpu`` backend over a mesh axis attached across processes
-            with :func:`~jaxccl.distributed.transport.attach`, and a ``topology`` describing the
-            job's links). Build it the same way in every process.
+        comm: the communicator (a native backend, ``cpu`` or ``cuda``, over a mesh axis attached
+            across processes with :func:`~jaxccl.distributed.transport.attach`, and a ``topology``
+            describing the job's links). Build it the same way in every process. Where the executor
+            measures inside the process (:attr:`jaxccl.Communicator.measuring`: ``cuda`` with a
+            topology, or link emulation), its meter gives the pairs inside the process; the
+            transport's completion times give those across processes (:attr:`sources`).
         collectives: what the controller manages (see :class:`~jaxccl.control.Controller`).
         every: run the loop on every ``every``-th call of :meth:`step` only (the first included).
         timeout_s: deadline of every wait on another process (gathering, the decision, agreement).
@@ -140,9 +184,19 @@ class ProcessLoop:
         **controller_options: passed to the :class:`~jaxccl.control.Controller` of process 0
             (``gamma``, ``confirm``, ``tolerance``, ``synthesizers``, ...).
 
+    Attributes:
+        sources: where this process's measurements come from: ``"transport"`` (always) and
+            ``"executor"`` where the executor measures inside the process.
+        published: the rows this process published at its last step (:func:`published_rows`).
+        measurement: the executor's counters as of the last step
+            (:meth:`jaxccl.Communicator.measurement`; ``None`` without an executor source). Records
+            it dropped are logged as a warning.
+
     Raises:
+        ArgumentError: the communicator runs on another backend than ``cpu`` or ``cuda``
+            (:func:`~jaxccl.distributed.transport.check_loop_backend` says why), has no topology, or
+            ``every`` is not a positive integer.
         ExecutorError: ``jax.distributed`` is not initialized.
-        ValueError: the communicator has no topology, or ``every`` is not a positive integer.
     """
 
     def __init__(
@@ -159,6 +213,7 @@ class ProcessLoop:
     ):
         from jax._src import distributed
 
+        check_loop_backend(comm, "ProcessLoop")
         self._client = distributed.global_state.client
         if self._client is None:
             raise ExecutorError("ProcessLoop needs jax.distributed.initialize(...) first")
@@ -175,13 +230,19 @@ class ProcessLoop:
         self.key_prefix = key_prefix
         n = comm.axis_size
         devices = np.asarray(comm.group_devices()).reshape(-1, n)[0]
-        self._local = np.array([int(d.process_index) == self.process_id for d in devices])
-        self._host = np.array([comm.topology.host_of(r) for r in range(n)])
+        self._process_of_rank = [int(d.process_index) for d in devices]
+        self._host = [comm.topology.host_of(r) for r in range(n)]
+        self.sources = ("executor", "transport") if comm.measuring else ("transport",)
+        self.measurement = None
+        self.published: list[list[float]] = []
         self.meter = TransportMeter(n)
         self.meter.drain()  # what was sent before the loop began is not its to judge
         self._collector = TelemetryCollector(n, alpha=alpha)
         self._snapshot = self._collector.snapshot()
-        self._emulated_samples = None
+        self._executor_samples = None
+        if comm.measuring:  # likewise what the executor measured before
+            self._executor_samples = comm.telemetry().samples
+            comm.measurement()
         self._calls = 0
         self._round = 0
         self._staged_this_step = False
@@ -241,7 +302,7 @@ class ProcessLoop:
 
     def _step(self, k: int) -> None:
         t0 = time.perf_counter()
-        rows = self._measure()
+        rows = self.published = self._measure()
         t1 = time.perf_counter()
         self.times.measure_ms = (t1 - t0) * 1e3
         if self.controller is None:
@@ -268,22 +329,29 @@ class ProcessLoop:
 
     def _measure(self) -> list[list[float]]:
         """This process's measured entries since its last step: ``[src, dst, bytes/s]`` each."""
-        m = self.meter.rates()
-        emulated = self._emulated()
-        if emulated is not None:
-            m = np.where(np.isnan(m), emulated, m)
-        keep = self._local[:, None] & np.isfinite(m)
-        keep &= (self._host[:, None] != self._host[None, :]) | np.eye(len(self._host), dtype=bool)
-        src, dst = np.nonzero(keep)
-        return [[int(i), int(j), float(m[i, j])] for i, j in zip(src, dst)]
+        return published_rows(
+            self.meter.rates(),
+            self._executor(),
+            process_of_rank=self._process_of_rank,
+            host_of_rank=self._host,
+            process=self.process_id,
+        )
 
-    def _emulated(self) -> np.ndarray | None:
-        """The latest raw samples of the executor's meter (link emulation), new since the last step, else None."""
-        if getattr(self.comm, "network", None) is None:
+    def _executor(self) -> np.ndarray | None:
+        """The executor meter's latest samples, new since the last step (else NaN); None where it does not measure."""
+        if "executor" not in self.sources:
             return None
         tel = self.comm.telemetry()
-        fresh = tel.samples != (self._emulated_samples if self._emulated_samples is not None else 0)
-        self._emulated_samples = tel.samples
+        self.measurement = self.comm.measurement()
+        if self.measurement.dropped:
+            log.warning(
+                "jaxccl loop (process %d): the executor dropped %d measurement records since the last step (its "
+                "buffer was full); drain more often or raise slots_per_tb",
+                self.process_id,
+                self.measurement.dropped,
+            )
+        fresh = tel.samples != (self._executor_samples if self._executor_samples is not None else 0)
+        self._executor_samples = tel.samples
         return np.where(fresh, tel.last, np.nan)
 
     def _gather(self, k: int, own: list[list[float]]) -> None:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.errors import DeadlineError, ExecutorError, TransportArgumentError
+from jaxccl.errors import ArgumentError, DeadlineError, ExecutorError, TransportArgumentError
 
 KEY_PREFIX = "jaxccl/transport"
 DEFAULT_TIMEOUT_S = 60.0
@@ -341,6 +341,45 @@ def swap_key(slot: int, round_id: Any) -> str:
 
 
 DEFAULT_SWAP_MARGIN = 4
+# The backends whose collectives run in jaxccl's executor: a registry slot to hot-swap, a meter to read.
+LOOP_BACKENDS = ("cpu", "cuda")
+
+
+def check_loop_backend(comm: Any, caller: str) -> None:
+    """Raises unless ``comm`` runs on a backend the closed loop can drive across processes (``cpu``, ``cuda``).
+
+    Both run jaxccl's executor (the CPU threads or the CUDA kernel, the proxy for ranks of other
+    processes): its registry swaps a staged table at an agreed call, the proxy's completion times
+    (:class:`TransportMeter`) and the executor's accumulators measure it.
+
+    >>> import jax, numpy as np, jaxccl
+    >>> from jax.sharding import Mesh
+    >>> comm = jaxccl.Communicator(Mesh(np.array(jax.devices()[:2]), ("d",)), "d", backend="ppermute")
+    >>> check_loop_backend(comm, "ProcessLoop")
+    Traceback (most recent call last):
+    ...
+    jaxccl.errors.ArgumentError: ProcessLoop: Communicator(...) runs on the ppermute backend, which lowers ...
+
+    Raises:
+        ArgumentError: any other backend, with why: ``ppermute`` lowers the schedule into the program as
+            ``jax.lax.ppermute`` rounds, which XLA's own collectives carry (nothing measures them, and a new
+            schedule means a retrace and recompile, not a swap at an agreed call); ``auto`` (a default
+            communicator) picks its backend only when a program is lowered.
+    """
+    backend = getattr(comm, "backend", None)
+    if backend in LOOP_BACKENDS:
+        return
+    why = {
+        "ppermute": "which lowers the schedule into the program as jax.lax.ppermute rounds: XLA's own "
+        "collectives move the bytes, so there is no meter to read, and a new schedule means a retrace and "
+        "recompile, not a hot-swap at an agreed call",
+        "auto": "chosen only when a program is lowered (a default communicator); build a Communicator with "
+        "backend='cpu' or 'cuda'",
+    }.get(backend, "which jaxccl's executor does not run")
+    raise ArgumentError(
+        f"{caller}: {comm!r} runs on the {backend} backend, {why}; the closed loop across processes needs "
+        f"backend {' or '.join(map(repr, LOOP_BACKENDS))}"
+    )
 
 
 def stage_agreed(
@@ -364,7 +403,11 @@ def stage_agreed(
     (``comm.schedule(collective)``), as after :meth:`~jaxccl.Communicator.install`.
     Returns ``(version, transition_seq)``.
 
+    ``comm`` runs on the ``cpu`` or the ``cuda`` backend (:func:`check_loop_backend`): both keep
+    their tables in one registry, and both executors take a staged table at the agreed call.
+
     Raises:
+        ArgumentError: ``comm`` runs on another backend (:func:`check_loop_backend` says why).
         ScheduleError: ``schedule`` fails the reference interpreter.
         DeadlineError: a process did not publish within ``timeout_s``.
         ExecutorError: this process already issued past the agreed point (raise ``margin``).
@@ -373,6 +416,7 @@ def stage_agreed(
 
     from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
+    check_loop_backend(comm, "stage_agreed()")
     client = distributed.global_state.client
     if client is None:
         raise ExecutorError("stage_agreed() needs jax.distributed.initialize(...) first")
@@ -402,10 +446,12 @@ INTER_THRESHOLD = 1  # active connections that open an inter-node window (the ex
 class TransportMeter:
     """Measured rates of this process's connections to ranks in other processes, from the transport.
 
-    Every send of the native executor to another process is recorded with its post and completion
-    times. :meth:`rates` drains them and measures each (sending rank, receiving rank) pair as the
-    executor's meter measures an inter-node GPU pair (``xla_ffi/core/meter.h``, run through the native
-    module; docs/executor.md, "Measurement"): a *window* opens when a message is posted to the idle
+    Every send of the native executor to another process is recorded by the proxy with its post and
+    completion times, on both backends (``cpu``: from host memory; ``cuda``: the kernel's data in
+    device memory, which UCX moves). The records are process-wide: every communicator's. :meth:`rates`
+    drains them and measures each (sending rank, receiving rank) pair as the executor's meter
+    measures an inter-node GPU pair (``xla_ffi/core/meter.h``, run through the native module;
+    docs/executor.md, "Measurement"): a *window* opens when a message is posted to the idle
     pair and closes when the pair has nothing in flight any more; its bandwidth is the bytes delivered
     in it over its duration; windows under ``min_window_bytes`` are dropped; a pair's rate is the
     mean of its windows' bandwidths (what the executor's measurement records carry: ``sum_bw /

@@ -48,7 +48,7 @@ from jaxccl.runtime.failures import as_executor_error, note_closed_slots
 from jaxccl.schedule.ir import Collective, Schedule
 from jaxccl.schedule.table import check_table, compiled_table, header
 from jaxccl.synth import baselines
-from jaxccl.telemetry import TelemetryCollector
+from jaxccl.telemetry import MeasurementStats, TelemetryCollector
 from jaxccl.topology.discover import discover
 from jaxccl.util.options import choose
 
@@ -163,7 +163,9 @@ class Communicator:
             every transfer over the links of ``topology`` (capacities scaled by
             its ``time_scale``) and measures them passively (MCCL Sec. 5);
             :meth:`inject` changes the links live, :meth:`telemetry` reads the
-            measurements. Needs ``topology``.
+            measurements, :meth:`measurement` their counters. Needs ``topology``.
+            On the ``cuda`` backend a ``topology`` alone turns on the kernel's
+            measurement (per-threadblock accumulators), read the same way.
         telemetry_alpha: EWMA smoothing factor of :meth:`telemetry` (MCCL's alpha).
 
     Example:
@@ -252,6 +254,8 @@ class Communicator:
         self.backend = backend
         self.network = None
         self._collector = None
+        self._measure_lock = threading.Lock()
+        self._dropped_seen = 0  # measurement(): dropped_total at its previous call
         if link_emulation is not None:
             self._start_emulation(link_emulation, telemetry_alpha)
         elif backend == "cuda" and topology is not None:
@@ -316,27 +320,75 @@ class Communicator:
             raise ExecutorError(f"{self!r}: inject() needs link emulation (Communicator(..., link_emulation=...))")
         self.network.inject(topology)
 
+    @property
+    def measuring(self) -> bool:
+        """Whether the executor measures this communicator's collectives inside the process.
+
+        True with link emulation (``cpu``) and on the ``cuda`` backend with a topology (the kernel's
+        per-threadblock accumulators): then :meth:`measurement` and :meth:`telemetry` read them.
+        """
+        return self._collector is not None
+
+    def measurement(self) -> MeasurementStats:
+        """The passive measurement's counters and memory footprint: the same fields on ``cpu`` and ``cuda``.
+
+        With link emulation, the counters of this communicator's emulated network; on the ``cuda``
+        backend, those of every CUDA collective of the process (the kernel's settings are
+        process-wide). ``dropped`` counts the records dropped since this communicator's previous
+        ``measurement()`` on both backends (``dropped_total``: since the counters' reset).
+
+        Example:
+            >>> import jax, numpy as np, jaxccl
+            >>> from jax.sharding import Mesh
+            >>> from jaxccl.runtime.emulated import LinkEmulation
+            >>> mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+            >>> comm = jaxccl.Communicator(mesh, "d", topology=jaxccl.topology.rail(hosts=2, gpus_per_host=1),
+            ...                            backend="cpu", link_emulation=LinkEmulation())
+            >>> m = comm.measurement()
+            >>> m.backend, m.scope, m.windows, m.dropped
+            ('cpu', 'network', 0, 0)
+
+        Raises:
+            CommunicatorClosedError: the communicator is closed.
+            ExecutorError: the executor does not measure this communicator (:attr:`measuring`).
+        """
+        self._check_measuring("measurement()")
+        with self._measure_lock:
+            stats = self._measurement(dropped_before=self._dropped_seen)
+            self._dropped_seen = stats.dropped_total
+        return stats
+
     def telemetry(self) -> Any:
         """Drains the executor's measurements (CPU link emulation or the CUDA kernel) into the EWMA matrix.
 
         Raises:
             CommunicatorClosedError: the communicator is closed.
-            ExecutorError: the communicator has no link emulation.
+            ExecutorError: the executor does not measure this communicator (:attr:`measuring`).
         """
-        self._check_open()
-        if self._collector is None:
-            raise ExecutorError(
-                f"{self!r}: telemetry() needs link emulation (Communicator(..., link_emulation=...)) or the cuda "
-                "backend with a topology"
-            )
+        self._check_measuring("telemetry()")
         if self.network is not None:
-            self._collector.fold(self.network.drain(), dropped=self.network.stats()["dropped"])
+            raw = self.network.drain()
         else:
             from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
-            raw, dropped = native.drain_cuda_measurement()
-            self._collector.fold(raw, dropped=self._collector.dropped + dropped)
+            raw, _ = native.drain_cuda_measurement()
+        self._collector.fold(raw, dropped=self._measurement(dropped_before=0).dropped_total)
         return self._collector.snapshot()
+
+    def _check_measuring(self, caller: str) -> None:
+        self._check_open()
+        if self._collector is None:
+            raise ExecutorError(
+                f"{self!r}: {caller} needs link emulation (Communicator(..., link_emulation=...)) or the cuda "
+                "backend with a topology"
+            )
+
+    def _measurement(self, *, dropped_before: int) -> MeasurementStats:
+        if self.network is not None:
+            return self.network.measurement(dropped_before=dropped_before)
+        from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
+
+        return native.cuda_measurement(dropped_before=dropped_before)
 
     # ------------------------------------------------------------------ schedules
     def schedule(self, collective: str | Collective) -> Schedule | None:

@@ -28,11 +28,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from typing import Any
 
 import numpy as np
 
 from jaxccl.errors import ArgumentError, ExecutorError, TopologyError
+from jaxccl.telemetry.stats import MeasurementStats, from_cpu_stats
 from jaxccl.util.options import choose
 
 __all__ = ["TRACE_DTYPE", "EmulatedNetwork", "LinkEmulation"]
@@ -212,7 +214,10 @@ class EmulatedNetwork:
         self.topology = topology
 
     def drain(self) -> bytes:
-        """Raw Measurements Buffer records (32 bytes each) written since the last drain."""
+        """Raw Measurements Buffer records (32 bytes each) written since the last drain.
+
+        :meth:`jaxccl.Communicator.telemetry` drains them into its matrix; records drained here are not in it.
+        """
         return bytes(self._native.measure_drain(self.id))
 
     def take_trace(self) -> np.ndarray:
@@ -226,12 +231,31 @@ class EmulatedNetwork:
             raise ExecutorError(f"take_trace: {dropped} trace records were dropped; take the trace more often")
         return np.frombuffer(bytes(raw), dtype=TRACE_DTYPE).copy()
 
+    def measurement(self, *, dropped_before: int = 0) -> MeasurementStats:
+        """This network's measurement counters and footprint as a :class:`~jaxccl.telemetry.MeasurementStats`.
+
+        What :meth:`jaxccl.Communicator.measurement` returns with link emulation (the mapping is
+        :func:`jaxccl.telemetry.stats.from_cpu_stats`); ``dropped_before``: the ``dropped_total`` of the
+        caller's previous reading.
+        """
+        return from_cpu_stats(self._native.measure_stats(self.id), dropped_before=dropped_before)
+
     def stats(self) -> dict[str, int]:
-        """Measurement counters (windows, records, dropped, slots, used) and memory footprint (bytes)."""
+        """Deprecated: use :meth:`jaxccl.Communicator.measurement` (the same fields on the CPU and CUDA backends).
+
+        The native counters of this network as a dict (``windows``, ``records``, ``dropped`` since the
+        last reset, ``regions``, ``slots``, ``used`` and the footprint in bytes).
+        """
+        warnings.warn(
+            "EmulatedNetwork.stats() is deprecated and removed in the next release: use "
+            "Communicator.measurement() (a MeasurementStats, the same fields on the cpu and cuda backends)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
         return dict(self._native.measure_stats(self.id))
 
     def reset(self) -> None:
-        """Clears accumulators, the buffer and the counters."""
+        """Clears accumulators, the buffer and the counters (:meth:`measurement` counts from here)."""
         self._native.measure_reset(self.id)
 
     def close(self) -> None:

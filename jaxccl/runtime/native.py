@@ -31,6 +31,7 @@ from jaxccl.errors import ExecutorError, ScheduleError
 from jaxccl.runtime import cuda_plugin
 from jaxccl.schedule.ir import Schedule
 from jaxccl.schedule.table import check_table, compile_table, compiled_table
+from jaxccl.telemetry.stats import MeasurementStats, from_cuda_stats
 
 try:
     from jaxccl import _native
@@ -389,7 +390,7 @@ def configure_cuda_measurement(
     The settings are process-wide (one set for every CUDA collective). A
     :class:`~jaxccl.Communicator` with ``backend="cuda"`` and a topology calls
     this with its ranks' hosts and the defaults; :func:`drain_cuda_measurement`
-    collects the records.
+    collects the records, :func:`cuda_measurement` the counters.
 
     Args:
         host_of_rank: the host id of each rank of the axis (empty: all on one host).
@@ -413,14 +414,34 @@ def configure_cuda_measurement(
 def drain_cuda_measurement() -> tuple[bytes, int]:
     """The CUDA kernel's measurement records (32 bytes each, freed) and how many were dropped since the last drain.
 
+    Process-wide: the records of every CUDA collective of this process. :meth:`jaxccl.Communicator.telemetry`
+    calls it on the ``cuda`` backend.
+
     Raises:
         ExecutorError: no CUDA module is installed.
     """
+    raw, dropped = _cuda_measure("drain_cuda_measurement", "measure_drain")
+    return bytes(raw), int(dropped)
+
+
+def cuda_measurement(*, dropped_before: int = 0) -> MeasurementStats:
+    """The CUDA kernel's measurement counters and footprint (process-wide) as a :class:`MeasurementStats`.
+
+    What :meth:`jaxccl.Communicator.measurement` returns on the ``cuda`` backend; the mapping of the
+    module's ``measure_stats()`` is :func:`jaxccl.telemetry.stats.from_cuda_stats`. ``dropped_before``:
+    the ``dropped_total`` of the caller's previous reading.
+
+    Raises:
+        ExecutorError: the CUDA module is not built.
+    """
+    return from_cuda_stats(_cuda_measure("cuda_measurement", "measure_stats"), dropped_before=dropped_before)
+
+
+def _cuda_measure(caller: str, function: str) -> Any:
     mod = _cuda_module()
     if mod is None:
-        raise ExecutorError(f"drain_cuda_measurement: {cuda_plugin.NOT_INSTALLED}")
-    raw, dropped = mod.measure_drain()
-    return bytes(raw), int(dropped)
+        raise ExecutorError(f"{caller}: {cuda_plugin.NOT_INSTALLED}")
+    return _wrap(getattr(mod, function))
 
 
 def _stable_sources(table: np.ndarray) -> list[tuple[int, bool, bool]]:

@@ -35,7 +35,8 @@ class Telemetry:
         samples: ``(N, N)`` how many EWMA samples (drains that measured it) went into each entry.
         last: ``(N, N)`` the most recent raw sample of each entry (NaN if none).
         alpha: the EWMA smoothing factor.
-        dropped: records the executor dropped because a buffer region was full.
+        dropped: records the executor dropped because a buffer region was full, since its counters' last
+            reset (``cuda``: in the whole process; :meth:`jaxccl.Communicator.measurement` counts them per reading).
         time_s: ``time.time()`` of the snapshot.
     """
 

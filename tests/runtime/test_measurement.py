@@ -127,14 +127,14 @@ def test_reductions_are_not_measured():
     with comm:
         for _ in range(3):
             np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(ref(x)))
-    stats = comm.network.stats()
-    assert stats["windows"] == 0 and stats["records"] == 0
+    stats = comm.measurement()
+    assert stats.windows == 0 and stats.records == 0
     assert comm.network.drain() == b""
     # ...while an AllGather on the same network is measured
     g = sharded(mesh, lambda x: jaxccl.all_gather(x, "d", tiled=True))
     with comm:
         g(x).block_until_ready()
-    assert comm.network.stats()["records"] > 0
+    assert comm.measurement().records > 0
 
 
 def test_full_buffer_drops_without_blocking_and_counts():
@@ -145,13 +145,13 @@ def test_full_buffer_drops_without_blocking_and_counts():
     with comm:
         for _ in range(4):  # never drained in between
             np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(ref(x)))
-    stats = comm.network.stats()
-    assert stats["used"] == stats["slots"] > 0
-    assert stats["dropped"] > 0
-    assert stats["records"] + stats["dropped"] >= 4
+    stats = comm.measurement()
+    assert stats.used == stats.slots > 0
+    assert stats.dropped == stats.dropped_total > 0
+    assert stats.records + stats.dropped >= 4
     t = comm.telemetry()
-    assert t.dropped == stats["dropped"]
-    assert comm.network.stats()["used"] == 0  # drained
+    assert t.dropped == stats.dropped_total
+    assert comm.measurement().used == 0  # drained
 
 
 def test_live_injection_keeps_results_bitwise_equal():
