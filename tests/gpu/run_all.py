@@ -673,9 +673,12 @@ class Run:
                 "set JAXCCL_GPU_WHEELS=DIR (tests/gpu/README.md)",
                 None,
             )
-        env = self.env(
-            JAXCCL_CUDA="ON", PIP_DISABLE_PIP_VERSION_CHECK="1", CMAKE_BUILD_PARALLEL_LEVEL=str(os.cpu_count() or 4)
-        )
+        env = {  # not self.env(): the source tree stays off the build's sys.path
+            **os.environ,
+            "JAXCCL_CUDA": "ON",
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+            "CMAKE_BUILD_PARALLEL_LEVEL": str(os.cpu_count() or 4),
+        }
         cmd = [
             str(py),
             "-m",
