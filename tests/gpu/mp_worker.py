@@ -22,8 +22,9 @@ over every process's device, and the UCX transport is attached to it. The commun
   watchdog: NCCL may refuse (or hang on) two processes on one GPU; then the record says so and
   the model comparison of ``cases`` stands alone.
 
-Errors end the process after one ``RESULT {"kind": "error", "part": ...}`` line; the last line of a
-process that finished is ``RESULT {"kind": "done", ...}``.
+A part that raises prints ``RESULT {"kind": "error", "part": ...}`` and the next part runs (the
+processes meet at a barrier after every part); an error in the setup ends the process. The last line
+of a process that finished is ``RESULT {"kind": "done", "ok": ...}``.
 
 Usage (in every process of a job started by ``jaxccl.distributed.launch``):
     python tests/gpu/mp_worker.py --platform cuda --parts cases,swap,meter,overhead,timing,lax
@@ -50,6 +51,7 @@ PARTS = ("cases", "swap", "meter", "overhead", "timing", "lax")
 TIMEOUT_S = 60.0
 LAX_WATCHDOG_S = 90.0  # NCCL with two ranks on one GPU may hang instead of refusing
 EXIT_WATCHDOG_S = 30.0  # jax.distributed.shutdown() waits for every process
+BARRIER_S = 150.0  # after a part: longer than the executor's deadline (JAXCCL_TIMEOUT_S, 60 s in run_all.py)
 SWAP_STEPS, SWAP_AT = 11, 3
 METER_STEPS = 8
 OVERHEAD_PAIRS, WARMUP = 15, 3
@@ -61,9 +63,22 @@ REDUCING = ("psum_scatter", "psum")
 _print_lock = threading.Lock()
 
 
+def jsonable(x: Any) -> Any:
+    """What ``json`` cannot write itself, as plain values (arrays as lists, anything else as its text).
+
+    >>> json.dumps({"a": np.arange(2), "b": np.float32(0.5), "c": range(2)}, default=jsonable)
+    '{"a": [0, 1], "b": 0.5, "c": "range(0, 2)"}'
+    """
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, np.generic):
+        return x.item()
+    return str(x)
+
+
 def emit(kind: str, **fields: Any) -> None:
     """Prints one ``RESULT {json}`` line (what run_all.py reads)."""
-    line = "RESULT " + json.dumps({"kind": kind, **fields}, default=float)
+    line = "RESULT " + json.dumps({"kind": kind, **fields}, default=jsonable)
     with _print_lock:
         print(line, flush=True)
 
@@ -456,20 +471,41 @@ def plain(stats: Any) -> dict[str, Any]:
     return {str(k): v.item() if isinstance(v, np.generic) else v for k, v in stats.items()}
 
 
+def report_error(part: str, e: BaseException) -> None:
+    emit("error", part=part, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
+
+
+def barrier(part: str) -> None:
+    """Every process waits here for the others after ``part``, failed or not (a failed collective fails
+    everywhere, at the latest at the executor's deadline), so the next part starts in step."""
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(f"jaxccl_gpu_check_{part}", int(BARRIER_S * 1000))
+
+
 def run(platform: str, parts: list[str], runs: int) -> bool:
-    """Runs the parts; on an error, prints it (naming the part) and ends the process at once."""
+    """Runs the parts; one that raises is reported (naming it) and the next one runs after a barrier.
+
+    An error outside the parts (setup, a barrier, closing) ends the process at once.
+    """
     part = "setup"
     try:
         job = Job(platform, runs)
         ok = True
         for part in parts:
-            ok &= getattr(job, part)()
+            try:
+                ok &= getattr(job, part)()
+            except Exception as e:
+                ok = False
+                report_error(part, e)
+            if part != "lax":  # lax is last: its watchdog may have ended a process
+                barrier(part)
         part = "close"
         job.comm.close()
         job.transport.close()  # detaches it first
         return ok
     except Exception as e:
-        emit("error", part=part, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
+        report_error(part, e)
         sys.stdout.flush()
         os._exit(1)  # the other processes may be inside a collective: no shutdown barrier
 

@@ -57,7 +57,8 @@ DEFAULT_UCX_TLS = "cuda_copy,cuda_ipc,tcp,sm,self"
 OVERHEAD_LIMIT = 1.5  # meter on / off median step time above this fails (processes share one GPU: noisy)
 JOB_MARGIN_S = 15.0  # a job's own deadline ends this much before its step's, so it still writes its JSON
 MIN_STEP_S = 10.0  # a step with less time left than this is skipped
-TAIL_LINES = 40
+TAIL_LINES = 40  # of a failed check's log, in the JSON
+PRINTED_TAIL_LINES = 15  # of those, printed under its line
 BUILD_MODULES = {  # import name -> pip name: what the build needs
     "jax": "jax",
     "jaxlib": "jaxlib",
@@ -100,13 +101,14 @@ class Check:
     numbers: dict[str, Any] = field(default_factory=dict)
     log_tail: str = ""
 
-    def line(self) -> str:
-        """The line printed for it.
+    def line(self, width: int = 600) -> str:
+        """The line printed for it (the summary cut at ``width``; the JSON has all of it).
 
         >>> Check("core", "ok", "12/12 checks").line()
         'check core: ok  12/12 checks'
         """
-        return f"check {self.name}: {self.status}  {self.summary}".rstrip()
+        summary = self.summary if len(self.summary) <= width else self.summary[: width - 3] + "..."
+        return f"check {self.name}: {self.status}  {summary}".rstrip()
 
 
 def ok(name: str, summary: str, **numbers: Any) -> Check:
@@ -282,11 +284,16 @@ class Job:
         return "\n".join(out) or self.problem
 
     def error(self, *parts: str) -> str:
-        """The first error a process reported (in one of ``parts``, if given), else ''."""
-        for p, e in sorted(self.one("error").items()):
-            if not parts or e.get("part") in parts:
-                return f"process {p} failed in part {e.get('part')}: {e.get('error')}"
-        return ""
+        """Each process's first error (in one of ``parts``, if given), else ''.
+
+        Every process's, since the first process's error may only be the deadline of waiting for another.
+        """
+        found = []
+        for p, errors in sorted(self.of("error").items()):
+            e = next((e for e in errors if not parts or e.get("part") in parts), None)
+            if e is not None:
+                found.append(f"process {p} failed in part {e.get('part')}: {str(e.get('error'))[:300]}")
+        return " | ".join(found)
 
     def of(self, kind: str) -> dict[int, list[dict[str, Any]]]:
         """Per process, its records of ``kind``."""
@@ -298,8 +305,10 @@ class Job:
 
     def why_missing(self, kind: str) -> str:
         """Why some process has no ``kind`` record: its error, its exit, or the job's problem."""
-        if self.problem or self.error():
-            return self.problem or self.error()
+        part = "cases" if kind == "case" else kind  # mp_worker.py's part that writes it
+        error = self.error(part, "setup") or (self.error() if kind == "done" else "")
+        if self.problem or error:
+            return self.problem or error
         have = self.one(kind)
         missing = [p for p in sorted(self.records) if p not in have]
         codes = {p: self.returncodes.get(p) for p in missing}
@@ -339,8 +348,7 @@ def evaluate_collectives(name: str, job: Job, reference: Job | None, why_no_refe
         return failed(name, job.why_missing("case"))
     names = {p: [c["name"] for c in cs] for p, cs in cases.items()}
     ref_cases = reference.of("case") if reference is not None else {}
-    want = max([*names.values(), *ref_cases.values()], key=len)
-    want = [n if isinstance(n, str) else n["name"] for n in want]
+    want = max([*names.values(), *([c["name"] for c in cs] for cs in ref_cases.values())], key=len)
     problems = []
     if job.error("setup", "cases"):
         problems.append(job.error("setup", "cases"))
@@ -357,9 +365,11 @@ def evaluate_collectives(name: str, job: Job, reference: Job | None, why_no_refe
     if any(ref_cases.values()):
         ref_digest = {(p, c["name"]): c["digest"] for p, cs in ref_cases.items() for c in cs}
         pairs = [(p, c["name"], c["digest"]) for p, cs in cases.items() for c in cs]
-        differ = sorted({n for p, n, d in pairs if ref_digest.get((p, n)) != d})
-        numbers["cpu_executor_mismatches"] = differ
-        parts.append(f"CPU executor {len(want) - len(differ)}/{len(want)}")
+        differ = sorted({n for p, n, d in pairs if ref_digest.get((p, n), d) != d})
+        absent = sorted({n for p, n, _ in pairs if (p, n) not in ref_digest} - set(differ))
+        numbers.update(cpu_executor_mismatches=differ, not_in_cpu_reference=absent)
+        same = len(want) - len(differ) - len(absent)
+        parts.append(f"CPU executor {same}/{len(want)}" + (f" ({len(absent)} not in its results)" if absent else ""))
         if differ:
             problems.append(f"differs from the CPU executor: {', '.join(differ[:3])}")
     else:
@@ -384,7 +394,7 @@ def evaluate_collectives(name: str, job: Job, reference: Job | None, why_no_refe
         numbers["lax"] = f"{'/'.join(sorted(statuses))}: {error}"
         parts.append(f"jax.lax not comparable ({'/'.join(sorted(statuses))}: {error[:120]}); the NumPy model stands")
     else:
-        parts.append("jax.lax not run")
+        parts.append(f"jax.lax no result ({job.why_missing('lax')})")
     summary = "; ".join(parts)
     return failed(name, "; ".join(problems) + f" [{summary}]", **numbers) if problems else ok(name, summary, **numbers)
 
@@ -561,7 +571,8 @@ class Run:
         self.checks.append(check)
         print(check.line(), flush=True)
         if check.status == "FAILED" and check.log_tail:
-            print("    | " + check.log_tail.replace("\n", "\n    | "), flush=True)
+            lines = check.log_tail.splitlines()[-PRINTED_TAIL_LINES:]
+            print("\n".join(f"    | {line[:200]}" for line in lines), flush=True)
 
     def write(self, **extra: Any) -> None:
         data = {
@@ -658,7 +669,7 @@ class Run:
             return self._build_failed(f"could not link the venv to this Python's packages: {e}", None)
         wheels = os.environ.get("JAXCCL_GPU_WHEELS", "")
         if wheels:
-            found = sorted(str(p) for p in Path(wheels).glob("*.whl"))
+            found = sorted(str(p) for p in Path(wheels).resolve().glob("*.whl"))
             cmd = [str(py), "-m", "pip", "install", "--no-index", "--no-deps", "--no-compile", *found]
             ran = self.run(step, cmd, log="build-wheels") if found else None
             if not found or ran is None or ran.returncode != 0:

@@ -203,10 +203,37 @@ def test_the_readers_fail_changed_results(dry_run):
         assert check.status == "FAILED" and "did not finish" in check.summary
 
 
+@pytest.mark.multiprocess
+@pytest.mark.skipif(TRANSPORT is not None, reason=f"{TRANSPORT}")
+def test_after_a_part_fails_in_one_process_the_next_part_runs_in_step(tmp_path):
+    # A copy of the worker whose swap part raises in process 1 only: process 0 waits for it in a collective
+    # until the executor's deadline, then both meet at the barrier and run the meter part.
+    for name in ("mp_worker.py", "mp_job.py"):
+        shutil.copy(HERE / name, tmp_path / name)
+    worker = tmp_path / "mp_worker.py"
+    source = worker.read_text()
+    anchor = '        comm = self.communicator()\n        slot = comm.slot("all_gather")'
+    assert anchor in source
+    worker.write_text(
+        source.replace(anchor, '        if self.me == 1:\n            raise RuntimeError("boom")\n' + anchor)
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "OUT")}
+    env.update(JAX_PLATFORMS="cpu", JAXCCL_TIMEOUT_S="5", PYTHONPATH=str(ROOT))
+    out = tmp_path / "job.json"
+    cmd = [sys.executable, str(tmp_path / "mp_job.py"), "--processes", "2", "--timeout", "200", "--json", str(out)]
+    subprocess.run([*cmd, "--", "--platform", "cpu", "--parts", "swap,meter"], cwd=ROOT, env=env, timeout=300)
+    job = run_all.Job.read(out)
+    errors = {p: e["error"] for p, e in job.one("error").items()}
+    assert errors[1] == "RuntimeError: boom" and "process 1" in errors[0], errors
+    swap = run_all.evaluate_swap(job)
+    assert swap.status == "FAILED" and "boom" in swap.summary
+    assert run_all.evaluate_meter(job, "cpu").status == "ok"
+    assert job.returncodes == {0: 1, 1: 1} and [d["ok"] for d in job.one("done").values()] == [False, False]
+
+
 def test_the_examples_in_the_docstrings_run():
-    import mp_job
     import mp_worker
 
-    for module in (run_all, mp_worker, mp_job):
+    for module in (run_all, mp_worker):
         result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
         assert result.failed == 0, module.__name__
