@@ -49,7 +49,7 @@ import numpy as np
 
 PARTS = ("cases", "swap", "meter", "overhead", "timing", "lax")
 TIMEOUT_S = 60.0
-LAX_WATCHDOG_S = 90.0  # NCCL with two ranks on one GPU may hang instead of refusing
+LAX_WATCHDOG_S = 60.0  # NCCL with two ranks on one GPU may hang instead of refusing
 EXIT_WATCHDOG_S = 30.0  # jax.distributed.shutdown() waits for every process
 BARRIER_S = 150.0  # after a part: longer than the executor's deadline (JAXCCL_TIMEOUT_S, 60 s in run_all.py)
 SWAP_STEPS, SWAP_AT = 11, 3

@@ -560,7 +560,7 @@ class Run:
         self.env_info: dict[str, Any] = {"platform": args.platform}
         self.python = args.python  # set by the build step when not given
         self.probe: dict[str, Any] = {}
-        self.ucx_tls = os.environ.get("UCX_TLS") or DEFAULT_UCX_TLS
+        self.ucx_tls = os.environ.get("UCX_TLS") or (DEFAULT_UCX_TLS if args.platform == "cuda" else "")
         self.reference: dict[int, Job] = {}
         self.no_reference = ""
         self.blocked = ""  # why the steps that need the build cannot run
@@ -763,7 +763,7 @@ class Run:
         summary = (
             f"python {p['python']}, jax {p['jax']} (plugins {p['jax_plugins'] or 'none'}), "
             f"JAX GPUs {len(p.get('jax_gpu', []))}, UCX {(p.get('ucx') or {}).get('version', '?')} "
-            f"with UCX_TLS={self.ucx_tls}: {','.join(transports) or p.get('ucx_error', '?')}, "
+            f"with UCX_TLS={self.ucx_tls or '(its default)'}: {','.join(transports) or p.get('ucx_error', '?')}, "
             f"measurement API {'yes' if p['measurement_api'] else 'no'}"
         )
         if self.args.platform == "cuda" and not any(t.startswith("cuda") for t in transports):
