@@ -818,7 +818,7 @@ class Run:
                 XLA_PYTHON_CLIENT_PREALLOCATE="false",
                 XLA_PYTHON_CLIENT_MEM_FRACTION=os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.15"),
                 UCX_TLS=self.ucx_tls,
-                JAXCCL_TIMEOUT_S=os.environ.get("JAXCCL_TIMEOUT_S", "60"),
+                JAXCCL_TIMEOUT_S=os.environ.get("JAXCCL_TIMEOUT_S", "30"),  # a hung part costs this, not more
             )
         else:
             env = self.env(JAX_PLATFORMS="cpu", JAXCCL_TIMEOUT_S=os.environ.get("JAXCCL_TIMEOUT_S", "60"))
