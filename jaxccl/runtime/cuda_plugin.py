@@ -35,8 +35,9 @@ PLUGIN_MODULE = f"{PLUGIN_PACKAGE}._native_cuda"
 BUILTIN_MODULE = "jaxccl._native_cuda"
 CUDA_MODULES = (PLUGIN_MODULE, BUILTIN_MODULE)  # in the order jaxccl loads them
 NOT_INSTALLED = (
-    f"no CUDA executor is installed: pip install 'jaxccl[cuda12]' (the {PLUGIN_DISTRIBUTION} package), or build "
-    f"jaxccl with nvcc (JAXCCL_CUDA=ON; {BUILTIN_MODULE})"
+    f"no CUDA executor is installed: install the {PLUGIN_DISTRIBUTION} package (a wheel built with "
+    f"`pip wheel plugins/cuda12` from jaxccl's source, see its GPU guide), or build jaxccl with nvcc "
+    f"(JAXCCL_CUDA=ON; {BUILTIN_MODULE})"
 )
 
 

@@ -19,7 +19,8 @@ emulated devices) for the references.
 4. timing: a 16 MiB-per-rank synthesized AllGather on the GPU against the CPU
    executor on the same table (the GPU must be faster); algbw printed.
 
-Without a CUDA device (or without ``jaxccl._native_cuda``) it prints ``skipped: ...`` and exits 0.
+Without a CUDA device (or without a CUDA module: jaxccl's own or the cuda12 plugin's) it prints
+``skipped: ...`` and exits 0.
 Exit status 1 means a check failed. Runs in about a minute; the budget is 8.
 
 Usage:
@@ -50,15 +51,13 @@ def _setup() -> tuple[Any, str | None]:
     import jaxccl
 
     jaxccl.emulate(N)
-    try:
-        from jaxccl import _native_cuda as cu
-    except ImportError:
-        return None, "jaxccl._native_cuda is not built"
-    if cu.device_count() == 0:
-        return None, "no CUDA device"
     from jaxccl.runtime import native
 
-    native.module()  # attaches the CUDA module to the registry
+    cu = native._cuda_module()  # jaxccl's own build or the cuda12 plugin's, attached to the registry
+    if cu is None:
+        return None, f"no CUDA module: {native.cuda_status()[1]}"
+    if cu.device_count() == 0:
+        return None, "no CUDA device"
     if not hasattr(cu, "test_run"):
         return None, "jaxccl._native_cuda predates the test entry (rebuild it)"
     return cu, None

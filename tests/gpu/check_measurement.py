@@ -17,7 +17,7 @@ On every local GPU (one rank per GPU, the ``cuda`` backend):
    128 KiB / 1 MiB chunks (MCCL Fig. 9a), as medians of interleaved runs;
 6. memory footprint of the accumulators, caches and buffer (MCCL Table 2).
 
-Without a CUDA device (or without ``jaxccl._native_cuda``) it prints
+Without a CUDA device (or without a CUDA module) it prints
 ``skipped: no CUDA device`` and exits 0. Exit status 1 means a check failed.
 
 Usage:
@@ -133,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from jaxccl import _native_cuda as cu
     from jaxccl.runtime import native
+
+    cu = native._cuda_module()  # jaxccl's own build or the cuda12 plugin's
     from jaxccl.synth import baselines
 
     native.set_timeout(60.0)
@@ -366,7 +367,9 @@ def _no_gpu_reason(jaxccl: Any) -> str:
     except RuntimeError as e:
         return f"jax has no GPU backend: {str(e).splitlines()[0]}"
     if not jaxccl.has_cuda_support():
-        return "jaxccl._native_cuda is not built or sees no device"
+        from jaxccl.runtime import native
+
+        return f"no CUDA executor: {native.cuda_status()[1]}"
     return ""
 
 

@@ -23,7 +23,11 @@ ROOT = HERE.parents[1]
 
 
 def _cuda_module():
-    cu = pytest.importorskip("jaxccl._native_cuda", reason="jaxccl._native_cuda is not built (no nvcc)")
+    from jaxccl.runtime import native
+
+    cu = native._cuda_module()  # jaxccl's own build or the cuda12 plugin's
+    if cu is None:
+        pytest.skip(f"no CUDA module: {native.cuda_status()[1]}")
     if not hasattr(cu, "measure_configure"):
         pytest.skip("jaxccl._native_cuda predates measurement (rebuild it)")
     return cu
