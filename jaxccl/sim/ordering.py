@@ -484,4 +484,3 @@ def next_ready_unit(
         if unit_ready(order, rank, tb, unit_of(order, rank, tb, v), probe):
             return v, first
     return NONE_READY, first
-
