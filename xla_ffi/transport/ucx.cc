@@ -141,12 +141,18 @@ class UcxTransport final : public Transport {
     return ffi::Error::Success();
   }
 
-  ffi::ErrorOr<TransportRequest> Isend(int32_t peer, uint64_t tag, const void* data, size_t bytes) override {
-    return IsendWithTrailer(peer, tag, data, bytes, nullptr, 0);
+  ffi::ErrorOr<TransportRequest> Isend(int32_t peer, uint64_t tag, const void* data, size_t bytes,
+                                       MemoryKind memory) override {
+    return IsendWithTrailer(peer, tag, data, bytes, nullptr, 0, memory);
   }
 
   ffi::ErrorOr<TransportRequest> IsendWithTrailer(int32_t peer, uint64_t tag, const void* data, size_t bytes,
-                                                  const void* trailer, size_t trailer_bytes) override {
+                                                  const void* trailer, size_t trailer_bytes,
+                                                  MemoryKind memory) override {
+    if (trailer_bytes > 0 && memory != MemoryKind::kHost) {
+      return ErrorResult<TransportRequest>(ffi::Error::InvalidArgument(
+          "jaxccl transport ucx: a message in device memory cannot carry a trailer in the same transfer"));
+    }
     std::lock_guard<std::mutex> lock(mu_);
     if (auto e = CheckPeer(peer, tag); e.failure()) return ErrorResult<TransportRequest>(std::move(e));
     auto req = std::make_unique<UcxRequest>();
@@ -158,6 +164,7 @@ class UcxTransport final : public Transport {
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = &OnSend;
     p.user_data = &req->state;
+    SetMemoryType(&p, memory);
     const void* buffer = data;
     size_t count = bytes;
     if (trailer_bytes > 0) {
@@ -172,7 +179,8 @@ class UcxTransport final : public Transport {
     return Track(std::move(req), r, "send");
   }
 
-  ffi::ErrorOr<TransportRequest> Irecv(int32_t peer, uint64_t tag, void* data, size_t bytes) override {
+  ffi::ErrorOr<TransportRequest> Irecv(int32_t peer, uint64_t tag, void* data, size_t bytes,
+                                       MemoryKind memory) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (auto e = CheckPeer(peer, tag); e.failure()) return ErrorResult<TransportRequest>(std::move(e));
     auto req = std::make_unique<UcxRequest>();
@@ -183,6 +191,7 @@ class UcxTransport final : public Transport {
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.recv = &OnRecv;
     p.user_data = &req->state;
+    SetMemoryType(&p, memory);
     ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_, data, bytes, WireTag(peer, tag), ~uint64_t{0}, &p);
     return Track(std::move(req), r, "receive");
   }
@@ -309,6 +318,13 @@ class UcxTransport final : public Transport {
   static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status) {
     auto* a = static_cast<PeerArg*>(arg);
     a->self->peer_status_[a->peer] = status;  // runs inside ucp_worker_progress, under mu_
+  }
+
+  // Tells UCX which memory a buffer is in, so that it skips detecting it (and moves device memory with its
+  // GPU transports).
+  static void SetMemoryType(ucp_request_param_t* p, MemoryKind memory) {
+    p->op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    p->memory_type = memory == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
   }
 
   static uint64_t WireTag(int32_t source, uint64_t tag) {
