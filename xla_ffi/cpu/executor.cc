@@ -210,7 +210,8 @@ class CpuStaging final : public StagingMemory {
     }
     if (!b) b = std::make_unique<AlignedBuffer>();
     if (!b->Reserve(bytes + kAlign)) {
-      return ErrorResult<char*>(ffi::Error(ffi::ErrorCode::kResourceExhausted, StrCat("no ", bytes, " bytes of memory")));
+      return ErrorResult<char*>(
+          ffi::Error(ffi::ErrorCode::kResourceExhausted, StrCat("no ", bytes, " bytes of memory")));
     }
     const uintptr_t at = (reinterpret_cast<uintptr_t>(b->data()) + kAlign - 1) / kAlign * kAlign;
     char* data = reinterpret_cast<char*>(at);

@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "cpu/executor.h"  // the receivers' identity check switch and its test hook (IdentityChecks, TakeStaleInjection)
+#include "cpu/executor.h"  // the identity checks' switch and test hook (IdentityChecks, TakeStaleInjection)
 #include "transport/shared_sends.h"
 
 namespace jaxccl {
