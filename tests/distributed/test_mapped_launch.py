@@ -42,10 +42,12 @@ def test_mapped_launches_across_two_processes_are_bitwise_and_fail_by_name():
         assert len(checks) == 2 * 5 + 1 + 2 + 1 + 2, report  # 2 wires x 5 tables, meter, after each failure
         assert all(re.match(r"CHECK .* ok( |$)", line) for line in checks), report
         assert "ALL OK" in r.output, report
-    # Process 0 sends a message and its trailer in one transfer, process 1 as two: each refuses the other's.
+    # Process 0 sends a message and its trailer in one transfer, process 1 as two: the first to receive the
+    # other's refuses it by its size (when it posts the receive, or when the message arrives); the other may
+    # then wait for messages never sent, until its deadline.
     wires = [re.search(r"WIRES (.*)", r.output).group(1) for r in results]
-    assert "expected 16384 and a trailer of 16" in wires[0] and "in process 1" in wires[0], report
-    assert "larger than" in wires[1] and "in process 0" in wires[1], report
+    assert "in process 1" in wires[0] and "in process 0" in wires[1], report
+    assert "expected 16384 and a trailer of 16" in wires[0] or "larger than the 16384-byte receive" in wires[1], report
     out = results[0].output
     refused = re.search(r"REFUSED \[(.*?)\] (.*)", out)
     assert refused, report
@@ -59,8 +61,8 @@ def test_mapped_launches_across_two_processes_are_bitwise_and_fail_by_name():
 
 def test_a_killed_process_fails_the_mapped_launch_naming_it():
     def kill_when_ready(procs: list[subprocess.Popen]) -> None:
-        for line in procs[-1].stdout:
-            if "READY" in line:
+        for line in procs[0].stdout:
+            if "START" in line:
                 break
         time.sleep(0.5)  # process 0 is inside its launch now
         os.kill(procs[-1].pid, signal.SIGKILL)

@@ -15,9 +15,9 @@ threads that follow the CUDA interpreter's protocol, and the proxy starts throug
   launch whose processes use different wire layouts fails in both (``WIRES <error>``), and a launch that
   process 1 joins late fails at process 0's deadline (``DEADLINE <error>``), each followed by a launch
   checked bitwise (``CHECK after ...``); prints ``ALL OK``.
-- ``kill``: one launch checked, then process 1 prints ``READY`` and sleeps (the test kills it) while
-  process 0 runs a launch, which fails: ``RESULT <seconds> <codes> <error>`` (codes: the local ranks'
-  error words).
+- ``kill``: one launch checked, then process 1 sleeps (the test kills it) while process 0 prints
+  ``START`` and runs a launch, which fails: ``RESULT <seconds> <codes> <error>`` (codes: the local
+  ranks' error words).
 """
 
 from __future__ import annotations
@@ -163,6 +163,7 @@ def checks(t) -> bool:
 
     # A deadline: process 1 joins the launch after process 0's deadline.
     g.native.set_timeout(2.0)
+    barrier("before deadline")
     if t.process_id == 1:
         time.sleep(3.5)
     result, _ = g.run("reduce_scatter ordered", "host", 200)
@@ -183,9 +184,9 @@ def kill(t) -> bool:
     print(f"CHECK before {'ok' if same else 'MISMATCH'}", flush=True)
     barrier("kill")
     if t.process_id == 1:
-        print("READY", flush=True)
         time.sleep(600)  # the test kills this process here
         return False
+    print("START", flush=True)
     start = time.monotonic()
     result, _ = g.run("all_gather ring tiled", "cuda", 2)
     codes = ",".join(str(code) for code, _, _ in result["rank_errors"])

@@ -266,8 +266,8 @@ ffi::Error Proxy::PostReceive(int32_t k, const MessageRef& lead) {
     auto req = pg.transport->Irecv(pg.process_of_rank[conn.sender], *tag, into, bytes, memory);
     if (!req.has_value()) {
       return ffi::Error(req.error().errc().value_or(ffi::ErrorCode::kInternal),
-                        StrCat("jaxccl: rank ", conn.receiver, " cannot receive from rank ", conn.sender, ": ",
-                               req.error().message()));
+                        StrCat("jaxccl: rank ", conn.receiver, " cannot receive from rank ", conn.sender, " in process ",
+                               pg.process_of_rank[conn.sender], ": ", req.error().message()));
     }
     x.request[part] = *req;
     x.part_done[part] = false;

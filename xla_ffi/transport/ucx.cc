@@ -42,6 +42,7 @@ struct UcxRequest {
   size_t posted_bytes = 0;
   int64_t post_ns = 0;
   ucp_dt_iov_t iov[2] = {};  // a send with a trailer: UCP reads the vector until the request completes
+  ucp_tag_recv_info_t recv_info = {};  // a receive that completes inline: what arrived
 };
 
 ffi::Error UcxError(const std::string& what, ucs_status_t status) {
@@ -191,6 +192,8 @@ class UcxTransport final : public Transport {
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.recv = &OnRecv;
     p.user_data = &req->state;
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
+    p.recv_info.tag_info = &req->recv_info;
     SetMemoryType(&p, memory);
     ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_, data, bytes, WireTag(peer, tag), ~uint64_t{0}, &p);
     return Track(std::move(req), r, "receive");
@@ -350,12 +353,16 @@ class UcxTransport final : public Transport {
 
   ffi::ErrorOr<TransportRequest> Track(std::unique_ptr<UcxRequest> req, ucs_status_ptr_t r, const char* what) {
     if (UCS_PTR_IS_ERR(r)) {
+      req->state.status = UCS_PTR_STATUS(r);
+      // A receive posted after its message arrived fails at once when the message is larger.
+      if (req->state.status == UCS_ERR_MESSAGE_TRUNCATED) return ErrorResult<TransportRequest>(RequestError(*req));
       return ErrorResult<TransportRequest>(
           UcxError(StrCat(what, " with process ", req->peer, " (", req->posted_bytes, " bytes)"), UCS_PTR_STATUS(r)));
     }
     if (r == nullptr) {  // completed inline; the callback was not called
       req->state.done = true;
-      req->state.bytes = req->posted_bytes;
+      // A receive of a message that had arrived: its length (it may be shorter than the receive).
+      req->state.bytes = req->is_send ? req->posted_bytes : req->recv_info.length;
       req->state.done_ns = NowNs();
     } else {
       req->ucp_request = r;
