@@ -136,7 +136,7 @@ inline constexpr int64_t kFoldPatienceMaxNs = 2'000'000;
 class CpuLaunch {
  public:
   // Starts the launch: checks the arrivals against the table and runs its threadblocks. With a process
-  // group (transport_proxy.h), only this process's ranks arrived (the others' entries are empty) and
+  // group (transport/proxy.h), only this process's ranks arrived (the others' entries are empty) and
   // connections to other processes go through the group's transport.
   static ffi::ErrorOr<std::shared_ptr<CpuLaunch>> Start(int64_t slot, int32_t axis_size,
                                                         const std::vector<CpuArrival>& arrivals,
