@@ -237,11 +237,9 @@ __global__ void __launch_bounds__(kThreads) InterpreterKernel(const KernelArgs* 
           s_msg.ptr = d->ptr;
           s_msg.bytes = d->bytes;
           s_msg.identity = d->identity;
-          if (s_msg.identity != a.identity) {
-            RecordError(me, kStaleMessage, t, u.op - tb.first_op);
-            v = kFailed;
-          } else if (s_msg.bytes != a.buffers.RecvBytes(p.op(u.op), u.tile)) {
-            RecordError(me, kSizeMismatch, t, u.op - tb.first_op);
+          const int32_t refused = MessageError(s_msg, a.identity, a.buffers.RecvBytes(p.op(u.op), u.tile));
+          if (refused != kProtocolOk) {
+            RecordError(me, refused, t, u.op - tb.first_op);
             v = kFailed;
           }
         }
@@ -255,8 +253,7 @@ __global__ void __launch_bounds__(kThreads) InterpreterKernel(const KernelArgs* 
     const ProgOp op = p.op(u.op);
     char* stage = nullptr;
     if (op.sends() && !op.direct()) {
-      stage = a.staging +
-              (static_cast<size_t>(p.staged_index(tb.send_conn)) * num_slots + u.send_msg % num_slots) * a.stage_bytes;
+      stage = a.staging + StageOffset(p, tb.send_conn, u.send_msg, a.stage_bytes);
     }
     GpuMover mover;
     const Outgoing out =

@@ -278,6 +278,22 @@ def test_transport_moves_bytes_and_reports_completion_times():
         assert 0 < got.post_ns <= got.done_ns and got.seconds > 0
 
 
+def test_a_receive_reports_the_bytes_that_arrived_when_they_were_there_first():
+    # A receive posted after its (shorter) message arrived completes at once; it reported the receive's size,
+    # so the proxy read a message's trailer from beyond what had arrived.
+    import numpy as np
+
+    a, b = _pair()
+    with a, b:
+        data = np.random.default_rng(4).integers(1, 2**31 - 1, 250, dtype=np.int32)  # 1000 bytes, never zero
+        a.wait(a.isend(1, 8, data), 5.0)
+        time.sleep(0.2)  # process 1's progress thread takes the message in before its receive is posted
+        inbox = np.zeros(500, np.int32)
+        got = b.wait(b.irecv(0, 8, inbox), 5.0)
+        assert got.bytes == data.nbytes
+        assert inbox[:250].tobytes() == data.tobytes() and not inbox[250:].any()
+
+
 def test_transport_progresses_while_the_process_waits_elsewhere():
     # Issue 14: a process that finished its launch and then waited in the key-value store made no call
     # into UCX, and its peer's transfer (a 1 MiB rendezvous needs the receiver's reply) waited for it

@@ -9,6 +9,7 @@
 #include "bindings/program_export.h"
 #include "core/stable_source.h"
 #include "host/core_api.h"
+#include "host/dtype.h"
 #include "cpu/executor.h"
 #include "cpu/handler.h"
 #include "cpu/output_memory.h"
@@ -17,6 +18,8 @@
 #include "host/rendezvous.h"
 #include "host/table.h"
 #include "transport/handler.h"
+#include "transport/handshake_harness.h"
+#include "transport/mapped_launch.h"
 #include "transport/proxy.h"
 
 namespace nb = nanobind;
@@ -58,6 +61,27 @@ bool CoreAcquire(int64_t slot, int64_t seq, TableSnapshot* out, std::string* err
 
 double CoreTimeout() { return Registry::Get().timeout_s(); }
 
+bool CoreProcessGroup(int32_t index, std::shared_ptr<const ProcessGroup>* out, std::string* error) {
+  auto g = ProcessGroupOf(index);
+  if (!g.has_value()) {
+    *error = g.error().message();
+    return false;
+  }
+  *out = std::move(*g);
+  return true;
+}
+
+bool CoreStartMappedProxy(const MappedLaunchSpec& spec, std::shared_ptr<const ProcessGroup> group,
+                          std::unique_ptr<ProxyHandle>* out, std::string* error) {
+  auto proxy = StartMappedProxy(spec, std::move(group));
+  if (!proxy.has_value()) {
+    *error = proxy.error().message();
+    return false;
+  }
+  *out = std::move(*proxy);
+  return true;
+}
+
 template <typename T, typename A>
 std::vector<T> ToVector(const A& a) {
   return std::vector<T>(a.data(), a.data() + a.shape(0));
@@ -87,6 +111,27 @@ NetworkConfig MakeNetworkConfig(int32_t num_ranks, IntArray host_of_rank, Double
 
 std::shared_ptr<Network> NetworkOrRaise(int64_t id) { return Unwrap(FindNetwork(id)); }
 
+using AnyArray = nb::ndarray<nb::device::cpu, nb::c_contig>;
+
+// The FFI element type of a numpy array (the types the harness's tests use).
+ffi::DataType DataTypeOf(const AnyArray& a) {
+  const nb::dlpack::dtype d = a.dtype();
+  using D = ffi::DataType;
+  if (d.lanes != 1) return D::INVALID;
+  switch (static_cast<nb::dlpack::dtype_code>(d.code)) {
+    case nb::dlpack::dtype_code::Float:
+      return d.bits == 16 ? D::F16 : d.bits == 32 ? D::F32 : d.bits == 64 ? D::F64 : D::INVALID;
+    case nb::dlpack::dtype_code::Bfloat:
+      return d.bits == 16 ? D::BF16 : D::INVALID;
+    case nb::dlpack::dtype_code::Int:
+      return d.bits == 8 ? D::S8 : d.bits == 16 ? D::S16 : d.bits == 32 ? D::S32 : d.bits == 64 ? D::S64 : D::INVALID;
+    case nb::dlpack::dtype_code::UInt:
+      return d.bits == 8 ? D::U8 : d.bits == 16 ? D::U16 : d.bits == 32 ? D::U32 : d.bits == 64 ? D::U64 : D::INVALID;
+    default:
+      return D::INVALID;
+  }
+}
+
 // A rendezvous of its own (arrival = rank, result = number of ranks) that tests drive from Python threads.
 Rendezvous<int32_t, int32_t>& ProbeRendezvous() {
   static auto* r = new Rendezvous<int32_t, int32_t>();
@@ -96,7 +141,8 @@ Rendezvous<int32_t, int32_t>& ProbeRendezvous() {
 }  // namespace
 
 const CoreApi* GetCoreApi() {
-  static const CoreApi api{kCoreApiVersion, sizeof(CoreApi), &CoreNoteIssued, &CoreAcquire, &CoreTimeout};
+  static const CoreApi api{kCoreApiVersion, sizeof(CoreApi), &CoreNoteIssued, &CoreAcquire,
+                           &CoreTimeout,     &CoreProcessGroup, &CoreStartMappedProxy};
   return &api;
 }
 
@@ -383,6 +429,49 @@ NB_MODULE(_native, m) {
     d["occurrence_entries"] = ProbeRendezvous().NumOccurrenceEntries();
     return d;
   });
+  m.def(
+      "_mapped_launch_run",
+      [](int64_t slot, int32_t group, std::vector<int32_t> ranks, std::vector<AnyArray> inputs,
+         std::vector<AnyArray> outputs, int64_t reduce_op, const std::string& wire, int32_t tiles) {
+        if (ranks.size() != inputs.size() || ranks.size() != outputs.size()) {
+          throw nb::value_error("jaxccl harness: one input and one output per rank");
+        }
+        if (wire != "host" && wire != "cuda") throw nb::value_error("jaxccl harness: wire must be 'host' or 'cuda'");
+        HarnessOptions options;
+        options.slot = slot;
+        options.group = group;
+        options.reduce_op = Unwrap(ReduceOpOf(reduce_op));
+        options.wire = wire == "cuda" ? MemoryKind::kCuda : MemoryKind::kHost;
+        options.tiles = tiles;
+        std::vector<HarnessCall> calls;
+        for (size_t k = 0; k < ranks.size(); ++k) {
+          if (DataTypeOf(inputs[k]) != DataTypeOf(outputs[k])) {
+            throw nb::value_error("jaxccl harness: a rank's input and output have different dtypes");
+          }
+          calls.push_back(HarnessCall{ranks[k], inputs[k].data(), outputs[k].data(),
+                                      static_cast<int64_t>(inputs[k].size()), static_cast<int64_t>(outputs[k].size()),
+                                      DataTypeOf(inputs[k])});
+        }
+        HarnessResult r;
+        {
+          nb::gil_scoped_release release;
+          r = RunMappedLaunch(options, calls);
+        }
+        nb::list words;
+        for (const HarnessRankError& e : r.ranks) words.append(nb::make_tuple(e.code, e.tb, e.op));
+        nb::dict d;
+        d["error"] = r.error.failure() ? r.error.message() : std::string();
+        d["code"] = static_cast<int32_t>(r.error.errc().value_or(ffi::ErrorCode::kOk));
+        d["rank_errors"] = words;
+        return d;
+      },
+      nb::arg("slot"), nb::arg("group"), nb::arg("ranks"), nb::arg("inputs"), nb::arg("outputs"),
+      nb::arg("reduce_op") = 0, nb::arg("wire") = "host", nb::arg("tiles") = 0,
+      "Tests: one launch of the slot's table for this process's ranks of an attached process group, each local "
+      "rank's threadblocks on host threads that run the CUDA interpreter's protocol over a mapped launch "
+      "(xla_ffi/transport/handshake_harness.h); wire 'cuda' sends every trailer apart, as from device memory. "
+      "Returns {'error': message or '', 'code': ffi error code, 'rank_errors': [(code, threadblock, op)] per rank}.");
+  m.attr("PROTOCOL_PEER_FAILED") = static_cast<int32_t>(kPeerFailed);
   m.def("_core_api", [] {
     return nb::capsule(static_cast<const void*>(GetCoreApi()), kCoreApiCapsuleName);
   }, "Capsule of the versioned registry interface the CUDA module attaches to.");

@@ -73,10 +73,10 @@ class PyTransport {
     if (e.failure()) Raise(e);
   }
   int64_t Isend(int32_t peer, uint64_t tag, Bytes data) {
-    return Unwrap(Get()->Isend(peer, tag, data.data(), data.nbytes()));
+    return Unwrap(Get()->Isend(peer, tag, data.data(), data.nbytes(), MemoryKind::kHost));
   }
   int64_t Irecv(int32_t peer, uint64_t tag, Bytes data) {
-    return Unwrap(Get()->Irecv(peer, tag, data.data(), data.nbytes()));
+    return Unwrap(Get()->Irecv(peer, tag, data.data(), data.nbytes(), MemoryKind::kHost));
   }
   bool Test(int64_t request) { return Unwrap(Get()->Test(request)); }
   std::tuple<int64_t, int64_t, int64_t> Wait(int64_t request, double timeout_s) {

@@ -65,7 +65,7 @@ enum ProtocolError : int32_t {
   kTimeoutDrain = 4,
   kSizeMismatch = 5,
   kStaleMessage = 6,
-  kPeerFailed = 7,
+  kPeerFailed = 7,  // a mapped launch's proxy failed (transport/mapped_launch.h): a process it exchanges with
 };
 
 // Who posted a message: the table it runs (its checksum) and the launch (the low 32 bits of its epoch).
@@ -221,6 +221,23 @@ JAXCCL_HD int32_t StuckReason(const ProgramView& p, const ProgTb& tb, const Unit
 // drains by waiting until each of them was consumed.
 JAXCCL_HD int32_t LastMessageOfSlot(int32_t slot, int32_t total, int32_t num_slots) {
   return slot >= total ? -1 : slot + ((total - 1 - slot) / num_slots) * num_slots;
+}
+
+// Why a receiver refuses the message `d` it found posted (kProtocolOk: it takes it): another launch's identity
+// (kStaleMessage), or not the size its op receives (kSizeMismatch).
+JAXCCL_HD int32_t MessageError(const MsgDesc& d, unsigned long long identity, size_t expected_bytes) {
+  if (d.identity != identity) return kStaleMessage;
+  if (d.bytes != expected_bytes) return kSizeMismatch;
+  return kProtocolOk;
+}
+
+// Where a staged send of connection `send_conn` stages message `send_msg` in its rank's staging memory: slot
+// send_msg % num_slots of the connection's place among the rank's staging connections (ProgramView::staged_index),
+// `stage_bytes` per slot.
+JAXCCL_HD size_t StageOffset(const ProgramView& p, int32_t send_conn, int32_t send_msg, size_t stage_bytes) {
+  return (static_cast<size_t>(p.staged_index(send_conn)) * static_cast<size_t>(p.num_slots()) +
+          static_cast<size_t>(send_msg % p.num_slots())) *
+         stage_bytes;
 }
 
 // Where a sending op's message is.

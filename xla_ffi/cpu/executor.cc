@@ -182,6 +182,111 @@ void FoldSends(const Table& t, std::vector<std::vector<std::pair<int32_t, int32_
 }
 }  // namespace
 
+// ------------------------------------------------------------------ across processes
+
+namespace {
+// Staging memory of finished launches' proxies, reused by the next (a fresh allocation of many MiB would fault
+// in every page again on every launch).
+constexpr size_t kMaxPooledStaging = 4;
+std::mutex staging_mu;
+std::vector<std::unique_ptr<AlignedBuffer>>& StagingPool() {
+  static auto* p = new std::vector<std::unique_ptr<AlignedBuffer>>();
+  return *p;
+}
+
+// The proxy's staging on the CPU: pooled host memory.
+class CpuStaging final : public StagingMemory {
+ public:
+  MemoryKind kind() const override { return MemoryKind::kHost; }
+  ffi::ErrorOr<char*> Acquire(size_t bytes) override {
+    std::unique_ptr<AlignedBuffer> b;
+    {
+      std::lock_guard<std::mutex> lock(staging_mu);
+      auto& pool = StagingPool();
+      if (!pool.empty()) {
+        b = std::move(pool.back());
+        pool.pop_back();
+      }
+    }
+    if (!b) b = std::make_unique<AlignedBuffer>();
+    if (!b->Reserve(bytes + kAlign)) {
+      return ErrorResult<char*>(
+          ffi::Error(ffi::ErrorCode::kResourceExhausted, StrCat("no ", bytes, " bytes of memory")));
+    }
+    const uintptr_t at = (reinterpret_cast<uintptr_t>(b->data()) + kAlign - 1) / kAlign * kAlign;
+    char* data = reinterpret_cast<char*>(at);
+    held_.emplace_back(data, std::move(b));
+    return data;
+  }
+  void Release(char* data, bool reusable) override {
+    for (auto it = held_.begin(); it != held_.end(); ++it) {
+      if (it->first != data) continue;
+      std::unique_ptr<AlignedBuffer> b = std::move(it->second);
+      held_.erase(it);
+      if (!reusable) {
+        (void)b.release();  // the transport may still write into it
+        return;
+      }
+      std::lock_guard<std::mutex> lock(staging_mu);
+      if (StagingPool().size() < kMaxPooledStaging) StagingPool().push_back(std::move(b));
+      return;
+    }
+  }
+
+ private:
+  static constexpr size_t kAlign = 256;  // AlignedBuffer gives 64
+  std::vector<std::pair<char*, std::unique_ptr<AlignedBuffer>>> held_;
+};
+}  // namespace
+
+// The launch as its proxy sees it (transport/proxy_launch.h): the proxy posts into the ranks' regions and wakes
+// their threads; a rank thread hands its messages to other processes to the proxy itself (CpuLaunch::Post).
+class CpuLaunch::ProxyView final : public ProxyLaunch {
+ public:
+  explicit ProxyView(CpuLaunch* l) : l_(l) {
+    v_.table = l->table_;
+    v_.slot = l->slot_;
+    v_.version = l->version_;
+    v_.tiles = l->tiles_;
+    v_.layout = l->layout_;
+    v_.epoch = l->epoch_;
+    v_.identity = l->identity();
+    v_.deadline = l->deadline_;
+    v_.timeout_s = l->timeout_s_;
+    v_.buffers = l->buffers_;
+    v_.memory = MemoryKind::kHost;
+    // The timing of a message from another process is empty (no pacing, not direct): the proxy posts it
+    // without writing it, so the cells of those connections are cleared before any is posted.
+    const Table& t = *l->table_;
+    for (int32_t c = 0; c < t.num_conns(); ++c) {
+      if (!l->Local(t.conns[c].receiver) || l->Local(t.conns[c].sender)) continue;
+      for (int32_t s = 0; s < l->layout_.num_slots; ++s) l->ctx_->timing[l->layout_.cell(c, s)] = MessageTiming{};
+    }
+  }
+  const ProxyLaunchView& view() const override { return v_; }
+  std::atomic<uint64_t>* Flag(int32_t rank, size_t offset, size_t index) const override {
+    return l_->Flag(rank, offset, index);
+  }
+  MsgDesc* Desc(int32_t rank, size_t cell) const override { return l_->Desc(rank, cell); }
+  void Delivered(int32_t rank, size_t cell) override { l_->Wake(rank); }
+  void SendDone(int32_t rank, int32_t conn, int32_t msg, bool direct) override {
+    l_->Wake(rank);
+    if (!direct) return;
+    RankState& sender = *l_->ctx_->ranks[rank];
+    std::lock_guard<std::mutex> lock(sender.mu);
+    if (--sender.pending_direct == 0 && sender.waiting) sender.cv.notify_all();
+  }
+  void Fail(const std::string& message, ffi::ErrorCode code) override { l_->Fail(message, code); }
+  bool Aborted() const override { return l_->aborted_.load(); }
+  std::string Where(int32_t global_tb, int32_t rank_op) const override { return l_->Where(global_tb, rank_op); }
+  StagingMemory& staging() override { return staging_; }
+
+ private:
+  CpuLaunch* l_;
+  ProxyLaunchView v_;
+  CpuStaging staging_;
+};
+
 ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t axis_size,
                                                           const std::vector<CpuArrival>& arrivals,
                                                           std::shared_ptr<const ProcessGroup> group) {
@@ -255,7 +360,8 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
   launch->fold_patience_until_.assign(axis_size, 0);
   launch->ranks_running_.store(group ? group->num_local : axis_size);
   if (group) {
-    auto proxy = CpuProxy::Create(launch.get(), group, NextLaunchNumber(*group, slot));
+    launch->proxy_view_ = std::make_unique<ProxyView>(launch.get());
+    auto proxy = Proxy::Create(launch->proxy_view_.get(), group, NextLaunchNumber(*group, slot));
     if (!proxy.has_value()) return ErrorResult<R>(std::move(proxy.error()));
     launch->proxy_ = std::move(*proxy);
     launch->proxy_->Start();
@@ -265,6 +371,7 @@ ffi::ErrorOr<std::shared_ptr<CpuLaunch>> CpuLaunch::Start(int64_t slot, int32_t 
 
 CpuLaunch::~CpuLaunch() {
   proxy_.reset();  // joins its thread before the memory it uses goes back to the pool
+  proxy_view_.reset();
   if (pool_ && ctx_) pool_->Release(std::move(ctx_));
 }
 
@@ -278,20 +385,7 @@ MsgDesc* CpuLaunch::Desc(int32_t rank, size_t cell) const {
   return reinterpret_cast<MsgDesc*>(ctx_->regions[rank]->data() + layout_.msgs()) + cell;
 }
 
-std::string CpuLaunch::Where(int32_t g, int32_t o) const {
-  const TableTb& tb = table_->tbs[g];
-  const int32_t i = o - (tb.first_op - rank_first_op_[tb.rank]);
-  const OpCode kind = table_->ops[tb.first_op + i].kind;
-  std::string peers;
-  // Across processes, a peer in another process is named with its process.
-  auto process = [&](int32_t peer) {
-    return Local(peer) ? std::string() : StrCat(" in process ", group_->process_of_rank[peer]);
-  };
-  if (OpReceives(kind)) peers += StrCat(" from rank ", tb.recv_peer, process(tb.recv_peer));
-  if (OpSends(kind)) peers += StrCat(" to rank ", tb.send_peer, process(tb.send_peer));
-  return StrCat("rank ", tb.rank, ", threadblock ", g - table_->rank_first_tb[tb.rank], ", op ", i, " ('",
-                OpName(kind), "'", peers, ", channel ", tb.channel, ")");
-}
+std::string CpuLaunch::Where(int32_t g, int32_t o) const { return DescribeOp(*table_, group_.get(), g, o); }
 
 void CpuLaunch::Fail(const std::string& message, ffi::ErrorCode code) {
   {
@@ -366,15 +460,6 @@ void CpuReduce(Reduction r, char* dst, const char* a, const char* b, size_t n) {
   const FlushDenormalsScope flush;  // the arithmetic mode of XLA:CPU's threads (core/reduce.h)
   ReduceLanes(r, dst, a, b, n, 0, 1);
 }
-
-// Byte moves of the CPU: memmove (ranges of one buffer may coincide) and the core's reductions, contiguous.
-struct CpuMover {
-  void Copy(char* dst, const char* src, size_t bytes) const {
-    if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
-  }
-  void Reduce(Reduction r, char* dst, const char* a, const char* b, size_t n) const { CpuReduce(r, dst, a, b, n); }
-  void Barrier() const {}
-};
 
 void CpuLaunch::RunRank(int32_t rank) {
   const ProgramView p(table_->programs[rank].data());

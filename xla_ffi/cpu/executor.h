@@ -17,6 +17,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -32,7 +33,7 @@
 namespace jaxccl {
 
 struct ProcessGroup;
-class CpuProxy;
+class ProxyHandle;
 
 // One rank's buffers, as its FFI call saw them.
 struct CpuArrival {
@@ -135,7 +136,7 @@ inline constexpr int64_t kFoldPatienceMaxNs = 2'000'000;
 class CpuLaunch {
  public:
   // Starts the launch: checks the arrivals against the table and runs its threadblocks. With a process
-  // group (transport_proxy.h), only this process's ranks arrived (the others' entries are empty) and
+  // group (transport/proxy.h), only this process's ranks arrived (the others' entries are empty) and
   // connections to other processes go through the group's transport.
   static ffi::ErrorOr<std::shared_ptr<CpuLaunch>> Start(int64_t slot, int32_t axis_size,
                                                         const std::vector<CpuArrival>& arrivals,
@@ -149,7 +150,9 @@ class CpuLaunch {
 
  private:
   friend struct CpuProbe;
-  friend class CpuProxy;
+  // What the proxy of a launch across processes needs from it (transport/proxy_launch.h); executor.cc.
+  class ProxyView;
+  friend class ProxyView;
   CpuLaunch() = default;
 
   // Runs rank `rank`'s threadblocks on the calling thread (its XLA thread), in dataflow order.
@@ -216,9 +219,11 @@ class CpuLaunch {
   // Per rank (its own thread's): until when a fold may wait for its late terms (0: none is waiting).
   std::vector<int64_t> fold_patience_until_;
 
-  // Across processes (null in one process): the group, the proxy of this launch's remote connections.
+  // Across processes (null in one process): the group, the proxy of this launch's remote connections and
+  // the launch as the proxy sees it.
   std::shared_ptr<const ProcessGroup> group_;
-  std::unique_ptr<CpuProxy> proxy_;
+  std::unique_ptr<ProxyView> proxy_view_;
+  std::unique_ptr<ProxyHandle> proxy_;
   bool Local(int32_t rank) const;
 
   std::atomic<bool> aborted_{false};
@@ -228,6 +233,20 @@ class CpuLaunch {
   std::atomic<int32_t> ranks_running_{0};
   std::mutex done_mu_;
   std::condition_variable done_cv_;
+};
+
+// The core's reductions (core/reduce.h) over `n` contiguous elements, in XLA:CPU's arithmetic mode and with the
+// widest vector unit this CPU has.
+void CpuReduce(Reduction r, char* dst, const char* a, const char* b, size_t n);
+
+// Byte moves of the CPU for the core's data step (RunOpData): memmove (ranges of one buffer may coincide) and
+// the core's reductions, contiguous.
+struct CpuMover {
+  void Copy(char* dst, const char* src, size_t bytes) const {
+    if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
+  }
+  void Reduce(Reduction r, char* dst, const char* a, const char* b, size_t n) const { CpuReduce(r, dst, a, b, n); }
+  void Barrier() const {}
 };
 
 // Program order (for comparisons): every threadblock runs its ops in order, untiled. Off by default.

@@ -1,6 +1,6 @@
 // jaxccl_cpu_mp_collective: this process's ranks meet in the in-process rendezvous (keyed by their index
 // among the local ranks), the last one starts a launch whose remote connections go through the process
-// group's transport (transport_proxy.h), and each rank runs its threadblocks as in one process.
+// group's transport (transport/proxy.h), and each rank runs its threadblocks as in one process.
 #include "transport/handler.h"
 
 #include "host/common.h"

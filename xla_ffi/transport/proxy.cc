@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "cpu/executor.h"
+#include "cpu/executor.h"  // the identity checks' switch and test hook (IdentityChecks, TakeStaleInjection)
 #include "transport/shared_sends.h"
 
 namespace jaxccl {
@@ -17,10 +17,12 @@ std::vector<std::shared_ptr<const ProcessGroup>>& Groups() {
   return *g;
 }
 
-// A message's tag: (slot, spanning group, launch, connection, message). Launch numbers wrap: processes
+// A message's tag: (slot, spanning group, launch, part, connection, message). Launch numbers wrap: processes
 // stay within one launch of each other on a group's slot (every launch waits for the others' messages).
-constexpr int kSlotBits = 8, kGroupBits = 8, kLaunchBits = 8, kConnBits = 12, kMsgBits = 12;
-static_assert(kSlotBits + kGroupBits + kLaunchBits + kConnBits + kMsgBits == kTransportTagBits,
+// The part is 0 for a message (with its trailer in host memory) and 1 for the trailer of a message in device
+// memory, which travels as a transfer of its own.
+constexpr int kSlotBits = 8, kGroupBits = 8, kLaunchBits = 7, kPartBits = 1, kConnBits = 12, kMsgBits = 12;
+static_assert(kSlotBits + kGroupBits + kLaunchBits + kPartBits + kConnBits + kMsgBits == kTransportTagBits,
               "tag layout fills the tag");
 static_assert(kMaxSpanningGroups == 1 << kGroupBits, "every spanning group has a tag");
 }  // namespace
@@ -122,55 +124,57 @@ std::vector<TransportRecord> DrainTransportRecords(int64_t* dropped) {
   return out;
 }
 
-ffi::ErrorOr<uint64_t> CpuProxy::TagOf(int32_t conn, int32_t msg) const {
+std::string DescribeOp(const Table& t, const ProcessGroup* group, int32_t g, int32_t o) {
+  const TableTb& tb = t.tbs[g];
+  const int32_t i = o - (tb.first_op - t.RankFirstOp(tb.rank));
+  const OpCode kind = t.ops[tb.first_op + i].kind;
+  // A peer in another process is named with its process.
+  auto process = [&](int32_t peer) {
+    return group == nullptr || group->Local(peer) ? std::string()
+                                                  : StrCat(" in process ", group->process_of_rank[peer]);
+  };
+  std::string peers;
+  if (OpReceives(kind)) peers += StrCat(" from rank ", tb.recv_peer, process(tb.recv_peer));
+  if (OpSends(kind)) peers += StrCat(" to rank ", tb.send_peer, process(tb.send_peer));
+  return StrCat("rank ", tb.rank, ", threadblock ", g - t.rank_first_tb[tb.rank], ", op ", i, " ('", OpName(kind), "'",
+                peers, ", channel ", tb.channel, ")");
+}
+
+ffi::ErrorOr<uint64_t> Proxy::TagOf(int32_t conn, int32_t msg, int part) const {
   if (conn >= (1 << kConnBits) || msg >= (1 << kMsgBits)) {
     return ErrorResult<uint64_t>(ffi::Error::InvalidArgument(
         StrCat("jaxccl: a schedule across processes may have at most ", 1 << kConnBits, " connections and ",
                1 << kMsgBits, " messages per connection and launch; connection ", conn, " message ", msg,
                " is beyond")));
   }
-  const uint64_t slot = static_cast<uint64_t>(l_->slot_) & ((1u << kSlotBits) - 1);
+  const uint64_t slot = static_cast<uint64_t>(v_->slot) & ((1u << kSlotBits) - 1);
   const uint64_t group = static_cast<uint64_t>(group_->tag_index) & ((1u << kGroupBits) - 1);
   const uint64_t launch = static_cast<uint64_t>(launch_number_) & ((1u << kLaunchBits) - 1);
-  return ((((slot << kGroupBits | group) << kLaunchBits | launch) << kConnBits | static_cast<uint64_t>(conn))
-          << kMsgBits) |
-         static_cast<uint64_t>(msg);
+  const uint64_t head = ((slot << kGroupBits | group) << kLaunchBits | launch) << kPartBits | static_cast<uint64_t>(part);
+  return ((head << kConnBits | static_cast<uint64_t>(conn)) << kMsgBits) | static_cast<uint64_t>(msg);
 }
 
-namespace {
-// Staging memory of finished launches, reused by the next (a fresh allocation of many MiB would fault
-// in every page again on every launch).
-constexpr size_t kMaxPooledStaging = 4;
-std::mutex staging_mu;
-std::vector<std::unique_ptr<AlignedBuffer>>& StagingPool() {
-  static auto* p = new std::vector<std::unique_ptr<AlignedBuffer>>();
-  return *p;
-}
-std::unique_ptr<AlignedBuffer> TakeStaging() {
-  std::lock_guard<std::mutex> lock(staging_mu);
-  auto& pool = StagingPool();
-  if (pool.empty()) return std::make_unique<AlignedBuffer>();
-  std::unique_ptr<AlignedBuffer> b = std::move(pool.back());
-  pool.pop_back();
-  return b;
-}
-void ReturnStaging(std::unique_ptr<AlignedBuffer> b) {
-  std::lock_guard<std::mutex> lock(staging_mu);
-  if (StagingPool().size() < kMaxPooledStaging) StagingPool().push_back(std::move(b));
-}
-}  // namespace
-
-ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std::shared_ptr<const ProcessGroup> group,
-                                                         int64_t launch_number) {
-  using R = std::unique_ptr<CpuProxy>;
-  R proxy(new CpuProxy());
+ffi::ErrorOr<std::unique_ptr<Proxy>> Proxy::Create(ProxyLaunch* launch, std::shared_ptr<const ProcessGroup> group,
+                                                   int64_t launch_number, std::unique_ptr<ProxyLaunch> owned) {
+  using R = std::unique_ptr<Proxy>;
+  R proxy(new Proxy());
+  proxy->owned_ = std::move(owned);
   proxy->l_ = launch;
+  proxy->v_ = &launch->view();
   proxy->group_ = std::move(group);
   proxy->launch_number_ = launch_number;
+  const ProxyLaunchView& v = *proxy->v_;
+  proxy->split_ = v.memory == MemoryKind::kCuda;
+  proxy->memory_ = launch->staging().kind();
+  if (!proxy->split_ && proxy->memory_ != MemoryKind::kHost) {
+    return ErrorResult<R>(ffi::Error::InvalidArgument(
+        "jaxccl: a launch whose messages are in device memory must send them with the device wire layout "
+        "(ProxyLaunchView::memory = kCuda): a transfer never mixes device and host memory"));
+  }
   const ProcessGroup& pg = *proxy->group_;
-  const Table& t = *launch->table_;
-  const int32_t tiles = launch->tiles_;
-  proxy->shared_ = SharedSendsOf(launch->table_, tiles, pg.process_of_rank);
+  const Table& t = *v.table;
+  const int32_t tiles = v.tiles;
+  proxy->shared_ = SharedSendsOf(v.table, tiles, pg.process_of_rank);
   // The receives from other processes, with their sizes, from the receiving ranks' programs.
   struct Planned {
     int32_t conn, msg, rank, peer_rank;
@@ -188,14 +192,14 @@ ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std:
     const ProgTb tb = p.tb(conn.recv_tb - t.rank_first_tb[rank]);
     const int32_t num_msgs = tiles * p.conn_msgs(c);
     std::vector<int32_t> by_msg(num_msgs, -1);
-    for (int32_t v = 0; v < tiles * tb.num_ops; ++v) {
-      const Unit u = UnitOf(p, tb, v);
+    for (int32_t u_index = 0; u_index < tiles * tb.num_ops; ++u_index) {
+      const Unit u = UnitOf(p, tb, u_index);
       const ProgOp op = p.op(u.op);
       if (!op.receives()) continue;
       if (u.recv_msg < 0 || u.recv_msg >= num_msgs || by_msg[u.recv_msg] >= 0) {
         return ErrorResult<R>(ffi::Error::Internal(StrCat("jaxccl: connection ", c, " has a malformed message ", u.recv_msg)));
       }
-      const size_t bytes = launch->buffers_[rank].RecvBytes(op, u.tile);
+      const size_t bytes = v.buffers[rank].RecvBytes(op, u.tile);
       by_msg[u.recv_msg] = static_cast<int32_t>(plan.size());
       plan.push_back(Planned{c, u.recv_msg, rank, conn.sender, bytes});
     }
@@ -206,7 +210,10 @@ ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std:
     proxy->order_.push_back(std::move(by_msg));
   }
   proxy->next_.assign(proxy->order_.size(), 0);
-  // One transfer per group of messages that share it; a message sharing another's takes its transfer.
+  // One transfer per group of messages that share it; a message sharing another's takes its transfer. In host
+  // memory the trailer lands behind the message; in device memory it has a host array of its own.
+  const size_t align = proxy->split_ ? 256 : 64;
+  const size_t trailer_space = proxy->split_ ? 0 : kWireTrailerBytes;
   std::map<std::pair<int32_t, int32_t>, int32_t> transfer_of;  // by the (connection, message) that names it
   std::vector<size_t> offsets;
   size_t total = 0;
@@ -216,40 +223,103 @@ ffi::ErrorOr<std::unique_ptr<CpuProxy>> CpuProxy::Create(CpuLaunch* launch, std:
     auto [it, fresh] = transfer_of.emplace(std::make_pair(lead.conn, lead.msg), static_cast<int32_t>(offsets.size()));
     if (fresh) {
       offsets.push_back(total);
-      proxy->transfers_.push_back(InTransfer{0, nullptr, x.bytes});
-      total += (x.bytes + kWireTrailerBytes + 63) / 64 * 64;
+      InTransfer in;
+      in.bytes = x.bytes;
+      proxy->transfers_.push_back(in);
+      total += (x.bytes + trailer_space + align - 1) / align * align;
     } else if (proxy->transfers_[it->second].bytes != x.bytes) {
       return ErrorResult<R>(ffi::Error::Internal(StrCat("jaxccl: message ", x.msg, " of connection ", x.conn,
                                                         " shares a transfer of another size")));
     }
     proxy->recvs_.push_back(Recv{x.conn, x.msg, x.rank, x.peer_rank, x.bytes, it->second});
   }
-  proxy->staging_ = TakeStaging();
-  if (!proxy->staging_->Reserve(std::max<size_t>(total, 64))) {
+  auto staging = launch->staging().Acquire(std::max<size_t>(total, 256));
+  if (!staging.has_value()) {
     return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                                     StrCat("jaxccl: cannot allocate ", total, " bytes for messages from other processes")));
+                                     StrCat("jaxccl: cannot allocate ", total, " bytes of ",
+                                            MemoryKindName(proxy->memory_), " memory for messages from other processes: ",
+                                            staging.error().message())));
   }
+  proxy->staging_ = *staging;
+  if (proxy->split_) proxy->trailers_.assign(proxy->transfers_.size(), WireTrailer{});
   for (const auto& [lead, k] : transfer_of) {
-    InTransfer& x = proxy->transfers_[k];
-    x.data = proxy->staging_->data() + offsets[k];
-    auto tag = proxy->TagOf(lead.first, lead.second);
-    if (!tag.has_value()) {
+    proxy->transfers_[k].data = proxy->staging_ + offsets[k];
+    if (ffi::Error e = proxy->PostReceive(k, MessageRef{lead.first, lead.second}); e.failure()) {
       proxy->CancelAll();
-      return ErrorResult<R>(std::move(tag.error()));
+      return ErrorResult<R>(std::move(e));
     }
-    const int32_t sender = t.conns[lead.first].sender;
-    auto req = pg.transport->Irecv(pg.process_of_rank[sender], *tag, x.data, x.bytes + kWireTrailerBytes);
-    if (!req.has_value()) {
-      proxy->CancelAll();
-      return ErrorResult<R>(ffi::Error(req.error().errc().value_or(ffi::ErrorCode::kInternal),
-                                       StrCat("jaxccl: rank ", t.conns[lead.first].receiver, " cannot receive from rank ",
-                                              sender, ": ", req.error().message())));
-    }
-    x.request = *req;
-    x.arrived = false;
   }
   if (TraceLaunches()) std::fprintf(stderr, "%s\n", proxy->Describe(/*pending_only=*/false).c_str());
   return proxy;
+}
+
+ffi::Error Proxy::PostReceive(int32_t k, const MessageRef& lead) {
+  const ProcessGroup& pg = *group_;
+  const TableConn& conn = v_->table->conns[lead.conn];
+  InTransfer& x = transfers_[k];
+  for (int part = 0; part < parts(); ++part) {
+    auto tag = TagOf(lead.conn, lead.msg, part);
+    if (!tag.has_value()) return std::move(tag.error());
+    void* into = part == 0 ? static_cast<void*>(x.data) : static_cast<void*>(&trailers_[k]);
+    const size_t bytes = part == 1 ? kWireTrailerBytes : split_ ? x.bytes : x.bytes + kWireTrailerBytes;
+    const MemoryKind memory = part == 0 ? memory_ : MemoryKind::kHost;
+    auto req = pg.transport->Irecv(pg.process_of_rank[conn.sender], *tag, into, bytes, memory);
+    if (!req.has_value()) {
+      return ffi::Error(req.error().errc().value_or(ffi::ErrorCode::kInternal),
+                        StrCat("jaxccl: rank ", conn.receiver, " cannot receive from rank ", conn.sender, " in process ",
+                               pg.process_of_rank[conn.sender], ": ", req.error().message()));
+    }
+    x.request[part] = *req;
+    x.part_done[part] = false;
+  }
+  x.arrived = false;
+  return ffi::Error::Success();
+}
+
+ffi::ErrorOr<bool> Proxy::Arrived(InTransfer& x, int32_t k, const Recv& r) {
+  Transport& tr = *group_->transport;
+  auto failed = [&](const ffi::Error& e) {
+    return ErrorResult<bool>(ffi::Error(e.errc().value_or(ffi::ErrorCode::kInternal),
+                                        StrCat("jaxccl: rank ", r.rank, " receiving from rank ", r.peer_rank,
+                                               " in process ", group_->process_of_rank[r.peer_rank], ": ", e.message())));
+  };
+  for (int part = 0; part < parts(); ++part) {
+    if (x.part_done[part]) continue;
+    auto st = tr.Test(x.request[part]);
+    if (!st.has_value()) {
+      x.part_done[part] = true;  // failed: nothing to cancel
+      return failed(st.error());
+    }
+    if (!*st) return false;
+    auto c = tr.Wait(x.request[part], Clock::now());
+    x.part_done[part] = true;
+    if (!c.has_value()) return failed(c.error());
+    const size_t expected = part == 1 ? kWireTrailerBytes : split_ ? r.bytes : r.bytes + kWireTrailerBytes;
+    if (c->bytes != expected) {
+      return failed(ffi::Error::Internal(
+          part == 1 ? StrCat("the trailer of message ", r.msg, " has ", c->bytes, " bytes, expected ", kWireTrailerBytes)
+          : split_  ? StrCat("message ", r.msg, " has ", c->bytes, " bytes, expected ", r.bytes)
+                    : StrCat("message ", r.msg, " has ", c->bytes, " bytes, expected ", r.bytes, " and a trailer of ",
+                             kWireTrailerBytes)));
+    }
+  }
+  x.arrived = true;
+  WireTrailer got;
+  if (split_) {
+    got = trailers_[k];
+  } else {
+    std::memcpy(&got, x.data + x.bytes, sizeof(got));
+  }
+  if ((got.magic != kWireTrailerMagic || got.identity != WireIdentity()) && IdentityChecks()) {
+    const Table& t = *v_->table;
+    const ProgramView p(t.programs[r.rank].data());
+    const int32_t g = t.conns[r.conn].recv_tb;
+    const int32_t o = p.tb(g - t.rank_first_tb[r.rank]).first_op;
+    return ErrorResult<bool>(ffi::Error::Internal(
+        StaleMessageError(l_->Where(g, o), r.msg, got.identity, WireIdentity(), v_->slot, v_->version) +
+        StrCat(" (from process ", group_->process_of_rank[r.peer_rank], ", launch numbers on the wire)")));
+  }
+  return true;
 }
 
 bool TraceLaunches() {
@@ -260,12 +330,13 @@ bool TraceLaunches() {
   return on;
 }
 
-std::string CpuProxy::Describe(bool pending_only) const {
-  const Table& t = *l_->table_;
-  std::string out = StrCat("[process ", group_->process_id, " slot ", l_->slot_, " group ", group_->tag_index,
+std::string Proxy::Describe(bool pending_only) const {
+  const Table& t = *v_->table;
+  std::string out = StrCat("[process ", group_->process_id, " slot ", v_->slot, " group ", group_->tag_index,
                            " launch ", launch_number_, " (tag ", launch_number_ & ((1 << kLaunchBits) - 1),
-                           ") table version ", l_->version_, " checksum ", t.checksum, " conns ", t.num_conns(),
-                           " tiles ", l_->tiles_, "]");
+                           ") table version ", v_->version, " checksum ", t.checksum, " conns ", t.num_conns(),
+                           " tiles ", v_->tiles, " memory ", MemoryKindName(memory_),
+                           split_ ? " (trailers apart)" : "", "]");
   constexpr int kMaxListed = 16;
   int listed = 0, hidden = 0;
   std::string recvs;
@@ -304,7 +375,7 @@ std::string CpuProxy::Describe(bool pending_only) const {
   return out;
 }
 
-std::string CpuProxy::PendingProcesses() const {
+std::string Proxy::PendingProcesses() const {
   std::map<int32_t, std::pair<int64_t, int64_t>> waits;  // process -> (messages from it, transfers to it)
   for (const Recv& r : recvs_) {
     if (!r.delivered) ++waits[group_->process_of_rank[r.peer_rank]].first;
@@ -312,7 +383,7 @@ std::string CpuProxy::PendingProcesses() const {
   {
     std::lock_guard<std::mutex> lock(send_mu_);
     for (const auto& [lead, x] : out_) {
-      if (!x.done) ++waits[group_->process_of_rank[l_->table_->conns[lead.first].receiver]].second;
+      if (!x.done) ++waits[group_->process_of_rank[v_->table->conns[lead.first].receiver]].second;
     }
   }
   if (waits.empty()) return "";
@@ -326,22 +397,26 @@ std::string CpuProxy::PendingProcesses() const {
   return out;
 }
 
-CpuProxy::~CpuProxy() {
-  if (thread_.joinable()) thread_.join();
+Proxy::~Proxy() {
+  if (thread_.joinable()) {
+    thread_.join();
+  } else if (!failed_) {
+    CancelAll();  // never started: its receives must not land in memory given back below
+  }
   // After a failure the transport may still own a cancelled receive's memory (a cancel that did not
   // finish): never reuse nor free it then (freeing it corrupted the heap when the bytes came later).
-  if (staging_ && failed_) (void)staging_.release();
-  if (staging_) ReturnStaging(std::move(staging_));
+  if (staging_ != nullptr) l_->staging().Release(staging_, /*reusable=*/!failed_);
 }
 
-unsigned long long CpuProxy::WireIdentity() const {
-  return LaunchIdentity(l_->table_->checksum, static_cast<unsigned long long>(launch_number_));
+unsigned long long Proxy::WireIdentity() const {
+  return LaunchIdentity(v_->table->checksum, static_cast<unsigned long long>(launch_number_));
 }
 
-void CpuProxy::Start() { thread_ = std::thread([this] { Run(); }); }
+void Proxy::Start() { thread_ = std::thread([this] { Run(); }); }
 
-void CpuProxy::Send(int32_t rank, int32_t conn, int32_t msg, const void* data, size_t bytes, bool direct) {
-  const int32_t peer = l_->table_->conns[conn].receiver;
+void Proxy::Send(int32_t rank, int32_t conn, int32_t msg, const void* data, size_t bytes, bool direct) {
+  const int32_t peer = v_->table->conns[conn].receiver;
+  const int32_t process = group_->process_of_rank[peer];
   const MessageRef lead = shared_->LeaderOf(conn, msg);
   std::lock_guard<std::mutex> lock(send_mu_);
   auto [it, fresh] = out_.try_emplace(std::make_pair(lead.conn, lead.msg));
@@ -349,68 +424,129 @@ void CpuProxy::Send(int32_t rank, int32_t conn, int32_t msg, const void* data, s
     auto tag = TagOf(lead.conn, lead.msg);
     if (!tag.has_value()) {
       out_.erase(it);
-      l_->Fail(tag.error().message(), ffi::ErrorCode::kInvalidArgument);
+      Fail(tag.error().message(), ffi::ErrorCode::kInvalidArgument);
       return;
     }
     OutTransfer& x = it->second;
     x.trailer = WireTrailer{WireIdentity(), kWireTrailerMagic};
-    if (TakeStaleInjection(l_->slot_, /*remote=*/true)) {
-      x.trailer.identity = LaunchIdentity(l_->table_->checksum, launch_number_ - 1);
+    if (TakeStaleInjection(v_->slot, /*remote=*/true)) {
+      x.trailer.identity = LaunchIdentity(v_->table->checksum, launch_number_ - 1);
     }
-    auto req = group_->transport->IsendWithTrailer(group_->process_of_rank[peer], *tag, data, bytes, &x.trailer,
-                                                   sizeof(x.trailer));
+    auto cannot = [&](const ffi::Error& e) {
+      Fail(StrCat("jaxccl: rank ", rank, " cannot send message ", msg, " to rank ", peer, ": ", e.message()),
+           e.errc().value_or(ffi::ErrorCode::kInternal));
+    };
+    auto req = split_ ? group_->transport->Isend(process, *tag, data, bytes, memory_)
+                      : group_->transport->IsendWithTrailer(process, *tag, data, bytes, &x.trailer, sizeof(x.trailer),
+                                                            MemoryKind::kHost);
     if (!req.has_value()) {
       out_.erase(it);
-      l_->Fail(StrCat("jaxccl: rank ", rank, " cannot send message ", msg, " to rank ", peer, ": ", req.error().message()),
-               req.error().errc().value_or(ffi::ErrorCode::kInternal));
+      cannot(req.error());
       return;
     }
-    it->second.request = *req;
+    x.request[0] = *req;
+    if (split_) {
+      auto trailer_tag = TagOf(lead.conn, lead.msg, /*part=*/1);
+      auto treq = group_->transport->Isend(process, *trailer_tag, &x.trailer, sizeof(x.trailer), MemoryKind::kHost);
+      if (!treq.has_value()) {
+        x.part_done[1] = true;  // nothing posted; the message's part is cancelled with the launch
+        cannot(treq.error());
+        return;
+      }
+      x.request[1] = *treq;
+    }
   }
   sends_.push_back(Send_{rank, conn, msg, peer, lead, direct});
+  ++sends_posted_;
 }
 
-void CpuProxy::FailWith(const std::string& message, ffi::ErrorCode code) {
+ffi::Error Proxy::Failure() const {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  if (failure_.empty()) return ffi::Error::Success();
+  return ffi::Error(failure_code_, failure_);
+}
+
+void Proxy::Abort(const std::string& message, ffi::ErrorCode code) {
   l_->Fail(message, code);
+  if (thread_.joinable()) {
+    WaitDone();  // the thread sees the launch aborted and cancels what is in flight
+  } else if (!failed_) {
+    CancelAll();
+  }
+}
+
+void Proxy::Fail(const std::string& message, ffi::ErrorCode code) {
+  {
+    std::lock_guard<std::mutex> lock(failure_mu_);
+    if (failure_.empty()) {
+      failure_ = message;
+      failure_code_ = code;
+    }
+  }
+  l_->Fail(message, code);
+}
+
+void Proxy::FailWith(const std::string& message, ffi::ErrorCode code) {
+  Fail(message, code);
   CancelAll();
 }
 
-void CpuProxy::CancelAll() {
+void Proxy::CancelAll() {
   failed_ = true;
   // Waiting with a deadline that has passed cancels and frees a request.
+  Transport& tr = *group_->transport;
   const auto now = Clock::now();
   for (InTransfer& x : transfers_) {
-    if (!x.arrived && x.request != 0) (void)group_->transport->Wait(x.request, now);
+    for (int part = 0; part < kParts; ++part) {
+      if (!x.part_done[part] && x.request[part] != 0) (void)tr.Wait(x.request[part], now);
+      x.part_done[part] = true;
+    }
     x.arrived = true;
   }
   std::lock_guard<std::mutex> lock(send_mu_);
   for (auto& [lead, x] : out_) {
-    if (!x.done) (void)group_->transport->Wait(x.request, now);
+    for (int part = 0; part < kParts; ++part) {
+      if (!x.done && !x.part_done[part] && x.request[part] != 0) (void)tr.Wait(x.request[part], now);
+      x.part_done[part] = true;
+    }
     x.done = true;
   }
   sends_.clear();
 }
 
-bool CpuProxy::ProgressSends(bool* progress) {
+bool Proxy::ProgressSends(bool* progress) {
   Transport& tr = *group_->transport;
-  const RegionLayout& layout = l_->layout_;
+  const RegionLayout& layout = v_->layout;
   std::unique_lock<std::mutex> lock(send_mu_);
   for (auto& [lead, x] : out_) {
     if (x.done) continue;
-    auto st = tr.Test(x.request);
-    if (st.has_value() && !*st) continue;
-    auto c = tr.Wait(x.request, Clock::now());
-    x.done = true;
-    if (!st.has_value() || !c.has_value()) {
-      const TableConn& conn = l_->table_->conns[lead.first];
-      const ffi::Error e = st.has_value() ? c.error() : st.error();
-      lock.unlock();
-      FailWith(StrCat("jaxccl: rank ", conn.sender, " sending to rank ", conn.receiver, " in process ",
-                      group_->process_of_rank[conn.receiver], ": ", e.message()),
-               e.errc().value_or(ffi::ErrorCode::kInternal));
-      return false;
+    bool all = true;
+    for (int part = 0; part < parts(); ++part) {
+      if (x.part_done[part]) continue;
+      auto st = tr.Test(x.request[part]);
+      if (st.has_value() && !*st) {
+        all = false;
+        continue;
+      }
+      auto c = tr.Wait(x.request[part], Clock::now());
+      x.part_done[part] = true;
+      if (!st.has_value() || !c.has_value()) {
+        const TableConn& conn = v_->table->conns[lead.first];
+        const ffi::Error e = st.has_value() ? c.error() : st.error();
+        lock.unlock();
+        FailWith(StrCat("jaxccl: rank ", conn.sender, " sending to rank ", conn.receiver, " in process ",
+                        group_->process_of_rank[conn.receiver], ": ", e.message()),
+                 e.errc().value_or(ffi::ErrorCode::kInternal));
+        return false;
+      }
+      // The transfer's record: its bytes, from the first part's post to the last part's completion.
+      TransportCompletion& m = x.completion;
+      const bool first = m.bytes == 0 && m.post_ns == 0;
+      m.bytes += c->bytes;
+      m.post_ns = first ? c->post_ns : std::min(m.post_ns, c->post_ns);
+      m.done_ns = first ? c->done_ns : std::max(m.done_ns, c->done_ns);
     }
-    x.completion = *c;
+    x.done = all;
   }
   for (auto it = sends_.begin(); it != sends_.end();) {
     const OutTransfer& x = out_[std::make_pair(it->transfer.conn, it->transfer.msg)];
@@ -420,15 +556,10 @@ bool CpuProxy::ProgressSends(bool* progress) {
     }
     const TransportCompletion& c = x.completion;
     AddTransportRecord(TransportRecord{it->rank, it->peer_rank, static_cast<int64_t>(c.bytes), c.post_ns, c.done_ns});
-    // The slot's bytes have left: the slot is free, and a direct send's buffer is released.
+    // The slot's bytes have left: the slot is free, and the backend releases what it holds for the message.
     l_->Flag(it->rank, layout.consumed(), layout.cell(it->conn, it->msg))
-        ->store(Tag(l_->epoch_, it->msg + 1), std::memory_order_release);
-    l_->Wake(it->rank);
-    if (it->direct) {
-      RankState& sender = *l_->ctx_->ranks[it->rank];
-      std::lock_guard<std::mutex> rl(sender.mu);
-      if (--sender.pending_direct == 0 && sender.waiting) sender.cv.notify_all();
-    }
+        ->store(Tag(v_->epoch, it->msg + 1), std::memory_order_release);
+    l_->SendDone(it->rank, it->conn, it->msg, it->direct);
     ++sends_done_;
     *progress = true;
     it = sends_.erase(it);
@@ -436,22 +567,23 @@ bool CpuProxy::ProgressSends(bool* progress) {
   return true;
 }
 
-void CpuProxy::Run() {
-  Transport& tr = *group_->transport;
-  const RegionLayout& layout = l_->layout_;
-  const uint64_t epoch = l_->epoch_;
+void Proxy::Run() {
+  const RegionLayout& layout = v_->layout;
+  const uint64_t epoch = v_->epoch;
   int idle = 0;
-  auto peer_error = [&](int32_t rank, int32_t peer_rank, const char* what, const ffi::Error& e) {
-    FailWith(StrCat("jaxccl: rank ", rank, " ", what, " rank ", peer_rank, " in process ", group_->process_of_rank[peer_rank],
-                    ": ", e.message()),
-             e.errc().value_or(ffi::ErrorCode::kInternal));
-  };
+  int64_t posted_seen = 0;
   while (true) {
-    if (l_->aborted_.load()) {
+    if (l_->Aborted()) {
       CancelAll();
       break;
     }
+    l_->PollPosts(*this);  // a mapped launch's messages to other processes (Send)
     bool progress = false, failed = false;
+    {
+      const int64_t posted = sends_posted_.load(std::memory_order_relaxed);
+      progress = posted != posted_seen;
+      posted_seen = posted;
+    }
     size_t delivered = 0;
     for (size_t k = 0; k < order_.size() && !failed; ++k) {
       const int32_t conn = remote_in_conns_[k];
@@ -459,37 +591,13 @@ void CpuProxy::Run() {
         Recv& r = recvs_[order_[k][next_[k]]];
         InTransfer& x = transfers_[r.transfer];
         if (!x.arrived) {
-          auto st = tr.Test(x.request);
-          if (!st.has_value()) {
-            x.arrived = true;
-            peer_error(r.rank, r.peer_rank, "receiving from", st.error());
+          auto arrived = Arrived(x, r.transfer, r);
+          if (!arrived.has_value()) {
+            FailWith(arrived.error().message(), arrived.error().errc().value_or(ffi::ErrorCode::kInternal));
             failed = true;
             break;
           }
-          if (!*st) break;
-          auto c = tr.Wait(x.request, Clock::now());
-          x.arrived = true;
-          if (!c.has_value() || c->bytes != r.bytes + kWireTrailerBytes) {
-            peer_error(r.rank, r.peer_rank, "receiving from",
-                       c.has_value() ? ffi::Error::Internal(StrCat("message ", r.msg, " has ", c->bytes,
-                                                                   " bytes, expected ", r.bytes, " and a trailer of ",
-                                                                   kWireTrailerBytes))
-                                     : c.error());
-            failed = true;
-            break;
-          }
-          WireTrailer got;
-          std::memcpy(&got, x.data + x.bytes, sizeof(got));
-          if ((got.magic != kWireTrailerMagic || got.identity != WireIdentity()) && IdentityChecks()) {
-            const ProgramView p(l_->table_->programs[r.rank].data());
-            const int32_t g = l_->table_->conns[r.conn].recv_tb;
-            const int32_t o = p.tb(g - l_->table_->rank_first_tb[r.rank]).first_op;
-            FailWith(StaleMessageError(l_->Where(g, o), r.msg, got.identity, WireIdentity(), l_->slot_, l_->version_) +
-                         StrCat(" (from process ", group_->process_of_rank[r.peer_rank], ", launch numbers on the wire)"),
-                     ffi::ErrorCode::kInternal);
-            failed = true;
-            break;
-          }
+          if (!*arrived) break;
         }
         // Message m owns slot m % num_slots: it may be posted once message m - num_slots was consumed.
         if (r.msg >= layout.num_slots &&
@@ -498,11 +606,10 @@ void CpuProxy::Run() {
           break;
         }
         const size_t cell = layout.cell(conn, r.msg);
-        *l_->Desc(r.rank, cell) = MsgDesc{reinterpret_cast<unsigned long long>(x.data), r.bytes, l_->identity(), 0};
-        l_->ctx_->timing[cell] = MessageTiming{};
+        *l_->Desc(r.rank, cell) = MsgDesc{reinterpret_cast<unsigned long long>(x.data), r.bytes, v_->identity, 0};
         l_->Flag(r.rank, layout.posted(), cell)->store(Tag(epoch, r.msg + 1), std::memory_order_release);
         r.delivered = true;
-        l_->Wake(r.rank);
+        l_->Delivered(r.rank, cell);
         progress = true;
       }
       if (next_[k] == static_cast<int32_t>(order_[k].size())) ++delivered;
@@ -515,7 +622,7 @@ void CpuProxy::Run() {
       sends_left = sends_done_ < sends_expected_;
     }
     if (delivered == order_.size() && !sends_left) break;
-    if (Clock::now() >= l_->deadline_) {
+    if (Clock::now() >= v_->deadline) {
       std::string what;
       for (size_t k = 0; k < order_.size() && what.empty(); ++k) {
         if (next_[k] < static_cast<int32_t>(order_[k].size())) {
@@ -534,7 +641,7 @@ void CpuProxy::Run() {
                          " in process ", group_->process_of_rank[s.peer_rank], ": a failed or hung process?)");
         }
       }
-      FailWith(StrCat("jaxccl: deadline exceeded: ", what, " for ", Seconds(l_->timeout_s_), "; this process's proxy: ",
+      FailWith(StrCat("jaxccl: deadline exceeded: ", what, " for ", Seconds(v_->timeout_s), "; this process's proxy: ",
                       Describe(/*pending_only=*/true)),
                ffi::ErrorCode::kDeadlineExceeded);
       break;
@@ -554,9 +661,9 @@ void CpuProxy::Run() {
   done_cv_.notify_all();
 }
 
-void CpuProxy::WaitDone() {
+void Proxy::WaitDone() {
   std::unique_lock<std::mutex> lock(done_mu_);
-  done_cv_.wait_until(lock, l_->deadline_ + std::chrono::seconds(2), [&] { return done_.load(); });
+  done_cv_.wait_until(lock, v_->deadline + std::chrono::seconds(2), [&] { return done_.load(); });
 }
 
 }  // namespace jaxccl

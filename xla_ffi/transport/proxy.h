@@ -1,22 +1,27 @@
-// The CPU executor across processes: the process group of an axis, and the proxy that carries a
-// launch's connections to ranks in other processes through the transport (transport.h), as NCCL's
-// proxy thread drives its network plugin.
+// Launches across processes: the process group of an axis, and the proxy that carries a launch's
+// connections to ranks in other processes through the transport (transport.h), as NCCL's proxy thread
+// drives its network plugin. One proxy serves every backend through its ProxyLaunch (proxy_launch.h): the
+// CPU executor (cpu/executor.h) and mapped launches (mapped_launch.h: the CUDA executor's kernels, and the
+// host-thread harness that runs the kernels' protocol on a CPU, handshake_harness.h).
 //
 // Each process runs the ranks of its local devices; the flag protocol (core/protocol.h) is unchanged
 // for connections between local ranks. For a connection whose peer is in another process:
-//   * a local sender's post hands the message to the proxy (an Isend of the slot's bytes) instead of
-//     writing the receiver's descriptor; the send's completion stores the `consumed` tag in the
-//     sender's region (the slot is free again) and releases a direct send's buffer;
-//   * the proxy posts every receive of the launch up front into its own staging memory and, in
+//   * a local sender's message goes to the proxy (ProxyHandle::Send, or the proxy finds it posted in the
+//     receiver's shadow region: ProxyLaunch::PollPosts) instead of to the receiver; the send's completion
+//     stores the `consumed` tag in the sender's region (the slot is free again) and lets the backend
+//     release what it holds for the message (ProxyLaunch::SendDone);
+//   * the proxy posts every receive of the launch up front into the backend's staging memory and, in
 //     message order, once the slot is free, writes the local receiver's descriptor and `posted` tag,
 //     so the receiver's op reads the message as it reads a local one;
 //   * sends of the same bytes from one rank to several ranks of one other process share one transfer
-//     (transport_shared_sends.h), which the receiving proxy hands to each of its receivers;
+//     (shared_sends.h), which the receiving proxy hands to each of its receivers;
 //   * staging memory is reused from launch to launch (no page faults on every launch).
-// Every message of a launch carries the tag (slot, launch number, connection, message) and a trailer
-// with its identity (core/protocol.h, LaunchIdentity of the table checksum and the full launch number):
-// the receiving proxy refuses a message of another table or launch. Every wait ends at the launch
-// deadline, and a failed peer fails the launch with an error naming its process.
+// Every message of a launch carries the tag (slot, group, launch number, part, connection, message) and a
+// trailer with its identity (core/protocol.h, LaunchIdentity of the table checksum and the full launch
+// number): the receiving proxy refuses a message of another table or launch. In host memory a message and
+// its trailer are one transfer; in device memory (MemoryKind::kCuda) two, the trailer from host memory (the
+// tag's part bit tells them apart). Every wait ends at the launch deadline, and a failed peer fails the
+// launch with an error naming its process.
 #ifndef JAXCCL_XLA_FFI_TRANSPORT_PROXY_H_
 #define JAXCCL_XLA_FFI_TRANSPORT_PROXY_H_
 
@@ -30,14 +35,13 @@
 #include <thread>
 #include <vector>
 
+#include "core/table_format.h"
 #include "host/common.h"
-#include "transport/transport.h"
+#include "transport/proxy_launch.h"
 #include "transport/shared_sends.h"
+#include "transport/transport.h"
 
 namespace jaxccl {
-
-class AlignedBuffer;
-class CpuLaunch;
 
 // Which process runs each rank of one group of the collective's axes (a mesh of several axes has one
 // group per coordinate of the other axes), and the transport between the processes.
@@ -99,30 +103,40 @@ void AddTransportRecord(const TransportRecord& r);
 // The records since the last drain, oldest first, and how many were dropped (the buffer was full).
 std::vector<TransportRecord> DrainTransportRecords(int64_t* dropped);
 
-class CpuProxy {
+// "rank R, threadblock T, op I ('kind' from rank P in process Q, channel C)": global threadblock `g`, rank-local
+// op `o` of `t`, a peer in another process named with its process (`group` null: every rank is local).
+std::string DescribeOp(const Table& t, const ProcessGroup* group, int32_t g, int32_t o);
+
+class Proxy final : public ProxyHandle {
  public:
-  // Posts the launch's receives from other processes; the thread starts with Start().
-  static ffi::ErrorOr<std::unique_ptr<CpuProxy>> Create(CpuLaunch* launch, std::shared_ptr<const ProcessGroup> group,
-                                                         int64_t launch_number);
-  ~CpuProxy();
-  void Start();
-  // A local rank posts message `msg` of connection `conn` to a rank in another process.
-  void Send(int32_t rank, int32_t conn, int32_t msg, const void* data, size_t bytes, bool direct);
-  // Waits until every message of the launch to or from other processes completed, or the launch failed.
-  void WaitDone();
+  // Posts the launch's receives from other processes; the thread starts with Start(). `owned`, when given, is
+  // `launch`, which the proxy then owns (a mapped launch: mapped_launch.h).
+  static ffi::ErrorOr<std::unique_ptr<Proxy>> Create(ProxyLaunch* launch, std::shared_ptr<const ProcessGroup> group,
+                                                      int64_t launch_number,
+                                                      std::unique_ptr<ProxyLaunch> owned = nullptr);
+  ~Proxy() override;
+  void Start() override;
+  void Send(int32_t rank, int32_t conn, int32_t msg, const void* data, size_t bytes, bool direct) override;
+  void WaitDone() override;
   // What this launch's proxy posted and completed, with the tags on the wire (a deadline's diagnosis;
   // JAXCCL_TRANSPORT_TRACE=1 prints it for every launch). `pending_only`: only what is not done.
-  std::string Describe(bool pending_only) const;
+  std::string Describe(bool pending_only) const override;
   // The other processes this launch still waits for (messages from them not arrived, sends to them not
   // done), for a deadline's error: "; it waits for process 1 (2 messages from it, 1 to it)"; empty if none.
-  std::string PendingProcesses() const;
+  std::string PendingProcesses() const override;
+  ffi::Error Failure() const override;
+  void Abort(const std::string& message, ffi::ErrorCode code) override;
 
  private:
-  // One transfer from another process: what the transport receives into staging memory.
+  // A message and its trailer on the wire: one transfer (host memory), or two (device memory).
+  static constexpr int kParts = 2;
+  // One transfer from another process: what the transport receives into staging memory (and, split, its
+  // trailer into host memory).
   struct InTransfer {
-    TransportRequest request;
-    char* data;
-    size_t bytes;
+    TransportRequest request[kParts] = {0, 0};
+    bool part_done[kParts] = {false, false};
+    char* data = nullptr;
+    size_t bytes = 0;
     bool arrived = false;
   };
   // One message from another process to a local rank: its transfer (shared with other messages of
@@ -135,7 +149,8 @@ class CpuProxy {
   };
   // One transfer to another process: posted by the first of its messages a local rank sends.
   struct OutTransfer {
-    TransportRequest request = 0;
+    TransportRequest request[kParts] = {0, 0};
+    bool part_done[kParts] = {false, false};
     bool done = false;
     TransportCompletion completion;
     WireTrailer trailer;  // sent after the message's bytes; lives until the request completes
@@ -145,23 +160,36 @@ class CpuProxy {
     MessageRef transfer;  // the message whose transfer carries it
     bool direct;
   };
-  CpuProxy() = default;
+  Proxy() = default;
   void Run();
+  int parts() const { return split_ ? 2 : 1; }
   // The identity every message of this launch carries on the wire.
   unsigned long long WireIdentity() const;
-  ffi::ErrorOr<uint64_t> TagOf(int32_t conn, int32_t msg) const;
-  // Fails the launch with `e` (naming the peer process), cancels what is in flight.
+  // The tag of message `msg` of connection `conn` (part 0: the message, 1: its trailer when split).
+  ffi::ErrorOr<uint64_t> TagOf(int32_t conn, int32_t msg, int part = 0) const;
+  // Posts the receives of transfer `k`, named by message `lead`.
+  ffi::Error PostReceive(int32_t k, const MessageRef& lead);
+  // Tests transfer `x` of message `r`: true once every part arrived and its trailer is this launch's. An error
+  // (naming what failed) when a part failed, has an unexpected size, or the trailer is refused.
+  ffi::ErrorOr<bool> Arrived(InTransfer& x, int32_t k, const Recv& r);
+  // Records the failure (the first wins) and fails the launch; FailWith also cancels what is in flight.
+  void Fail(const std::string& message, ffi::ErrorCode code);
   void FailWith(const std::string& message, ffi::ErrorCode code);
   void CancelAll();
   // Tests the transfers to other processes; completes the sends whose transfer is done. False when one failed.
   bool ProgressSends(bool* progress);
 
-  CpuLaunch* l_ = nullptr;
+  std::unique_ptr<ProxyLaunch> owned_;  // first: destroyed after everything that refers to it
+  ProxyLaunch* l_ = nullptr;
+  const ProxyLaunchView* v_ = nullptr;
   std::shared_ptr<const ProcessGroup> group_;
   int64_t launch_number_ = 0;
+  bool split_ = false;                     // the wire layout: trailers travel on their own (MemoryKind::kCuda)
+  MemoryKind memory_ = MemoryKind::kHost;  // where staging and send sources are (the staging's kind)
   std::shared_ptr<const SharedSends> shared_;
-  std::unique_ptr<AlignedBuffer> staging_;  // every remote message of the launch (64-byte aligned, not zeroed)
+  char* staging_ = nullptr;  // every remote message of the launch (not zeroed), from the launch's StagingMemory
   std::vector<InTransfer> transfers_;
+  std::vector<WireTrailer> trailers_;        // split: per transfer, its trailer (host memory)
   std::vector<Recv> recvs_;                  // in (connection, message) order
   std::vector<std::vector<int32_t>> order_;  // per connection with remote sender: indices into recvs_, by message
   std::vector<int32_t> next_;                // per such connection: next message to deliver
@@ -170,8 +198,12 @@ class CpuProxy {
   mutable std::mutex send_mu_;
   std::map<std::pair<int32_t, int32_t>, OutTransfer> out_;  // by the (connection, message) that names it
   std::vector<Send_> sends_;                                // posted, not yet complete
+  std::atomic<int64_t> sends_posted_{0};                    // messages handed to Send (the thread's progress)
   int64_t sends_done_ = 0;
   bool failed_ = false;
+  mutable std::mutex failure_mu_;
+  std::string failure_;
+  ffi::ErrorCode failure_code_ = ffi::ErrorCode::kOk;
   std::atomic<bool> done_{false};
   std::mutex done_mu_;
   std::condition_variable done_cv_;

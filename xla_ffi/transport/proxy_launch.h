@@ -27,21 +27,21 @@
 #include "core/protocol.h"
 #include "core/table_format.h"
 #include "host/common.h"
+#include "transport/transport.h"
 
 namespace jaxccl {
 
-// Where a launch's messages live: send sources and receive staging. kCuda: device memory; the transport
-// moves it with the library's GPU support (UCX: cuda_copy, cuda_ipc, GPUDirect RDMA), and every message's
-// wire trailer travels as a second transfer from host memory (a transfer never mixes memory kinds).
-enum class MemoryKind : int32_t { kHost = 0, kCuda = 1 };
-
-const char* MemoryKindName(MemoryKind kind);
+// Where a launch's messages live (MemoryKind, transport.h): send sources and receive staging. kCuda: device
+// memory; the transport moves it with the library's GPU support (UCX: cuda_copy, cuda_ipc, GPUDirect RDMA),
+// and every message's wire trailer travels as a second transfer from host memory (a transfer never mixes
+// memory kinds).
 
 // Memory the proxy receives messages from other processes into (kHost: pooled host memory;
 // kCuda: device memory of the launch's GPU). Implemented by the backend; called by the proxy thread.
 class StagingMemory {
  public:
   virtual ~StagingMemory() = default;
+  // The memory the staging and the launch's send sources are in: what the proxy tells the transport.
   virtual MemoryKind kind() const = 0;
   // At least `bytes` bytes, 256-byte aligned, valid until Release (or forever: see Release).
   virtual ffi::ErrorOr<char*> Acquire(size_t bytes) = 0;
@@ -62,6 +62,9 @@ struct ProxyLaunchView {
   Clock::time_point deadline;
   double timeout_s = 0;
   std::vector<RankBuffers> buffers;  // per rank of the group: the chunk geometry (RecvBytes); pointers unused
+  // The wire layout: kHost sends a message and its trailer as one transfer, kCuda as two (the trailer from
+  // host memory). The staging's kind() says which memory the bytes are in (tests run kCuda's layout over
+  // host memory).
   MemoryKind memory = MemoryKind::kHost;
 };
 

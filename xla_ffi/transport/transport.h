@@ -7,22 +7,11 @@
 // completes with the steady-clock times of its post and its completion (what the meter reads), or
 // fails with an error that names the peer process; every wait has a deadline.
 //
-// Implementations: UCX on CPUs (transport_ucx.cc, from the libucx wheel). On GPUs the same
-// interface maps onto NCCL:
-//   Address / Connect      -> ncclGetUniqueId on process 0, published through the same key-value
-//                             store; ncclCommInitRank(num_processes, id, process) (or
-//                             ncclCommInitRankConfig with blocking = 0 for a deadline on init)
-//   Isend / Irecv          -> ncclSend / ncclRecv of the slot's bytes on the executor's stream,
-//                             grouped per launch (ncclGroupStart/End); the tag is implicit: NCCL
-//                             matches send/recv pairs in issue order per peer, which the executor's
-//                             FIFO message index per connection already guarantees; where a kernel
-//                             must drive the network, the NCCL device API (ncclDevComm, GIN/LSA
-//                             put/signal) replaces the host calls with the same slot protocol
-//   Wait / Test, times     -> a cudaEvent recorded after the call (cudaEventQuery with a deadline,
-//                             cudaEventElapsedTime for the meter)
-//   peer failure, deadline -> ncclCommGetAsyncError polled in the wait; ncclCommAbort at the
-//                             deadline, so no process hangs in a collective
-//   Close                  -> ncclCommFinalize + ncclCommDestroy (ncclCommAbort after a failure)
+// Implementations: UCX (ucx.cc, from the libucx wheel) for every backend. The CPU executor's messages
+// live in host memory; a mapped launch on a GPU (transport/proxy_launch.h) sends from and receives into
+// device memory, which UCX moves with its GPU support (cuda_copy, cuda_ipc between processes on one
+// machine, GPUDirect RDMA where the network has it): every transfer says which memory it is in
+// (MemoryKind), so UCX never has to detect it.
 #ifndef JAXCCL_XLA_FFI_TRANSPORT_H_
 #define JAXCCL_XLA_FFI_TRANSPORT_H_
 
@@ -39,7 +28,14 @@ namespace jaxccl {
 
 // Version of this interface; an implementation reports the version it was built against.
 // 2: IsendWithTrailer (a message followed by a small trailer, one transfer).
-inline constexpr int32_t kTransportVersion = 2;
+// 3: the memory kind of every transfer's buffer.
+inline constexpr int32_t kTransportVersion = 3;
+
+// Which memory a transfer's buffer is in. kCuda: device memory (of the GPU current when it is posted).
+// A transfer never mixes kinds: a message in device memory travels without its host trailer.
+enum class MemoryKind : int32_t { kHost = 0, kCuda = 1 };
+
+inline const char* MemoryKindName(MemoryKind kind) { return kind == MemoryKind::kCuda ? "cuda" : "host"; }
 
 // A message's tag within one (source process, destination process) pair: the executor encodes
 // (schedule slot, connection, message index) in it. Only the low kTransportTagBits bits are used.
@@ -69,16 +65,19 @@ class Transport {
   // Connects to peer process `peer` at the address it published.
   virtual ffi::Error Connect(int32_t peer, const std::string& address) = 0;
 
-  // Posts a send of `bytes` at `data` to process `peer` with `tag`; `data` must stay valid and
-  // unchanged until the request completes.
-  virtual ffi::ErrorOr<TransportRequest> Isend(int32_t peer, uint64_t tag, const void* data, size_t bytes) = 0;
+  // Posts a send of `bytes` at `data` (memory of kind `memory`) to process `peer` with `tag`; `data` must
+  // stay valid and unchanged until the request completes.
+  virtual ffi::ErrorOr<TransportRequest> Isend(int32_t peer, uint64_t tag, const void* data, size_t bytes,
+                                               MemoryKind memory) = 0;
   // Posts one message made of `bytes` at `data` followed by `trailer_bytes` at `trailer` (the executor's
   // message identity); the receiver sees bytes + trailer_bytes contiguous. Both must stay valid until
-  // the request completes.
+  // the request completes, and both are in memory of kind `memory` (kHost: a transfer never mixes kinds).
   virtual ffi::ErrorOr<TransportRequest> IsendWithTrailer(int32_t peer, uint64_t tag, const void* data, size_t bytes,
-                                                          const void* trailer, size_t trailer_bytes) = 0;
-  // Posts a receive of at most `bytes` into `data` from process `peer` with `tag`.
-  virtual ffi::ErrorOr<TransportRequest> Irecv(int32_t peer, uint64_t tag, void* data, size_t bytes) = 0;
+                                                          const void* trailer, size_t trailer_bytes,
+                                                          MemoryKind memory) = 0;
+  // Posts a receive of at most `bytes` into `data` (memory of kind `memory`) from process `peer` with `tag`.
+  virtual ffi::ErrorOr<TransportRequest> Irecv(int32_t peer, uint64_t tag, void* data, size_t bytes,
+                                               MemoryKind memory) = 0;
   // Whether `request` completed (it makes progress); an error when it failed.
   virtual ffi::ErrorOr<bool> Test(TransportRequest request) = 0;
   // Waits until `request` completes or `deadline`; frees the request. An error that names the peer

@@ -42,6 +42,7 @@ struct UcxRequest {
   size_t posted_bytes = 0;
   int64_t post_ns = 0;
   ucp_dt_iov_t iov[2] = {};  // a send with a trailer: UCP reads the vector until the request completes
+  ucp_tag_recv_info_t recv_info = {};  // a receive that completes inline: what arrived
 };
 
 ffi::Error UcxError(const std::string& what, ucs_status_t status) {
@@ -141,12 +142,18 @@ class UcxTransport final : public Transport {
     return ffi::Error::Success();
   }
 
-  ffi::ErrorOr<TransportRequest> Isend(int32_t peer, uint64_t tag, const void* data, size_t bytes) override {
-    return IsendWithTrailer(peer, tag, data, bytes, nullptr, 0);
+  ffi::ErrorOr<TransportRequest> Isend(int32_t peer, uint64_t tag, const void* data, size_t bytes,
+                                       MemoryKind memory) override {
+    return IsendWithTrailer(peer, tag, data, bytes, nullptr, 0, memory);
   }
 
   ffi::ErrorOr<TransportRequest> IsendWithTrailer(int32_t peer, uint64_t tag, const void* data, size_t bytes,
-                                                  const void* trailer, size_t trailer_bytes) override {
+                                                  const void* trailer, size_t trailer_bytes,
+                                                  MemoryKind memory) override {
+    if (trailer_bytes > 0 && memory != MemoryKind::kHost) {
+      return ErrorResult<TransportRequest>(ffi::Error::InvalidArgument(
+          "jaxccl transport ucx: a message in device memory cannot carry a trailer in the same transfer"));
+    }
     std::lock_guard<std::mutex> lock(mu_);
     if (auto e = CheckPeer(peer, tag); e.failure()) return ErrorResult<TransportRequest>(std::move(e));
     auto req = std::make_unique<UcxRequest>();
@@ -158,6 +165,7 @@ class UcxTransport final : public Transport {
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.send = &OnSend;
     p.user_data = &req->state;
+    SetMemoryType(&p, memory);
     const void* buffer = data;
     size_t count = bytes;
     if (trailer_bytes > 0) {
@@ -172,7 +180,8 @@ class UcxTransport final : public Transport {
     return Track(std::move(req), r, "send");
   }
 
-  ffi::ErrorOr<TransportRequest> Irecv(int32_t peer, uint64_t tag, void* data, size_t bytes) override {
+  ffi::ErrorOr<TransportRequest> Irecv(int32_t peer, uint64_t tag, void* data, size_t bytes,
+                                       MemoryKind memory) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (auto e = CheckPeer(peer, tag); e.failure()) return ErrorResult<TransportRequest>(std::move(e));
     auto req = std::make_unique<UcxRequest>();
@@ -183,6 +192,9 @@ class UcxTransport final : public Transport {
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
     p.cb.recv = &OnRecv;
     p.user_data = &req->state;
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
+    p.recv_info.tag_info = &req->recv_info;
+    SetMemoryType(&p, memory);
     ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_, data, bytes, WireTag(peer, tag), ~uint64_t{0}, &p);
     return Track(std::move(req), r, "receive");
   }
@@ -311,6 +323,13 @@ class UcxTransport final : public Transport {
     a->self->peer_status_[a->peer] = status;  // runs inside ucp_worker_progress, under mu_
   }
 
+  // Tells UCX which memory a buffer is in, so that it skips detecting it (and moves device memory with its
+  // GPU transports).
+  static void SetMemoryType(ucp_request_param_t* p, MemoryKind memory) {
+    p->op_attr_mask |= UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    p->memory_type = memory == MemoryKind::kCuda ? UCS_MEMORY_TYPE_CUDA : UCS_MEMORY_TYPE_HOST;
+  }
+
   static uint64_t WireTag(int32_t source, uint64_t tag) {
     return (static_cast<uint64_t>(source) << kTransportTagBits) | (tag & kTransportTagMask);
   }
@@ -334,12 +353,16 @@ class UcxTransport final : public Transport {
 
   ffi::ErrorOr<TransportRequest> Track(std::unique_ptr<UcxRequest> req, ucs_status_ptr_t r, const char* what) {
     if (UCS_PTR_IS_ERR(r)) {
+      req->state.status = UCS_PTR_STATUS(r);
+      // A receive posted after its message arrived fails at once when the message is larger.
+      if (req->state.status == UCS_ERR_MESSAGE_TRUNCATED) return ErrorResult<TransportRequest>(RequestError(*req));
       return ErrorResult<TransportRequest>(
           UcxError(StrCat(what, " with process ", req->peer, " (", req->posted_bytes, " bytes)"), UCS_PTR_STATUS(r)));
     }
     if (r == nullptr) {  // completed inline; the callback was not called
       req->state.done = true;
-      req->state.bytes = req->posted_bytes;
+      // A receive of a message that had arrived: its length (it may be shorter than the receive).
+      req->state.bytes = req->is_send ? req->posted_bytes : req->recv_info.length;
       req->state.done_ns = NowNs();
     } else {
       req->ucp_request = r;
