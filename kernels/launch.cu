@@ -34,6 +34,7 @@
 #include "interpreter.cuh"
 #include "mapped_memory.h"
 #include "measure.h"
+#include "transport/mapped_launch.h"
 #include "transport/proxy.h"
 #include "workspace.h"
 
@@ -419,7 +420,9 @@ ffi::Error RunKernel(cudaStream_t stream, int64_t slot, int64_t site, int32_t ra
                              t.chunks_per_period, static_cast<int32_t>(l.esize), l.tiles};
   args.epoch = l.epoch;
   args.identity = LaunchIdentity(t.checksum, l.epoch);
-  args.timeout_ns = static_cast<unsigned long long>(l.timeout_s * 1e9);
+  // Across processes the kernel's own deadline comes kMappedRankGraceS after the proxy's, so that a stuck launch
+  // fails with the proxy's error, which names the process (transport/mapped_launch.h).
+  args.timeout_ns = static_cast<unsigned long long>((l.timeout_s + (l.group ? kMappedRankGraceS : 0.0)) * 1e9);
   args.layout = l.layout;
   args.staging = memory->staging;
   args.stage_bytes = l.stage_bytes;
