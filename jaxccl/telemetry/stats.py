@@ -28,49 +28,7 @@ from jaxccl.errors import ExecutorError
 
 __all__ = ["CPU_STATS_KEYS", "CUDA_STATS_KEYS", "MeasurementStats", "from_cpu_stats", "from_cuda_stats"]
 
-# The keys of jaxccl._native.measure_stats(network) (xla_ffi/bindings/native_module.cc).
-CPU_STATS_KEYS = frozenset(
-    {
-        "windows",
-        "records",
-        "dropped",
-        "regions",
-        "slots",
-        "used",
-        "accumulator_bytes",
-        "cache_entry_bytes",
-        "cache_entries_per_tb",
-        "buffer_bytes",
-    }
-)
-# The keys of jaxccl._native_cuda.measure_stats() (kernels/cuda_module.cc): the settings in force, then the
-# counters and footprint of kernels/measure.h's MeasureStatsResult.
-CUDA_STATS_KEYS = frozenset(
-    {
-        "enabled",
-        "host_of_rank",
-        "intra_threshold",
-        "inter_threshold",
-        "slots_per_tb",
-        "min_window_bytes",
-        "windows",
-        "records",
-        "dropped",
-        "drained",
-        "pending",
-        "buffers",
-        "regions",
-        "slots",
-        "used",
-        "accumulator_bytes",
-        "cache_entry_bytes",
-        "cache_entries_per_tb",
-        "cache_bytes",
-        "buffer_bytes",
-        "counter_bytes",
-    }
-)
-# What both count under the same name and meaning (MeasurementStats takes them as they are).
+# What both backends count under the same name and meaning (MeasurementStats takes them as they are).
 _COMMON = (
     "windows",
     "records",
@@ -82,6 +40,23 @@ _COMMON = (
     "cache_entries_per_tb",
     "buffer_bytes",
 )
+# The keys of jaxccl._native.measure_stats(network) (xla_ffi/bindings/native_module.cc).
+CPU_STATS_KEYS = frozenset({*_COMMON, "dropped"})
+# The keys of jaxccl._native_cuda.measure_stats() (kernels/cuda_module.cc): the settings in force, then the
+# counters and footprint of kernels/measure.h's MeasureStatsResult.
+CUDA_STATS_KEYS = CPU_STATS_KEYS | {
+    "enabled",
+    "host_of_rank",
+    "intra_threshold",
+    "inter_threshold",
+    "slots_per_tb",
+    "min_window_bytes",
+    "drained",
+    "pending",
+    "buffers",
+    "cache_bytes",
+    "counter_bytes",
+}
 
 
 @dataclasses.dataclass(frozen=True)
