@@ -1,4 +1,5 @@
-"""The four collectives checked across the processes of a job: shared by the multi-process workers.
+"""The four collectives checked across the processes of a job, and the loop workers' training step: shared
+by the multi-process workers.
 
 :func:`check_collectives` runs jaxccl's collectives (with the communicator given: the ppermute
 backend in tests/workers/multiprocess_worker.py, the native CPU backend in
@@ -99,3 +100,34 @@ def check_collectives(comm: Any, mesh: Any, axis: str = "d") -> bool:
                 ok &= good
                 print(f"CHECK {label} ordered {'ok' if good else 'MISMATCH'}", flush=True)
     return ok
+
+
+def gather_programs(mesh: Any, axis: str = "d") -> tuple[Any, Any]:
+    """jaxccl's and ``jax.lax``'s tiled AllGather over ``axis`` of ``mesh``, jitted (the loop workers' step)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    def gathered(collective: Any) -> Any:
+        body = lambda v: collective(v, axis, axis=0, tiled=True)  # noqa: E731
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(axis), out_specs=P(axis)))
+
+    import jaxccl
+
+    return gathered(jaxccl.all_gather), gathered(jax.lax.all_gather)
+
+
+def step_input(mesh: Any, step: int, axis: str = "d") -> Any:
+    """Step ``step``'s input: 256 KiB of seeded random float32 per rank, the same in every process."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    raw = np.random.default_rng(step).standard_normal((jax.device_count() * 256, 256)).astype(np.float32)
+    return jax.make_array_from_callback(raw.shape, NamedSharding(mesh, P(axis)), lambda idx: raw[idx])
+
+
+def same_local_shards(a: Any, b: Any) -> bool:
+    """Whether this process's shards of ``a`` and ``b`` are bitwise equal."""
+    from jaxccl.distributed.transport import local_shards
+
+    return all(u.tobytes() == w.tobytes() for u, w in zip(local_shards(a), local_shards(b)))

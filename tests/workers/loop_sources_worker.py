@@ -20,8 +20,12 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # run as a script
+from multiprocess_checks import gather_programs, same_local_shards, step_input  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
@@ -30,12 +34,11 @@ def main(argv: list[str]) -> int:
     mode, steps = argv[0], int(argv[1])
     initialize_from_env(local_devices=2 if mode == "transport" else 4)
     import jax
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import Mesh
 
     import jaxccl
     from jaxccl.control.process_loop import ProcessLoop
-    from jaxccl.distributed.transport import ProcessTransport, attach, local_shards, stage_agreed
+    from jaxccl.distributed.transport import ProcessTransport, attach, stage_agreed
     from jaxccl.errors import ArgumentError
     from jaxccl.runtime.emulated import LinkEmulation
 
@@ -67,16 +70,10 @@ def main(argv: list[str]) -> int:
     ranks = [r for r, d in enumerate(comm.group_devices()[0]) if d.process_index == jax.process_index()]
     print(f"LOCAL {','.join(map(str, ranks))}", flush=True)
 
-    def gathered(collective):
-        body = lambda v: collective(v, "d", axis=0, tiled=True)  # noqa: E731
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-
-    ours, reference = gathered(jaxccl.all_gather), gathered(jax.lax.all_gather)
-    n = jax.device_count()
+    ours, reference = gather_programs(mesh)
     ok = True
     for k in range(steps):
-        raw = np.random.default_rng(k).standard_normal((n * 256, 256)).astype(np.float32)  # 256 KiB per rank
-        x = jax.make_array_from_callback(raw.shape, NamedSharding(mesh, P("d")), lambda idx, raw=raw: raw[idx])
+        x = step_input(mesh, k)
         with comm:
             a = ours(x)
             a.block_until_ready()
@@ -88,8 +85,7 @@ def main(argv: list[str]) -> int:
             last = comm.telemetry().last  # the loop drained it: nothing new, the samples it published
             same = all(last[i, j] == rate for i, j, rate in loop.published) and bool(loop.published)
             print(f"EXECUTOR_MATCH {'ok' if same else 'MISMATCH'}", flush=True)
-        b = reference(x)
-        same = all(u.tobytes() == w.tobytes() for u, w in zip(local_shards(a), local_shards(b)))
+        same = same_local_shards(a, reference(x))
         ok &= same
         print(f"CHECK step {k} {'ok' if same else 'MISMATCH'}", flush=True)
     for e in loop.errors:

@@ -18,8 +18,12 @@ Prints ``INSTALLED version`` (the registry's before the loop), ``CHECK step k ok
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support"))  # run as a script
+from multiprocess_checks import gather_programs, same_local_shards, step_input  # noqa: E402
 
 
 def failing_synthesizer(topology, running):
@@ -32,12 +36,11 @@ def main(argv: list[str]) -> int:
     synthesizer, steps = argv[0], int(argv[1])
     initialize_from_env(local_devices=2)
     import jax
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import Mesh
 
     import jaxccl
     from jaxccl.control.process_loop import ProcessLoop
-    from jaxccl.distributed.transport import ProcessTransport, attach, local_shards
+    from jaxccl.distributed.transport import ProcessTransport, attach
     from jaxccl.runtime import native
 
     transport = ProcessTransport.bootstrap(timeout_s=60)
@@ -54,22 +57,15 @@ def main(argv: list[str]) -> int:
     options = {"synthesizers": {"all_gather": failing_synthesizer}} if synthesizer == "raise" else {}
     loop = ProcessLoop(comm, margin=0, timeout_s=60, confirm=1, **options)
 
-    def gathered(collective):
-        body = lambda v: collective(v, "d", axis=0, tiled=True)  # noqa: E731
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P("d")))
-
-    ours, reference = gathered(jaxccl.all_gather), gathered(jax.lax.all_gather)
-    n = jax.device_count()
+    ours, reference = gather_programs(mesh)
     ok = True
     for k in range(steps):
-        raw = np.random.default_rng(k).standard_normal((n * 256, 256)).astype(np.float32)  # 256 KiB per rank
-        x = jax.make_array_from_callback(raw.shape, NamedSharding(mesh, P("d")), lambda idx, raw=raw: raw[idx])
+        x = step_input(mesh, k)
         with comm:
             a = ours(x)
             a.block_until_ready()
         loop.step()
-        b = reference(x)
-        same = all(u.tobytes() == w.tobytes() for u, w in zip(local_shards(a), local_shards(b)))
+        same = same_local_shards(a, reference(x))
         ok &= same
         print(f"CHECK step {k} {'ok' if same else 'MISMATCH'}", flush=True)
     state = native.swap_state(slot)
