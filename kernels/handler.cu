@@ -111,15 +111,7 @@ ffi::Error CudaMpCollective(cudaStream_t stream, ffi::RunId run_id, ffi::AnyBuff
   std::shared_ptr<const ProcessGroup> group;
   std::string error;
   if (!core->process_group(call->group, &group, &error)) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, error);
-  if (static_cast<int64_t>(group->process_of_rank.size()) != axis_size) {
-    return ffi::Error::InvalidArgument(StrCat("jaxccl: the attached mesh's groups have ", group->process_of_rank.size(),
-                                              " ranks but the collective's axes have ", axis_size));
-  }
-  if (!group->Local(call->rank)) {
-    return ffi::Error::InvalidArgument(StrCat("jaxccl: rank ", call->rank, " is not one of process ",
-                                              group->process_id, "'s ranks in group ", call->group,
-                                              " of the attached mesh"));
-  }
+  if (ffi::Error e = CheckLocalRank(*group, call->group, call->rank, axis_size); e.failure()) return e;
   if (ffi::Error e = NoteIssued(slot, &*call); e.failure()) return e;
   return RunLaunch(stream, run_id.run_id, slot, site, call->group, call->rank, static_cast<int32_t>(axis_size),
                    call->me, std::move(group));

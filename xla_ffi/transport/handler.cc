@@ -28,16 +28,9 @@ ffi::Error CpuMpCollective(ffi::RunId run_id, ffi::AnyBuffer x, Coords coords, f
   auto found = ProcessGroupOf(coords.typed_data()[1]);
   if (!found.has_value()) return std::move(found.error());
   const std::shared_ptr<const ProcessGroup> group = *found;
-  if (static_cast<int64_t>(group->process_of_rank.size()) != axis_size) {
-    return ffi::Error::InvalidArgument(StrCat("jaxccl: the attached mesh's groups have ", group->process_of_rank.size(),
-                                              " ranks but the collective's axes have ", axis_size));
-  }
   const int32_t rank = coords.typed_data()[0];
   const int32_t rgroup = coords.typed_data()[1];
-  if (rank < 0 || rank >= axis_size || !group->Local(rank)) {
-    return ffi::Error::InvalidArgument(StrCat("jaxccl: rank ", rank, " is not one of process ", group->process_id,
-                                              "'s ranks in group ", rgroup, " of the attached mesh"));
-  }
+  if (ffi::Error e = CheckLocalRank(*group, rgroup, rank, axis_size); e.failure()) return e;
   auto me = ArrivalOf(x, *out, slot, rank, reduce_op);
   if (!me.has_value()) return std::move(me.error());
   const int32_t n = static_cast<int32_t>(axis_size);

@@ -63,6 +63,21 @@ struct ProcessGroup {
   mutable std::map<int64_t, int64_t> launches_;
 };
 
+// Whether a call of rank `rank` in group `group_index` of a collective over `axis_size` ranks may run in this
+// process under the attached `group`: the group has the axis's ranks and `rank` is one of this process's.
+// Both backends' FFI handlers check a call with it (inline: the CUDA module does not link jaxccl._native).
+inline ffi::Error CheckLocalRank(const ProcessGroup& group, int32_t group_index, int32_t rank, int64_t axis_size) {
+  if (static_cast<int64_t>(group.process_of_rank.size()) != axis_size) {
+    return ffi::Error::InvalidArgument(StrCat("jaxccl: the attached mesh's groups have ", group.process_of_rank.size(),
+                                              " ranks but the collective's axes have ", axis_size));
+  }
+  if (rank < 0 || rank >= axis_size || !group.Local(rank)) {
+    return ffi::Error::InvalidArgument(StrCat("jaxccl: rank ", rank, " is not one of process ", group.process_id,
+                                              "'s ranks in group ", group_index, " of the attached mesh"));
+  }
+  return ffi::Error::Success();
+}
+
 // What follows every message between processes: the identity of the launch that sent it.
 struct WireTrailer {
   unsigned long long identity = 0;  // LaunchIdentity(table checksum, launch number)
