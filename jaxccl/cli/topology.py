@@ -76,7 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--small-bytes", type=parse_size, default=4 << 10, metavar="SIZE", help="latency transfer (4K)")
     p.add_argument("--large-bytes", type=parse_size, default=1 << 20, metavar="SIZE", help="rate transfer (1M)")
-    p.add_argument("--runs", type=positive_int, default=3, help="timed calls per pair and size; medians (3)")
+    p.add_argument("--runs", type=positive_int, default=3, help="timed calls per pair and size; the fastest counts (3)")
     p.add_argument("--output", metavar="PATH", help="write the topology JSON here (default: stdout)")
     p.add_argument("--pairs", metavar="PATH", help="also write the measured pair table as JSON")
     p.add_argument("--processes", type=positive_int, metavar="P", help="start a job of P processes and probe across")
