@@ -32,8 +32,9 @@ Example:
     >>> def windows(rate):
     ...     w = np.zeros(1, WINDOW_DTYPE); w["src"], w["dst"], w["rate"], w["count"] = 0, 4, rate, 1
     ...     return w
-    >>> [det.update(windows(r), now_ns=t) for t, r in enumerate([50e9, 50.2e9, 49.9e9, 50e9, 50.1e9])]
-    [[], [], [], [], []]
+    >>> rates = [50e9, 50.2e9, 49.9e9, 50e9, 50.1e9]
+    >>> [[c.kind for c in det.update(windows(r), now_ns=t)] for t, r in enumerate(rates)]
+    [[], [], [], ['learned'], []]
     >>> [(c.entry, round(c.after / 1e9, 1), c.samples) for c in det.update(windows(25e9), now_ns=9)]
     [((0, 4), 25.0, 1)]
     >>> round(det.level((0, 4)) / 1e9, 1)
@@ -101,6 +102,8 @@ class Change:
         samples: how many samples that median is of.
         change_ns: ``now_ns`` of the update that brought the first sample after the change point.
         decided_ns: ``now_ns`` of the update that decided.
+        kind: ``"shift"`` (a decided change) or ``"learned"`` (the entry finished learning its noise model:
+            its first level, ``before == after``, stands on ``samples`` samples).
     """
 
     entry: Entry
@@ -109,6 +112,7 @@ class Change:
     samples: int
     change_ns: int
     decided_ns: int
+    kind: str = "shift"
 
     @property
     def ratio(self) -> float:
@@ -120,6 +124,7 @@ class _EntryState:
     log_samples: list[float] = dataclasses.field(default_factory=list)  # learning: since start / last change
     mu: float = math.nan
     sigma: float = math.nan
+    learning_since: int = 0
     residuals: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=NOISE_SAMPLES))
     down: float = 0.0
     up: float = 0.0
@@ -221,7 +226,8 @@ class ChangeDetector:
     def update(self, windows: np.ndarray, *, now_ns: int) -> list[Change]:
         """Feeds raw samples (``WINDOW_DTYPE`` rows: :attr:`jaxccl.telemetry.Telemetry.windows`); returns decisions.
 
-        Samples of one entry are taken in order; non-positive or non-finite rates are ignored.
+        Samples of one entry are taken in order; non-positive or non-finite rates are ignored. An entry that
+        finishes learning its noise model reports a ``"learned"`` change (its first level).
         """
         if windows.dtype != WINDOW_DTYPE:
             raise ArgumentError(f"ChangeDetector.update: need WINDOW_DTYPE rows, got dtype {windows.dtype}")
@@ -238,12 +244,15 @@ class ChangeDetector:
         st = self._entries.setdefault(entry, _EntryState())
         if math.isnan(st.sigma):  # learning the noise model
             st.log_samples.append(y)
-            if len(st.log_samples) >= self.warmup:
-                st.mu = float(np.median(st.log_samples))
-                st.residuals.extend(y - st.mu for y in st.log_samples)
-                st.sigma = self._spread(st.residuals)
-                st.log_samples = []
-            return None
+            st.learning_since = st.learning_since or now_ns
+            if len(st.log_samples) < self.warmup:
+                return None
+            st.mu = float(np.median(st.log_samples))
+            st.residuals.extend(x - st.mu for x in st.log_samples)
+            st.sigma = self._spread(st.residuals)
+            st.log_samples = []
+            level = math.exp(st.mu)
+            return Change(entry, level, level, self.warmup, st.learning_since, now_ns, kind="learned")
         if len(st.log_samples) < self.warmup and (st.log_samples or math.isnan(st.mu)):
             st.log_samples.append(y)  # re-learning the centre after a change or a rebase
             st.mu = float(np.median(st.log_samples))

@@ -30,7 +30,12 @@ def _steps(name):
 
 def _replay(name, **options):
     det = ChangeDetector(**options)
-    return det, [(s, c) for s, w in _steps(name) for c in det.update(w, now_ns=s)]
+    decided = [(s, c) for s, w in _steps(name) for c in det.update(w, now_ns=s)]
+    learned = {c.entry for _, c in decided if c.kind == "learned"}
+    inter_learned = [s for s, c in decided if c.kind == "learned" and c.entry[0] != c.entry[1]]
+    assert inter_learned and set(inter_learned) == {det.warmup - 1}  # one window per step: learned at the warmup
+    assert len(learned) == len([c for _, c in decided if c.kind == "learned"])
+    return det, [(s, c) for s, c in decided if c.kind == "shift"]
 
 
 def test_a_halved_nic_is_decided_on_its_first_degraded_window():
@@ -60,7 +65,7 @@ def test_false_decisions_on_gaussian_noise_stay_near_the_stated_rate(rate):
         w = np.zeros(entries, WINDOW_DTYPE)
         w["src"], w["dst"], w["count"] = np.arange(entries), np.arange(entries) + 1, 1
         w["rate"] = 1e9 * np.exp(0.05 * rng.standard_normal(entries))
-        decided += len(det.update(w, now_ns=t))
+        decided += len([c for c in det.update(w, now_ns=t) if c.kind == "shift"])
     tests = entries * (samples - det.warmup) * 2  # two one-sided tests per entry
     assert decided <= max(3.0, 5 * rate * tests), decided
 
@@ -73,7 +78,7 @@ def test_a_small_shift_is_found_by_accumulation_and_its_level_estimated():
         w = np.zeros(1, WINDOW_DTYPE)
         w["src"], w["dst"], w["count"] = 0, 4, 1
         w["rate"] = 1e9 * (0.8 if t >= 100 else 1.0) * np.exp(0.05 * rng.standard_normal())
-        found += det.update(w, now_ns=t)
+        found += [c for c in det.update(w, now_ns=t) if c.kind == "shift"]
     assert len(found) == 1, found
     c = found[0]
     assert 100 <= c.decided_ns <= 110 and 95 <= c.change_ns <= c.decided_ns
@@ -86,7 +91,7 @@ def test_a_rebase_relearns_the_centre_and_keeps_the_spread():
     w["src"], w["dst"], w["count"] = 1, 5, 1
     for t, r in enumerate([1.0, 1.01, 0.99, 1.0]):
         w["rate"] = r
-        assert det.update(w, now_ns=t) == []
+        assert [c.kind for c in det.update(w, now_ns=t)] == (["learned"] if t == 2 else [])
     sigma = det.sigma((1, 5))
     det.rebase()
     w["rate"] = 0.5  # the new schedule's first sample sets the centre: no decision
