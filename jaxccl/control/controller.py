@@ -267,7 +267,8 @@ class Controller:
             raise ArgumentError(f"Controller: hold must be an integer >= 0, got {hold!r}")
         self.detector = detector
         self.hold = hold
-        self._changes = ChangeDetector(false_alarm_rate=false_alarm_rate, warmup=warmup) if detector == "cusum" else None
+        cusum = detector == "cusum"
+        self._changes = ChangeDetector(false_alarm_rate=false_alarm_rate, warmup=warmup) if cusum else None
         self._fed: Any = None  # the telemetry snapshot the change detector last read
         self.min_gain = float(min_gain)
         self.comm = comm
@@ -515,6 +516,7 @@ class Controller:
             self._emit(
                 "confirmed",
                 m.collective,
+                flagged_samples=max((c.samples for c in m.decided), default=0),
                 confirm_ms=(time.monotonic_ns() - m.detected_ns) / 1e6,
                 degraded=_degraded_links(caps, m.belief, self.tolerance),
                 detector="cusum",
