@@ -2,12 +2,25 @@
 
 Every ``interval_s`` (or at the end of every training step, see
 :meth:`Controller.at_step_end` and :mod:`jaxccl.control.step_driven`) it
-drains the communicator's telemetry (EWMA link matrix ``M``), runs
-Algorithm 1 (:mod:`jaxccl.control.algorithm1`) for every active schedule it
-manages. A flagged schedule is ``"detected"`` at its first
-flagged measurement; once it stayed flagged over ``confirm`` fresh samples
-and the EWMA has settled (``"confirmed"``; a flag that goes away first is
-``"cleared"``), the controller re-synthesizes it warm-started from
+drains the communicator's telemetry and runs Algorithm 1
+(:mod:`jaxccl.control.algorithm1`) for every active schedule it manages, on
+link estimates from one of two detectors (``detector=``):
+
+- ``"cusum"`` (default): a change-point test decides on the raw windows of each
+  drain (:mod:`jaxccl.control.detector`); a schedule Algorithm 1 flags on the
+  levels after a decided change is ``"detected"`` and ``"confirmed"`` at once,
+  so the new schedule can be staged within the step that first measured the
+  degradation. At most one swap per ``hold`` launches (a decision meanwhile is
+  ``"held"``), and a link counts at its lowest estimate of the last ``hold``
+  launches (hysteresis against flapping links). While a change is suspected but
+  not yet decided, the schedule for the suspected levels is synthesized ahead
+  (speculation); it is used if the decision agrees, else ``"discarded"``.
+- ``"ewma"``: Algorithm 1 on the EWMA link matrix ``M``. A flagged schedule is
+  ``"detected"`` at its first flagged measurement; once it stayed flagged over
+  ``confirm`` fresh samples and the EWMA has settled (``"confirmed"``; a flag
+  that goes away first is ``"cleared"``).
+
+On a decision the controller re-synthesizes the schedule warm-started from
 the running schedule (AllGather: tree packing, AllToAll: column generation;
 ReduceScatter: the rank-ordered fold of :mod:`jaxccl.synth.ordered_reduce_scatter`, so that
 sums stay bitwise equal to ``jax.lax``; AllReduce: both of its halves) on
@@ -26,6 +39,9 @@ Example:
     ...     train()                                        # the thread runs meanwhile
     >>> [e.kind for e in ctl.events]                       # doctest: +SKIP
     ['detected', 'confirmed', 'synthesized', 'staged', 'activated']
+
+What the detectors decide on, and how fast, is measured by ``benchmarks/control/reaction.py``,
+``benchmarks/control/false_alarms.py`` and ``benchmarks/control/flapping.py``.
 """
 
 from __future__ import annotations
@@ -230,6 +246,24 @@ class Controller:
             (default 5 %); a smaller gain is ``"rejected"``. MCCL stages any better
             schedule; a swap for a few percent that the next noisy samples may undo is
             churn (our addition).
+        detector: how a measured change is decided (our addition; MCCL thresholds the EWMA matrix).
+            ``"cusum"`` (default): a change-point test on the raw windows of every entry of the
+            link matrix (:class:`~jaxccl.control.detector.ChangeDetector`: two one-sided CUSUM tests
+            against a noise model learned from the entry's first ``warmup`` samples); the links are
+            estimated from the entries' levels (the median of the samples since their last decided
+            change), and a schedule is re-synthesized as soon as Algorithm 1 flags it on those
+            estimates after a decided change, so one degraded step can be enough. ``confirm`` and the
+            EWMA do not apply. ``"ewma"``: the behaviour before (Algorithm 1 on the EWMA matrix,
+            ``confirm`` fresh flagged samples and a settled EWMA).
+        false_alarm_rate: ``"cusum"``: expected false decisions per sample, entry and direction
+            under the learned noise (the test's ``1 / ARL0``).
+        hold: ``"cusum"``: launches of the collective after a swap before the next swap may take
+            effect (a decision meanwhile is ``"held"``), and how long a link must keep a higher
+            estimate before it is believed: each link counts at its lowest estimate of the last
+            ``hold`` launches, so a link that flaps is planned for at its worse state until it is
+            stable, and a healed one is swapped back after ``hold`` launches.
+        warmup: ``"cusum"``: samples each entry learns its noise from before it is tested (a fault
+            in the first ``warmup`` steps is only acted on once they are over).
 
     ``collectives`` may name ``"reduce_scatter"`` (``"psum_scatter"``) and
     ``"all_reduce"`` (``"psum"``), which manages both halves ``psum`` runs as
@@ -298,6 +332,11 @@ class Controller:
         self._thread: threading.Thread | None = None
         self.resyntheses = 0
         self.step_times = StepTimes()
+
+    @property
+    def change_detector(self) -> ChangeDetector | None:
+        """The change-point test of ``detector="cusum"`` (its noise models, levels and counters); else None."""
+        return self._changes
 
     # ------------------------------------------------------------------ events
     @property

@@ -142,6 +142,10 @@ class ChangeDetector:
         sigma_floor: the smallest spread of log rates assumed (emulated links can be exact).
         suspect: fraction of ``h`` past which an undecided statistic makes the entry a suspect.
 
+    Attributes:
+        tested: per entry, samples tested against its learned noise model (each by the two one-sided tests).
+        shifts: per entry, decided shifts (``shifts[e] / (2 * tested[e])``: the measured decision rate per test).
+
     Raises:
         ArgumentError: a parameter is out of range.
     """
@@ -173,6 +177,8 @@ class ChangeDetector:
         self._shift = -math.log1p(-self.min_shift)  # in log units
         self._entries: dict[Entry, _EntryState] = {}
         self._thresholds: dict[float, float] = {}
+        self.tested: collections.Counter[Entry] = collections.Counter()
+        self.shifts: collections.Counter[Entry] = collections.Counter()
 
     # ------------------------------------------------------------------ the model
     def _k_h(self, sigma: float) -> tuple[float, float]:
@@ -262,6 +268,7 @@ class ChangeDetector:
         if len(st.residuals) % 8 == 0:
             st.sigma = self._spread(st.residuals)
         k, h = self._k_h(st.sigma)
+        self.tested[entry] += 1
         z = (y - st.mu) / st.sigma
         st.down = max(0.0, st.down - z - k)
         st.up = max(0.0, st.up + z - k)
@@ -292,6 +299,7 @@ class ChangeDetector:
         st.mu = float(np.median(after))
         st.down = st.up = 0.0
         st.run_down, st.run_up = [], []
+        self.shifts[entry] += 1
         return Change(entry, before, math.exp(st.mu), len(after), run[0][1], now_ns)
 
     def rebase(self, entries: Iterable[Entry] | None = None) -> None:
