@@ -271,9 +271,9 @@ def _describe(event: Any, labels: dict[int, str]) -> str:
             f"(the EWMA has settled on the new capacity)"
         )
     if event.kind == "held":
-        return f"decision held by the hysteresis (at most one swap per `hold` launches): {dict(d)}"
+        return f"decision held until launch {d.get('until_launch', '?')} (hysteresis: one swap per `hold` launches)"
     if event.kind == "discarded":
-        return f"speculative re-synthesis discarded, the change cleared: {dict(d)}"
+        return f"speculative re-synthesis discarded: {d.get('reason', 'the change cleared')}"
     if event.kind == "cleared":
         return f"flag cleared after {d['flagged_samples']} samples (a burst): no action"
     if event.kind == "synthesized":
