@@ -56,7 +56,7 @@ class DrillConfig:
         cut_factor: the cut NIC carries ``rate_mbit / cut_factor``.
         victim: the rank whose NIC is cut (never 0: process 0 holds the job's coordinator).
         shard_bytes: AllGather input per rank (float32).
-        healthy_steps: steps before the cut.
+        healthy_steps: steps before the cut (the change detector learns every link's noise from the first 5).
         max_steps: steps after the cut before giving up on a swap.
         reps: interleaved stale/recovered rounds measured on the cut network.
         calls_per_rep: timed AllGathers per schedule and round.
@@ -73,7 +73,7 @@ class DrillConfig:
     cut_factor: float = 5.0
     victim: int = 1
     shard_bytes: int = 1 << 20
-    healthy_steps: int = 4
+    healthy_steps: int = 7
     max_steps: int = 30
     reps: int = 3
     calls_per_rep: int = 2
