@@ -604,7 +604,7 @@ def reaction_summary(r: dict[str, Any], say: Any, *, failed: str = "GPU 0's NIC"
     >>> reaction_summary(r, print, unit="MB/s")  # doctest: +ELLIPSIS
     <BLANKLINE>
     ...
-    first reaction: detection 5.0 ms after the failure, decided by the change-point test (+9 ms), ...
+    first reaction: detection 5.0 ms after the failure, decided by the change-point test (+9.0 ms), ...
       active from step 9: 1 step(s) after the first degraded step; staged 14.2 ms after the first degraded measurement
     ...
     """
@@ -648,9 +648,11 @@ def decision_text(detector: str | None, confirm_ms: float) -> str:
 
     >>> decision_text("ewma", 1402.4), decision_text("cusum", 21.0)
     ('confirmed, EWMA settled (+1402 ms)', 'decided by the change-point test (+21 ms)')
+    >>> decision_text("cusum", 0.34)
+    'decided by the change-point test (+0.3 ms)'
     """
     how = "decided by the change-point test" if detector == "cusum" else "confirmed, EWMA settled"
-    return f"{how} (+{confirm_ms:.0f} ms)"
+    return f"{how} (+{confirm_ms:.{0 if confirm_ms >= 10 else 1}f} ms)"
 
 
 def _summary(r: dict[str, Any], say: Any, *, failed: str) -> None:
