@@ -20,7 +20,15 @@ import pytest
 
 from jaxccl.demos.closed_loop import reaction_fields
 from jaxccl.demos.network import NetworkDemoConfig, check, unavailable_reason
-from jaxccl.demos.network_layout import DemoNetworkError, check_processes, demo_topology, failed_link, process_of_rank
+from jaxccl.demos.network_layout import (
+    DemoNetworkError,
+    check_cut_ranks,
+    check_processes,
+    demo_topology,
+    failed_link,
+    failed_links,
+    process_of_rank,
+)
 from jaxccl.errors import JaxcclError
 
 # The single-process demo's keys (jaxccl.demos.closed_loop.run), which the real-socket demo keeps.
@@ -119,6 +127,10 @@ def test_shared_reaction_fields_count_a_late_detection_and_a_swap():
 def test_bad_settings_are_named_errors():
     with pytest.raises(DemoNetworkError, match="unknown network"):
         check(NetworkDemoConfig(network="wifi"))
+    assert check_cut_ranks((3, 6)) == (3, 6) and failed_links((3, 6)) == ((3, "tor:s0r3"), (6, "tor:s0r2"))
+    for ranks, match in (((), "one or more"), ((0, 5), "coordinator"), ((2, 8), "ranks 0..7"), ((2, 2), "twice")):
+        with pytest.raises(DemoNetworkError, match=match):
+            check_cut_ranks(ranks)
     assert issubclass(DemoNetworkError, JaxcclError)
     if unavailable_reason("loopback") is None:
         with pytest.raises(DemoNetworkError, match="--processes 3"):
