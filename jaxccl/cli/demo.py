@@ -6,7 +6,7 @@ import argparse
 
 from jaxccl.cli.args import UsageError, positive_float, positive_int, require_matplotlib
 from jaxccl.demos import closed_loop, network
-from jaxccl.demos.closed_loop import DemoConfig
+from jaxccl.demos.closed_loop import DETECTORS, FAIL_LINKS, DemoConfig, check_depth
 from jaxccl.demos.network import NETWORKS, NetworkDemoConfig
 from jaxccl.demos.network_layout import DemoNetworkError
 
@@ -18,8 +18,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="the closed loop on 8 emulated CPU devices: a gray failure, detected and routed around",
         description=(
             "FSDP training of a small MLP on 8 emulated devices (rail fabric 2 hosts x 4 GPUs, emulated links); "
-            "a gray failure halves GPU 0's NIC at --fail-step; jaxccl detects it, re-synthesizes the AllGather "
-            "and hot-swaps it. Prints per-step progress, the reaction times and algbw before/after."
+            "a gray failure cuts a link (--fail-link, default GPU 0's NIC) to --depth of its capacity at "
+            "--fail-step; jaxccl detects it (--detector), re-synthesizes the AllGather and hot-swaps it. Prints "
+            "per-step progress, the reaction times and algbw before/after."
         ),
     )
     p.add_argument(
@@ -42,6 +43,33 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=positive_float,
         default=DemoConfig.time_scale,
         help=f"emulated link capacities x this (default {DemoConfig.time_scale:g})",
+    )
+    p.add_argument(
+        "--detector",
+        choices=DETECTORS,
+        default=DemoConfig.detector,
+        help=(
+            f"how the controller decides (default {DemoConfig.detector}): cusum = a change-point test on the raw "
+            "measurement windows, ewma = wait until the EWMA has settled (the old controller)"
+        ),
+    )
+    p.add_argument(
+        "--fail-link",
+        choices=FAIL_LINKS,
+        default=None,
+        help=(
+            f"without --network: the failed link(s) (default {DemoConfig.fail_link}): nic = GPU 0's NIC, "
+            "nvlink = GPU 0's NVLink to its NVSwitch, two = the NICs of GPU 0 and GPU 5"
+        ),
+    )
+    p.add_argument(
+        "--depth",
+        type=_depth,
+        default=None,
+        help=(
+            "without --network: the failed links' capacity after the failure as a fraction of nominal, "
+            f"in (0, 1) (default {DemoConfig.depth:g})"
+        ),
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write the results as JSON")
     p.add_argument("--png", default=None, metavar="PATH", help="write the algbw timeline as PNG")
@@ -88,6 +116,9 @@ def _run(args: argparse.Namespace) -> int:
     args.fail_step = base.fail_step if args.fail_step is None else args.fail_step
     if args.network is None and args.processes is not None:
         raise UsageError("--processes needs --network netns or --network loopback")
+    for flag, value in (("--fail-link", args.fail_link), ("--depth", args.depth)):
+        if args.network and value is not None:
+            raise UsageError(f"{flag} applies to the single-process demo only, not with --network")
     if args.steps < 4:
         raise UsageError(f"--steps must be at least 4, got {args.steps}")
     if not 0 < args.fail_step < args.steps - 2:
@@ -100,6 +131,9 @@ def _run(args: argparse.Namespace) -> int:
         steps=args.steps,
         fail_step=args.fail_step,
         time_scale=args.time_scale,
+        detector=args.detector,
+        fail_link=args.fail_link or DemoConfig.fail_link,
+        depth=DemoConfig.depth if args.depth is None else args.depth,
         json=args.json,
         png=args.png,
         quiet=args.quiet,
@@ -114,6 +148,11 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _depth(text: str) -> float:
+    """``--depth``: a fraction in (0, 1)."""
+    return check_depth(positive_float(text), "the depth", UsageError)
+
+
 def _run_network(args: argparse.Namespace) -> int:
     cfg = NetworkDemoConfig(
         steps=args.steps,
@@ -126,6 +165,7 @@ def _run_network(args: argparse.Namespace) -> int:
         nic_rate_mbit=args.nic_rate_mbit,
         cut_rate_mbit=args.cut_rate_mbit,
         job_timeout_s=args.job_timeout,
+        detector=args.detector,
     )
     try:
         network.check(cfg)

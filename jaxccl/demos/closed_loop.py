@@ -6,10 +6,12 @@ links, :class:`jaxccl.runtime.emulated.LinkEmulation`). Every step all-gathers
 the parameters through jaxccl (the adaptive collective, its own jitted call so
 its time is measured exactly), computes the loss and gradients, and
 reduce-scatters the gradients through jaxccl (static, rank-ordered). At
-``--fail-step`` a gray failure halves the NIC of host 0 / GPU 0, live. The
-controller thread (:class:`jaxccl.control.Controller`) notices it in the
-telemetry, re-synthesizes the AllGather warm-started, and hot-swaps it between
-steps. The same training with ``jax.lax`` collectives is the reference: the
+``--fail-step`` a gray failure cuts a link to ``depth`` of its capacity, live:
+by default GPU 0's NIC to half (``fail_link``: ``"nic"``; ``"nvlink"``: GPU 0's
+NVLink to its host's NVSwitch; ``"two"``: the NICs of GPU 0 and GPU 5). The
+controller thread (:class:`jaxccl.control.Controller`, with the ``detector``
+asked for) notices it in the telemetry, re-synthesizes the AllGather
+warm-started, and hot-swaps it between steps. The same training with ``jax.lax`` collectives is the reference: the
 losses must be bitwise equal.
 
 After the run the stale and the re-synthesized schedule are timed against each
@@ -18,28 +20,32 @@ ratio the demo reports.
 
 The summary counts every detection, re-synthesis and swap the controller
 made, and calls a detection false when it came before the failure or blames
-links other than the failed NIC's. It also sets the measured healthy rate
+none of the failed links. It also sets the measured healthy rate
 beside two predictions: the schedule's large-message limit
 (``predicted_algbw_healthy``, bandwidth only) and the flow-level simulator's
 rate at the demo's message size with the fabric's per-hop latencies, which is
 what the emulated links can deliver at this size.
 
 Example:
-    >>> DemoConfig().steps, DemoConfig().fail_step
-    (40, 12)
+    >>> DemoConfig().steps, DemoConfig().fail_step, DemoConfig().detector
+    (40, 12, 'cusum')
+    >>> failed_links("two", rail(hosts=2, gpus_per_host=4))
+    ((0, 'tor:s0r0'), (5, 'tor:s0r1'))
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jaxccl
 from jaxccl import sim
 from jaxccl.control import Controller
+from jaxccl.errors import ArgumentError
 from jaxccl.runtime.emulated import LinkEmulation
 from jaxccl.topology import rail
 from jaxccl.util import report
@@ -49,15 +55,28 @@ SIZES = (128, 512, 512, 128, 16)  # the MLP's layer widths
 
 
 FAILED_LINK = (0, "tor:s0r0")  # GPU 0's NIC
+DETECTORS = ("cusum", "ewma")  # Controller(detector=...)
+FAIL_LINKS = ("nic", "nvlink", "two")  # GPU 0's NIC; GPU 0's NVLink uplink; the NICs of GPUs 0 and 5
+_FAULTS = {"nic": ((0, "nic"),), "nvlink": ((0, "nvlink"),), "two": ((0, "nic"), (5, "nic"))}
+_LINK_NAMES = {"nic": "NIC", "nvlink": "NVLink"}
 
 
 @dataclasses.dataclass
 class DemoConfig:
-    """The demo's knobs (the command line sets ``steps``, ``fail_step``, ``time_scale``, ``json``, ``png``, ``quiet``).
+    """The demo's knobs (the command line sets all but ``lr``, ``batch``, ``alpha``, ``gamma`` and ``ab_runs``).
 
     ``time_scale`` multiplies the emulated link capacities: at ``1e-4`` one
     AllGather takes ~75 ms of emulated link time, well above this host's
     scheduling noise, so the failure and the recovery stand out per step.
+    ``fail_link`` (one of :data:`FAIL_LINKS`) picks the links the failure
+    cuts to ``depth`` of their nominal capacity; ``detector`` (one of
+    :data:`DETECTORS`) is the controller's decision rule. Bad values raise
+    :class:`~jaxccl.errors.ArgumentError`:
+
+    >>> DemoConfig(depth=1.0)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    jaxccl.errors.ArgumentError: DemoConfig: depth must be a fraction of the nominal capacity in (0, 1), got 1.0
     """
 
     steps: int = 40
@@ -67,11 +86,83 @@ class DemoConfig:
     batch: int = 256
     alpha: float = 0.5
     gamma: float = 0.15
-    nic_gbps: float = 200.0  # GPU 0's NIC after the failure (nominal 400)
+    detector: str = "cusum"
+    fail_link: str = "nic"
+    depth: float = 0.5  # the failed links' capacity after the failure, as a fraction of nominal
     ab_runs: int = 7
     json: str | None = None
     png: str | None = None
     quiet: bool = False
+
+    def __post_init__(self) -> None:
+        if self.detector not in DETECTORS:
+            raise ArgumentError(f"DemoConfig: detector must be one of {', '.join(DETECTORS)}, got {self.detector!r}")
+        if self.fail_link not in FAIL_LINKS:
+            raise ArgumentError(f"DemoConfig: fail_link must be one of {', '.join(FAIL_LINKS)}, got {self.fail_link!r}")
+        check_depth(self.depth)
+
+
+def check_depth(depth: Any, name: str = "DemoConfig: depth", error: type[ArgumentError] = ArgumentError) -> float:
+    """``depth`` if it is a fraction of the nominal capacity in (0, 1), else ``error`` naming it ``name``.
+
+    >>> check_depth(0.3)
+    0.3
+    >>> check_depth(float("nan"), "--depth")
+    Traceback (most recent call last):
+    ...
+    jaxccl.errors.ArgumentError: --depth must be a fraction of the nominal capacity in (0, 1), got nan
+    """
+    if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0 < depth < 1:
+        raise error(f"{name} must be a fraction of the nominal capacity in (0, 1), got {depth!r}")
+    return float(depth)
+
+
+def failed_links(fail_link: str, topo: Any) -> tuple[tuple[Any, Any], ...]:
+    """The links (GPU, switch) that the failure ``fail_link`` (one of :data:`FAIL_LINKS`) cuts in ``topo``.
+
+    Each GPU's NIC and NVLink uplink are looked up in the topology (``rail``'s link kinds).
+
+    >>> failed_links("nvlink", rail(hosts=2, gpus_per_host=4))
+    ((0, 'nvs:h0'),)
+    """
+    if fail_link not in _FAULTS:
+        raise ArgumentError(f"fail_link must be one of {', '.join(FAIL_LINKS)}, got {fail_link!r}")
+    g = topo.graph
+    return tuple(
+        (gpu, next(v for v in g.successors(gpu) if g.edges[gpu, v].get("kind") == kind))
+        for gpu, kind in _FAULTS[fail_link]
+    )
+
+
+def failure_label(fail_link: str, depth: float, topo: Any) -> str:
+    """The failure in words, for the prints and the PNG.
+
+    >>> t = rail(hosts=2, gpus_per_host=4)
+    >>> failure_label("nic", 0.5, t), failure_label("two", 0.35, t)
+    ("gray failure: GPU 0's NIC 400 -> 200 Gbps", "gray failure: GPU 0's and GPU 5's NICs 400 -> 140 Gbps")
+    >>> failure_label("nvlink", 0.5, t)
+    "gray failure: GPU 0's NVLink 2880 -> 1440 Gbps"
+    """
+    nominal = topo.capacity(*failed_links(fail_link, topo)[0]) * 8 / 1e9
+    return f"gray failure: {failed_text(fail_link)} {nominal:.0f} -> {nominal * depth:.0f} Gbps"
+
+
+def failed_text(fail_link: str) -> str:
+    """The failed links of ``fail_link`` in words.
+
+    >>> failed_text("nic"), failed_text("two")
+    ("GPU 0's NIC", "GPU 0's and GPU 5's NICs")
+    """
+    faults = _FAULTS[fail_link]
+    gpus = " and ".join(f"GPU {gpu}'s" for gpu, _ in faults)
+    return f"{gpus} {_LINK_NAMES[faults[0][1]]}{'s' if len(faults) > 1 else ''}"
+
+
+def degraded_topology(topo: Any, links: Collection[tuple[Any, Any]], depth: float) -> Any:
+    """``topo`` with every link of ``links`` (both directions) at ``depth`` of its capacity."""
+    for u, v in links:
+        topo = topo.degrade(u, v, capacity=topo.capacity(u, v) * depth)
+    return topo
 
 
 def _model(rng: Any, sizes: tuple[int, ...] = SIZES) -> tuple[list[Any], list[tuple[int, int]]]:
@@ -154,25 +245,35 @@ def _say(quiet: bool) -> Callable[..., None]:
     return lambda *a, **k: print(*a, **k, flush=True)
 
 
-def _is_false_detection(event: Any, inject_ns: int, failed_link: tuple[Any, Any] = FAILED_LINK) -> bool:
-    """A detection before the failure, or one that does not blame the failed link (either direction)."""
+def _is_false_detection(event: Any, inject_ns: int, failed_links: Collection[tuple[Any, Any]] = (FAILED_LINK,)) -> bool:
+    """A detection before the failure, or one that blames none of the failed links (in either direction)."""
     if not inject_ns or event.time_ns < inject_ns:
         return True
     blamed = event.detail.get("degraded", {})
-    u, v = failed_link
-    return f"{u}->{v}" not in blamed and f"{v}->{u}" not in blamed
+    return not any(f"{u}->{v}" in blamed or f"{v}->{u}" in blamed for u, v in failed_links)
+
+
+_DETECTOR_NAMES = {"cusum": "the change-point test (CUSUM on the raw windows)", "ewma": "the settled EWMA"}
+_DETECTOR_TITLES = {"cusum": " (change-point test)", "ewma": " (EWMA confirmation)"}
 
 
 def _describe(event: Any, labels: dict[int, str]) -> str:
     d = event.detail
     if event.kind == "detected":
         links = ", ".join(f"{k} at {100 * f:.0f} %" for k, f in d.get("degraded", {}).items()) or "none below nominal"
-        return f"Algorithm 1 flagged the schedule (slack deviation {d['max_delta']:.2f}); measured low: {links}"
+        flag = f" (slack deviation {d['max_delta']:.2f})" if "max_delta" in d else ""
+        return f"Algorithm 1 flagged the schedule{flag}; measured low: {links}"
+    if event.kind == "confirmed" and d.get("detector", "ewma") != "ewma":
+        return f"decided by the change-point test {d['confirm_ms']:.0f} ms after the first flag"
     if event.kind == "confirmed":
         return (
-            f"confirmed after {d['flagged_samples']} flagged samples, {d['confirm_ms']:.0f} ms "
+            f"confirmed after {d.get('flagged_samples', '?')} flagged samples, {d['confirm_ms']:.0f} ms "
             f"(the EWMA has settled on the new capacity)"
         )
+    if event.kind == "held":
+        return f"decision held by the hysteresis (at most one swap per `hold` launches): {dict(d)}"
+    if event.kind == "discarded":
+        return f"speculative re-synthesis discarded, the change cleared: {dict(d)}"
     if event.kind == "cleared":
         return f"flag cleared after {d['flagged_samples']} samples (a burst): no action"
     if event.kind == "synthesized":
@@ -216,7 +317,9 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     topo = rail(hosts=2, gpus_per_host=4)
-    failed = topo.degrade(*FAILED_LINK, gbps=cfg.nic_gbps)
+    links = failed_links(cfg.fail_link, topo)
+    label = failure_label(cfg.fail_link, cfg.depth, topo)
+    failed = degraded_topology(topo, links, cfg.depth)
     rng = np.random.default_rng(0)
     weights, shapes = _model(rng)
     flat = _flatten(weights, NUM_DEVICES)
@@ -248,8 +351,8 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     )
     say(
         f"  MLP {SIZES} ({out_bytes / 2**20:.1f} MiB of parameters), FSDP over {NUM_DEVICES} emulated devices, "
-        f"links at {cfg.time_scale:g} x their speed; gray failure at step {cfg.fail_step}: GPU 0's NIC "
-        f"{topo.capacity(*FAILED_LINK) * 8 / 1e9:.0f} -> {cfg.nic_gbps:.0f} Gbps"
+        f"links at {cfg.time_scale:g} x their speed; at step {cfg.fail_step} a {label}; "
+        f"the controller decides with {_DETECTOR_NAMES[cfg.detector]}"
     )
 
     say(f"running the jax.lax reference ({cfg.steps} steps, no emulation) ...")
@@ -266,7 +369,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
     with comm:  # compile and warm up outside the timeline
         gather_fn(shard).block_until_ready()
     comm.telemetry()
-    controller = Controller(comm, gamma=cfg.gamma, interval_s=0.01)
+    controller = Controller(comm, gamma=cfg.gamma, interval_s=0.01, detector=cfg.detector)
     rows: list[dict[str, Any]] = []
     losses = []
     inject_ns = 0
@@ -335,7 +438,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
                     ab[key].append(out_bytes / (time.perf_counter() - t0) / cfg.time_scale)
     matches = len(losses) == len(ref_losses) and all(a.tobytes() == b.tobytes() for a, b in zip(losses, ref_losses))
 
-    reaction = reaction_fields(rows, events, inject_ns, cfg.fail_step, ab)
+    reaction = reaction_fields(rows, events, inject_ns, cfg.fail_step, ab, failed_links=links, detector=cfg.detector)
     algbw_healthy = reaction["algbw_healthy"]
     result = {
         **reaction,
@@ -352,6 +455,8 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
             "per-hop latencies, executing as the executor does (dataflow: no head-of-line blocking; _in_order: "
             "MSCCL's in-order threadblocks, for comparison); the measured rate is compared with both"
         ),
+        "failed_links": [f"{u}->{v}" for u, v in links],
+        "failure_label": label,
         "loss_matches_reference": bool(matches),
         "losses": [float(v) for v in losses],
         "steps": rows,
@@ -360,7 +465,7 @@ def run(cfg: DemoConfig) -> dict[str, Any]:
         "config": dataclasses.asdict(cfg),
         "time_scale_note": "algbw in emulated bytes/s: real bytes/s divided by time_scale",
     }
-    _summary(result, print)
+    _summary(result, print, failed=failed_text(cfg.fail_link))
     write_outputs(result, cfg)
     return result
 
@@ -393,6 +498,8 @@ def reaction_fields(
     ab: dict[str, list[float]],
     *,
     failed_link: tuple[Any, Any] = FAILED_LINK,
+    failed_links: Collection[tuple[Any, Any]] | None = None,
+    detector: str | None = None,
 ) -> dict[str, Any]:
     """The demo's rates and reaction times from its per-step rows, the controller's events and the A/B.
 
@@ -400,12 +507,20 @@ def reaction_fields(
     ``algbw`` and ``version`` per training step; ``events`` are the controller's events;
     ``inject_ns`` is the failure's ``time.monotonic_ns()`` (0 and ``fail_step`` ``None``: no
     failure, so every detection is a false one); ``ab`` the A/B rates ``stale`` and ``recovered``.
+    ``failed_links`` are the links the failure degraded (default: ``failed_link`` alone); a
+    detection that blames none of them is a false one. ``detector`` (``"cusum"``, ``"ewma"``)
+    defaults to what the first confirmation after the failure names.
+
+    ``steps_to_active`` counts the steps from the first degraded one (``fail_step``) to the first
+    that ran another schedule (1: the next step); ``staged_after_change_ms`` runs from the first
+    degraded measurement the controller saw (the confirmation's ``change_ns``) to staging.
 
     >>> rows = [{"step": k, "start_ns": k, "algbw": 4.0 if k < 3 else 1.0, "version": 2} for k in range(5)]
     >>> r = reaction_fields(rows, [], 0, None, {"stale": [], "recovered": []})
-    >>> r["swaps"], r["detections"], r["algbw_healthy"]
-    (0, 0, 1.0)
+    >>> r["swaps"], r["detections"], r["algbw_healthy"], r["steps_to_active"], r["detector"]
+    (0, 0, 1.0, None, None)
     """
+    links = tuple(failed_links) if failed_links is not None else (failed_link,)
     after = [e for e in events if inject_ns and e.time_ns >= inject_ns]
     detections = [e for e in events if e.kind == "detected"]
     first = {k: next((e for e in after if e.kind == k), None) for k in ("detected", *_REACTION_KINDS)}
@@ -417,10 +532,15 @@ def reaction_fields(
     recovered = [r["algbw"] for r in rows if swap_step is not None and r["step"] > swap_step]
     algbw_stale = report.median(ab["stale"]) if ab["stale"] else report.median(stale)
     algbw_recovered = report.median(ab["recovered"]) if ab["recovered"] else float("nan")
-    detected = first["detected"]
+    detected, confirmed, staged = first["detected"], first["confirmed"], first["staged"]
 
     def ms(e: Any, key: str) -> float:
-        return float(e.detail[key]) if e is not None and key in e.detail else float("nan")
+        return float(e.detail[key]) if e is not None and key in e.detail else math.nan
+
+    def since(e: Any, t0_ns: Any) -> float:
+        return (e.time_ns - t0_ns) / 1e6 if e is not None and t0_ns else math.nan
+
+    change_ns = confirmed.detail.get("change_ns") if confirmed is not None else None
 
     return {
         "algbw_healthy": report.median(healthy),
@@ -431,21 +551,25 @@ def reaction_fields(
         "ab_recovered": ab["recovered"],
         "algbw_stale_timeline": report.median(stale),
         "algbw_recovered_timeline": report.median(recovered),
-        "detect_ms": (detected.time_ns - inject_ns) / 1e6 if detected is not None else float("nan"),
+        "detect_ms": since(detected, inject_ns),
         "detections": len(detections),
-        "false_detections": sum(1 for e in detections if _is_false_detection(e, inject_ns, failed_link)),
+        "false_detections": sum(1 for e in detections if _is_false_detection(e, inject_ns, links)),
         "resyntheses": sum(1 for e in events if e.kind == "synthesized"),
         "swaps": len(swap_steps),
         "swap_steps": swap_steps,
-        "confirm_ms": ms(first["confirmed"], "confirm_ms"),
+        "confirm_ms": ms(confirmed, "confirm_ms"),
         "synth_ms": ms(first["synthesized"], "synth_ms"),
-        "dispatch_ms": ms(first["staged"], "dispatch_ms"),
-        "swap_ms": ms(first["staged"], "swap_ms"),
+        "dispatch_ms": ms(staged, "dispatch_ms"),
+        "swap_ms": ms(staged, "swap_ms"),
         "activation_wait_ms": ms(first["activated"], "wait_ms"),
+        "staged_after_change_ms": since(staged, change_ns),
+        "failure_to_staged_ms": since(staged, inject_ns),
         "swap_step": swap_step,
+        "steps_to_active": swap_step - fail_step if swap_step is not None and fail_step is not None else None,
+        "detector": detector or (confirmed.detail.get("detector") if confirmed is not None else None),
         "fail_step": fail_step,
         "detect_step": _step_at(rows, detected.time_ns) if detected is not None else None,
-        "confirm_step": _step_at(rows, first["confirmed"].time_ns) if first["confirmed"] is not None else None,
+        "confirm_step": _step_at(rows, confirmed.time_ns) if confirmed is not None else None,
     }
 
 
@@ -473,6 +597,16 @@ def reaction_summary(r: dict[str, Any], say: Any, *, failed: str = "GPU 0's NIC"
     loss curve equals the jax.lax reference bitwise: yes
     ...
     algbw healthy 4.0 MB/s; after the failure: stale schedule 1.0 MB/s, re-synthesized 3.0 MB/s (3.00x; ...)
+
+    With the change-point test (``detector="cusum"``) the reaction names it and counts the steps:
+
+    >>> r.update(detector="cusum", fail_step=8, steps_to_active=1, staged_after_change_ms=14.2)
+    >>> reaction_summary(r, print, unit="MB/s")  # doctest: +ELLIPSIS
+    <BLANKLINE>
+    ...
+    first reaction: detection 5.0 ms after the failure, decided by the change-point test (+9 ms), ...
+      active from step 9: 1 step(s) after the first degraded step; staged 14.2 ms after the first degraded measurement
+    ...
     """
     g = {"GB/s": 1e9, "MB/s": 1e6}[unit]
     say("")
@@ -489,11 +623,19 @@ def reaction_summary(r: dict[str, Any], say: Any, *, failed: str = "GPU 0's NIC"
         f"{', '.join(map(str, r['swap_steps'])) or '-'}"
     )
     say(
-        f"first reaction: detection {r['detect_ms']:.1f} ms after the failure, confirmation {r['confirm_ms']:.0f} ms "
-        f"later (EWMA settled), synthesis {r['synth_ms']:.1f} ms, "
-        f"dispatch (validate + compile) {r['dispatch_ms']:.2f} ms, swap (stage) {r['swap_ms']:.3f} ms; "
-        f"active from step {r['swap_step']}"
+        f"first reaction: detection {r['detect_ms']:.1f} ms after the failure, "
+        f"{decision_text(r.get('detector'), r['confirm_ms'])}, synthesis {r['synth_ms']:.1f} ms, "
+        f"dispatch (validate + compile) {r['dispatch_ms']:.2f} ms, swap (stage) {r['swap_ms']:.3f} ms"
     )
+    if "steps_to_active" in r:
+        say(
+            f"  active from step {r['swap_step']}: {r['steps_to_active']} step(s) after the first degraded step; "
+            f"staged {r['staged_after_change_ms']:.1f} ms after the first degraded measurement"
+            if r["swap_step"] is not None
+            else "  no new schedule became active"
+        )
+    else:  # a result of before steps_to_active
+        say(f"  active from step {r['swap_step']}")
     say(
         f"algbw healthy {r['algbw_healthy'] / g:.1f} {unit}; after the failure: stale schedule "
         f"{r['algbw_stale'] / g:.1f} {unit}, re-synthesized {r['algbw_recovered'] / g:.1f} {unit} "
@@ -501,9 +643,19 @@ def reaction_summary(r: dict[str, Any], say: Any, *, failed: str = "GPU 0's NIC"
     )
 
 
-def _summary(r: dict[str, Any], say: Any) -> None:
+def decision_text(detector: str | None, confirm_ms: float) -> str:
+    """How the controller decided, for the summary and the PNG (``None``: a result of the EWMA-only days).
+
+    >>> decision_text("ewma", 1402.4), decision_text("cusum", 21.0)
+    ('confirmed, EWMA settled (+1402 ms)', 'decided by the change-point test (+21 ms)')
+    """
+    how = "decided by the change-point test" if detector == "cusum" else "confirmed, EWMA settled"
+    return f"{how} (+{confirm_ms:.0f} ms)"
+
+
+def _summary(r: dict[str, Any], say: Any, *, failed: str) -> None:
     g = 1e9
-    reaction_summary(r, say)
+    reaction_summary(r, say, failed=failed)
     say(
         f"healthy rate vs prediction: measured {r['algbw_healthy'] / g:.0f} GB/s = {r['measured_over_predicted']:.2f} "
         f"of the large-message limit {r['predicted_algbw_healthy'] / g:.0f} GB/s; at this size "
@@ -552,10 +704,13 @@ def _timeline_png(r: dict[str, Any], path: str) -> None:
             color="tab:orange",
             ls="-.",
             lw=1.5,
-            label=f"confirmed, EWMA settled (+{r['confirm_ms']:.0f} ms)",
+            label=decision_text(r.get("detector"), r["confirm_ms"]),
         )
+    active = "re-synthesized schedule active"
+    if r.get("steps_to_active") is not None:
+        active += f" ({r['steps_to_active']} step(s) after the first degraded one)"
     for k, s in enumerate(r["swap_steps"]):
-        ax.axvline(s, color="tab:green", ls="--", lw=1.5, label="re-synthesized schedule active" if k == 0 else None)
+        ax.axvline(s, color="tab:green", ls="--", lw=1.5, label=active if k == 0 else None)
     bands = (
         ("ab_stale", "tab:red", "stale schedule"),
         ("ab_recovered", "tab:green", "re-synthesized"),
@@ -580,8 +735,9 @@ def _timeline_png(r: dict[str, Any], path: str) -> None:
     ax.set_ylim(0, max([*bw, healthy]) * 1.25)
     ax.set_xlabel("training step")
     ax.set_ylabel(r.get("algbw_axis_label", f"algbw, emulated {unit}"))
+    detector = _DETECTOR_TITLES.get(r.get("detector"), "")
     ax.set_title(
-        "jaxccl demo: a gray failure, detected, re-synthesized and hot-swapped\n"
+        f"jaxccl demo: a gray failure, detected{detector}, re-synthesized and hot-swapped\n"
         f"on the degraded fabric the re-synthesized schedule runs {r['recovery_ratio']:.2f}x the stale one "
         "(A/B: line = median, band = min-max)",
         fontsize=10,

@@ -1,11 +1,23 @@
 """``jaxccl demo``: the closed loop's story, told truthfully (one failure, one detection, one swap), and its outputs."""
 
 import json
+import math
 
 import pytest
 
+from jaxccl.cli import main
 from jaxccl.control import Event
-from jaxccl.demos.closed_loop import FAILED_LINK, DemoConfig, _is_false_detection, run
+from jaxccl.demos.closed_loop import (
+    FAILED_LINK,
+    DemoConfig,
+    _is_false_detection,
+    failed_links,
+    failure_label,
+    reaction_fields,
+    run,
+)
+from jaxccl.errors import ArgumentError
+from jaxccl.topology import rail
 
 REQUIRED = (
     "algbw_healthy",
@@ -31,6 +43,72 @@ def test_false_detection_rules():
     assert _is_false_detection(_detected(4, f"{u}->{v}"), inject_ns=0)  # no failure injected at all
 
 
+def test_two_failed_links_count_either():
+    two = failed_links("two", rail(hosts=2, gpus_per_host=4))
+    assert two == ((0, "tor:s0r0"), (5, "tor:s0r1"))
+    assert not _is_false_detection(_detected(10, "tor:s0r1->5"), 5, two)
+    assert not _is_false_detection(_detected(10, "0->tor:s0r0"), 5, two)
+    assert _is_false_detection(_detected(10, "4->tor:s0r0"), 5, two)
+
+
+def test_each_fault_names_its_links_and_depth():
+    topo = rail(hosts=2, gpus_per_host=4)
+    assert failed_links("nic", topo) == (FAILED_LINK,)
+    assert failed_links("nvlink", topo) == ((0, "nvs:h0"),)
+    assert failure_label("nvlink", 0.3, topo) == "gray failure: GPU 0's NVLink 2880 -> 864 Gbps"
+    with pytest.raises(ArgumentError, match="fail_link"):
+        failed_links("pcie", topo)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"detector": "glr"}, {"fail_link": "pcie"}, {"depth": 0}, {"depth": 1.0}, {"depth": math.nan}, {"depth": True}],
+)
+def test_bad_settings_are_argument_errors(bad):
+    with pytest.raises(ArgumentError, match=next(iter(bad))):
+        DemoConfig(**bad)
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--depth", "1.5"], "--depth"),
+        (["--depth", "0"], "--depth"),
+        (["--fail-link", "pcie"], "--fail-link"),
+        (["--detector", "glr"], "--detector"),
+        (["--network", "loopback", "--fail-link", "two"], "--fail-link applies to the single-process demo only"),
+        (["--network", "loopback", "--depth", "0.4"], "--depth applies to the single-process demo only"),
+    ],
+)
+def test_bad_flags_are_one_line_usage_errors(argv, needle, capsys):
+    assert main(["demo", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err, err
+
+
+def _event(kind, t_ns, **detail):
+    return Event(kind, t_ns, "all_gather", detail)
+
+
+def test_reaction_counts_steps_to_active_and_the_time_from_the_change_to_staging():
+    rows = [{"step": k, "start_ns": 100 * k, "algbw": 4.0 if k < 4 else 2.0, "version": 2 + (k >= 5)} for k in range(8)]
+    events = [
+        _event("detected", 420, degraded={"tor:s0r1->5": 0.5}),
+        _event("confirmed", 430, confirm_ms=0.01, detector="cusum", change_ns=410),
+        _event("synthesized", 440, synth_ms=0.01),
+        _event("staged", 460, dispatch_ms=0.01, swap_ms=0.001),
+    ]
+    ab = {"stale": [], "recovered": []}
+    links = failed_links("two", rail(hosts=2, gpus_per_host=4))
+    r = reaction_fields(rows, events, 400, 4, ab, failed_links=links)
+    assert (r["steps_to_active"], r["swap_step"], r["false_detections"], r["detector"]) == (1, 5, 0, "cusum")
+    assert r["staged_after_change_ms"] == pytest.approx(50e-6) and r["failure_to_staged_ms"] == pytest.approx(60e-6)
+    assert reaction_fields(rows, events, 400, 4, ab)["false_detections"] == 1  # GPU 5's NIC is not the default link
+    quiet = reaction_fields(rows[:5], events[:1], 400, 4, ab, detector="ewma")
+    assert quiet["steps_to_active"] is None and math.isnan(quiet["staged_after_change_ms"])
+    assert quiet["detector"] == "ewma"
+
+
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
@@ -51,6 +129,8 @@ def test_demo_swaps_once_and_counts_every_event(demo):
     assert len(set(versions)) == 2 and versions == sorted(versions)
     assert r["steps"][0]["schedule"] == "healthy" and r["steps"][-1]["schedule"] == "re-synthesized #1"
     assert r["fail_step"] < r["detect_step"] <= r["confirm_step"] <= r["swap_step"]
+    assert r["steps_to_active"] == r["swap_step"] - r["fail_step"] and r["detector"] == "cusum"
+    assert r["failure_label"] == "gray failure: GPU 0's NIC 400 -> 200 Gbps"
 
 
 def test_demo_recovers_and_explains_its_rates(demo):
