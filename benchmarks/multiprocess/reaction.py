@@ -42,6 +42,7 @@ import sys
 from typing import Any
 
 from jaxccl.demos import network
+from jaxccl.demos.closed_loop import DETECTORS
 from jaxccl.demos.network import NetworkDemoConfig
 from jaxccl.demos.network_layout import HOSTS, NUM_RANKS, RANKS_PER_HOST
 from jaxccl.errors import JaxcclError
@@ -62,7 +63,6 @@ PHASES = (
 FAIL_STEPS = (4, 8)  # the fault step's range, both ends included
 STEPS_AFTER_FAULT = 8  # steps after the latest fault step: room to react and to see the new schedule run
 DEPTHS = (0.3, 0.7)
-DETECTORS = ("cusum", "ewma")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -74,10 +74,12 @@ class NetworkDemoConfig(DemoConfig):
     """The real-socket demo's knobs (the single-process demo's, plus the network and the processes).
 
     ``processes`` ``None`` picks 8 for ``netns`` (a process and a NIC per rank) and 2 for
-    ``loopback`` (a process per host). ``detector`` is the controller's decision (``"cusum"``: the
-    change-point test on the raw windows; ``"ewma"``: ``confirm`` flagged samples and a settled
-    EWMA); ``cut_ranks`` are the ranks whose NICs ``netns`` cuts at ``fail_step`` (not rank 0, whose
-    NIC carries the job's coordinator); ``job_timeout_s`` is the deadline of the whole job.
+    ``loopback`` (a process per host). ``detector`` (the single-process demo's) is the
+    controller's decision (``"cusum"``: the change-point test on the raw windows; ``"ewma"``:
+    ``confirm`` flagged samples and a settled EWMA); ``fail_link`` and ``depth`` are the
+    single-process demo's only. ``cut_ranks`` are the ranks whose NICs ``netns`` cuts at
+    ``fail_step`` (not rank 0, whose NIC carries the job's coordinator); ``job_timeout_s`` is the
+    deadline of the whole job.
     """
 
     steps: int = 16
@@ -89,7 +91,6 @@ class NetworkDemoConfig(DemoConfig):
     nic_rate_mbit: float = 200.0
     cut_rate_mbit: float = 40.0
     cut_ranks: tuple[int, ...] = (FAILED_RANK,)
-    detector: str = "cusum"
     confirm: int = 2
     job_timeout_s: float = 900.0
 

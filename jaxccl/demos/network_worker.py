@@ -238,7 +238,9 @@ class _Worker:
             fail_step = cfg["fail_step"] if cfg["network"] == "netns" else None
             events = loop.events
             links = failed_links(tuple(cfg["cut_ranks"]))
-            reaction = reaction_fields(rows, events, inject_ns, fail_step, ab, failed_links=links)
+            reaction = reaction_fields(
+                rows, events, inject_ns, fail_step, ab, failed_links=links, detector=cfg["detector"]
+            )
             bytes_per_rank = self.out_bytes // len(process_of_rank(self.n))
             simulated, simulated_in_order = _simulated(self.topo, self.healthy, bytes_per_rank)
             measured = reaction["algbw_healthy"]

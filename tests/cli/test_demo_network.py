@@ -112,16 +112,19 @@ def test_shared_reaction_fields_count_a_late_detection_and_a_swap():
         {"step": k, "start_ns": 100 * k, "algbw": 10.0 if k < 4 else 2.0, "version": 2 + (k >= 7)} for k in range(9)
     ]
     cut = 400
-    link = failed_link()
     events = [
         Event("detected", 150, "all_gather", {"degraded": {"0->tor:s0r0": 0.7}}),  # noise before the cut
-        Event("detected", 450, "all_gather", {"degraded": {f"{link[0]}->{link[1]}": 0.2}}),
-        Event("confirmed", 550, "all_gather", {"confirm_ms": 100.0}),
+        Event("detected", 450, "all_gather", {"degraded": {"tor:s0r2->6": 0.2}}),  # the second cut NIC, inbound
+        Event("confirmed", 550, "all_gather", {"confirm_ms": 100.0, "detector": "cusum", "change_ns": 450}),
+        Event("staged", 650, "all_gather", {"version": 3, "dispatch_ms": 1.0, "swap_ms": 0.1}),
     ]
-    r = reaction_fields(rows, events, cut, 4, {"stale": [2.0, 2.2], "recovered": [5.0, 5.4]}, failed_link=link)
+    ab = {"stale": [2.0, 2.2], "recovered": [5.0, 5.4]}
+    r = reaction_fields(rows, events, cut, 4, ab, failed_links=failed_links((1, 6)))
     assert (r["detections"], r["false_detections"], r["swaps"], r["swap_step"]) == (2, 1, 1, 7)
     assert r["detect_ms"] == pytest.approx(50e-6) and r["recovery_ratio"] == pytest.approx(5.2 / 2.1)
     assert r["algbw_healthy"] == 10.0 and r["algbw_stale_timeline"] == 2.0
+    assert r["steps_to_active"] == 3 and r["staged_after_change_ms"] == pytest.approx(200e-6)
+    assert r["detector"] == "cusum"
 
 
 def test_bad_settings_are_named_errors():
