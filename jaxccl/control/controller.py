@@ -43,12 +43,13 @@ import numpy as np
 
 from jaxccl import synth
 from jaxccl.control.algorithm1 import CheckResult, ScheduleProfile, check, nominal_capacities, profile
+from jaxccl.control.detector import ChangeDetector
 from jaxccl.control.step_driven import StepTimes, at_step_end
 from jaxccl.errors import ArgumentError
 from jaxccl.schedule.table import compile_table
 from jaxccl.synth.ordered_reduce_scatter import ordered_reduce_scatter
 
-__all__ = ["REDUCTIONS", "Controller", "Event", "managed_collectives", "measured_topology"]
+__all__ = ["DETECTORS", "REDUCTIONS", "Controller", "Event", "managed_collectives", "measured_topology"]
 
 log = logging.getLogger("jaxccl.control")
 
@@ -69,6 +70,7 @@ class Event:
 
 
 REDUCTIONS = ("reduce_scatter", "all_reduce")
+DETECTORS = ("cusum", "ewma")
 _ALIASES = {"psum_scatter": "reduce_scatter", "psum": "all_reduce"}
 
 
@@ -150,6 +152,13 @@ def _degraded_links(caps: Mapping[tuple, float], belief: Any, tolerance: float) 
     return out
 
 
+def _change_text(c: Any) -> str:
+    """``"0->4 x0.50 (1 sample)"``: a decided change of one entry of the link matrix."""
+    i, j = c.entry
+    where = f"{i} (intra)" if i == j else f"{i}->{j}"
+    return f"{where} x{c.ratio:.2f} ({c.samples} sample{'s' if c.samples != 1 else ''})"
+
+
 @dataclasses.dataclass
 class _Managed:
     collective: str
@@ -162,6 +171,13 @@ class _Managed:
     detected_ns: int = 0
     samples_seen: int = -1
     last: CheckResult | None = None
+    # the change-point path (detector="cusum")
+    swapped_at: int | None = None  # launches issued when the last swap took effect
+    history: dict[tuple, list[tuple[int, float]]] = dataclasses.field(default_factory=dict)  # link -> (clock, M_a)
+    held: bool = False
+    change_ns: int = 0
+    speculative: tuple[Any, Any, float] | None = None  # (target topology, schedule, synth ms)
+    decided: list[Any] = dataclasses.field(default_factory=list)  # the detector's Changes since the last decision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +250,10 @@ class Controller:
         synthesizers: Mapping[str, Synthesizer] | None = None,
         exact_reductions: bool = True,
         min_gain: float = 0.05,
+        detector: str = "cusum",
+        false_alarm_rate: float = 1e-6,
+        hold: int = 10,
+        warmup: int = 5,
     ):
         if comm.topology is None:
             raise ArgumentError("Controller: the communicator has no topology")
@@ -241,6 +261,14 @@ class Controller:
             raise ArgumentError(f"Controller: need gamma >= 0 and interval_s > 0, got {gamma}, {interval_s}")
         if not 0 <= min_gain < 10:
             raise ArgumentError(f"Controller: need 0 <= min_gain < 10, got {min_gain}")
+        if detector not in DETECTORS:
+            raise ArgumentError(f"Controller: detector must be one of {DETECTORS}, got {detector!r}")
+        if not isinstance(hold, int) or isinstance(hold, bool) or hold < 0:
+            raise ArgumentError(f"Controller: hold must be an integer >= 0, got {hold!r}")
+        self.detector = detector
+        self.hold = hold
+        self._changes = ChangeDetector(false_alarm_rate=false_alarm_rate, warmup=warmup) if detector == "cusum" else None
+        self._fed: Any = None  # the telemetry snapshot the change detector last read
         self.min_gain = float(min_gain)
         self.comm = comm
         self.gamma = float(gamma)
@@ -383,6 +411,9 @@ class Controller:
         return _Checked(result, caps, self._settled(tel, m, caps) if result.flagged else True, fresh)
 
     def _step(self) -> None:
+        if self._changes is not None:
+            self._step_cusum()
+            return
         tel = None  # one drain per iteration serves every managed collective
         for m in self._managed.values():
             self._note_activation(m)
@@ -408,9 +439,116 @@ class Controller:
                     flagged_samples=m.flagged_in_a_row,
                     confirm_ms=(time.monotonic_ns() - m.detected_ns) / 1e6,
                     degraded=_degraded_links(checked.caps, m.belief, self.tolerance),
+                    detector="ewma",
+                    change_ns=m.detected_ns,
                 )
                 m.flagged_in_a_row = 0
-                self._resynthesize(m, checked.result, checked.caps)
+                self._resynthesize(m, checked.caps, lambda m=m: self._still_flagged(self._check(m)))
+
+    # ------------------------------------------------------------------ the change-point path
+    def _feed(self) -> Any:
+        """Drains the telemetry and feeds its new raw samples to the change detector (once per snapshot)."""
+        tel = self.comm.telemetry()
+        if tel is not self._fed:
+            self._fed = tel
+            changes = self._changes.update(tel.windows, now_ns=time.monotonic_ns())
+            for m in self._managed.values():
+                m.decided = [*m.decided, *changes][-1024:]
+        return tel
+
+    def _level_caps(self, tel: Any, m: _Managed, levels: Mapping[tuple[int, int], float]) -> dict[tuple, float]:
+        """``M_a`` from the detector's levels (its robust per-entry estimates) instead of the EWMA."""
+        matrix = np.full(tel.matrix.shape, np.nan)
+        for (i, j), v in levels.items():
+            if i < matrix.shape[0] and j < matrix.shape[1]:
+                matrix[i, j] = v
+        return self._estimates(dataclasses.replace(tel, matrix=matrix), m)
+
+    def _pessimistic(self, m: _Managed, caps: dict[tuple, float], clock: int) -> dict[tuple, float]:
+        """Each link at the lowest estimate of its last ``hold`` launches: a drop counts at once, a rise once it
+        has held for ``hold`` launches (a flapping link is planned for at its worse state)."""
+        out = dict(caps)
+        for a, v in caps.items():
+            past = m.history.setdefault(a, [])
+            if not past or past[-1][1] != v:
+                past.append((clock, v))
+            keep = [i for i, (c, _) in enumerate(past) if c >= clock - self.hold]
+            past[:] = past[max(0, (keep[0] if keep else len(past)) - 1) :]  # the value in force at the window's start
+            out[a] = min(x for _, x in past)
+        return out
+
+    def _step_cusum(self) -> None:
+        tel = None
+        for m in self._managed.values():
+            if self._note_activation(m):
+                self._changes.rebase()  # the new schedule changes what every pair carries: re-learn the centres
+            if m.staged_version:
+                continue
+            schedule = self.comm.schedule(m.collective)
+            if schedule is None:
+                continue
+            tel = tel if tel is not None else self._feed()
+            if schedule.digest != m.digest:
+                m.profile = profile(schedule, m.belief)
+                m.digest = schedule.digest
+            clock = int(self.comm.swap_state(m.collective).get("issued", 0))
+            caps = self._pessimistic(m, self._level_caps(tel, m, self._changes.levels()), clock)
+            result = check(m.profile, caps, gamma=self.gamma)
+            m.last = result
+            if not result.flagged:
+                self._speculate(m, tel, clock)
+                if m.held or m.detected_ns:
+                    self._emit("cleared", m.collective, flagged_samples=0)
+                m.held, m.detected_ns = False, 0
+                m.decided.clear()
+                continue
+            if not m.decided and not m.held:
+                continue  # no decided change behind the flag (e.g. an entry still learning its noise model)
+            if not m.detected_ns:
+                m.detected_ns = self._detected(m, _Checked(result, caps, True, True)).time_ns
+                m.change_ns = min((c.change_ns for c in m.decided), default=m.detected_ns)
+            if m.swapped_at is not None and clock < m.swapped_at + self.hold:
+                if not m.held:
+                    self._emit("held", m.collective, until_launch=m.swapped_at + self.hold, launch=clock)
+                m.held = True
+                continue
+            self._emit(
+                "confirmed",
+                m.collective,
+                confirm_ms=(time.monotonic_ns() - m.detected_ns) / 1e6,
+                degraded=_degraded_links(caps, m.belief, self.tolerance),
+                detector="cusum",
+                change_ns=m.change_ns,
+                changes=[_change_text(c) for c in m.decided[-8:]],
+            )
+            m.held, m.detected_ns = False, 0
+            m.decided.clear()
+            self._resynthesize(m, caps, lambda m=m: self._still_flagged_cusum(m))
+
+    def _still_flagged_cusum(self, m: _Managed) -> bool:
+        tel = self._feed()
+        clock = int(self.comm.swap_state(m.collective).get("issued", 0))
+        caps = self._pessimistic(m, self._level_caps(tel, m, self._changes.levels()), clock)
+        return check(m.profile, caps, gamma=self.gamma).flagged
+
+    def _speculate(self, m: _Managed, tel: Any, clock: int) -> None:
+        """With suspects (changes not decided yet), synthesizes for their provisional levels ahead of the decision;
+        a speculation the detector does not confirm is discarded."""
+        suspects = self._changes.suspects()
+        if not suspects:
+            if m.speculative is not None:
+                self._emit("discarded", m.collective, reason="the suspected change was not confirmed")
+                m.speculative = None
+            return
+        caps = self._level_caps(tel, m, {**self._changes.levels(), **suspects})
+        target = measured_topology(self.comm.topology, caps, tolerance=self.tolerance)
+        if not check(m.profile, caps, gamma=self.gamma).flagged or (
+            m.speculative is not None and m.speculative[0] == target
+        ):
+            return
+        t0 = time.perf_counter()
+        new = self.synthesizers[m.collective](target, self.comm.schedule(m.collective))
+        m.speculative = (target, new, (time.perf_counter() - t0) * 1e3)
 
     def _detected(self, m: _Managed, checked: _Checked) -> Event:
         r = checked.result
@@ -423,10 +561,11 @@ class Controller:
             degraded=_degraded_links(checked.caps, m.belief, self.tolerance),
         )
 
-    def _note_activation(self, m: _Managed) -> None:
+    def _note_activation(self, m: _Managed) -> bool:
+        """Whether the staged schedule of ``m`` became active (an ``"activated"`` event) since the last look."""
         if not m.staged_version or self.comm.backend not in ("cpu", "cuda"):
             m.staged_version = 0
-            return
+            return False
         st = self.comm.swap_state(m.collective)
         if st["current_version"] >= m.staged_version:
             self._emit(
@@ -438,18 +577,39 @@ class Controller:
                 wait_ms=(st["last_swap_ns"] - m.staged_ns) / 1e6,
             )
             m.staged_version = 0
+            m.swapped_at = int(st.get("issued", 0))
+            return True
+        return False
 
-    def _resynthesize(self, m: _Managed, result: CheckResult, caps: dict[tuple, float]) -> None:
+    @staticmethod
+    def _still_flagged(checked: _Checked | None) -> bool:
+        return checked is not None and checked.result.flagged
+
+    def _resynthesize(self, m: _Managed, caps: dict[tuple, float], still_flagged: Callable[[], bool]) -> None:
+        """Synthesizes for the measured topology (or takes the speculation made for it), re-checks with
+        ``still_flagged`` and stages the result if it gains enough."""
         coll = m.collective
         running = self.comm.schedule(coll)
         target = measured_topology(self.comm.topology, caps, tolerance=self.tolerance)
-        t0 = time.perf_counter()
-        new = self.synthesizers[coll](target, running)
-        synth_s = time.perf_counter() - t0
+        speculative, m.speculative = m.speculative, None
+        if speculative is not None and speculative[0] == target:
+            new = speculative[1]
+            self._emit(
+                "synthesized",
+                coll,
+                synth_ms=0.0,
+                speculative_ms=speculative[2],
+                predicted_algbw=new.algbw,
+                name=new.name,
+            )
+        else:
+            t0 = time.perf_counter()
+            new = self.synthesizers[coll](target, running)
+            self._emit(
+                "synthesized", coll, synth_ms=(time.perf_counter() - t0) * 1e3, predicted_algbw=new.algbw, name=new.name
+            )
         self.resyntheses += 1
-        self._emit("synthesized", coll, synth_ms=synth_s * 1e3, predicted_algbw=new.algbw, name=new.name)
-        again = self._check(m)
-        if again is None or not again.result.flagged:
+        if not still_flagged():
             self._emit("aborted", coll, reason="the degradation cleared during re-synthesis")
             return
         stale = (

@@ -7,6 +7,10 @@ drain gives one EWMA sample per entry (the mean over the windows of the
 records drained): ``M <- alpha * sample + (1 - alpha) * M`` (the first sample
 sets M). Draining once per training step makes the EWMA window a number of
 steps (about ``1 / alpha``).
+
+Beside the matrix, every snapshot carries the raw samples folded since the previous snapshot
+(:attr:`Telemetry.windows`, one row per drained record: the mean rate of its windows), which a
+change-point test (:mod:`jaxccl.control.detector`) reads without the EWMA's lag.
 """
 
 from __future__ import annotations
@@ -23,7 +27,13 @@ from jaxccl.errors import ArgumentError
 from jaxccl.telemetry.export import write_heatmap
 from jaxccl.telemetry.records import INTRA, decode
 
-__all__ = ["Telemetry", "TelemetryCollector"]
+__all__ = ["WINDOW_DTYPE", "Telemetry", "TelemetryCollector"]
+
+WINDOW_DTYPE = np.dtype([("src", "<i4"), ("dst", "<i4"), ("rate", "<f8"), ("count", "<i4")])
+"""One raw sample: entry ``(src, dst)`` of the matrix (``dst == src``: intra-node injection), its mean
+rate (bytes/s, emulated) over ``count`` measurement windows."""
+
+MAX_PENDING_WINDOWS = 1 << 16  # raw samples kept between two snapshots; older ones are dropped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +48,7 @@ class Telemetry:
         dropped: records the executor dropped because a buffer region was full, since its counters' last
             reset (``cuda``: in the whole process; :meth:`jaxccl.Communicator.measurement` counts them per reading).
         time_s: ``time.time()`` of the snapshot.
+        windows: the raw samples folded since the previous snapshot (``WINDOW_DTYPE``), in folding order.
     """
 
     matrix: np.ndarray
@@ -46,6 +57,7 @@ class Telemetry:
     alpha: float
     dropped: int
     time_s: float
+    windows: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, WINDOW_DTYPE))
 
     @property
     def num_gpus(self) -> int:
@@ -141,6 +153,7 @@ class TelemetryCollector:
         self._m = np.full((num_gpus, num_gpus), np.nan)
         self._last = np.full((num_gpus, num_gpus), np.nan)
         self._n = np.zeros((num_gpus, num_gpus), dtype=np.int64)
+        self._pending: list[np.ndarray] = []
         self.dropped = 0
 
     def fold(self, raw: bytes, *, dropped: int = 0) -> int:
@@ -148,6 +161,7 @@ class TelemetryCollector:
         recs = decode(raw, num_gpus=self.num_gpus)
         with self._lock:
             self.dropped = max(self.dropped, int(dropped))
+            self._keep_windows(recs)
             sums: dict[tuple[int, int], list[float]] = {}
             for r in recs:
                 i = int(r["src"])
@@ -163,8 +177,23 @@ class TelemetryCollector:
                 self._n[i, j] += 1
         return int(recs.size)
 
+    def _keep_windows(self, recs: np.ndarray) -> None:
+        if not recs.size:
+            return
+        w = np.zeros(recs.size, WINDOW_DTYPE)
+        w["src"] = recs["src"]
+        w["dst"] = np.where(recs["kind"] == INTRA, recs["src"], recs["dst"])
+        w["rate"] = recs["sum_bw"] / recs["count"] * self.scale
+        w["count"] = recs["count"]
+        self._pending.append(w)
+        while sum(a.size for a in self._pending) > MAX_PENDING_WINDOWS and len(self._pending) > 1:
+            self._pending.pop(0)
+
     def snapshot(self) -> Telemetry:
+        """The matrix now, with the raw samples folded since the previous snapshot (which it takes)."""
         with self._lock:
+            windows = np.concatenate(self._pending) if self._pending else np.zeros(0, WINDOW_DTYPE)
+            self._pending = []
             return Telemetry(
                 matrix=self._m.copy(),
                 samples=self._n.copy(),
@@ -172,6 +201,7 @@ class TelemetryCollector:
                 alpha=self.alpha,
                 dropped=self.dropped,
                 time_s=time.time(),
+                windows=windows,
             )
 
     def reset(self) -> None:
@@ -179,4 +209,5 @@ class TelemetryCollector:
             self._m[:] = np.nan
             self._last[:] = np.nan
             self._n[:] = 0
+            self._pending = []
             self.dropped = 0

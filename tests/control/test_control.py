@@ -16,6 +16,7 @@ from jaxccl.topology import rail
 
 TOPO = rail(hosts=2, gpus_per_host=4)
 NIC = (0, "tor:s0r0")
+HEALTHY = 6  # steps before a fault: the change detector learns every entry's noise from its first 5 samples
 
 
 @pytest.fixture(scope="module")
@@ -78,12 +79,13 @@ def _drive(comm, ctl, f, ref, steps, *, on_step=None, seed=0):
             ctl.step()
 
 
-def test_persistent_degradation_on_the_cut_is_resynthesized_and_swapped(ag):
+@pytest.mark.parametrize("detector", ["cusum", "ewma"])
+def test_persistent_degradation_on_the_cut_is_resynthesized_and_swapped(ag, detector):
     comm, f, ref = _setup()
     comm.install("all_gather", ag)
-    ctl = Controller(comm, gamma=0.15)
+    ctl = Controller(comm, gamma=0.15, detector=detector)
     failed = TOPO.degrade(*NIC, gbps=200)
-    _drive(comm, ctl, f, ref, 4)
+    _drive(comm, ctl, f, ref, HEALTHY)
     assert not [e for e in ctl.events if e.kind == "detected"]
     _drive(comm, ctl, f, ref, 10, on_step=lambda k: k == 0 and comm.inject(failed), seed=100)
     kinds = [e.kind for e in ctl.events]
@@ -94,13 +96,15 @@ def test_persistent_degradation_on_the_cut_is_resynthesized_and_swapped(ag):
     comm.schedule("all_gather").validate()
 
 
-def test_one_persistent_failure_gives_one_resynthesis_for_the_settled_capacity(ag):
+@pytest.mark.parametrize("detector", ["cusum", "ewma"])
+def test_one_persistent_failure_gives_one_resynthesis_for_the_settled_capacity(ag, detector):
     """The EWMA falls towards the new capacity over several samples; acting on it half-way would synthesize
-    for a capacity the link does not have and swap again at every later sample (one failure, several swaps)."""
+    for a capacity the link does not have and swap again at every later sample (one failure, several swaps).
+    The change-point test estimates the new rate from the samples after the change instead."""
     comm, f, ref = _setup()
     comm.install("all_gather", ag)
-    ctl = Controller(comm, gamma=0.15)
-    _drive(comm, ctl, f, ref, 3)
+    ctl = Controller(comm, gamma=0.15, detector=detector)
+    _drive(comm, ctl, f, ref, HEALTHY)
     _drive(comm, ctl, f, ref, 20, on_step=lambda k: k == 0 and comm.inject(TOPO.degrade(*NIC, gbps=200)), seed=50)
     kinds = [e.kind for e in ctl.events]
     assert kinds.count("detected") == kinds.count("confirmed") == kinds.count("synthesized") == 1, kinds
@@ -116,10 +120,12 @@ def test_one_persistent_failure_gives_one_resynthesis_for_the_settled_capacity(a
     assert staged.detail["predicted_algbw"] > staged.detail["stale_algbw"]
 
 
-def test_a_resynthesis_below_the_minimum_gain_is_rejected(ag):
+@pytest.mark.parametrize("detector", ["cusum", "ewma"])
+def test_a_resynthesis_below_the_minimum_gain_is_rejected(ag, detector):
     comm, f, ref = _setup()
     comm.install("all_gather", ag)
-    ctl = Controller(comm, gamma=0.15, min_gain=5.0)  # asks for 6x the stale schedule's algbw
+    ctl = Controller(comm, gamma=0.15, min_gain=5.0, detector=detector)  # asks for 6x the stale schedule's algbw
+    _drive(comm, ctl, f, ref, HEALTHY)
     _drive(comm, ctl, f, ref, 12, on_step=lambda k: k == 0 and comm.inject(TOPO.degrade(*NIC, gbps=200)), seed=70)
     rejected = [e for e in ctl.events if e.kind == "rejected"]
     assert rejected and "min_gain" in rejected[0].detail["reason"], [e.kind for e in ctl.events]
@@ -131,7 +137,7 @@ def test_a_resynthesis_below_the_minimum_gain_is_rejected(ag):
 def test_no_resynthesis_for_a_burst_shorter_than_the_ewma_window(ag):
     comm, f, ref = _setup(alpha=0.2)
     comm.install("all_gather", ag)
-    ctl = Controller(comm, gamma=0.15)
+    ctl = Controller(comm, gamma=0.15, detector="ewma")
     failed = TOPO.degrade(*NIC, gbps=200)
 
     def burst(k):
@@ -145,21 +151,24 @@ def test_no_resynthesis_for_a_burst_shorter_than_the_ewma_window(ag):
     assert comm.schedule("all_gather") is ag
 
 
-def test_no_resynthesis_when_the_degraded_link_is_off_the_cut(ag):
+@pytest.mark.parametrize("detector", ["cusum", "ewma"])
+def test_no_resynthesis_when_the_degraded_link_is_off_the_cut(ag, detector):
     comm, f, ref = _setup()
     comm.install("all_gather", ag)
-    ctl = Controller(comm, gamma=0.15)
-    _drive(comm, ctl, f, ref, 8, on_step=lambda k: k == 1 and comm.inject(TOPO.degrade(0, "nvs:h0", gbps=2850)))
+    ctl = Controller(comm, gamma=0.15, detector=detector)
+    off_cut = TOPO.degrade(0, "nvs:h0", gbps=2850)
+    _drive(comm, ctl, f, ref, HEALTHY + 6, on_step=lambda k: k == HEALTHY and comm.inject(off_cut))
     assert not [e for e in ctl.events if e.kind in ("synthesized", "staged")]
 
 
-def test_no_resynthesis_when_the_whole_cut_is_scaled_uniformly(ag):
+@pytest.mark.parametrize("detector", ["cusum", "ewma"])
+def test_no_resynthesis_when_the_whole_cut_is_scaled_uniformly(ag, detector):
     comm, f, ref = _setup()
     comm.install("all_gather", ag)
-    ctl = Controller(comm, gamma=0.15)
+    ctl = Controller(comm, gamma=0.15, detector=detector)
     cut = profile(ag, TOPO).cut
     slower = TOPO.with_edges({e: {"capacity": 0.5 * TOPO.capacity(*e)} for e in cut})
-    _drive(comm, ctl, f, ref, 8, on_step=lambda k: k == 1 and comm.inject(slower))
+    _drive(comm, ctl, f, ref, HEALTHY + 6, on_step=lambda k: k == HEALTHY and comm.inject(slower))
     assert not [e for e in ctl.events if e.kind in ("synthesized", "staged")]
     assert comm.telemetry().matrix[0, 4] < 0.6 * TOPO.capacity(*NIC)  # the slowdown was seen, and ignored
 
@@ -173,8 +182,9 @@ def test_a_controller_exception_never_breaks_the_training_step(ag):
 
     ctl = Controller(comm, gamma=0.15, synthesizers={"all_gather": broken}, interval_s=0.005)
     with ctl, comm:  # the background thread keeps failing while training runs
-        comm.inject(TOPO.degrade(*NIC, gbps=200))
-        for k in range(10):
+        for k in range(HEALTHY + 10):
+            if k == HEALTHY:
+                comm.inject(TOPO.degrade(*NIC, gbps=200))
             x = _x(k)
             np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(ref(x)))
     errors = ctl.errors
@@ -193,6 +203,12 @@ def test_controller_bad_input():
         Controller(comm, gamma=-1)
     with pytest.raises(ValueError, match="min_gain"):
         Controller(comm, min_gain=-0.1)
+    with pytest.raises(ValueError, match="detector"):
+        Controller(comm, detector="page")
+    with pytest.raises(ValueError, match="hold"):
+        Controller(comm, hold=-1)
+    with pytest.raises(ValueError, match="false_alarm_rate"):
+        Controller(comm, false_alarm_rate=0.0)
 
 
 # ------------------------------------------------------------------ hot-swap property

@@ -19,6 +19,8 @@ NIC = (0, "tor:s0r0")
 FAILED = TOPO.degrade(*NIC, gbps=200)
 SHARD = 1 << 15  # parameter elements per rank: messages large enough to be measured
 
+HEALTHY = 6  # steps before a fault: the change detector learns every entry's noise from its first 5 samples
+
 
 # ------------------------------------------------------------------ the rank-ordered ReduceScatter (pure)
 @pytest.mark.parametrize(
@@ -149,7 +151,7 @@ def test_degraded_nic_resynthesizes_and_swaps_reduce_scatter_and_all_gather():
     comm.install("all_gather", stale_ag)
     comm.install("reduce_scatter", stale_rs)
     ctl = Controller(comm, collectives=("all_reduce",), gamma=0.15)  # psum = ReduceScatter + AllGather: both halves
-    _drive(comm, ctl, 4)
+    _drive(comm, ctl, HEALTHY)
     assert not [e for e in ctl.events if e.kind == "detected"]
     _drive(comm, ctl, 14, inject_at=0, seed=100)
     for coll in ("reduce_scatter", "all_gather"):
@@ -174,7 +176,7 @@ def test_a_reduction_that_changes_the_sum_order_is_never_staged():
         return jaxccl.synth.reduce_scatter(topo)
 
     ctl = Controller(comm, collectives=("reduce_scatter",), gamma=0.15, synthesizers={"reduce_scatter": tree})
-    _drive(comm, ctl, 12, inject_at=1)
+    _drive(comm, ctl, HEALTHY + 11, inject_at=HEALTHY)
     kinds = _kinds(ctl, "reduce_scatter")
     assert "synthesized" in kinds and "rejected" in kinds and "staged" not in kinds, kinds
     rejected = next(e for e in ctl.events if e.kind == "rejected")
@@ -188,7 +190,7 @@ def test_tree_order_sums_are_staged_on_request_and_exact_for_integers():
     tree = jaxccl.synth.reduce_scatter(TOPO)
     comm.install("reduce_scatter", tree)
     ctl = Controller(comm, collectives=("psum_scatter",), gamma=0.15, exact_reductions=False)
-    _drive(comm, ctl, 12, inject_at=1, dtype=np.int32)
+    _drive(comm, ctl, HEALTHY + 11, inject_at=HEALTHY, dtype=np.int32)
     assert "activated" in _kinds(ctl, "reduce_scatter"), _kinds(ctl, "reduce_scatter")
     new = comm.schedule("reduce_scatter")
     assert new is not tree and "trees" in new.info and not new.info["ordered_reduction"]
@@ -235,8 +237,8 @@ def test_step_driven_controller_swaps_between_steps():
     comm.install("reduce_scatter", ordered_reduce_scatter(TOPO))
     ctl = Controller(comm, collectives=("all_reduce",), gamma=0.15)
     step, ref = _train_step(ctl), jax.jit(_fsdp_body(jax.lax))
-    steps = 18
-    _drive(comm, None, steps, inject_at=2, pair=(step, ref))  # no ctl.step() and no thread: the step drives it
+    steps = HEALTHY + 16
+    _drive(comm, None, steps, inject_at=HEALTHY, pair=(step, ref))  # no ctl.step() and no thread: the step drives it
     jax.effects_barrier()
     assert len(ctl.step_times.ns) == steps  # one callback per step
     for coll in ("reduce_scatter", "all_gather"):
@@ -254,7 +256,7 @@ def test_step_driven_controller_failures_never_reach_the_step():
 
     ctl = Controller(comm, collectives=("reduce_scatter",), gamma=0.15, synthesizers={"reduce_scatter": broken})
     step, ref = _train_step(ctl), jax.jit(_fsdp_body(jax.lax))
-    _drive(comm, None, 10, inject_at=1, pair=(step, ref))
+    _drive(comm, None, HEALTHY + 9, inject_at=HEALTHY, pair=(step, ref))
     jax.effects_barrier()
     assert ctl.errors and "synthesizer exploded" in ctl.errors[0].detail["error"]
     assert comm.schedule("reduce_scatter") is running

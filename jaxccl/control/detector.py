@@ -1,0 +1,298 @@
+"""A change-point test on the raw measurement windows: decide on the samples, not on a settled EWMA.
+
+Every entry of the link matrix (a GPU pair across hosts, or a GPU's intra-node injection) gets a
+noise model learned from its first ``warmup`` samples: the median ``mu`` and a robust spread
+``sigma`` (1.4826 x the median absolute deviation, at least ``sigma_floor``) of its log rates.
+From then on every sample ``x`` is standardized, ``z = (log x - mu) / sigma``, and fed to two
+one-sided CUSUM statistics (Page's test; a downward one for degradations, an upward one for
+recoveries)::
+
+    S_down <- max(0, S_down - z - k)      S_up <- max(0, S_up + z - k)
+
+with the reference value ``k`` half the smallest shift worth detecting (``min_shift``, as a
+fraction of the rate, in units of ``sigma``). A statistic above ``h`` is a decided change. ``h``
+follows from the false-alarm parameter: :func:`cusum_threshold` solves Siegmund's approximation of
+the in-control average run length for ``ARL0 = 1 / false_alarm_rate`` samples, so
+``false_alarm_rate`` is the expected number of false decisions per sample and entry and
+direction under the learned (Gaussian) noise.
+
+On a decision the change point is where the statistic last left 0, and the entry's new level is
+the median of the samples since then (a robust estimate of the degraded, or recovered, rate).
+The entry then re-learns its centre from the next samples (its ``sigma`` stays the healthy one),
+so a level measured on one sample is refined by the following ones. A large shift decides on one
+sample: at ``sigma = 2 %`` and ``false_alarm_rate = 1e-6`` a single window 10 % below the learned
+rate is enough, which is what lets the controller act at the step after the first degraded one.
+
+:meth:`ChangeDetector.suspects` lists entries whose statistic is past ``suspect`` x ``h`` but
+not decided yet, with their provisional level: the controller synthesizes for them speculatively.
+
+Example:
+    >>> import numpy as np
+    >>> det = ChangeDetector(warmup=4)
+    >>> def windows(rate):
+    ...     w = np.zeros(1, WINDOW_DTYPE); w["src"], w["dst"], w["rate"], w["count"] = 0, 4, rate, 1
+    ...     return w
+    >>> [det.update(windows(r), now_ns=t) for t, r in enumerate([50e9, 50.2e9, 49.9e9, 50e9, 50.1e9])]
+    [[], [], [], [], []]
+    >>> [(c.entry, round(c.after / 1e9, 1), c.samples) for c in det.update(windows(25e9), now_ns=9)]
+    [((0, 4), 25.0, 1)]
+    >>> round(det.level((0, 4)) / 1e9, 1)
+    25.0
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+from collections.abc import Iterable
+
+import numpy as np
+from scipy.optimize import brentq
+
+from jaxccl.errors import ArgumentError
+from jaxccl.telemetry.matrix import WINDOW_DTYPE
+
+__all__ = ["Change", "ChangeDetector", "cusum_threshold"]
+
+Entry = tuple[int, int]
+NOISE_SAMPLES = 64  # the noise model's spread is re-estimated from an entry's last 64 in-control residuals
+SPREAD_UNCERTAINTY = 2.0  # the learned spread is inflated by 1 + 2 / sqrt(samples) (x1.9 at 5, x1.25 at 64)
+LEARNING_LEVEL_SAMPLES = 3  # an entry's level while it learns its noise model: the median of its last 3 samples
+
+
+def cusum_threshold(false_alarm_rate: float, k: float) -> float:
+    """The CUSUM threshold ``h`` whose in-control average run length is ``1 / false_alarm_rate`` samples.
+
+    Siegmund's approximation for a unit-variance Gaussian, reference value ``k > 0``:
+    ``ARL0 = (exp(2 k b) - 2 k b - 1) / (2 k^2)`` with ``b = h + 1.166``.
+
+    >>> round(cusum_threshold(1e-6, 0.5), 2)
+    11.96
+    >>> cusum_threshold(1e-6, 4.0) < 2
+    True
+    """
+    if not 0 < false_alarm_rate < 1:
+        raise ArgumentError(f"cusum_threshold: false_alarm_rate must be in (0, 1), got {false_alarm_rate}")
+    if k <= 0:
+        raise ArgumentError(f"cusum_threshold: k must be > 0, got {k}")
+    arl0 = 1.0 / false_alarm_rate
+
+    def excess(h: float) -> float:
+        a = 2 * k * (h + 1.166)
+        return (math.expm1(a) - a) / (2 * k * k) - arl0
+
+    if excess(0.0) >= 0:
+        return 0.0
+    hi = 1.0
+    while excess(hi) < 0:
+        hi *= 2
+    return float(brentq(excess, 0.0, hi, xtol=1e-6))
+
+
+@dataclasses.dataclass(frozen=True)
+class Change:
+    """A decided change of one entry's rate.
+
+    Attributes:
+        entry: ``(src, dst)`` of the link matrix (``src == dst``: intra-node injection).
+        before: the level before the change (bytes/s).
+        after: the median of the samples since the change point (bytes/s).
+        samples: how many samples that median is of.
+        change_ns: ``now_ns`` of the update that brought the first sample after the change point.
+        decided_ns: ``now_ns`` of the update that decided.
+    """
+
+    entry: Entry
+    before: float
+    after: float
+    samples: int
+    change_ns: int
+    decided_ns: int
+
+    @property
+    def ratio(self) -> float:
+        return self.after / self.before
+
+
+@dataclasses.dataclass
+class _EntryState:
+    log_samples: list[float] = dataclasses.field(default_factory=list)  # learning: since start / last change
+    mu: float = math.nan
+    sigma: float = math.nan
+    residuals: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=NOISE_SAMPLES))
+    down: float = 0.0
+    up: float = 0.0
+    run_down: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (log x, now_ns) since S left 0
+    run_up: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+
+
+class ChangeDetector:
+    """Per-entry two-sided CUSUM on log window rates with a learned noise model; see the module.
+
+    Args:
+        false_alarm_rate: expected false decisions per sample, entry and direction (``1 / ARL0``).
+        min_shift: the smallest relative change of a rate worth detecting fast (sets ``k``).
+        warmup: samples an entry learns its noise model from before it is tested.
+        sigma_floor: the smallest spread of log rates assumed (emulated links can be exact).
+        suspect: fraction of ``h`` past which an undecided statistic makes the entry a suspect.
+
+    Raises:
+        ArgumentError: a parameter is out of range.
+    """
+
+    def __init__(
+        self,
+        *,
+        false_alarm_rate: float = 1e-6,
+        min_shift: float = 0.15,
+        warmup: int = 5,
+        sigma_floor: float = 0.02,
+        suspect: float = 0.5,
+    ):
+        if not 0 < false_alarm_rate < 1:
+            raise ArgumentError(f"ChangeDetector: false_alarm_rate must be in (0, 1), got {false_alarm_rate}")
+        if not 0 < min_shift < 1:
+            raise ArgumentError(f"ChangeDetector: min_shift must be in (0, 1), got {min_shift}")
+        if not isinstance(warmup, int) or warmup < 2:
+            raise ArgumentError(f"ChangeDetector: warmup must be an integer >= 2, got {warmup!r}")
+        if not sigma_floor > 0 or not 0 < suspect < 1:
+            raise ArgumentError(
+                f"ChangeDetector: need sigma_floor > 0 and 0 < suspect < 1, got {sigma_floor}, {suspect}"
+            )
+        self.false_alarm_rate = float(false_alarm_rate)
+        self.min_shift = float(min_shift)
+        self.warmup = warmup
+        self.sigma_floor = float(sigma_floor)
+        self.suspect = float(suspect)
+        self._shift = -math.log1p(-self.min_shift)  # in log units
+        self._entries: dict[Entry, _EntryState] = {}
+        self._thresholds: dict[float, float] = {}
+
+    # ------------------------------------------------------------------ the model
+    def _k_h(self, sigma: float) -> tuple[float, float]:
+        k = self._shift / sigma / 2
+        key = round(k, 6)
+        if key not in self._thresholds:
+            self._thresholds[key] = cusum_threshold(self.false_alarm_rate, k)
+        return k, self._thresholds[key]
+
+    def threshold(self, entry: Entry) -> float:
+        """``h`` of ``entry`` (NaN while it learns its noise model)."""
+        st = self._entries.get(entry)
+        return math.nan if st is None or math.isnan(st.sigma) else self._k_h(st.sigma)[1]
+
+    def sigma(self, entry: Entry) -> float:
+        """The learned spread of ``entry``'s log rates (NaN while it learns)."""
+        st = self._entries.get(entry)
+        return math.nan if st is None else st.sigma
+
+    def level(self, entry: Entry) -> float | None:
+        """The entry's current rate estimate (bytes/s): its learned or re-learned centre; None if unseen."""
+        st = self._entries.get(entry)
+        if st is None or (math.isnan(st.mu) and not st.log_samples):
+            return None
+        if math.isnan(st.sigma):  # still learning: the latest samples, so a change meanwhile shows at once
+            return math.exp(float(np.median(st.log_samples[-LEARNING_LEVEL_SAMPLES:])))
+        return math.exp(st.mu if not math.isnan(st.mu) else float(np.median(st.log_samples)))
+
+    def levels(self) -> dict[Entry, float]:
+        """Every seen entry's current rate estimate (bytes/s)."""
+        out = {}
+        for e in self._entries:
+            v = self.level(e)
+            if v is not None:
+                out[e] = v
+        return out
+
+    def suspects(self) -> dict[Entry, float]:
+        """Entries past ``suspect`` x ``h`` but undecided, with the median of their samples since the change point."""
+        out = {}
+        for e, st in self._entries.items():
+            if math.isnan(st.sigma):
+                continue
+            h = self._k_h(st.sigma)[1]
+            for stat, run in ((st.down, st.run_down), (st.up, st.run_up)):
+                if run and stat > self.suspect * h:
+                    out[e] = math.exp(float(np.median([x for x, _ in run])))
+        return out
+
+    # ------------------------------------------------------------------ samples
+    def update(self, windows: np.ndarray, *, now_ns: int) -> list[Change]:
+        """Feeds raw samples (``WINDOW_DTYPE`` rows: :attr:`jaxccl.telemetry.Telemetry.windows`); returns decisions.
+
+        Samples of one entry are taken in order; non-positive or non-finite rates are ignored.
+        """
+        if windows.dtype != WINDOW_DTYPE:
+            raise ArgumentError(f"ChangeDetector.update: need WINDOW_DTYPE rows, got dtype {windows.dtype}")
+        changes = []
+        for src, dst, rate in zip(windows["src"].tolist(), windows["dst"].tolist(), windows["rate"].tolist()):
+            if not (rate > 0 and math.isfinite(rate)):
+                continue
+            change = self._sample((int(src), int(dst)), math.log(rate), int(now_ns))
+            if change is not None:
+                changes.append(change)
+        return changes
+
+    def _sample(self, entry: Entry, y: float, now_ns: int) -> Change | None:
+        st = self._entries.setdefault(entry, _EntryState())
+        if math.isnan(st.sigma):  # learning the noise model
+            st.log_samples.append(y)
+            if len(st.log_samples) >= self.warmup:
+                st.mu = float(np.median(st.log_samples))
+                st.residuals.extend(y - st.mu for y in st.log_samples)
+                st.sigma = self._spread(st.residuals)
+                st.log_samples = []
+            return None
+        if len(st.log_samples) < self.warmup and (st.log_samples or math.isnan(st.mu)):
+            st.log_samples.append(y)  # re-learning the centre after a change or a rebase
+            st.mu = float(np.median(st.log_samples))
+            if math.isnan(st.mu) or len(st.log_samples) == 1:
+                return None
+        st.residuals.append(y - st.mu)
+        if len(st.residuals) % 8 == 0:
+            st.sigma = self._spread(st.residuals)
+        k, h = self._k_h(st.sigma)
+        z = (y - st.mu) / st.sigma
+        st.down = max(0.0, st.down - z - k)
+        st.up = max(0.0, st.up + z - k)
+        st.run_down = [*st.run_down, (y, now_ns)] if st.down > 0 else []
+        st.run_up = [*st.run_up, (y, now_ns)] if st.up > 0 else []
+        for stat, run in ((st.down, st.run_down), (st.up, st.run_up)):
+            if stat > h:
+                return self._decide(entry, st, run, now_ns)
+        return None
+
+    def _spread(self, residuals: Iterable[float]) -> float:
+        """The spread of log rates: the largest of 1.4826 x MAD, IQR / 1.349 and the 5-95 % range / 3.29 (each is
+        sigma for Gaussian noise; the last ones also see multimodal noise, e.g. an intra-node injection rate that
+        depends on how many channels happened to be active), floored."""
+        a = np.asarray(list(residuals))
+        q5, q25, q50, q75, q95 = np.quantile(a, (0.05, 0.25, 0.5, 0.75, 0.95))
+        mad = 1.4826 * float(np.median(np.abs(a - q50)))
+        spread = max(mad, float(q75 - q25) / 1.349, float(q95 - q5) / 3.29)
+        # an upper confidence bound: a spread from few samples is often far too small (2x at 5 samples)
+        return max(spread * (1 + SPREAD_UNCERTAINTY / math.sqrt(a.size)), self.sigma_floor)
+
+    def _decide(self, entry: Entry, st: _EntryState, run: list[tuple[float, int]], now_ns: int) -> Change:
+        before = math.exp(st.mu)
+        after = [x for x, _ in run]
+        for _ in range(min(len(run), len(st.residuals))):  # the run belongs to the new level, not to the noise
+            st.residuals.pop()
+        st.log_samples = list(after)
+        st.mu = float(np.median(after))
+        st.down = st.up = 0.0
+        st.run_down, st.run_up = [], []
+        return Change(entry, before, math.exp(st.mu), len(after), run[0][1], now_ns)
+
+    def rebase(self, entries: Iterable[Entry] | None = None) -> None:
+        """Forgets the centre of ``entries`` (all when None), keeping their spread: they re-learn it from
+        their next samples (after a schedule swap, which changes what every pair carries)."""
+        for e in list(self._entries) if entries is None else entries:
+            st = self._entries.get(e)
+            if st is None or math.isnan(st.sigma):
+                continue
+            st.mu = math.nan
+            st.log_samples = []
+            st.down = st.up = 0.0
+            st.run_down, st.run_up = [], []

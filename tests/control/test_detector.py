@@ -1,0 +1,105 @@
+"""The change-point test on recorded measurement windows (tests/data/windows) and on synthetic noise.
+
+The traces are the raw windows of the demo's AllGather (rail 2 x 4, emulated links): one with GPU 0's
+NIC halved at step 14 (time scale 1e-4), one healthy at time scale 1e-2, whose windows are short: the
+intra-node injection rates there swing by 3x between steps (how many channels were active), the noise
+that made the EWMA controller wait for confirmation.
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxccl.control.detector import ChangeDetector, cusum_threshold
+from jaxccl.errors import ArgumentError
+from jaxccl.telemetry.matrix import WINDOW_DTYPE
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "windows"
+
+
+def _steps(name):
+    """The trace's windows grouped by step, in order: ``[(step, WINDOW_DTYPE rows)]``."""
+    rows = json.loads((DATA / name).read_text())["rows"]
+    by_step: dict[int, list] = {}
+    for step, src, dst, rate in rows:
+        by_step.setdefault(step, []).append((src, dst, rate, 1))
+    return [(s, np.array(w, dtype=WINDOW_DTYPE)) for s, w in sorted(by_step.items())]
+
+
+def _replay(name, **options):
+    det = ChangeDetector(**options)
+    return det, [(s, c) for s, w in _steps(name) for c in det.update(w, now_ns=s)]
+
+
+def test_a_halved_nic_is_decided_on_its_first_degraded_window():
+    det, changes = _replay("demo_nic_halved.json")
+    inter = [(s, c) for s, c in changes if c.entry[0] != c.entry[1]]
+    assert sorted(c.entry for _, c in inter) == [(0, 4), (4, 0)], inter  # GPU 0's pairs across its NIC, only
+    assert all(s == 14 and c.samples == 1 and c.change_ns == 14 for s, c in inter)
+    assert all(c.ratio == pytest.approx(0.5, rel=0.02) for _, c in inter)  # the degraded rate, estimated
+    assert det.level((0, 4)) == pytest.approx(0.5 * det.level((1, 5)), rel=0.02)
+
+
+def test_short_noisy_windows_give_no_decision_across_hosts():
+    det, changes = _replay("demo_healthy_short_windows.json")
+    assert not [c for _, c in changes if c.entry[0] != c.entry[1]]
+    intra = [c for _, c in changes]
+    assert len(intra) <= 4, intra  # multimodal injection rates: rare, and never on a pair across hosts
+    assert det.sigma((0, 0)) > 10 * det.sigma((0, 4))  # the noise model learned the difference
+
+
+@pytest.mark.parametrize("rate", [1e-3, 1e-6])
+def test_false_decisions_on_gaussian_noise_stay_near_the_stated_rate(rate):
+    rng = np.random.default_rng(0)
+    entries, samples = 40, 500
+    det = ChangeDetector(false_alarm_rate=rate, min_shift=0.15, sigma_floor=1e-3)
+    decided = 0
+    for t in range(samples):
+        w = np.zeros(entries, WINDOW_DTYPE)
+        w["src"], w["dst"], w["count"] = np.arange(entries), np.arange(entries) + 1, 1
+        w["rate"] = 1e9 * np.exp(0.05 * rng.standard_normal(entries))
+        decided += len(det.update(w, now_ns=t))
+    tests = entries * (samples - det.warmup) * 2  # two one-sided tests per entry
+    assert decided <= max(3.0, 5 * rate * tests), decided
+
+
+def test_a_small_shift_is_found_by_accumulation_and_its_level_estimated():
+    rng = np.random.default_rng(1)
+    det = ChangeDetector(false_alarm_rate=1e-6)
+    found = []
+    for t in range(200):
+        w = np.zeros(1, WINDOW_DTYPE)
+        w["src"], w["dst"], w["count"] = 0, 4, 1
+        w["rate"] = 1e9 * (0.8 if t >= 100 else 1.0) * np.exp(0.05 * rng.standard_normal())
+        found += det.update(w, now_ns=t)
+    assert len(found) == 1, found
+    c = found[0]
+    assert 100 <= c.decided_ns <= 110 and 95 <= c.change_ns <= c.decided_ns
+    assert c.ratio == pytest.approx(0.8, rel=0.05)
+
+
+def test_a_rebase_relearns_the_centre_and_keeps_the_spread():
+    det = ChangeDetector(warmup=3)
+    w = np.zeros(1, WINDOW_DTYPE)
+    w["src"], w["dst"], w["count"] = 1, 5, 1
+    for t, r in enumerate([1.0, 1.01, 0.99, 1.0]):
+        w["rate"] = r
+        assert det.update(w, now_ns=t) == []
+    sigma = det.sigma((1, 5))
+    det.rebase()
+    w["rate"] = 0.5  # the new schedule's first sample sets the centre: no decision
+    assert det.update(w, now_ns=9) == [] and det.level((1, 5)) == pytest.approx(0.5)
+    assert det.sigma((1, 5)) == sigma
+
+
+def test_bad_parameters_are_named_errors():
+    with pytest.raises(ArgumentError, match="false_alarm_rate"):
+        ChangeDetector(false_alarm_rate=1.5)
+    with pytest.raises(ArgumentError, match="warmup"):
+        ChangeDetector(warmup=1)
+    with pytest.raises(ArgumentError, match="k must"):
+        cusum_threshold(1e-3, 0.0)
+    with pytest.raises(ArgumentError, match="WINDOW_DTYPE"):
+        ChangeDetector().update(np.zeros(3), now_ns=0)
