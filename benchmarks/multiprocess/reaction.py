@@ -4,7 +4,7 @@ Each run is one ``jaxccl demo --network netns`` job (:func:`jaxccl.demos.network
 in this process; it starts the 8 JAX processes in a fresh rail lab of 2 hosts x 4 ranks, one
 ``tc``-shaped NIC per rank, and removes the lab afterwards). Every run draws, from ``--seed``:
 
-- the fault step, in ``[4, 8]`` (``--steps`` leaves at least 8 steps after the latest one),
+- the fault step, in ``[6, 10]`` (``--steps`` leaves at least 8 steps after the latest one),
 - the cut NICs: one rank's, or two ranks' on different hosts (never rank 0's: it carries the
   job's coordinator),
 - the depth, uniform in ``[0.3, 0.7]``: the cut NICs keep that fraction of their rate
@@ -60,7 +60,9 @@ PHASES = (
     "staged_after_change_ms",
     "total_ms",
 )
-FAIL_STEPS = (4, 8)  # the fault step's range, both ends included
+# The fault step's range, both ends included: at least 6 healthy steps, one more than the change-point
+# detector's warm-up (Controller(warmup=5)), which learns each link's noise from one sample per step here.
+FAIL_STEPS = (6, 10)
 STEPS_AFTER_FAULT = 8  # steps after the latest fault step: room to react and to see the new schedule run
 DEPTHS = (0.3, 0.7)
 
@@ -78,7 +80,7 @@ def draw(rng: random.Random) -> Draw:
     """One seeded fault: a step in ``FAIL_STEPS``, one NIC or two on different hosts (never rank 0's), a depth.
 
     >>> draws = [draw(random.Random(seed)) for seed in range(20)]
-    >>> all(4 <= d.fail_step <= 8 and 0 not in d.cut_ranks and 0.3 <= d.depth <= 0.7 for d in draws)
+    >>> all(6 <= d.fail_step <= 10 and 0 not in d.cut_ranks and 0.3 <= d.depth <= 0.7 for d in draws)
     True
     >>> all(len({r // RANKS_PER_HOST for r in d.cut_ranks}) == len(d.cut_ranks) for d in draws)  # different hosts
     True
