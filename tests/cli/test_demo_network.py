@@ -4,8 +4,9 @@ The loopback run needs jaxccl's transport (the ``multiprocess`` extra, built); t
 also needs root and ``ip netns``. Each starts its own multi-process job through the CLI and
 checks the JSON it writes: the single-process demo's keys plus ``processes`` and ``per_process``,
 the loss curve bitwise equal to ``jax.lax`` in every process, and on netns a live ``tc`` cut of one
-rank's NIC detected by the loop across processes, routed around and hot-swapped in every process at
-the same step, with nothing of the lab left behind. The recovery ratio is measured (the JSON's
+rank's NIC detected by the loop across processes (its change-point test), routed around and
+hot-swapped in every process at the same step, at most 2 steps after the cut one, with nothing of the
+lab left behind. The recovery ratio is measured (the JSON's
 ``recovery_ratio``), not asserted: speed belongs to benchmarks.
 """
 
@@ -192,7 +193,13 @@ def test_netns_demo_detects_the_cut_and_swaps(tmp_path):
     _check_common(r, 8)
     assert r["detections"] >= 1 and r["swaps"] >= 1 and r["swap_step"] > r["fail_step"]
     confirmed = [e for e in r["events"] if e["kind"] == "confirmed" and e["time_ns"] > r["cut_ns"]]
-    assert confirmed and r["failed_link"] in confirmed[0]["detail"]["degraded"]  # the loop blamed the cut NIC
+    assert confirmed, r["events"]
+    u, v = r["failed_link"].split("->")
+    blamed = confirmed[0]["detail"]["degraded"]
+    assert {f"{u}->{v}", f"{v}->{u}"} & set(blamed), blamed  # the loop blamed the cut NIC (either direction)
+    # The change-point test decides on the samples after the cut: the new schedule runs within 2 steps of the first
+    # degraded one (the issue's goal across processes; one sample per link and step reaches the controller here).
+    assert r["detector"] == "cusum" and r["steps_to_active"] <= 2, (r["steps_to_active"], r["events"])
     assert len({tuple(p["versions"]) for p in r["per_process"]}) == 1  # every process swapped at the same step
     assert r["ab_stale"] and r["ab_recovered"]
     assert png.stat().st_size > 10_000
