@@ -108,7 +108,7 @@ def demo_config(d: Draw, detector: str, steps: int, nic_rate_mbit: float, job_ti
         steps=steps,
         fail_step=d.fail_step,
         cut_ranks=d.cut_ranks,
-        cut_rate_mbit=d.depth * nic_rate_mbit,
+        cut_rate_mbit=round(d.depth * nic_rate_mbit, 3),
         nic_rate_mbit=nic_rate_mbit,
         detector=detector,
         job_timeout_s=job_timeout_s,
