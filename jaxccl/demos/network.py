@@ -10,9 +10,10 @@ process swapping at one agreed call).
 With ``network="netns"`` (root) the job runs in a
 :class:`~jaxccl.labs.rail.RailLab`: every rank is a process with its own NIC
 (a veth shaped with ``tc`` to ``nic_rate_mbit``), the ranks of a host share its namespace and
-reach each other over its loopback. At ``fail_step`` the launcher cuts rank 1's NIC to
-``cut_rate_mbit`` live (both directions); the loop detects it and routes the AllGather around it
-through the host's loopback. With ``network="loopback"`` (the transport only, no root) the
+reach each other over its loopback. At ``fail_step`` the launcher cuts the NICs of ``cut_ranks``
+(rank 1's by default) to ``cut_rate_mbit`` live (both directions); the loop (its change-point
+detector by default, ``detector="ewma"`` for the settled EWMA) detects it and routes the AllGather
+around it through the hosts' loopbacks. With ``network="loopback"`` (the transport only, no root) the
 processes share the machine's loopback: there is no NIC to cut, and the run checks the loss, the
 measurement and that nothing is detected on a healthy network.
 
@@ -46,9 +47,11 @@ from jaxccl.demos.closed_loop import DemoConfig, reaction_summary, write_outputs
 from jaxccl.demos.network_layout import (
     FAILED_RANK,
     DemoNetworkError,
+    check_cut_ranks,
     check_processes,
     default_processes,
-    failed_link,
+    describe_cut,
+    failed_links,
 )
 from jaxccl.demos.network_worker import CUT_DONE_FILE, CUT_REQUEST
 from jaxccl.distributed import transport  # the module: tests replace its unavailable_reason
@@ -71,8 +74,12 @@ class NetworkDemoConfig(DemoConfig):
     """The real-socket demo's knobs (the single-process demo's, plus the network and the processes).
 
     ``processes`` ``None`` picks 8 for ``netns`` (a process and a NIC per rank) and 2 for
-    ``loopback`` (a process per host). ``confirm`` is the controller's flagged samples before it
-    re-synthesizes; ``job_timeout_s`` the deadline of the whole job.
+    ``loopback`` (a process per host). ``detector`` (the single-process demo's) is the
+    controller's decision (``"cusum"``: the change-point test on the raw windows; ``"ewma"``:
+    ``confirm`` flagged samples and a settled EWMA); ``fail_link`` and ``depth`` are the
+    single-process demo's only. ``cut_ranks`` are the ranks whose NICs ``netns`` cuts at
+    ``fail_step`` (not rank 0, whose NIC carries the job's coordinator); ``job_timeout_s`` is the
+    deadline of the whole job.
     """
 
     steps: int = 16
@@ -83,6 +90,7 @@ class NetworkDemoConfig(DemoConfig):
     processes: int | None = None
     nic_rate_mbit: float = 200.0
     cut_rate_mbit: float = 40.0
+    cut_ranks: tuple[int, ...] = (FAILED_RANK,)
     confirm: int = 2
     job_timeout_s: float = 900.0
 
@@ -120,6 +128,7 @@ def check(cfg: NetworkDemoConfig) -> int:
         raise DemoNetworkError(f"jaxccl demo --network {cfg.network} cannot run here: {reason}")
     processes = cfg.resolved_processes()
     check_processes(cfg.network, processes)
+    check_cut_ranks(cfg.cut_ranks)
     if not 0 < cfg.cut_rate_mbit < cfg.nic_rate_mbit:
         raise DemoNetworkError(
             f"the cut rate {cfg.cut_rate_mbit:g} Mbit/s must be between 0 and the NIC's {cfg.nic_rate_mbit:g}"
@@ -145,8 +154,8 @@ def run(cfg: NetworkDemoConfig) -> dict[str, Any]:
     say(
         f"jaxccl demo --network {cfg.network}: 8 ranks (2 hosts x 4) in {processes} processes"
         + (
-            f", a {cfg.nic_rate_mbit:g} Mbit/s NIC each (network namespaces, tc); rank {FAILED_RANK}'s NIC cut to "
-            f"{cfg.cut_rate_mbit:g} Mbit/s at step {cfg.fail_step}"
+            f", a {cfg.nic_rate_mbit:g} Mbit/s NIC each (network namespaces, tc); {describe_cut(cfg.cut_ranks)} cut "
+            f"to {cfg.cut_rate_mbit:g} Mbit/s at step {cfg.fail_step}; detector {cfg.detector}"
             if cfg.network == "netns"
             else " on loopback (no NIC to cut: the run checks the loss and that nothing is detected)"
         )
@@ -156,16 +165,15 @@ def run(cfg: NetworkDemoConfig) -> dict[str, Any]:
         result = _assemble(cfg, processes, folder)
     result["lab_prefix"] = lab_prefix
     result["cut_ns"] = cut_ns
-    reaction_summary(result, print, failed=f"rank {FAILED_RANK}'s NIC", unit="MB/s")
+    reaction_summary(result, print, failed=describe_cut(cfg.cut_ranks), unit="MB/s")
     write_outputs(result, cfg)
     return result
 
 
 def _worker_config(cfg: NetworkDemoConfig, processes: int) -> str:
     keys = ("steps", "fail_step", "ab_runs", "network", "nic_rate_mbit", "lr", "batch", "quiet", "alpha", "gamma")
-    return json.dumps(
-        {**{k: getattr(cfg, k) for k in keys}, "confirm": cfg.confirm, "processes": processes, "sizes": SIZES}
-    )
+    keys += ("confirm", "detector", "cut_ranks")
+    return json.dumps({**{k: getattr(cfg, k) for k in keys}, "processes": processes, "sizes": SIZES})
 
 
 def _run_job(cfg: NetworkDemoConfig, processes: int, folder: str, say: Callable[..., None]) -> tuple[int, str | None]:
@@ -178,8 +186,10 @@ def _run_job(cfg: NetworkDemoConfig, processes: int, folder: str, say: Callable[
     if cfg.network == "netns":
         lab = RailLab(2, 4, LinkShape(rate_mbit=cfg.nic_rate_mbit))
 
-        def cut_nic() -> None:
-            lab.shape(FAILED_RANK, LinkShape(rate_mbit=cfg.cut_rate_mbit))
+        def cut_nic() -> str:
+            for rank in cfg.cut_ranks:
+                lab.shape(rank, LinkShape(rate_mbit=cfg.cut_rate_mbit))
+            return describe_cut(cfg.cut_ranks)
 
         with lab:
             results = lab.launch(
@@ -214,12 +224,15 @@ def _relay(
     proc: subprocess.Popen,
     deadline: float,
     folder: str,
-    cut_nic: Callable[[], None] | None,
+    cut_nic: Callable[[], str] | None,
     cut: dict[str, int],
     output: list[str],
     say: Callable[..., None],
 ) -> None:
-    """Prints process 0's lines as they come (until it ends or the deadline); cuts the NIC when asked."""
+    """Prints process 0's lines as they come (until it ends or the deadline); cuts the NICs when asked.
+
+    ``cut_nic`` cuts them and returns what it cut, in words.
+    """
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:
@@ -239,10 +252,10 @@ def _relay(
             return
         output.append(line)
         if line.startswith(CUT_REQUEST) and cut_nic is not None:
-            cut_nic()
+            what = cut_nic()
             cut["ns"] = time.monotonic_ns()
             _signal(Path(folder), CUT_DONE_FILE, str(cut["ns"]))
-            say(f"          launcher: tc cut rank {FAILED_RANK}'s NIC")
+            say(f"          launcher: tc cut {what}")
         elif not line.startswith("[Gloo]"):
             say(line.rstrip("\n"))
 
@@ -261,7 +274,7 @@ def _assemble(cfg: NetworkDemoConfig, processes: int, folder: str) -> dict[str, 
     for p in range(processes):
         with open(os.path.join(folder, f"process-{p}.json")) as f:
             per_process.append(json.load(f))
-    u, v = failed_link()
+    links = [f"{u}->{v}" for u, v in failed_links(cfg.cut_ranks)]
     result.update(
         {
             "loss_matches_reference": bool(all(p["loss_matches_reference"] for p in per_process)),
@@ -269,9 +282,10 @@ def _assemble(cfg: NetworkDemoConfig, processes: int, folder: str) -> dict[str, 
             "processes": processes,
             "network": cfg.network,
             "per_process": per_process,
-            "failed_link": f"{u}->{v}",
+            "failed_link": links[0],
+            "failed_links": links,
             "failure_label": (
-                f"tc: rank {FAILED_RANK}'s NIC {cfg.nic_rate_mbit:g} -> {cfg.cut_rate_mbit:g} Mbit/s"
+                f"tc: {describe_cut(cfg.cut_ranks)} {cfg.nic_rate_mbit:g} -> {cfg.cut_rate_mbit:g} Mbit/s"
                 if cfg.network == "netns"
                 else "no failure (loopback)"
             ),

@@ -24,7 +24,7 @@ from jaxccl.topology.presets import tor
 HOSTS = 2
 RANKS_PER_HOST = 4
 NUM_RANKS = HOSTS * RANKS_PER_HOST
-FAILED_RANK = 1  # its NIC is cut (rank 0's NIC carries the job's coordinator, as in the loop's drill)
+FAILED_RANK = 1  # its NIC is cut by default (rank 0's NIC carries the job's coordinator, as in the loop's drill)
 
 
 def default_processes(network: str) -> int:
@@ -70,10 +70,57 @@ def demo_topology(nic_rate_mbit: float):
     return rank_rail(HOSTS, RANKS_PER_HOST, LinkShape(rate_mbit=nic_rate_mbit))
 
 
-def failed_link() -> tuple[int, str]:
-    """The cut NIC as a Topology link (rank -> its rail's ToR).
+def failed_link(rank: int = FAILED_RANK) -> tuple[int, str]:
+    """``rank``'s NIC as a Topology link (rank -> its rail's ToR).
 
-    >>> failed_link()
-    (1, 'tor:s0r1')
+    >>> failed_link(), failed_link(6)
+    ((1, 'tor:s0r1'), (6, 'tor:s0r2'))
     """
-    return FAILED_RANK, tor(0, FAILED_RANK % RANKS_PER_HOST)
+    return rank, tor(0, rank % RANKS_PER_HOST)
+
+
+def failed_links(cut_ranks: tuple[int, ...]) -> tuple[tuple[int, str], ...]:
+    """The NICs of ``cut_ranks`` as Topology links, in their order.
+
+    >>> failed_links((1, 6))
+    ((1, 'tor:s0r1'), (6, 'tor:s0r2'))
+    """
+    return tuple(failed_link(r) for r in cut_ranks)
+
+
+def check_cut_ranks(cut_ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """The ranks whose NICs the netns demo cuts, checked: one or more, distinct, in range, never rank 0.
+
+    >>> check_cut_ranks([1, 6])
+    (1, 6)
+    >>> check_cut_ranks((0,))
+    Traceback (most recent call last):
+    ...
+    jaxccl.errors.DemoNetworkError: cut_ranks (0,): rank 0's NIC carries the job's coordinator; cut others (1..7)
+
+    Raises:
+        DemoNetworkError: the ranks are empty, repeated, out of range or include rank 0.
+    """
+    ranks = tuple(cut_ranks)
+    if not ranks or any(not isinstance(r, int) or isinstance(r, bool) for r in ranks):
+        raise DemoNetworkError(f"cut_ranks {ranks}: need one or more rank numbers (1..{NUM_RANKS - 1})")
+    if 0 in ranks:
+        raise DemoNetworkError(
+            f"cut_ranks {ranks}: rank 0's NIC carries the job's coordinator; cut others (1..{NUM_RANKS - 1})"
+        )
+    if not all(0 < r < NUM_RANKS for r in ranks):
+        raise DemoNetworkError(f"cut_ranks {ranks}: the demo has ranks 0..{NUM_RANKS - 1}")
+    if len(set(ranks)) != len(ranks):
+        raise DemoNetworkError(f"cut_ranks {ranks}: a rank is named twice")
+    return ranks
+
+
+def describe_cut(cut_ranks: tuple[int, ...]) -> str:
+    """The cut NICs in words, for the demo's prints and its PNG.
+
+    >>> print(describe_cut((1,)), "/", describe_cut((1, 6)))
+    rank 1's NIC / the NICs of ranks 1 and 6
+    """
+    if len(cut_ranks) == 1:
+        return f"rank {cut_ranks[0]}'s NIC"
+    return f"the NICs of ranks {', '.join(map(str, cut_ranks[:-1]))} and {cut_ranks[-1]}"

@@ -8,7 +8,7 @@ start: with ``jax.lax`` collectives (the reference), then with the AllGather thr
 native executor under the closed loop across processes
 (:class:`~jaxccl.control.process_loop.ProcessLoop`: every process's measurements, one
 controller in process 0, agreed swaps); the gradient reduction and the loss sum stay ``jax.lax``
-in both runs. At the failure step process 0 asks the launcher to cut the NIC (:data:`CUT_REQUEST`
+in both runs. At the failure step process 0 asks the launcher to cut the NICs (:data:`CUT_REQUEST`
 on its output; the launcher answers with the file :data:`CUT_DONE_FILE` in ``JAXCCL_DEMO_DIR``
 holding its ``time.monotonic_ns()`` of the cut). After the run the stale and the re-synthesized
 schedule alternate on the cut network (A/B). Each process writes ``process-<id>.json`` there;
@@ -40,7 +40,7 @@ from jaxccl.demos.closed_loop import (
     _simulated,
     reaction_fields,
 )
-from jaxccl.demos.network_layout import NUM_RANKS, check_processes, demo_topology, failed_link, process_of_rank
+from jaxccl.demos.network_layout import NUM_RANKS, check_processes, demo_topology, failed_links, process_of_rank
 from jaxccl.distributed.launch import initialize_from_env
 from jaxccl.distributed.transport import NETWORK_ONLY, ProcessTransport, attach, stage_agreed
 
@@ -135,6 +135,7 @@ class _Worker:
             key_prefix=LOOP_KEY_PREFIX,
             gamma=cfg["gamma"],
             confirm=cfg["confirm"],
+            detector=cfg["detector"],
             synthesizers={"all_gather": _whole_shard_allgather},
         )
         labels = {native.current_version(self.slot): "healthy"}
@@ -236,7 +237,10 @@ class _Worker:
         if self.me == 0:
             fail_step = cfg["fail_step"] if cfg["network"] == "netns" else None
             events = loop.events
-            reaction = reaction_fields(rows, events, inject_ns, fail_step, ab, failed_link=failed_link())
+            links = failed_links(tuple(cfg["cut_ranks"]))
+            reaction = reaction_fields(
+                rows, events, inject_ns, fail_step, ab, failed_links=links, detector=cfg["detector"]
+            )
             bytes_per_rank = self.out_bytes // len(process_of_rank(self.n))
             simulated, simulated_in_order = _simulated(self.topo, self.healthy, bytes_per_rank)
             measured = reaction["algbw_healthy"]
