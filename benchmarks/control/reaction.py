@@ -79,6 +79,26 @@ def draws(runs: int, seed: int) -> list[dict[str, Any]]:
     ]
 
 
+def warranted(draw: dict[str, Any], min_gain: float = 0.05) -> bool:
+    """Whether the draw's fault warrants a swap: the schedule synthesized for the degraded fabric beats the healthy
+    one there by more than ``min_gain`` (the controller's default), both predicted as the controller does.
+
+    A fault off the schedule's bottleneck (a shallow NVLink fault on this fabric) warrants none: a run that does
+    not swap then is right.
+    """
+    from jaxccl import synth
+    from jaxccl.control.algorithm1 import check, nominal_capacities, profile
+    from jaxccl.demos.closed_loop import degraded_topology, failed_links
+    from jaxccl.topology import rail
+
+    topo = rail(hosts=2, gpus_per_host=4)
+    degraded = degraded_topology(topo, failed_links(draw["fail_link"], topo), draw["depth"])
+    healthy = synth.all_gather(topo)
+    x_min = check(profile(healthy, degraded), nominal_capacities(degraded), gamma=0.0).x_min
+    stale = healthy.num_ranks * healthy.chunks_per_period * x_min
+    return bool(synth.all_gather(degraded).algbw > stale * (1 + min_gain))
+
+
 def one_run(draw: dict[str, Any], detector: str, steps: int) -> dict[str, Any]:
     """One ``jaxccl demo`` in a fresh process; its JSON result (``swap_step`` ``None``: it never swapped)."""
     with tempfile.TemporaryDirectory() as d:
@@ -160,6 +180,47 @@ def _print(detector: str, table: list[dict[str, Any]], out: dict[str, Any]) -> N
     )
 
 
+def _by_fault(detector: str, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``outcome`` per failed link kind, over the runs whose fault warrants a swap, and the swaps of the others."""
+    rows = []
+    for link in FAIL_LINKS:
+        mine = [r for r in runs if r["draw"]["fail_link"] == link]
+        needed = [r["result"] for r in mine if r["warranted"]]
+        if not mine:
+            continue
+        out = outcome(needed) if needed else {}
+        rows.append(
+            {
+                "detector": detector,
+                "fault": link,
+                "runs": len(mine),
+                "warranted": len(needed),
+                "active_next_step": out.get("steps_to_active_1", math.nan),
+                "active_within_2": out.get("steps_to_active_le_2", math.nan),
+                "never": out.get("steps_to_active_never", math.nan),
+                "swaps_unwarranted": sum(r["result"]["swaps"] for r in mine if not r["warranted"]),
+            }
+        )
+    needed = [r["result"] for r in runs if r["warranted"]]
+    if needed:
+        out = outcome(needed)
+        rows.append(
+            {
+                "detector": detector,
+                "fault": "all",
+                "runs": len(runs),
+                "warranted": len(needed),
+                "active_next_step": out["steps_to_active_1"],
+                "active_within_2": out["steps_to_active_le_2"],
+                "never": out["steps_to_active_never"],
+                "swaps_unwarranted": sum(r["result"]["swaps"] for r in runs if not r["warranted"]),
+            }
+        )
+    print("steps to the active schedule over the runs whose fault warrants a swap, per failed link:")
+    report.print_table(rows)
+    return rows
+
+
 def _detectors(text: str) -> tuple[str, ...]:
     names = tuple(d.strip() for d in text.split(",") if d.strip())
     if not names or any(d not in DETECTORS for d in names):
@@ -188,11 +249,15 @@ def main(argv: list[str] | None = None) -> int:
         {"run": k, "detector": det, "draw": draw, "result": one_run(draw, det, args.steps)}
         for k, draw, det in report.progress(jobs, label="demo runs")
     ]
+    for r in runs:
+        r["warranted"] = warranted(r["draw"])
     summary = {}
     for det in args.detectors:
-        results = [r["result"] for r in runs if r["detector"] == det]
+        mine = [r for r in runs if r["detector"] == det]
+        results = [r["result"] for r in mine]
         summary[det] = {"phases": phase_table(results), **outcome(results)}
         _print(det, summary[det]["phases"], summary[det])
+        summary[det]["by_fault"] = _by_fault(det, mine)
     if args.json:
         config = {"runs": args.runs, "seed": args.seed, "detectors": list(args.detectors), "steps": args.steps}
         report.write_json(args.json, {"config": config, "summary": summary, "runs": runs})

@@ -2,14 +2,20 @@
 
 Every entry of the link matrix (a GPU pair across hosts, or a GPU's intra-node injection) gets a
 noise model learned from its first ``warmup`` samples: the median ``mu`` and a robust spread
-``sigma`` (1.4826 x the median absolute deviation, at least ``sigma_floor``) of its log rates.
+``sigma`` of its log rates (the largest of the MAD-, IQR- and 5-95 %-range estimates, inflated while
+few samples back it, at least ``sigma_floor``; re-estimated from the last 64 in-control residuals).
 From then on every sample ``x`` is standardized, ``z = (log x - mu) / sigma``, and fed to two
 one-sided CUSUM statistics (Page's test; a downward one for degradations, an upward one for
 recoveries)::
 
     S_down <- max(0, S_down - z - k)      S_up <- max(0, S_up + z - k)
 
-with the reference value ``k`` half the smallest shift worth detecting (``min_shift``, as a
+and, once an entry has 16 residuals, a third, downward one against its healthy *floor* (its lowest
+residual, with the spread of its lowest decile): for Gaussian noise the floor sits ~2.4 sigma below
+the centre, so that test is the stricter one; for noise bounded below -- an intra-node injection
+rate is multimodal (how many channels happened to be active) but never under its link's capacity
+while healthy -- it decides a fall under the floor at once. Each test has the reference value ``k``
+half the smallest shift worth detecting (``min_shift``, as a
 fraction of the rate, in units of ``sigma``). A statistic above ``h`` is a decided change. ``h``
 follows from the false-alarm parameter: :func:`cusum_threshold` solves Siegmund's approximation of
 the in-control average run length for ``ARL0 = 1 / false_alarm_rate`` samples, so
@@ -18,7 +24,7 @@ direction under the learned (Gaussian) noise.
 
 On a decision the change point is where the statistic last left 0, and the entry's new level is
 the median of the samples since then (a robust estimate of the degraded, or recovered, rate).
-The entry then re-learns its centre from the next samples (its ``sigma`` stays the healthy one),
+The entry then re-learns its centre from the next samples (its spread stays the learned one),
 so a level measured on one sample is refined by the following ones. A large shift decides on one
 sample: at ``sigma = 2 %`` and ``false_alarm_rate = 1e-6`` a single window 10 % below the learned
 rate is enough, which is what lets the controller act at the step after the first degraded one.
@@ -59,6 +65,7 @@ __all__ = ["Change", "ChangeDetector", "cusum_threshold"]
 Entry = tuple[int, int]
 NOISE_SAMPLES = 64  # the noise model's spread is re-estimated from an entry's last 64 in-control residuals
 SPREAD_UNCERTAINTY = 2.0  # the learned spread is inflated by 1 + 2 / sqrt(samples) (x1.9 at 5, x1.25 at 64)
+FLOOR_SAMPLES = 16  # residuals before the floor test starts
 LEARNING_LEVEL_SAMPLES = 3  # an entry's level while it learns its noise model: the median of its last 3 samples
 
 
@@ -126,10 +133,14 @@ class _EntryState:
     sigma: float = math.nan
     learning_since: int = 0
     residuals: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=NOISE_SAMPLES))
-    down: float = 0.0
-    up: float = 0.0
-    run_down: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (log x, now_ns) since S left 0
-    run_up: list[tuple[float, int]] = dataclasses.field(default_factory=list)
+    floor: float = math.nan  # the lowest residual seen healthy (the floor test's reference, relative to mu)
+    floor_sigma: float = math.nan  # the spread of the lowest decile of residuals (NaN: too few residuals yet)
+    stats: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])  # down, up, floor
+    runs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=lambda: [[], [], []])  # since S left 0
+
+    def restart(self) -> None:
+        self.stats = [0.0, 0.0, 0.0]
+        self.runs = [[], [], []]
 
 
 class ChangeDetector:
@@ -222,9 +233,8 @@ class ChangeDetector:
         for e, st in self._entries.items():
             if math.isnan(st.sigma):
                 continue
-            h = self._k_h(st.sigma)[1]
-            for stat, run in ((st.down, st.run_down), (st.up, st.run_up)):
-                if run and stat > self.suspect * h:
+            for stat, run, sigma in zip(st.stats, st.runs, (st.sigma, st.sigma, st.floor_sigma)):
+                if run and stat > self.suspect * self._k_h(sigma)[1]:
                     out[e] = math.exp(float(np.median([x for x, _ in run])))
         return out
 
@@ -267,17 +277,32 @@ class ChangeDetector:
         st.residuals.append(y - st.mu)
         if len(st.residuals) % 8 == 0:
             st.sigma = self._spread(st.residuals)
-        k, h = self._k_h(st.sigma)
+            st.floor, st.floor_sigma = self._floor(st.residuals)
         self.tested[entry] += 1
         z = (y - st.mu) / st.sigma
-        st.down = max(0.0, st.down - z - k)
-        st.up = max(0.0, st.up + z - k)
-        st.run_down = [*st.run_down, (y, now_ns)] if st.down > 0 else []
-        st.run_up = [*st.run_up, (y, now_ns)] if st.up > 0 else []
-        for stat, run in ((st.down, st.run_down), (st.up, st.run_up)):
-            if stat > h:
-                return self._decide(entry, st, run, now_ns)
+        steps = [-z, z]  # the downward and the upward test around the centre
+        if not math.isnan(st.floor_sigma):  # the downward test against the healthy floor
+            steps.append(-(y - st.mu - st.floor) / st.floor_sigma)
+        for i, step in enumerate(steps):
+            sigma = st.floor_sigma if i == 2 else st.sigma
+            k, h = self._k_h(sigma)
+            st.stats[i] = max(0.0, st.stats[i] + step - k)
+            st.runs[i] = [*st.runs[i], (y, now_ns)] if st.stats[i] > 0 else []
+            if st.stats[i] > h:
+                return self._decide(entry, st, st.runs[i], now_ns)
         return None
+
+    def _floor(self, residuals: Iterable[float]) -> tuple[float, float]:
+        """The floor test's reference (the lowest residual) and spread (of the lowest decile), once there are
+        ``FLOOR_SAMPLES`` residuals; else NaN. For Gaussian noise the floor sits ~2.4 sigma below the centre, so
+        the test is the stricter one; for noise bounded below (an injection rate never under its link's
+        capacity while healthy) the lowest decile is tight and a fall under the floor is decided fast."""
+        a = np.asarray(list(residuals))
+        if a.size < FLOOR_SAMPLES:
+            return math.nan, math.nan
+        q0, q10 = np.quantile(a, (0.0, 0.1))
+        spread = float(q10 - q0) / 1.2816 * (1 + SPREAD_UNCERTAINTY / math.sqrt(a.size))
+        return float(q0), max(spread, self.sigma_floor)
 
     def _spread(self, residuals: Iterable[float]) -> float:
         """The spread of log rates: the largest of 1.4826 x MAD, IQR / 1.349 and the 5-95 % range / 3.29 (each is
@@ -297,8 +322,7 @@ class ChangeDetector:
             st.residuals.pop()
         st.log_samples = list(after)
         st.mu = float(np.median(after))
-        st.down = st.up = 0.0
-        st.run_down, st.run_up = [], []
+        st.restart()
         self.shifts[entry] += 1
         return Change(entry, before, math.exp(st.mu), len(after), run[0][1], now_ns)
 
@@ -311,5 +335,4 @@ class ChangeDetector:
                 continue
             st.mu = math.nan
             st.log_samples = []
-            st.down = st.up = 0.0
-            st.run_down, st.run_up = [], []
+            st.restart()

@@ -1,9 +1,11 @@
 """The change-point test on recorded measurement windows (tests/data/windows) and on synthetic noise.
 
 The traces are the raw windows of the demo's AllGather (rail 2 x 4, emulated links): one with GPU 0's
-NIC halved at step 14 (time scale 1e-4), one healthy at time scale 1e-2, whose windows are short: the
-intra-node injection rates there swing by 3x between steps (how many channels were active), the noise
-that made the EWMA controller wait for confirmation.
+NIC halved at step 14, one with GPU 0's NVLink uplink at 0.4x from step 14 (time scale 1e-4), and
+one healthy at time scale 1e-2, whose windows are short. The intra-node injection rates swing by 3x
+between steps (how many channels were active) but never fall under the uplink's capacity while it
+is healthy: the noise that made the EWMA controller wait for confirmation, and the floor the
+change-point test decides against.
 """
 
 import json
@@ -45,6 +47,16 @@ def test_a_halved_nic_is_decided_on_its_first_degraded_window():
     assert all(s == 14 and c.samples == 1 and c.change_ns == 14 for s, c in inter)
     assert all(c.ratio == pytest.approx(0.5, rel=0.02) for _, c in inter)  # the degraded rate, estimated
     assert det.level((0, 4)) == pytest.approx(0.5 * det.level((1, 5)), rel=0.02)
+
+
+def test_a_degraded_nvlink_is_decided_against_the_injection_floor_within_its_step():
+    det, changes = _replay("demo_nvlink_degraded.json")
+    assert not [c for _, c in changes if c.entry[0] != c.entry[1]]  # nothing across hosts changed
+    gpu0 = [(s, c) for s, c in changes if c.entry == (0, 0)]
+    assert gpu0 and gpu0[0][0] == 14, changes  # decided in the step the uplink slowed down
+    assert gpu0[0][1].ratio < 0.5  # from a multimodal healthy level to the degraded link's rate
+    assert det.level((0, 0)) == pytest.approx(0.4 * 360e9, rel=0.1)  # the uplink's capacity x 0.4
+    assert len([c for s, c in changes if s < 14]) <= 1  # before the fault: at most one (multimodal) shift
 
 
 def test_short_noisy_windows_give_no_decision_across_hosts():
