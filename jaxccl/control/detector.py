@@ -82,8 +82,8 @@ def cusum_threshold(false_alarm_rate: float, k: float) -> float:
     """
     if not 0 < false_alarm_rate < 1:
         raise ArgumentError(f"cusum_threshold: false_alarm_rate must be in (0, 1), got {false_alarm_rate}")
-    if k <= 0:
-        raise ArgumentError(f"cusum_threshold: k must be > 0, got {k}")
+    if not (k > 0 and math.isfinite(k)):
+        raise ArgumentError(f"cusum_threshold: k must be > 0 and finite, got {k}")
     arl0 = 1.0 / false_alarm_rate
 
     def excess(h: float) -> float:
@@ -234,7 +234,7 @@ class ChangeDetector:
             if math.isnan(st.sigma):
                 continue
             for stat, run, sigma in zip(st.stats, st.runs, (st.sigma, st.sigma, st.floor_sigma)):
-                if run and stat > self.suspect * self._k_h(sigma)[1]:
+                if run and not math.isnan(sigma) and stat > self.suspect * self._k_h(sigma)[1]:
                     out[e] = math.exp(float(np.median([x for x, _ in run])))
         return out
 
@@ -278,6 +278,8 @@ class ChangeDetector:
         if len(st.residuals) % 8 == 0:
             st.sigma = self._spread(st.residuals)
             st.floor, st.floor_sigma = self._floor(st.residuals)
+            if math.isnan(st.floor_sigma):  # too few residuals left (a decision took its run's): no floor test
+                st.stats[2], st.runs[2] = 0.0, []
         self.tested[entry] += 1
         z = (y - st.mu) / st.sigma
         steps = [-z, z]  # the downward and the upward test around the centre

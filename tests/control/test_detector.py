@@ -120,3 +120,17 @@ def test_bad_parameters_are_named_errors():
         cusum_threshold(1e-3, 0.0)
     with pytest.raises(ArgumentError, match="WINDOW_DTYPE"):
         ChangeDetector().update(np.zeros(3), now_ns=0)
+
+
+def test_the_floor_test_stops_cleanly_when_a_decision_leaves_too_few_residuals():
+    """A fall under the floor decided on a long run takes its samples out of the noise model; the floor test
+    pauses until there are enough again, and suspects() never asks for the threshold of a paused test."""
+    rng = np.random.default_rng(3)
+    det = ChangeDetector(false_alarm_rate=1e-6)
+    w = np.zeros(1, WINDOW_DTYPE)
+    w["src"], w["dst"], w["count"] = 2, 2, 1
+    for t in range(300):
+        w["rate"] = (1.0 if t < 40 or t > 200 else 0.85) * np.exp(0.03 * rng.standard_normal())
+        det.update(w, now_ns=t)
+        det.suspects()
+    assert det.shifts[(2, 2)] >= 1
