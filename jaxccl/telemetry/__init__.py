@@ -6,12 +6,13 @@
 (the same fields on the CPU and the CUDA executor).
 """
 
-from jaxccl.telemetry.matrix import Telemetry, TelemetryCollector
+from jaxccl.telemetry.matrix import WINDOW_DTYPE, Telemetry, TelemetryCollector
 from jaxccl.telemetry.records import RECORD_DTYPE, decode
 from jaxccl.telemetry.stats import MeasurementStats, from_cpu_stats, from_cuda_stats
 
 __all__ = [
     "RECORD_DTYPE",
+    "WINDOW_DTYPE",
     "MeasurementStats",
     "Telemetry",
     "TelemetryCollector",
