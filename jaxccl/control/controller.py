@@ -520,8 +520,7 @@ class Controller:
     def _step_cusum(self) -> None:
         tel = None
         for m in self._managed.values():
-            if self._note_activation(m):
-                self._changes.rebase()  # the new schedule changes what every pair carries: re-learn the centres
+            self._note_activation(m)
             if m.staged_version:
                 continue
             schedule = self.comm.schedule(m.collective)
@@ -532,21 +531,24 @@ class Controller:
                 m.profile = profile(schedule, m.belief)
                 m.digest = schedule.digest
             clock = int(self.comm.swap_state(m.collective).get("issued", 0))
-            caps = self._pessimistic(m, self._level_caps(tel, m, self._changes.levels()), clock)
+            measured = self._level_caps(tel, m, self._changes.levels())
+            caps = self._pessimistic(m, measured, clock)
             result = check(m.profile, caps, gamma=self.gamma)
             m.last = result
             if not result.flagged:
-                self._speculate(m, tel, clock)
+                self._speculate(m, tel)
                 if m.held or m.detected_ns:
                     self._emit("cleared", m.collective, flagged_samples=0)
                 m.held, m.detected_ns = False, 0
-                m.decided.clear()
+                if caps == measured:  # else a rise is held back: its decision stands until it counts
+                    m.decided.clear()
                 continue
             if not m.decided and not m.held:
                 continue  # no decided change behind the flag (e.g. an entry still learning its noise model)
             if not m.detected_ns:
                 m.detected_ns = self._detected(m, _Checked(result, caps, True, True)).time_ns
-                m.change_ns = min((c.change_ns for c in m.decided), default=m.detected_ns)
+                shifts = [c for c in m.decided if c.kind == "shift"] or m.decided
+                m.change_ns = min((c.change_ns for c in shifts), default=m.detected_ns)
             if m.swapped_at is not None and clock < m.swapped_at + self.hold:
                 if not m.held:
                     self._emit("held", m.collective, until_launch=m.swapped_at + self.hold, launch=clock)
@@ -572,7 +574,7 @@ class Controller:
         caps = self._pessimistic(m, self._level_caps(tel, m, self._changes.levels()), clock)
         return check(m.profile, caps, gamma=self.gamma).flagged
 
-    def _speculate(self, m: _Managed, tel: Any, clock: int) -> None:
+    def _speculate(self, m: _Managed, tel: Any) -> None:
         """With suspects (changes not decided yet), synthesizes for their provisional levels ahead of the decision;
         a speculation the detector does not confirm is discarded."""
         suspects = self._changes.suspects()

@@ -109,8 +109,9 @@ class Change:
         samples: how many samples that median is of.
         change_ns: ``now_ns`` of the update that brought the first sample after the change point.
         decided_ns: ``now_ns`` of the update that decided.
-        kind: ``"shift"`` (a decided change) or ``"learned"`` (the entry finished learning its noise model:
-            its first level, ``before == after``, stands on ``samples`` samples).
+        kind: ``"shift"`` (a decided change) or ``"learned"`` (the entry finished learning its noise model,
+            or re-learning its centre after a change or a rebase: its level, ``before == after``, stands on
+            ``samples`` samples).
     """
 
     entry: Entry
@@ -243,7 +244,7 @@ class ChangeDetector:
         """Feeds raw samples (``WINDOW_DTYPE`` rows: :attr:`jaxccl.telemetry.Telemetry.windows`); returns decisions.
 
         Samples of one entry are taken in order; non-positive or non-finite rates are ignored. An entry that
-        finishes learning its noise model reports a ``"learned"`` change (its first level).
+        finishes learning its noise model, or re-learning its centre, reports a ``"learned"`` change (its level).
         """
         if windows.dtype != WINDOW_DTYPE:
             raise ArgumentError(f"ChangeDetector.update: need WINDOW_DTYPE rows, got dtype {windows.dtype}")
@@ -269,11 +270,16 @@ class ChangeDetector:
             st.log_samples = []
             level = math.exp(st.mu)
             return Change(entry, level, level, self.warmup, st.learning_since, now_ns, kind="learned")
+        relearned = None
         if len(st.log_samples) < self.warmup and (st.log_samples or math.isnan(st.mu)):
             st.log_samples.append(y)  # re-learning the centre after a change or a rebase
             st.mu = float(np.median(st.log_samples))
-            if math.isnan(st.mu) or len(st.log_samples) == 1:
+            if len(st.log_samples) == 1:
+                st.learning_since = now_ns
                 return None
+            if len(st.log_samples) == self.warmup:  # the centre stands on warmup samples again: report it
+                level = math.exp(st.mu)
+                relearned = Change(entry, level, level, self.warmup, st.learning_since, now_ns, kind="learned")
         st.residuals.append(y - st.mu)
         if len(st.residuals) % 8 == 0:
             st.sigma = self._spread(st.residuals)
@@ -292,7 +298,7 @@ class ChangeDetector:
             st.runs[i] = [*st.runs[i], (y, now_ns)] if st.stats[i] > 0 else []
             if st.stats[i] > h:
                 return self._decide(entry, st, st.runs[i], now_ns)
-        return None
+        return relearned
 
     def _floor(self, residuals: Iterable[float]) -> tuple[float, float]:
         """The floor test's reference (the lowest residual) and spread (of the lowest decile), once there are

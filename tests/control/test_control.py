@@ -263,3 +263,56 @@ def test_staged_schedule_activates_at_the_next_sequence_number(ag):
         st = comm.swap_state("all_gather")
     assert st["current_version"] == v and st["staged_version"] == 0
     assert st["last_swap_seq"] == before["issued"] + 1
+
+
+# ------------------------------------------------------------------ the change-point controller's hysteresis
+def _versions_during(comm, ctl, f, ref, steps, on_step):
+    out = []
+
+    def record(k):
+        on_step(k)
+        if k:
+            out.append(jaxccl.runtime.native.last_launch_version(comm.slot("all_gather")))
+
+    _drive(comm, ctl, f, ref, steps, on_step=record)
+    return out
+
+
+def test_a_flapping_link_is_planned_for_its_worse_state(ag):
+    comm, f, ref = _setup()
+    comm.install("all_gather", ag)
+    ctl = Controller(comm, gamma=0.15, hold=10)
+    bad = TOPO.degrade(*NIC, gbps=160)  # 0.4x, every other 3 steps
+
+    def flap(k):
+        if k >= HEALTHY and (k - HEALTHY) % 3 == 0:
+            comm.inject(bad if (k - HEALTHY) // 3 % 2 == 0 else TOPO)
+
+    versions = _versions_during(comm, ctl, f, ref, HEALTHY + 30, flap)
+    swaps = [k for k in range(1, len(versions)) if versions[k] != versions[k - 1]]
+    assert len(swaps) == 1, (swaps, [e.kind for e in ctl.events])  # one swap, to the schedule for the worse state
+    staged = next(e for e in ctl.events if e.kind == "staged")
+    assert staged.detail["predicted_algbw"] > staged.detail["stale_algbw"]
+    confirmed = next(e for e in ctl.events if e.kind == "confirmed")
+    assert confirmed.detail["degraded"][f"{NIC[0]}->{NIC[1]}"] == pytest.approx(0.4, abs=0.05)
+
+
+def test_a_healed_link_is_swapped_back_after_the_hold(ag):
+    comm, f, ref = _setup()
+    comm.install("all_gather", ag)
+    hold = 6
+    ctl = Controller(comm, gamma=0.15, hold=hold)
+
+    def burst(k):
+        if k == HEALTHY:
+            comm.inject(TOPO.degrade(*NIC, gbps=160))
+        if k == HEALTHY + 2:
+            comm.inject(TOPO)
+
+    versions = _versions_during(comm, ctl, f, ref, HEALTHY + 2 + 2 * hold + 4, burst)
+    swaps = [k for k in range(1, len(versions)) if versions[k] != versions[k - 1]]
+    assert len(swaps) == 2 and swaps[1] - swaps[0] >= hold, (swaps, [e.kind for e in ctl.events])
+    back = [e for e in ctl.events if e.kind == "confirmed"][-1]
+    assert back.detail["degraded"] == {}  # re-synthesized for the healed fabric
+    staged = [e for e in ctl.events if e.kind == "staged"][-1]
+    assert staged.detail["predicted_algbw"] > 1.05 * staged.detail["stale_algbw"]

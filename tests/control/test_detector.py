@@ -33,10 +33,12 @@ def _steps(name):
 def _replay(name, **options):
     det = ChangeDetector(**options)
     decided = [(s, c) for s, w in _steps(name) for c in det.update(w, now_ns=s)]
-    learned = {c.entry for _, c in decided if c.kind == "learned"}
-    inter_learned = [s for s, c in decided if c.kind == "learned" and c.entry[0] != c.entry[1]]
-    assert inter_learned and set(inter_learned) == {det.warmup - 1}  # one window per step: learned at the warmup
-    assert len(learned) == len([c for _, c in decided if c.kind == "learned"])
+    first_learned: dict = {}
+    for s, c in decided:
+        if c.kind == "learned":
+            first_learned.setdefault(c.entry, s)
+    inter = [s for e, s in first_learned.items() if e[0] != e[1]]
+    assert inter and set(inter) == {det.warmup - 1}  # one window per pair and step: learned at the warmup
     return det, [(s, c) for s, c in decided if c.kind == "shift"]
 
 
