@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 from benchmarks.control.emulated_job import NUM_DEVICES, EmulatedJob
+from benchmarks.control.reaction import parse_detectors
 from jaxccl.control import Controller
 from jaxccl.control.detector import ChangeDetector
 from jaxccl.util import report
@@ -80,13 +81,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--time-scale", type=float, default=1e-4, help="the demo's (1e-4): ~60 ms per step")
-    ap.add_argument("--detectors", default="cusum", help="comma-separated: cusum, ewma")
+    ap.add_argument("--detectors", type=parse_detectors, default=("cusum",), help="comma-separated: cusum, ewma")
     ap.add_argument("--jitter", default="none,stalls", help=f"comma-separated: {', '.join(JITTER)}")
     ap.add_argument("--false-alarm-rate", type=float, default=1e-6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    detectors = [d for d in args.detectors.split(",") if d]
+    detectors = args.detectors
     jitters = [j for j in args.jitter.split(",") if j]
     bad = [j for j in jitters if j not in JITTER]
     if bad:

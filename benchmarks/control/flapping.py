@@ -23,6 +23,7 @@ import argparse
 import sys
 
 from benchmarks.control.emulated_job import FAILED_NIC, EmulatedJob
+from benchmarks.control.reaction import parse_detectors
 from jaxccl.control import Controller
 from jaxccl.util import report
 
@@ -79,12 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--period", type=int, default=3, help="steps per state (1.0x, then the degraded)")
     ap.add_argument("--depth", type=float, default=0.4, help="the NIC's capacity in its bad state (x nominal)")
-    ap.add_argument("--detectors", default="cusum,ewma")
+    ap.add_argument("--detectors", type=parse_detectors, default=("cusum", "ewma"))
     ap.add_argument("--time-scale", type=float, default=1e-4)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     job = EmulatedJob.start(time_scale=args.time_scale)
-    variants = [None, *[d for d in args.detectors.split(",") if d]]
+    variants = [None, *args.detectors]
     runs = []
     for rep in report.progress(range(args.reps), label="repetitions"):
         batch = [run_variant(job, v, args.healthy, args.steps, args.period, args.depth) for v in variants]

@@ -221,10 +221,16 @@ def _by_fault(detector: str, runs: list[dict[str, Any]]) -> list[dict[str, Any]]
     return rows
 
 
-def _detectors(text: str) -> tuple[str, ...]:
-    names = tuple(d.strip() for d in text.split(",") if d.strip())
-    if not names or any(d not in DETECTORS for d in names):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {', '.join(DETECTORS)}, got {text!r}")
+def parse_detectors(text: str) -> tuple[str, ...]:
+    """``--detectors``: names from ``DETECTORS``, comma-separated (the controller benchmarks' shared option).
+
+    >>> parse_detectors("cusum,ewma")
+    ('cusum', 'ewma')
+    """
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in DETECTORS]
+    if not names or unknown:
+        raise argparse.ArgumentTypeError(f"--detectors {text!r}: expected names from {DETECTORS}, comma-separated")
     return names
 
 
@@ -232,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=20, help="draws (each runs every detector once)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--detectors", type=_detectors, default=DETECTORS, help="comma-separated (default cusum,ewma)")
+    ap.add_argument("--detectors", type=parse_detectors, default=DETECTORS, help="comma-separated (default cusum,ewma)")
     ap.add_argument(
         "--steps",
         type=int,

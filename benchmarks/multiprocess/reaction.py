@@ -41,8 +41,8 @@ import random
 import sys
 from typing import Any
 
+from benchmarks.control.reaction import parse_detectors
 from jaxccl.demos import network
-from jaxccl.demos.closed_loop import DETECTORS
 from jaxccl.demos.network import NetworkDemoConfig
 from jaxccl.demos.network_layout import HOSTS, NUM_RANKS, RANKS_PER_HOST
 from jaxccl.errors import JaxcclError
@@ -185,19 +185,6 @@ def one_run(cfg: NetworkDemoConfig) -> dict[str, Any]:
     result = network.run(cfg)
     result.update(extra_phases(result))
     return result
-
-
-def parse_detectors(text: str) -> tuple[str, ...]:
-    """``--detectors``: names from ``DETECTORS``, comma-separated.
-
-    >>> parse_detectors("cusum,ewma")
-    ('cusum', 'ewma')
-    """
-    names = tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in DETECTORS]
-    if not names or unknown:
-        raise argparse.ArgumentTypeError(f"--detectors {text!r}: expected names from {DETECTORS}, comma-separated")
-    return names
 
 
 def main(argv: list[str] | None = None) -> int:
