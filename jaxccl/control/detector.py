@@ -65,7 +65,7 @@ __all__ = ["Change", "ChangeDetector", "cusum_threshold"]
 Entry = tuple[int, int]
 NOISE_SAMPLES = 64  # the noise model's spread is re-estimated from an entry's last 64 in-control residuals
 SPREAD_UNCERTAINTY = 2.0  # the learned spread is inflated by 1 + 2 / sqrt(samples) (x1.9 at 5, x1.25 at 64)
-FLOOR_SAMPLES = 16  # residuals before the floor test starts
+FLOOR_SAMPLES = 8  # residuals before the floor test starts
 LEARNING_LEVEL_SAMPLES = 3  # an entry's level while it learns its noise model: the median of its last 3 samples
 
 
@@ -133,6 +133,8 @@ class _EntryState:
     mu: float = math.nan
     sigma: float = math.nan
     learning_since: int = 0
+    held: list[float] = dataclasses.field(default_factory=list)  # residuals waiting while a downward test runs
+    unmodelled: int = 0  # residuals added since the spread was last estimated
     residuals: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=NOISE_SAMPLES))
     floor: float = math.nan  # the lowest residual seen healthy (the floor test's reference, relative to mu)
     floor_sigma: float = math.nan  # the spread of the lowest decile of residuals (NaN: too few residuals yet)
@@ -280,12 +282,6 @@ class ChangeDetector:
             if len(st.log_samples) == self.warmup:  # the centre stands on warmup samples again: report it
                 level = math.exp(st.mu)
                 relearned = Change(entry, level, level, self.warmup, st.learning_since, now_ns, kind="learned")
-        st.residuals.append(y - st.mu)
-        if len(st.residuals) % 8 == 0:
-            st.sigma = self._spread(st.residuals)
-            st.floor, st.floor_sigma = self._floor(st.residuals)
-            if math.isnan(st.floor_sigma):  # too few residuals left (a decision took its run's): no floor test
-                st.stats[2], st.runs[2] = 0.0, []
         self.tested[entry] += 1
         z = (y - st.mu) / st.sigma
         steps = [-z, z]  # the downward and the upward test around the centre
@@ -297,8 +293,26 @@ class ChangeDetector:
             st.stats[i] = max(0.0, st.stats[i] + step - k)
             st.runs[i] = [*st.runs[i], (y, now_ns)] if st.stats[i] > 0 else []
             if st.stats[i] > h:
-                return self._decide(entry, st, st.runs[i], now_ns)
+                return self._decide(entry, st, i, now_ns)
+        self._learn_noise(st, y - st.mu)
         return relearned
+
+    def _learn_noise(self, st: _EntryState, residual: float) -> None:
+        """Adds an in-control residual to the noise model. While a downward test runs, its samples wait: they are
+        noise if the test returns to 0, the new level if it decides (a floor learned from them would follow the
+        fall it is to detect)."""
+        if st.stats[0] > 0 or st.stats[2] > 0:
+            st.held.append(residual)
+            return
+        st.residuals.extend([*st.held, residual])
+        st.unmodelled += len(st.held) + 1
+        st.held = []
+        if st.unmodelled >= 8:
+            st.unmodelled = 0
+            st.sigma = self._spread(st.residuals)
+            st.floor, st.floor_sigma = self._floor(st.residuals)
+            if math.isnan(st.floor_sigma):  # too few residuals left (a decision took its run's): no floor test
+                st.stats[2], st.runs[2] = 0.0, []
 
     def _floor(self, residuals: Iterable[float]) -> tuple[float, float]:
         """The floor test's reference (the lowest residual) and spread (of the lowest decile), once there are
@@ -323,11 +337,14 @@ class ChangeDetector:
         # an upper confidence bound: a spread from few samples is often far too small (2x at 5 samples)
         return max(spread * (1 + SPREAD_UNCERTAINTY / math.sqrt(a.size)), self.sigma_floor)
 
-    def _decide(self, entry: Entry, st: _EntryState, run: list[tuple[float, int]], now_ns: int) -> Change:
+    def _decide(self, entry: Entry, st: _EntryState, test: int, now_ns: int) -> Change:
+        run = st.runs[test]
         before = math.exp(st.mu)
         after = [x for x, _ in run]
-        for _ in range(min(len(run), len(st.residuals))):  # the run belongs to the new level, not to the noise
-            st.residuals.pop()
+        st.held = []  # the downward runs' samples belong to the new level, not to the noise
+        if test == 1:  # so do the upward run's, which went into the noise model as they came
+            for _ in range(min(len(run), len(st.residuals))):
+                st.residuals.pop()
         st.log_samples = list(after)
         st.mu = float(np.median(after))
         st.restart()
@@ -343,4 +360,5 @@ class ChangeDetector:
                 continue
             st.mu = math.nan
             st.log_samples = []
+            st.held = []
             st.restart()
