@@ -110,7 +110,7 @@ class Change:
         change_ns: ``now_ns`` of the update that brought the first sample after the change point.
         decided_ns: ``now_ns`` of the update that decided.
         kind: ``"shift"`` (a decided change) or ``"learned"`` (the entry finished learning its noise model,
-            or re-learning its centre after a change or a rebase: its level, ``before == after``, stands on
+            or re-learning its centre after a decided change: its level, ``before == after``, stands on
             ``samples`` samples).
     """
 
@@ -215,11 +215,11 @@ class ChangeDetector:
     def level(self, entry: Entry) -> float | None:
         """The entry's current rate estimate (bytes/s): its learned or re-learned centre; None if unseen."""
         st = self._entries.get(entry)
-        if st is None or (math.isnan(st.mu) and not st.log_samples):
+        if st is None:
             return None
         if math.isnan(st.sigma):  # still learning: the latest samples, so a change meanwhile shows at once
             return math.exp(float(np.median(st.log_samples[-LEARNING_LEVEL_SAMPLES:])))
-        return math.exp(st.mu if not math.isnan(st.mu) else float(np.median(st.log_samples)))
+        return math.exp(st.mu)
 
     def levels(self) -> dict[Entry, float]:
         """Every seen entry's current rate estimate (bytes/s)."""
@@ -273,12 +273,9 @@ class ChangeDetector:
             level = math.exp(st.mu)
             return Change(entry, level, level, self.warmup, st.learning_since, now_ns, kind="learned")
         relearned = None
-        if len(st.log_samples) < self.warmup and (st.log_samples or math.isnan(st.mu)):
-            st.log_samples.append(y)  # re-learning the centre after a change or a rebase
+        if 0 < len(st.log_samples) < self.warmup:
+            st.log_samples.append(y)  # re-learning the centre after a decided change
             st.mu = float(np.median(st.log_samples))
-            if len(st.log_samples) == 1:
-                st.learning_since = now_ns
-                return None
             if len(st.log_samples) == self.warmup:  # the centre stands on warmup samples again: report it
                 level = math.exp(st.mu)
                 relearned = Change(entry, level, level, self.warmup, st.learning_since, now_ns, kind="learned")
@@ -346,19 +343,8 @@ class ChangeDetector:
             for _ in range(min(len(run), len(st.residuals))):
                 st.residuals.pop()
         st.log_samples = list(after)
+        st.learning_since = run[0][1]
         st.mu = float(np.median(after))
         st.restart()
         self.shifts[entry] += 1
         return Change(entry, before, math.exp(st.mu), len(after), run[0][1], now_ns)
-
-    def rebase(self, entries: Iterable[Entry] | None = None) -> None:
-        """Forgets the centre of ``entries`` (all when None), keeping their spread: they re-learn it from
-        their next samples (after a schedule swap, which changes what every pair carries)."""
-        for e in list(self._entries) if entries is None else entries:
-            st = self._entries.get(e)
-            if st is None or math.isnan(st.sigma):
-                continue
-            st.mu = math.nan
-            st.log_samples = []
-            st.held = []
-            st.restart()

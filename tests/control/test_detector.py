@@ -99,7 +99,7 @@ def test_a_small_shift_is_found_by_accumulation_and_its_level_estimated():
     assert c.ratio == pytest.approx(0.8, rel=0.05)
 
 
-def test_a_rebase_relearns_the_centre_and_keeps_the_spread():
+def test_after_a_decision_the_entry_relearns_its_centre_and_keeps_its_spread():
     det = ChangeDetector(warmup=3)
     w = np.zeros(1, WINDOW_DTYPE)
     w["src"], w["dst"], w["count"] = 1, 5, 1
@@ -107,10 +107,13 @@ def test_a_rebase_relearns_the_centre_and_keeps_the_spread():
         w["rate"] = r
         assert [c.kind for c in det.update(w, now_ns=t)] == (["learned"] if t == 2 else [])
     sigma = det.sigma((1, 5))
-    det.rebase()
-    w["rate"] = 0.5  # the new schedule's first sample sets the centre: no decision
-    assert det.update(w, now_ns=9) == [] and det.level((1, 5)) == pytest.approx(0.5)
-    assert det.sigma((1, 5)) == sigma
+    kinds = []
+    for t, r in ((10, 0.5), (11, 0.52), (12, 0.5)):
+        w["rate"] = r
+        kinds += [(c.kind, c.change_ns) for c in det.update(w, now_ns=t)]
+    # decided on the first low sample, then re-learned from it and the next two, reported from when it began
+    assert kinds == [("shift", 10), ("learned", 10)]
+    assert det.level((1, 5)) == pytest.approx(0.5) and det.sigma((1, 5)) == sigma
 
 
 def test_bad_parameters_are_named_errors():
