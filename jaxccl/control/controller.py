@@ -492,16 +492,16 @@ class Controller:
         if tel is not self._fed:
             self._fed = tel
             changes = self._changes.update(tel.windows, now_ns=time.monotonic_ns())
-            for m in self._managed.values():
-                m.decided = [*m.decided, *changes][-1024:]
+            if changes:
+                for m in self._managed.values():
+                    m.decided = [*m.decided, *changes][-1024:]
         return tel
 
     def _level_caps(self, tel: Any, m: _Managed, levels: Mapping[tuple[int, int], float]) -> dict[tuple, float]:
         """``M_a`` from the detector's levels (its robust per-entry estimates) instead of the EWMA."""
         matrix = np.full(tel.matrix.shape, np.nan)
-        for (i, j), v in levels.items():
-            if i < matrix.shape[0] and j < matrix.shape[1]:
-                matrix[i, j] = v
+        for (i, j), v in levels.items():  # the entries of the communicator's own windows: always in range
+            matrix[i, j] = v
         return self._estimates(dataclasses.replace(tel, matrix=matrix), m)
 
     def _pessimistic(self, m: _Managed, caps: dict[tuple, float], clock: int) -> dict[tuple, float]:
@@ -530,9 +530,7 @@ class Controller:
             if schedule.digest != m.digest:
                 m.profile = profile(schedule, m.belief)
                 m.digest = schedule.digest
-            clock = int(self.comm.swap_state(m.collective).get("issued", 0))
-            measured = self._level_caps(tel, m, self._changes.levels())
-            caps = self._pessimistic(m, measured, clock)
+            clock, measured, caps = self._cusum_caps(m, tel)
             result = check(m.profile, caps, gamma=self.gamma)
             m.last = result
             if not result.flagged:
@@ -568,10 +566,14 @@ class Controller:
             m.decided.clear()
             self._resynthesize(m, caps, lambda m=m: self._still_flagged_cusum(m))
 
-    def _still_flagged_cusum(self, m: _Managed) -> bool:
-        tel = self._feed()
+    def _cusum_caps(self, m: _Managed, tel: Any) -> tuple[int, dict[tuple, float], dict[tuple, float]]:
+        """The collective's launch clock, ``M_a`` from the detector's levels, and the same held pessimistic."""
         clock = int(self.comm.swap_state(m.collective).get("issued", 0))
-        caps = self._pessimistic(m, self._level_caps(tel, m, self._changes.levels()), clock)
+        measured = self._level_caps(tel, m, self._changes.levels())
+        return clock, measured, self._pessimistic(m, measured, clock)
+
+    def _still_flagged_cusum(self, m: _Managed) -> bool:
+        _, _, caps = self._cusum_caps(m, self._feed())
         return check(m.profile, caps, gamma=self.gamma).flagged
 
     def _speculate(self, m: _Managed, tel: Any) -> None:
@@ -604,11 +606,10 @@ class Controller:
             degraded=_degraded_links(checked.caps, m.belief, self.tolerance),
         )
 
-    def _note_activation(self, m: _Managed) -> bool:
-        """Whether the staged schedule of ``m`` became active (an ``"activated"`` event) since the last look."""
+    def _note_activation(self, m: _Managed) -> None:
         if not m.staged_version or self.comm.backend not in ("cpu", "cuda"):
             m.staged_version = 0
-            return False
+            return
         st = self.comm.swap_state(m.collective)
         if st["current_version"] >= m.staged_version:
             self._emit(
@@ -621,8 +622,6 @@ class Controller:
             )
             m.staged_version = 0
             m.swapped_at = int(st.get("issued", 0))
-            return True
-        return False
 
     @staticmethod
     def _still_flagged(checked: _Checked | None) -> bool:
