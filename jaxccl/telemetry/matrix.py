@@ -159,16 +159,20 @@ class TelemetryCollector:
     def fold(self, raw: bytes, *, dropped: int = 0) -> int:
         """Decodes ``raw`` records and folds them in; returns how many records were folded."""
         recs = decode(raw, num_gpus=self.num_gpus)
+        windows = self._windows_of(recs)
         with self._lock:
             self.dropped = max(self.dropped, int(dropped))
-            self._keep_windows(recs)
+            if windows.size:
+                self._pending.append(windows)
+                while sum(a.size for a in self._pending) > MAX_PENDING_WINDOWS and len(self._pending) > 1:
+                    self._pending.pop(0)
             sums: dict[tuple[int, int], list[float]] = {}
-            for r in recs:
-                i = int(r["src"])
-                j = i if int(r["kind"]) == INTRA else int(r["dst"])
+            for i, j, total, count in zip(
+                windows["src"].tolist(), windows["dst"].tolist(), recs["sum_bw"].tolist(), recs["count"].tolist()
+            ):
                 acc = sums.setdefault((i, j), [0.0, 0.0])
-                acc[0] += float(r["sum_bw"])
-                acc[1] += int(r["count"])
+                acc[0] += total
+                acc[1] += count
             for (i, j), (total, count) in sums.items():
                 sample = total / count * self.scale
                 old = self._m[i, j]
@@ -177,17 +181,14 @@ class TelemetryCollector:
                 self._n[i, j] += 1
         return int(recs.size)
 
-    def _keep_windows(self, recs: np.ndarray) -> None:
-        if not recs.size:
-            return
+    def _windows_of(self, recs: np.ndarray) -> np.ndarray:
+        """The records as raw samples: their matrix entry (intra-node: ``(src, src)``) and mean rate, scaled."""
         w = np.zeros(recs.size, WINDOW_DTYPE)
         w["src"] = recs["src"]
         w["dst"] = np.where(recs["kind"] == INTRA, recs["src"], recs["dst"])
-        w["rate"] = recs["sum_bw"] / recs["count"] * self.scale
+        w["rate"] = recs["sum_bw"] / recs["count"] * self.scale  # decode() checked count >= 1
         w["count"] = recs["count"]
-        self._pending.append(w)
-        while sum(a.size for a in self._pending) > MAX_PENDING_WINDOWS and len(self._pending) > 1:
-            self._pending.pop(0)
+        return w
 
     def snapshot(self) -> Telemetry:
         """The matrix now, with the raw samples folded since the previous snapshot (which it takes)."""
