@@ -20,12 +20,11 @@ import time
 from typing import Any
 
 import jaxccl
+from jaxccl.demos.closed_loop import NUM_DEVICES, SIZES
 from jaxccl.runtime.emulated import LinkEmulation
 from jaxccl.topology import rail
 
-NUM_DEVICES = 8
-PARAMS = 128 * 512 + 512 * 512 + 512 * 128 + 128 * 16  # the demo's MLP (jaxccl.demos.closed_loop.SIZES)
-FAILED_NIC = (0, "tor:s0r0")
+PARAMS = sum(a * b for a, b in zip(SIZES, SIZES[1:]))  # the weights of the demo's MLP
 
 
 @dataclasses.dataclass

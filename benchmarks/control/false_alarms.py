@@ -25,10 +25,11 @@ import time
 
 import numpy as np
 
-from benchmarks.control.emulated_job import NUM_DEVICES, EmulatedJob
+from benchmarks.control.emulated_job import EmulatedJob
 from benchmarks.control.reaction import parse_detectors
 from jaxccl.control import Controller
 from jaxccl.control.detector import ChangeDetector
+from jaxccl.demos.closed_loop import NUM_DEVICES
 from jaxccl.util import report
 
 JITTER = ("none", "stalls")

@@ -22,9 +22,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.control.emulated_job import FAILED_NIC, EmulatedJob
+from benchmarks.control.emulated_job import EmulatedJob
 from benchmarks.control.reaction import parse_detectors
 from jaxccl.control import Controller
+from jaxccl.demos.closed_loop import FAILED_LINK, degraded_topology
 from jaxccl.util import report
 
 WINDOW = 10  # steps: the "at most one swap per 10 steps" window
@@ -46,7 +47,7 @@ def run_variant(job: EmulatedJob, detector: str | None, healthy: int, steps: int
     job.comm.install("all_gather", job.healthy)
     job.step()
     job.comm.telemetry()
-    degraded = job.topology.degrade(*FAILED_NIC, gbps=depth * job.topology.capacity(*FAILED_NIC) * 8 / 1e9)
+    degraded = degraded_topology(job.topology, [FAILED_LINK], depth)
     ctl = Controller(job.comm, detector=detector, interval_s=0.01) if detector else None
     if ctl is not None:
         ctl.start()

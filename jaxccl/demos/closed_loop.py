@@ -44,7 +44,7 @@ from typing import Any
 
 import jaxccl
 from jaxccl import sim
-from jaxccl.control import Controller
+from jaxccl.control import DETECTORS, Controller
 from jaxccl.errors import ArgumentError
 from jaxccl.runtime.emulated import LinkEmulation
 from jaxccl.topology import rail
@@ -55,7 +55,6 @@ SIZES = (128, 512, 512, 128, 16)  # the MLP's layer widths
 
 
 FAILED_LINK = (0, "tor:s0r0")  # GPU 0's NIC
-DETECTORS = ("cusum", "ewma")  # Controller(detector=...)
 FAIL_LINKS = ("nic", "nvlink", "two")  # GPU 0's NIC; GPU 0's NVLink uplink; the NICs of GPUs 0 and 5
 _FAULTS = {"nic": ((0, "nic"),), "nvlink": ((0, "nvlink"),), "two": ((0, "nic"), (5, "nic"))}
 _LINK_NAMES = {"nic": "NIC", "nvlink": "NVLink"}
@@ -497,8 +496,7 @@ def reaction_fields(
     fail_step: int | None,
     ab: dict[str, list[float]],
     *,
-    failed_link: tuple[Any, Any] = FAILED_LINK,
-    failed_links: Collection[tuple[Any, Any]] | None = None,
+    failed_links: Collection[tuple[Any, Any]] = (FAILED_LINK,),
     detector: str | None = None,
 ) -> dict[str, Any]:
     """The demo's rates and reaction times from its per-step rows, the controller's events and the A/B.
@@ -507,7 +505,7 @@ def reaction_fields(
     ``algbw`` and ``version`` per training step; ``events`` are the controller's events;
     ``inject_ns`` is the failure's ``time.monotonic_ns()`` (0 and ``fail_step`` ``None``: no
     failure, so every detection is a false one); ``ab`` the A/B rates ``stale`` and ``recovered``.
-    ``failed_links`` are the links the failure degraded (default: ``failed_link`` alone); a
+    ``failed_links`` are the links the failure degraded (default: GPU 0's NIC); a
     detection that blames none of them is a false one. ``detector`` (``"cusum"``, ``"ewma"``)
     defaults to what the first confirmation after the failure names.
 
@@ -520,7 +518,6 @@ def reaction_fields(
     >>> r["swaps"], r["detections"], r["algbw_healthy"], r["steps_to_active"], r["detector"]
     (0, 0, 1.0, None, None)
     """
-    links = tuple(failed_links) if failed_links is not None else (failed_link,)
     after = [e for e in events if inject_ns and e.time_ns >= inject_ns]
     detections = [e for e in events if e.kind == "detected"]
     first = {k: next((e for e in after if e.kind == k), None) for k in ("detected", *_REACTION_KINDS)}
@@ -553,7 +550,7 @@ def reaction_fields(
         "algbw_recovered_timeline": report.median(recovered),
         "detect_ms": since(detected, inject_ns),
         "detections": len(detections),
-        "false_detections": sum(1 for e in detections if _is_false_detection(e, inject_ns, links)),
+        "false_detections": sum(1 for e in detections if _is_false_detection(e, inject_ns, failed_links)),
         "resyntheses": sum(1 for e in events if e.kind == "synthesized"),
         "swaps": len(swap_steps),
         "swap_steps": swap_steps,
