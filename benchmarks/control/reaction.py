@@ -122,10 +122,12 @@ def _finite(values: Sequence[Any]) -> list[float]:
     return [float(v) for v in values if v is not None and not math.isnan(v)]
 
 
-def phase_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def phase_table(
+    results: list[dict[str, Any]], phases: Sequence[str] = PHASES, mccl: dict[str, float] = MCCL
+) -> list[dict[str, Any]]:
     """Median, min and max of every phase over ``results`` (runs without the phase left out), beside MCCL's."""
     rows = []
-    for key in PHASES:
+    for key in phases:
         values = _finite([r.get(key) for r in results])
         rows.append(
             {
@@ -134,7 +136,7 @@ def phase_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "median_ms": report.median(values),
                 "min_ms": min(values, default=math.nan),
                 "max_ms": max(values, default=math.nan),
-                "mccl_ms": MCCL.get(key, "-"),
+                "mccl_ms": mccl.get(key, "-"),
             }
         )
     return rows

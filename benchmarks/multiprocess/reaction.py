@@ -41,7 +41,7 @@ import random
 import sys
 from typing import Any
 
-from benchmarks.control.reaction import parse_detectors
+from benchmarks.control.reaction import parse_detectors, phase_table
 from jaxccl.demos import network
 from jaxccl.demos.network import NetworkDemoConfig
 from jaxccl.demos.network_layout import HOSTS, NUM_RANKS, RANKS_PER_HOST
@@ -136,23 +136,6 @@ def extra_phases(result: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def phase_rows(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Median, min and max of every phase over the runs that swapped, beside MCCL's Fig. 10b."""
-    rows = []
-    for key in PHASES:
-        values = [r[key] for r in runs if r["swap_step"] is not None and r[key] == r[key]]  # NaN: not reached
-        rows.append(
-            {
-                "phase": key,
-                "median_ms": report.median(values),
-                "min_ms": min(values, default=float("nan")),
-                "max_ms": max(values, default=float("nan")),
-                "mccl_ms": MCCL.get(key),
-            }
-        )
-    return rows
-
-
 def step_summary(detector: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Steps from the first degraded step to the active schedule, false detections, swaps, recovery.
 
@@ -218,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     for det in args.detectors:
         runs = [r["result"] for r in records if r["detector"] == det and r["result"] is not None]
         print(f"\ndetector {det}: {len(runs)} of {args.runs} jobs finished")
-        phases[det] = phase_rows(runs)
+        phases[det] = phase_table([r for r in runs if r["swap_step"] is not None], PHASES, MCCL)
         report.print_table(phases[det])
         summaries.append(step_summary(det, runs))
     print()
