@@ -75,6 +75,42 @@ def test_intra_node_injection_is_within_1_2_percent(channels, timestamps):
     assert abs(rate - port) / port < ACCURACY[timestamps], (rate, port)
 
 
+def test_concurrent_intra_node_transfers_measure_the_injection_link_and_its_degradation():
+    """A GPU sending to several GPUs of its host at once (a synthesized AllGather on a rail, with incast) reads
+    its injection link's capacity in every window, not the sum of the receivers' downlinks; degraded, the
+    degraded rate."""
+    topo = rail(hosts=2, gpus_per_host=4)
+    mesh = _mesh(8)
+    comm = jaxccl.Communicator(mesh, "d", topology=topo, backend="cpu", link_emulation=LinkEmulation(time_scale=1e-3))
+    comm.install("all_gather", jaxccl.synth.all_gather(topo))
+    f, ref = all_gather_pair(mesh)
+    x = _data(8, 49_408)  # 193 KiB per rank, the demo's size: every GPU has several intra-node transfers in flight
+    uplink = topo.capacity(0, "nvs:h0")
+
+    def intra_windows(runs):
+        out = []
+        for _ in range(runs):
+            np.testing.assert_array_equal(np.asarray(f(x)), np.asarray(ref(x)))
+            w = comm.telemetry().windows
+            out.append(w[w["src"] == w["dst"]])
+        return np.concatenate(out)
+
+    with comm:
+        f(x).block_until_ready()
+        comm.telemetry()
+        healthy = intra_windows(3)
+        assert set(healthy["src"].tolist()) == set(range(8))
+        np.testing.assert_allclose(healthy["rate"], uplink, rtol=ACCURACY["link"])
+        comm.inject(topo.degrade(0, "nvs:h0", gbps=topo.capacity(0, "nvs:h0") * 8e-9 * 0.45, both=False))
+        f(x).block_until_ready()
+        comm.telemetry()
+        degraded = intra_windows(2)
+    gpu0 = degraded[degraded["src"] == 0]["rate"]
+    assert gpu0.size, degraded
+    np.testing.assert_allclose(gpu0, 0.45 * uplink, rtol=ACCURACY["link"])
+    np.testing.assert_allclose(degraded[degraded["src"] != 0]["rate"], uplink, rtol=ACCURACY["link"])
+
+
 def test_degradation_shows_in_the_matrix_within_five_collectives():
     topo = rail(hosts=2, gpus_per_host=1)
     comm, f, ref = _all_gather_comm(topo, LinkEmulation(time_scale=4e-4), 2)

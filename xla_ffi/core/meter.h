@@ -58,7 +58,10 @@ JAXCCL_HD double MeterOnDelivered(MeterWindow* w, int32_t threshold, int64_t min
   if (a.state != static_cast<int32_t>(WindowState::kMeasuring) || a.active >= threshold) return -1;
   a.state = static_cast<int32_t>(WindowState::kFinalizing);
   const int64_t dbytes = a.bytes_sent - a.start_size;
-  const int64_t dt = done_ns - a.start_ns - w->idle_ns;
+  // The window ends when its last byte was carried: deliveries may complete out of transmission order
+  // (timed messages: busy_until_ns is the latest transmission end; untimed: the post time, never later).
+  const int64_t end_ns = done_ns > w->busy_until_ns ? done_ns : w->busy_until_ns;
+  const int64_t dt = end_ns - a.start_ns - w->idle_ns;
   a.state = static_cast<int32_t>(WindowState::kIdle);
   if (dbytes <= 0 || dbytes < min_window_bytes || dt <= 0) return -1;
   return static_cast<double>(dbytes) / (static_cast<double>(dt) * 1e-9);

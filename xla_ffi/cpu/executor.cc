@@ -805,11 +805,11 @@ void CpuLaunch::Consume(int32_t g, const ProgTb& tb, const Unit& u, const Messag
   if (measure_ || (net_ && net_->tracing())) {
     const int64_t now = NowNs();
     if (measure_) {
-      // Done = when the last byte left the bottleneck link (propagation is not throughput): the link's own
-      // time, or the time this thread observed the message less the route's latency.
+      // Done = when the last byte left the metered link (propagation is not throughput; Transfer says which
+      // link): the link's own time, or the time this thread observed the message less what followed it.
       const int64_t delivered_ns = !pace_                    ? now
-                                   : net_->link_timestamps() ? timing.tx_end_ns
-                                                             : now - (timing.ready_ns - timing.tx_end_ns);
+                                   : net_->link_timestamps() ? timing.meter_end_ns
+                                                             : now - (timing.ready_ns - timing.meter_end_ns);
       ConnMeter& cm = *ctx_->meters[tb.recv_conn];
       std::lock_guard<std::mutex> lock(cm.mu);
       const bool now_idle = --cm.in_flight == 0;
@@ -854,6 +854,7 @@ void CpuLaunch::Post(int32_t g, const ProgTb& tb, const Unit& u, const ProgOp& o
       t = net_->Reserve(rank, tb.send_peer, out.bytes, timing.post_ns);
       timing.ready_ns = t.ready_ns;
       timing.tx_end_ns = t.tx_end_ns;
+      timing.meter_end_ns = t.meter_end_ns;
     }
     if (measure_) {
       ConnMeter& cm = *ctx_->meters[tb.send_conn];

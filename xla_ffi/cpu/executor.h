@@ -68,6 +68,7 @@ class AlignedBuffer {
 struct MessageTiming {
   int64_t ready_ns = 0;   // with link pacing: when the emulated links have carried it (steady clock)
   int64_t tx_end_ns = 0;  // with link pacing: when its last byte left the bottleneck link
+  int64_t meter_end_ns = 0;  // with link pacing: the end of the interval the meter sees (Transfer)
   int64_t post_ns = 0;    // with a network: when the sender posted it
   int32_t src_tb = 0;     // the sending threadblock (within its rank) and op, for traces
   int32_t src_op = 0;

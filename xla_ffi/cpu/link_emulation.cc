@@ -142,10 +142,12 @@ Transfer Network::Reserve(int32_t src, int32_t dst, size_t bytes, int64_t now_ns
   const double now = static_cast<double>(now_ns);
   double done = now;
   double start_of_bottleneck = now;
+  double first_start = now, first_end = now;
   for (int32_t k = route_offsets_[p]; k < route_offsets_[p + 1]; ++k) {
     const int32_t l = route_links_[k];
     const double start = std::max(now, free_at_ns_[l]);
     free_at_ns_[l] = start + static_cast<double>(bytes) / capacity_[l];
+    if (k == route_offsets_[p]) first_start = start, first_end = free_at_ns_[l];
     if (free_at_ns_[l] >= done) {
       done = free_at_ns_[l];
       start_of_bottleneck = start;
@@ -153,10 +155,14 @@ Transfer Network::Reserve(int32_t src, int32_t dst, size_t bytes, int64_t now_ns
   }
   // Saturate instead of overflowing int64: a transfer that would end beyond the horizon just never ends
   // in time, and the wait for it misses its deadline.
+  const auto ns = [](double t) { return static_cast<int64_t>(std::min(t, kHorizonNs)); };
   Transfer t;
-  t.tx_start_ns = static_cast<int64_t>(std::min(start_of_bottleneck, kHorizonNs));
+  t.tx_start_ns = ns(start_of_bottleneck);
   t.tx_end_ns = static_cast<int64_t>(std::ceil(std::min(done, kHorizonNs)));
   t.ready_ns = std::min<int64_t>(t.tx_end_ns, static_cast<int64_t>(kHorizonNs)) + route_latency_ns_[p];
+  const bool injection = Intra(src, dst);
+  t.meter_start_ns = injection ? ns(first_start) : t.tx_start_ns;
+  t.meter_end_ns = injection ? static_cast<int64_t>(std::ceil(std::min(first_end, kHorizonNs))) : t.tx_end_ns;
   return t;
 }
 
@@ -168,7 +174,8 @@ void Network::OnPost(int32_t src, int32_t dst, int64_t post_ns, bool became_busy
   const int32_t threshold = (Intra(src, dst) ? intra_threshold_ : inter_threshold_).load(std::memory_order_relaxed);
   Accumulator& acc = AccumulatorFor(src, dst);
   std::lock_guard<std::mutex> lock(acc.mu);
-  MeterOnPost(&acc.w, threshold, became_busy, t != nullptr, t ? t->tx_start_ns : post_ns, t ? t->tx_end_ns : post_ns);
+  MeterOnPost(&acc.w, threshold, became_busy, t != nullptr, t ? t->meter_start_ns : post_ns,
+              t ? t->meter_end_ns : post_ns);
 }
 
 void Network::OnDelivered(int32_t src, int32_t dst, size_t bytes, int64_t done_ns, bool now_idle,

@@ -63,10 +63,17 @@ struct NetworkConfig {
 
 // One message's passage through the emulated links (steady-clock ns): it occupies its bottleneck link
 // from tx_start to tx_end and is visible to the receiver at ready (tx_end + the route's latency).
+// meter_start/meter_end is the interval the passive measurement sees: the bottleneck's for an
+// inter-node pair; for an intra-node transfer the sender's first link (its injection link), since
+// the intra-node accumulator measures a GPU's injection: every link is an independent FIFO server,
+// so transfers to different receivers of one host overlap on their downlinks, and their bottleneck
+// intervals would read up to (GPUs per host - 1) x the injection link's capacity.
 struct Transfer {
   int64_t tx_start_ns = 0;
   int64_t tx_end_ns = 0;
   int64_t ready_ns = 0;
+  int64_t meter_start_ns = 0;
+  int64_t meter_end_ns = 0;
 };
 
 // One delivered message, for offline analysis (REACT's per-flow completion times): who sent it from
