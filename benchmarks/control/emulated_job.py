@@ -41,7 +41,7 @@ class EmulatedJob:
     _stall: list[tuple[int, float]] = dataclasses.field(default_factory=lambda: [(-1, 0.0)])
 
     @classmethod
-    def start(cls, *, time_scale: float = 1e-4) -> EmulatedJob:
+    def start(cls, *, time_scale: float = 1e-4, timestamps: str = "link") -> EmulatedJob:
         jaxccl.emulate(NUM_DEVICES)
         import jax
         import jax.numpy as jnp
@@ -53,7 +53,11 @@ class EmulatedJob:
         mesh = Mesh(np.array(jax.devices()), ("data",))
         topo = rail(hosts=2, gpus_per_host=4)
         comm = jaxccl.Communicator(
-            mesh, "data", topology=topo, backend="cpu", link_emulation=LinkEmulation(time_scale=time_scale)
+            mesh,
+            "data",
+            topology=topo,
+            backend="cpu",
+            link_emulation=LinkEmulation(time_scale=time_scale, timestamps=timestamps),
         )
         healthy = jaxccl.synth.all_gather(topo)
         comm.install("all_gather", healthy)

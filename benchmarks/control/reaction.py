@@ -80,23 +80,30 @@ def draws(runs: int, seed: int) -> list[dict[str, Any]]:
 
 
 def warranted(draw: dict[str, Any], min_gain: float = 0.05) -> bool:
-    """Whether the draw's fault warrants a swap: the schedule synthesized for the degraded fabric beats the healthy
-    one there by more than ``min_gain`` (the controller's default), both predicted as the controller does.
+    """Whether the draw's fault warrants a swap (:func:`swap_warranted` on the demo's fabric and synthesizer).
 
     A fault off the schedule's bottleneck (a shallow NVLink fault on this fabric) warrants none: a run that does
     not swap then is right.
     """
     from jaxccl import synth
-    from jaxccl.control.algorithm1 import check, nominal_capacities, profile
     from jaxccl.demos.closed_loop import degraded_topology, failed_links
     from jaxccl.topology import rail
 
     topo = rail(hosts=2, gpus_per_host=4)
     degraded = degraded_topology(topo, failed_links(draw["fail_link"], topo), draw["depth"])
-    healthy = synth.all_gather(topo)
+    return swap_warranted(topo, degraded, lambda t, previous: synth.all_gather(t, previous=previous), min_gain)
+
+
+def swap_warranted(topo: Any, degraded: Any, synthesize: Any, min_gain: float = 0.05) -> bool:
+    """Whether the AllGather ``synthesize(degraded, healthy)`` makes for the degraded fabric beats the one it makes
+    for ``topo`` (running on ``degraded``) by more than ``min_gain`` (the controller's default), both predicted as
+    the controller does."""
+    from jaxccl.control.algorithm1 import check, nominal_capacities, profile
+
+    healthy = synthesize(topo, None)
     x_min = check(profile(healthy, degraded), nominal_capacities(degraded), gamma=0.0).x_min
     stale = healthy.num_ranks * healthy.chunks_per_period * x_min
-    return bool(synth.all_gather(degraded).algbw > stale * (1 + min_gain))
+    return bool(synthesize(degraded, healthy).algbw > stale * (1 + min_gain))
 
 
 def one_run(draw: dict[str, Any], detector: str, steps: int) -> dict[str, Any]:

@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import threading
 import time
 import traceback
@@ -62,8 +63,9 @@ from jaxccl.control.algorithm1 import CheckResult, ScheduleProfile, check, nomin
 from jaxccl.control.detector import ChangeDetector
 from jaxccl.control.step_driven import StepTimes, at_step_end
 from jaxccl.errors import ArgumentError
-from jaxccl.schedule.table import compile_table
+from jaxccl.schedule.table import compiled_table
 from jaxccl.synth.ordered_reduce_scatter import ordered_reduce_scatter
+from jaxccl.telemetry.matrix import entry_capacities
 
 __all__ = ["DETECTORS", "REDUCTIONS", "Controller", "Event", "managed_collectives", "measured_topology"]
 
@@ -151,6 +153,27 @@ def measured_topology(base: Any, estimates: Mapping[tuple, float], *, tolerance:
     return base.with_edges({e: {"capacity": f * base.capacity(*e)} for e, f in factors.items()})
 
 
+def _algbw_on(schedule: Any, topo: Any) -> float:
+    """``schedule``'s algbw on ``topo`` as Algorithm 1 predicts it: ranks x chunks per period x ``x_min``."""
+    return (
+        schedule.num_ranks
+        * schedule.chunks_per_period
+        * check(profile(schedule, topo), nominal_capacities(topo), gamma=0.0).x_min
+    )
+
+
+def _close(a: Any, b: Any, base: Any, tolerance: float) -> bool:
+    """Whether measured topologies ``a`` and ``b`` (both of :func:`measured_topology` on ``base``) give every link
+    capacities within ``tolerance`` of its nominal one of each other: a schedule synthesized for one suits the other.
+    """
+    if a == b:
+        return True
+    caps_a, caps_b = nominal_capacities(a), nominal_capacities(b)
+    return caps_a.keys() == caps_b.keys() and all(
+        abs(caps_a[e] - caps_b[e]) <= tolerance * base.capacity(*e) for e in caps_a
+    )
+
+
 def _samples_of(samples: np.ndarray, pairs: frozenset[tuple[int, int]]) -> int:
     """Measurements of the schedule: the fewest samples of its inter-node pairs (all entries' if it has none)."""
     if not pairs:
@@ -194,6 +217,7 @@ class _Managed:
     change_ns: int = 0
     speculative: tuple[Any, Any, float] | None = None  # (target topology, schedule, synth ms)
     decided: list[Any] = dataclasses.field(default_factory=list)  # the detector's Changes since the last decision
+    rejected: Any = None  # the measured topology whose re-synthesis was last rejected (None: none since a swap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,6 +328,8 @@ class Controller:
         cusum = detector == "cusum"
         self._changes = ChangeDetector(false_alarm_rate=false_alarm_rate, warmup=warmup) if cusum else None
         self._fed: Any = None  # the telemetry snapshot the change detector last read
+        self._baseline: dict[tuple[int, int], float] = {}  # each entry's first learned level (bytes/s)
+        self._calibration: dict[tuple[int, int], float] = {}  # each entry's meter calibration (see _level_caps)
         self.min_gain = float(min_gain)
         self.comm = comm
         self.gamma = float(gamma)
@@ -492,16 +518,32 @@ class Controller:
         if tel is not self._fed:
             self._fed = tel
             changes = self._changes.update(tel.windows, now_ns=time.monotonic_ns())
+            for c in changes:
+                if c.kind == "learned":
+                    self._baseline.setdefault(c.entry, c.after)
             if changes:
                 for m in self._managed.values():
                     m.decided = [*m.decided, *changes][-1024:]
         return tel
 
     def _level_caps(self, tel: Any, m: _Managed, levels: Mapping[tuple[int, int], float]) -> dict[tuple, float]:
-        """``M_a`` from the detector's levels (its robust per-entry estimates) instead of the EWMA."""
+        """``M_a`` from the detector's levels (its robust per-entry estimates) instead of the EWMA, calibrated:
+        an entry first learned at or above the rate its links allow, or below it by no more than its noise
+        (3 standard errors of the learned level), counts every level scaled by ``allowed / first level``: a meter
+        that reads high (sends that complete in socket and qdisc buffers across processes) or a level learned a
+        little low by chance then reads the links' capacity, and a fall the same fraction of it. An entry first
+        learned further below what its links allow is taken as measured: a fault present from the start.
+        The factor is fixed when the entry is first used after learning (with the schedule then running)."""
+        new = [e for e in levels if e in self._baseline and e not in self._calibration]
+        if new:
+            allowed = entry_capacities(self.comm.topology, new, pairs=set(m.profile.inter_pairs))
+            for e in new:
+                first, cap = self._baseline[e], allowed.get(e)
+                noise = 3 * self._changes.sigma(e) / math.sqrt(self._changes.warmup)
+                self._calibration[e] = cap / first if cap and math.log(cap / first) <= noise else 1.0
         matrix = np.full(tel.matrix.shape, np.nan)
         for (i, j), v in levels.items():  # the entries of the communicator's own windows: always in range
-            matrix[i, j] = v
+            matrix[i, j] = v * self._calibration.get((i, j), 1.0)
         return self._estimates(dataclasses.replace(tel, matrix=matrix), m)
 
     def _pessimistic(self, m: _Managed, caps: dict[tuple, float], clock: int) -> dict[tuple, float]:
@@ -543,6 +585,11 @@ class Controller:
                 continue
             if not m.decided and not m.held:
                 continue  # no decided change behind the flag (e.g. an entry still learning its noise model)
+            if m.rejected is not None and measured_topology(self.comm.topology, caps, tolerance=self.tolerance) == (
+                m.rejected
+            ):
+                m.decided.clear()  # e.g. an entry re-learned the level already acted on: the same answer again
+                continue
             if not m.detected_ns:
                 m.detected_ns = self._detected(m, _Checked(result, caps, True, True)).time_ns
                 shifts = [c for c in m.decided if c.kind == "shift"] or m.decided
@@ -569,7 +616,7 @@ class Controller:
     def _cusum_caps(self, m: _Managed, tel: Any) -> tuple[int, dict[tuple, float], dict[tuple, float]]:
         """The collective's launch clock, ``M_a`` from the detector's levels, and the same held pessimistic."""
         clock = int(self.comm.swap_state(m.collective).get("issued", 0))
-        measured = self._level_caps(tel, m, self._changes.levels())
+        measured = self._level_caps(tel, m, self._changes.levels(learning=False))
         return clock, measured, self._pessimistic(m, measured, clock)
 
     def _still_flagged_cusum(self, m: _Managed) -> bool:
@@ -585,7 +632,7 @@ class Controller:
                 self._emit("discarded", m.collective, reason="the suspected change was not confirmed")
                 m.speculative = None
             return
-        caps = self._level_caps(tel, m, {**self._changes.levels(), **suspects})
+        caps = self._level_caps(tel, m, {**self._changes.levels(learning=False), **suspects})
         target = measured_topology(self.comm.topology, caps, tolerance=self.tolerance)
         if not check(m.profile, caps, gamma=self.gamma).flagged or (
             m.speculative is not None and m.speculative[0] == target
@@ -634,40 +681,37 @@ class Controller:
         running = self.comm.schedule(coll)
         target = measured_topology(self.comm.topology, caps, tolerance=self.tolerance)
         speculative, m.speculative = m.speculative, None
-        if speculative is not None and speculative[0] == target:
-            new = speculative[1]
+        if speculative is not None and _close(speculative[0], target, self.comm.topology, self.tolerance):
+            new = speculative[1]  # synthesized for the suspected levels; judged on the decided ones
+            predicted = _algbw_on(new, target)
             self._emit(
                 "synthesized",
                 coll,
                 synth_ms=0.0,
                 speculative_ms=speculative[2],
-                predicted_algbw=new.algbw,
+                predicted_algbw=predicted,
                 name=new.name,
             )
         else:
             t0 = time.perf_counter()
             new = self.synthesizers[coll](target, running)
+            predicted = new.algbw
             self._emit(
-                "synthesized", coll, synth_ms=(time.perf_counter() - t0) * 1e3, predicted_algbw=new.algbw, name=new.name
+                "synthesized", coll, synth_ms=(time.perf_counter() - t0) * 1e3, predicted_algbw=predicted, name=new.name
             )
         self.resyntheses += 1
         if not still_flagged():
             self._emit("aborted", coll, reason="the degradation cleared during re-synthesis")
             return
-        stale = (
-            running.num_ranks
-            * running.chunks_per_period
-            * check(profile(running, target), nominal_capacities(target), gamma=self.gamma).x_min
-        )
-        if new.algbw is not None and new.algbw <= stale * (1 + self.min_gain) * (1 + 1e-6):
+        stale = _algbw_on(running, target)
+        if predicted is not None and predicted <= stale * (1 + self.min_gain) * (1 + 1e-6):
             reason = (
                 "no better than the running schedule"
-                if new.algbw <= stale * (1 + 1e-6)
+                if predicted <= stale * (1 + 1e-6)
                 else (f"predicted gain below min_gain ({self.min_gain:.0%})")
             )
-            self._emit("rejected", coll, reason=reason, stale_algbw=stale, predicted_algbw=new.algbw)
-            m.belief = target
-            m.digest = ""
+            self._emit("rejected", coll, reason=reason, stale_algbw=stale, predicted_algbw=predicted)
+            m.belief, m.digest, m.rejected = target, "", target
             return
         if coll in REDUCTIONS and self.exact_reductions and not (new.info or {}).get("ordered_reduction"):
             self._emit(
@@ -677,17 +721,15 @@ class Controller:
                 "differ in the last bits",
                 name=new.name,
             )
-            m.belief = target
-            m.digest = ""
+            m.belief, m.digest, m.rejected = target, "", target
             return
         t1 = time.perf_counter()
         new.validate()  # with info["ordered_reduction"], also proves the ascending-rank fold
-        table = compile_table(new, num_slots=8)
+        table = compiled_table(new, num_slots=8)  # memoized: staging checks the table against it for free
         t2 = time.perf_counter()
         version = self.comm.stage_validated(coll, new, table=table)
         t3 = time.perf_counter()
-        m.belief = target
-        m.digest = ""
+        m.belief, m.digest, m.rejected = target, "", None
         m.staged_ns = time.monotonic_ns()
         m.staged_version = version
         self._emit(
@@ -696,6 +738,6 @@ class Controller:
             version=m.staged_version,
             dispatch_ms=(t2 - t1) * 1e3,
             swap_ms=(t3 - t2) * 1e3,
-            predicted_algbw=new.algbw,
+            predicted_algbw=predicted,
             stale_algbw=stale,
         )

@@ -2,21 +2,18 @@
 
 Every entry of the link matrix (a GPU pair across hosts, or a GPU's intra-node injection) gets a
 noise model learned from its first ``warmup`` samples: the median ``mu`` and a robust spread
-``sigma`` of its log rates (the largest of the MAD-, IQR- and 5-95 %-range estimates, inflated while
-few samples back it, at least ``sigma_floor``; re-estimated from the last 64 in-control residuals).
-From then on every sample ``x`` is standardized, ``z = (log x - mu) / sigma``, and fed to two
-one-sided CUSUM statistics (Page's test; a downward one for degradations, an upward one for
-recoveries)::
+``sigma`` of its log rates (the largest of the MAD-, IQR- and 5-95 %-range estimates, raised to a
+99 % upper confidence bound for the samples behind it, at least ``sigma_floor``; re-estimated from
+the last 64 in-control residuals), never below the spread pooled over every entry of its kind
+(intra-node injections, or pairs across hosts): they share most of their noise, the hosts' load,
+and a spread from a few samples alone is often far too small. From then on every sample ``x`` is standardized,
+``z = (log x - mu) / sigma``, and fed to two one-sided CUSUM statistics (Page's test; a downward
+one for degradations, an upward one for recoveries)::
 
     S_down <- max(0, S_down - z - k)      S_up <- max(0, S_up + z - k)
 
-and, once an entry has 16 residuals, a third, downward one against its healthy *floor* (its lowest
-residual, with the spread of its lowest decile): for Gaussian noise the floor sits ~2.4 sigma below
-the centre, so that test is the stricter one; for noise bounded below -- an intra-node injection
-rate is multimodal (how many channels happened to be active) but never under its link's capacity
-while healthy -- it decides a fall under the floor at once. Each test has the reference value ``k``
-half the smallest shift worth detecting (``min_shift``, as a
-fraction of the rate, in units of ``sigma``). A statistic above ``h`` is a decided change. ``h``
+Each test has the reference value ``k`` half the smallest shift worth detecting (``min_shift``, as
+a fraction of the rate, in units of ``sigma``). A statistic above ``h`` is a decided change. ``h``
 follows from the false-alarm parameter: :func:`cusum_threshold` solves Siegmund's approximation of
 the in-control average run length for ``ARL0 = 1 / false_alarm_rate`` samples, so
 ``false_alarm_rate`` is the expected number of false decisions per sample and entry and
@@ -56,6 +53,7 @@ from collections.abc import Iterable
 
 import numpy as np
 from scipy.optimize import brentq
+from scipy.stats import chi2
 
 from jaxccl.errors import ArgumentError
 from jaxccl.telemetry.matrix import WINDOW_DTYPE
@@ -64,9 +62,20 @@ __all__ = ["Change", "ChangeDetector", "cusum_threshold"]
 
 Entry = tuple[int, int]
 NOISE_SAMPLES = 64  # the noise model's spread is re-estimated from an entry's last 64 in-control residuals
-SPREAD_UNCERTAINTY = 2.0  # the learned spread is inflated by 1 + 2 / sqrt(samples) (x1.9 at 5, x1.25 at 64)
-FLOOR_SAMPLES = 8  # residuals before the floor test starts
+POOL_SAMPLES = 1024  # the pooled spread of a kind of entries: from the last 1024 in-control residuals of them all
+POOL_WEIGHT = 20  # the pooled spread counts as this many degrees of freedom beside an entry's own residuals
+SPREAD_CONFIDENCE = 0.99  # the spread is raised to this upper bound (x3.7 at 5 samples alone, x1.5 with the pool)
 LEARNING_LEVEL_SAMPLES = 3  # an entry's level while it learns its noise model: the median of its last 3 samples
+
+
+def _spread_bound(n: int) -> float:
+    """The factor that raises a spread estimated from ``n`` samples to its ``SPREAD_CONFIDENCE`` upper bound.
+
+    >>> [round(_spread_bound(n), 2) for n in (5, 16, 64)]
+    [3.67, 1.69, 1.26]
+    """
+    dof = max(n - 1, 1)
+    return math.sqrt(dof / chi2.ppf(1 - SPREAD_CONFIDENCE, dof))
 
 
 def cusum_threshold(false_alarm_rate: float, k: float) -> float:
@@ -131,19 +140,17 @@ class Change:
 class _EntryState:
     log_samples: list[float] = dataclasses.field(default_factory=list)  # learning: since start / last change
     mu: float = math.nan
-    sigma: float = math.nan
+    sigma: float = math.nan  # the spread of the entry's own residuals (not yet raised to its confidence bound)
     learning_since: int = 0
-    held: list[float] = dataclasses.field(default_factory=list)  # residuals waiting while a downward test runs
+    held: list[float] = dataclasses.field(default_factory=list)  # residuals waiting while the downward test runs
     unmodelled: int = 0  # residuals added since the spread was last estimated
     residuals: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=NOISE_SAMPLES))
-    floor: float = math.nan  # the lowest residual seen healthy (the floor test's reference, relative to mu)
-    floor_sigma: float = math.nan  # the spread of the lowest decile of residuals (NaN: too few residuals yet)
-    stats: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0, 0.0])  # down, up, floor
-    runs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=lambda: [[], [], []])  # since S left 0
+    stats: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # down, up
+    runs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=lambda: [[], []])  # since S left 0
 
     def restart(self) -> None:
-        self.stats = [0.0, 0.0, 0.0]
-        self.runs = [[], [], []]
+        self.stats = [0.0, 0.0]
+        self.runs = [[], []]
 
 
 class ChangeDetector:
@@ -190,6 +197,8 @@ class ChangeDetector:
         self.suspect = float(suspect)
         self._shift = -math.log1p(-self.min_shift)  # in log units
         self._entries: dict[Entry, _EntryState] = {}
+        self._pools: dict[bool, collections.deque] = {}  # in-control residuals of every entry of a kind (intra?)
+        self._pooled: dict[bool, tuple[float, int]] = {}  # each kind's pooled spread and residuals, at the last update
         self._thresholds: dict[float, float] = {}
         self.tested: collections.Counter[Entry] = collections.Counter()
         self.shifts: collections.Counter[Entry] = collections.Counter()
@@ -205,12 +214,27 @@ class ChangeDetector:
     def threshold(self, entry: Entry) -> float:
         """``h`` of ``entry`` (NaN while it learns its noise model)."""
         st = self._entries.get(entry)
-        return math.nan if st is None or math.isnan(st.sigma) else self._k_h(st.sigma)[1]
+        return math.nan if st is None or math.isnan(st.sigma) else self._k_h(self._sigma(entry, st))[1]
 
     def sigma(self, entry: Entry) -> float:
-        """The learned spread of ``entry``'s log rates (NaN while it learns)."""
+        """The spread of ``entry``'s log rates its tests use (NaN while it learns): see :meth:`_sigma`."""
         st = self._entries.get(entry)
-        return math.nan if st is None else st.sigma
+        return math.nan if st is None or math.isnan(st.sigma) else self._sigma(entry, st)
+
+    def _sigma(self, entry: Entry, st: _EntryState) -> float:
+        """The spread the entry's tests use: its own residuals' spread moderated by its kind's pooled one (every
+        entry of its kind: intra-node injections, or pairs across hosts, which share most of their noise, the
+        hosts' load), the pool weighing as ``POOL_WEIGHT`` degrees of freedom beside the entry's own, raised to
+        the ``SPREAD_CONFIDENCE`` upper bound for the degrees of freedom behind it, at least ``sigma_floor``. A
+        spread from an entry's few samples alone is often far too small (or large); its own residuals take over
+        as they accumulate."""
+        dof = max(len(st.residuals) - 1, 1)
+        var = st.sigma**2 * dof
+        pooled = self._pooled.get(entry[0] == entry[1])
+        weight = 0 if pooled is None else min(POOL_WEIGHT, pooled[1] - len(st.residuals) - 1)  # others' residuals
+        if weight > 0:
+            var, dof = var + weight * pooled[0] ** 2, dof + weight
+        return max(math.sqrt(var / dof) * _spread_bound(dof + 1), self.sigma_floor)
 
     def level(self, entry: Entry) -> float | None:
         """The entry's current rate estimate (bytes/s): its learned or re-learned centre; None if unseen."""
@@ -221,12 +245,13 @@ class ChangeDetector:
             return math.exp(float(np.median(st.log_samples[-LEARNING_LEVEL_SAMPLES:])))
         return math.exp(st.mu)
 
-    def levels(self) -> dict[Entry, float]:
-        """Every seen entry's current rate estimate (bytes/s)."""
+    def levels(self, *, learning: bool = True) -> dict[Entry, float]:
+        """Every seen entry's current rate estimate (bytes/s); ``learning=False``: only the entries that learned
+        their noise model (a learning entry's level is the median of its last few samples, not a decided one)."""
         out = {}
-        for e in self._entries:
+        for e, st in self._entries.items():
             v = self.level(e)
-            if v is not None:
+            if v is not None and (learning or not math.isnan(st.sigma)):
                 out[e] = v
         return out
 
@@ -236,8 +261,8 @@ class ChangeDetector:
         for e, st in self._entries.items():
             if math.isnan(st.sigma):
                 continue
-            for stat, run, sigma in zip(st.stats, st.runs, (st.sigma, st.sigma, st.floor_sigma)):
-                if run and not math.isnan(sigma) and stat > self.suspect * self._k_h(sigma)[1]:
+            for stat, run in zip(st.stats, st.runs):
+                if run and stat > self.suspect * self._k_h(self._sigma(e, st))[1]:
                     out[e] = math.exp(float(np.median([x for x, _ in run])))
         return out
 
@@ -257,6 +282,9 @@ class ChangeDetector:
             change = self._sample((int(src), int(dst)), math.log(rate), int(now_ns))
             if change is not None:
                 changes.append(change)
+        for intra, pool in self._pools.items():  # the next samples' tests see this update's residuals
+            if len(pool) >= self.warmup:
+                self._pooled[intra] = (self._spread(pool), len(pool))
         return changes
 
     def _sample(self, entry: Entry, y: float, now_ns: int) -> Change | None:
@@ -268,6 +296,7 @@ class ChangeDetector:
                 return None
             st.mu = float(np.median(st.log_samples))
             st.residuals.extend(x - st.mu for x in st.log_samples)
+            self._pool(entry).extend(st.residuals)
             st.sigma = self._spread(st.residuals)
             st.log_samples = []
             level = math.exp(st.mu)
@@ -280,65 +309,49 @@ class ChangeDetector:
                 level = math.exp(st.mu)
                 relearned = Change(entry, level, level, self.warmup, st.learning_since, now_ns, kind="learned")
         self.tested[entry] += 1
-        z = (y - st.mu) / st.sigma
-        steps = [-z, z]  # the downward and the upward test around the centre
-        if not math.isnan(st.floor_sigma):  # the downward test against the healthy floor
-            steps.append(-(y - st.mu - st.floor) / st.floor_sigma)
-        for i, step in enumerate(steps):
-            sigma = st.floor_sigma if i == 2 else st.sigma
-            k, h = self._k_h(sigma)
+        sigma = self._sigma(entry, st)
+        z = (y - st.mu) / sigma
+        k, h = self._k_h(sigma)
+        for i, step in enumerate((-z, z)):  # the downward and the upward test around the centre
             st.stats[i] = max(0.0, st.stats[i] + step - k)
             st.runs[i] = [*st.runs[i], (y, now_ns)] if st.stats[i] > 0 else []
             if st.stats[i] > h:
                 return self._decide(entry, st, i, now_ns)
-        self._learn_noise(st, y - st.mu)
+        self._learn_noise(entry, st, y - st.mu)
         return relearned
 
-    def _learn_noise(self, st: _EntryState, residual: float) -> None:
-        """Adds an in-control residual to the noise model. While a downward test runs, its samples wait: they are
-        noise if the test returns to 0, the new level if it decides (a floor learned from them would follow the
-        fall it is to detect)."""
-        if st.stats[0] > 0 or st.stats[2] > 0:
+    def _pool(self, entry: Entry) -> collections.deque:
+        return self._pools.setdefault(entry[0] == entry[1], collections.deque(maxlen=POOL_SAMPLES))
+
+    def _learn_noise(self, entry: Entry, st: _EntryState, residual: float) -> None:
+        """Adds an in-control residual to the noise model. While the downward test runs, its samples wait: they are
+        noise if the test returns to 0, the new level if it decides (a spread learned from them would widen with
+        the fall it is to detect)."""
+        if st.stats[0] > 0:
             st.held.append(residual)
             return
         st.residuals.extend([*st.held, residual])
+        self._pool(entry).extend([*st.held, residual])
         st.unmodelled += len(st.held) + 1
         st.held = []
         if st.unmodelled >= 8:
             st.unmodelled = 0
             st.sigma = self._spread(st.residuals)
-            st.floor, st.floor_sigma = self._floor(st.residuals)
-            if math.isnan(st.floor_sigma):  # too few residuals left (a decision took its run's): no floor test
-                st.stats[2], st.runs[2] = 0.0, []
-
-    def _floor(self, residuals: Iterable[float]) -> tuple[float, float]:
-        """The floor test's reference (the lowest residual) and spread (of the lowest decile), once there are
-        ``FLOOR_SAMPLES`` residuals; else NaN. For Gaussian noise the floor sits ~2.4 sigma below the centre, so
-        the test is the stricter one; for noise bounded below (an injection rate never under its link's
-        capacity while healthy) the lowest decile is tight and a fall under the floor is decided fast."""
-        a = np.asarray(list(residuals))
-        if a.size < FLOOR_SAMPLES:
-            return math.nan, math.nan
-        q0, q10 = np.quantile(a, (0.0, 0.1))
-        spread = float(q10 - q0) / 1.2816 * (1 + SPREAD_UNCERTAINTY / math.sqrt(a.size))
-        return float(q0), max(spread, self.sigma_floor)
 
     def _spread(self, residuals: Iterable[float]) -> float:
         """The spread of log rates: the largest of 1.4826 x MAD, IQR / 1.349 and the 5-95 % range / 3.29 (each is
-        sigma for Gaussian noise; the last ones also see multimodal noise, e.g. an intra-node injection rate that
-        depends on how many channels happened to be active), floored."""
+        sigma for Gaussian noise; the last ones also see multimodal noise, e.g. a rate that depends on how many
+        transfers happened to overlap); :meth:`_sigma` bounds it."""
         a = np.asarray(list(residuals))
         q5, q25, q50, q75, q95 = np.quantile(a, (0.05, 0.25, 0.5, 0.75, 0.95))
         mad = 1.4826 * float(np.median(np.abs(a - q50)))
-        spread = max(mad, float(q75 - q25) / 1.349, float(q95 - q5) / 3.29)
-        # an upper confidence bound: a spread from few samples is often far too small (2x at 5 samples)
-        return max(spread * (1 + SPREAD_UNCERTAINTY / math.sqrt(a.size)), self.sigma_floor)
+        return max(mad, float(q75 - q25) / 1.349, float(q95 - q5) / 3.29)
 
     def _decide(self, entry: Entry, st: _EntryState, test: int, now_ns: int) -> Change:
         run = st.runs[test]
         before = math.exp(st.mu)
         after = [x for x, _ in run]
-        st.held = []  # the downward runs' samples belong to the new level, not to the noise
+        st.held = []  # the downward run's samples belong to the new level, not to the noise
         if test == 1:  # so do the upward run's, which went into the noise model as they came
             for _ in range(min(len(run), len(st.residuals))):
                 st.residuals.pop()

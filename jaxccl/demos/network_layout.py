@@ -16,6 +16,9 @@ at the lab's NIC rate. With ``--network loopback`` there is no NIC: 2 processes 
 
 from __future__ import annotations
 
+from typing import Any
+
+from jaxccl import synth
 from jaxccl.errors import DemoNetworkError
 from jaxccl.labs.netlab import LinkShape
 from jaxccl.labs.rail import rank_rail
@@ -25,6 +28,7 @@ HOSTS = 2
 RANKS_PER_HOST = 4
 NUM_RANKS = HOSTS * RANKS_PER_HOST
 FAILED_RANK = 1  # its NIC is cut by default (rank 0's NIC carries the job's coordinator, as in the loop's drill)
+MAX_CHUNKS = 2  # chunks per shard of the demo's AllGather schedules (see demo_allgather)
 
 
 def default_processes(network: str) -> int:
@@ -68,6 +72,20 @@ def demo_topology(nic_rate_mbit: float):
     12500000.0
     """
     return rank_rail(HOSTS, RANKS_PER_HOST, LinkShape(rate_mbit=nic_rate_mbit))
+
+
+def demo_allgather(topo: Any, previous: Any = None) -> Any:
+    """The demo's AllGather synthesizer (the healthy schedule's and the controller's): at most
+    ``MAX_CHUNKS`` chunks per shard, warm-started from ``previous``.
+
+    Finer chunks would send quarter shards between processes, which finish in the socket's and
+    the qdisc's buffers on these shaped links: their completion times would no longer measure the
+    link, and the loop would see a cut NIC as recovered.
+
+    >>> demo_allgather(demo_topology(200)).chunks_per_period <= MAX_CHUNKS
+    True
+    """
+    return synth.all_gather(topo, previous=previous, max_chunks=MAX_CHUNKS)
 
 
 def failed_link(rank: int = FAILED_RANK) -> tuple[int, str]:

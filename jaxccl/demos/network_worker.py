@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import jaxccl
-from jaxccl import synth
 from jaxccl.control.process_loop import ProcessLoop
 from jaxccl.demos.closed_loop import (
     DemoConfig,
@@ -40,7 +39,14 @@ from jaxccl.demos.closed_loop import (
     _simulated,
     reaction_fields,
 )
-from jaxccl.demos.network_layout import NUM_RANKS, check_processes, demo_topology, failed_links, process_of_rank
+from jaxccl.demos.network_layout import (
+    NUM_RANKS,
+    check_processes,
+    demo_allgather,
+    demo_topology,
+    failed_links,
+    process_of_rank,
+)
 from jaxccl.distributed.launch import initialize_from_env
 from jaxccl.distributed.transport import NETWORK_ONLY, ProcessTransport, attach, stage_agreed
 
@@ -53,23 +59,12 @@ CUT_REQUEST = "JAXCCL-DEMO-CUT"
 CUT_DONE_FILE = "cut-done"
 WAIT_S = 120.0  # every wait on another process or on the launcher
 LOOP_KEY_PREFIX = "jaxccl/demo"
-MAX_CHUNKS = 2
 
 
 def _first_shard(arr: Any) -> Any:
     import numpy as np
 
     return np.asarray(min(arr.addressable_shards, key=lambda s: s.device.id).data)
-
-
-def _whole_shard_allgather(topo: Any, previous: Any) -> Any:
-    """The controller's AllGather synthesizer here: at most 2 chunks per shard (warm-started).
-
-    Finer chunks would send quarter shards between processes, which finish in the socket's and
-    the qdisc's buffers on these shaped links: their completion times would no longer measure the
-    link, and the loop would see a cut NIC as recovered.
-    """
-    return synth.all_gather(topo, previous=previous, max_chunks=MAX_CHUNKS)
 
 
 class _Worker:
@@ -93,7 +88,7 @@ class _Worker:
         attach(self.transport, mesh, "data")
         self.topo = demo_topology(cfg["nic_rate_mbit"])
         self.comm = jaxccl.Communicator(mesh, "data", topology=self.topo, backend="cpu")
-        self.healthy = _whole_shard_allgather(self.topo, None)
+        self.healthy = demo_allgather(self.topo)
         self.comm.install("all_gather", self.healthy)
         self.slot = self.comm.slot("all_gather")
 
@@ -136,7 +131,7 @@ class _Worker:
             gamma=cfg["gamma"],
             confirm=cfg["confirm"],
             detector=cfg["detector"],
-            synthesizers={"all_gather": _whole_shard_allgather},
+            synthesizers={"all_gather": demo_allgather},
         )
         labels = {native.current_version(self.slot): "healthy"}
         rows, losses, inject_ns, told = [], [], 0, 0

@@ -6,7 +6,7 @@
 (the same fields on the CPU and the CUDA executor).
 """
 
-from jaxccl.telemetry.matrix import WINDOW_DTYPE, Telemetry, TelemetryCollector
+from jaxccl.telemetry.matrix import WINDOW_DTYPE, Telemetry, TelemetryCollector, entry_capacities
 from jaxccl.telemetry.records import RECORD_DTYPE, decode
 from jaxccl.telemetry.stats import MeasurementStats, from_cpu_stats, from_cuda_stats
 
@@ -17,6 +17,7 @@ __all__ = [
     "Telemetry",
     "TelemetryCollector",
     "decode",
+    "entry_capacities",
     "from_cpu_stats",
     "from_cuda_stats",
 ]

@@ -27,7 +27,7 @@ from jaxccl.errors import ArgumentError
 from jaxccl.telemetry.export import write_heatmap
 from jaxccl.telemetry.records import INTRA, decode
 
-__all__ = ["WINDOW_DTYPE", "Telemetry", "TelemetryCollector"]
+__all__ = ["WINDOW_DTYPE", "Telemetry", "TelemetryCollector", "entry_capacities"]
 
 WINDOW_DTYPE = np.dtype([("src", "<i4"), ("dst", "<i4"), ("rate", "<f8"), ("count", "<i4")])
 """One raw sample: entry ``(src, dst)`` of the matrix (``dst == src``: intra-node injection), its mean
@@ -108,19 +108,12 @@ class Telemetry:
         """
         n = self.num_gpus
         est: dict[tuple, float] = {}
-        sharers: dict[tuple, int] = {}
-        if pairs is not None:
-            for s, d in pairs:
-                if topology.host_of(s) != topology.host_of(d):
-                    for e in topology.path(s, d):
-                        sharers[e] = sharers.get(e, 0) + 1
+        sharers = _sharers(topology, pairs)
         for i in range(n):
             if not np.isnan(self.matrix[i, i]):
-                peers = [j for j in range(n) if j != i and topology.host_of(j) == topology.host_of(i)]
-                if peers:
-                    first = topology.path(i, peers[0])[0]
-                    if self.matrix[i, i] < topology.capacity(*first) * (1 - intra_min_drop):
-                        est[first] = float(self.matrix[i, i])
+                first = _injection_link(topology, i)
+                if first is not None and self.matrix[i, i] < topology.capacity(*first) * (1 - intra_min_drop):
+                    est[first] = float(self.matrix[i, i])
             for j in range(n):
                 if i == j or np.isnan(self.matrix[i, j]):
                     continue
@@ -132,6 +125,46 @@ class Telemetry:
                         value = min(float(self.matrix[i, j]) * sharers.get(e, 1), topology.capacity(*e))
                         est[e] = max(est.get(e, 0.0), value)
         return est
+
+
+def entry_capacities(
+    topology: Any, entries: Any, *, pairs: set[tuple[int, int]] | None = None
+) -> dict[tuple[int, int], float]:
+    """The rate each entry of the matrix reaches on healthy links, as :meth:`Telemetry.link_capacities` reads it:
+    ``(i, i)`` its injection link's capacity, ``(i, j)`` its route's smallest fair share (``capacity / k`` for a
+    link ``k`` of ``pairs`` cross). Entries without a route (or a GPU alone on its host) are left out.
+
+    >>> from jaxccl.topology import rail
+    >>> topo = rail(hosts=2, gpus_per_host=2)
+    >>> {e: c / 1e9 for e, c in entry_capacities(topo, [(0, 0), (0, 2)], pairs={(0, 2), (1, 3)}).items()}
+    {(0, 0): 360.0, (0, 2): 50.0}
+    """
+    sharers = _sharers(topology, pairs)
+    out = {}
+    for i, j in entries:
+        if i == j:
+            first = _injection_link(topology, i)
+            if first is not None:
+                out[(i, j)] = float(topology.capacity(*first))
+        elif route := topology.path(i, j):
+            out[(i, j)] = float(min(topology.capacity(*e) / sharers.get(e, 1) for e in route))
+    return out
+
+
+def _sharers(topology: Any, pairs: set[tuple[int, int]] | None) -> dict[tuple, int]:
+    """How many of the inter-node ``pairs`` cross each link (none given: every link counts once)."""
+    sharers: dict[tuple, int] = {}
+    for s, d in pairs or ():
+        if topology.host_of(s) != topology.host_of(d):
+            for e in topology.path(s, d):
+                sharers[e] = sharers.get(e, 0) + 1
+    return sharers
+
+
+def _injection_link(topology: Any, gpu: int) -> tuple | None:
+    """``gpu``'s first link towards the GPUs of its host (None: it is alone on its host)."""
+    peers = [j for j in range(topology.num_gpus) if j != gpu and topology.host_of(j) == topology.host_of(gpu)]
+    return topology.path(gpu, peers[0])[0] if peers else None
 
 
 class TelemetryCollector:

@@ -1,5 +1,6 @@
 """The closed loop: Algorithm 1, the controller, and hot-swap at the agreed sequence number."""
 
+import dataclasses
 import threading
 
 import jax
@@ -316,3 +317,69 @@ def test_a_healed_link_is_swapped_back_after_the_hold(ag):
     assert back.detail["degraded"] == {}  # re-synthesized for the healed fabric
     staged = [e for e in ctl.events if e.kind == "staged"][-1]
     assert staged.detail["predicted_algbw"] > 1.05 * staged.detail["stale_algbw"]
+
+
+class _Meter:
+    """The communicator, with a meter that reads every inter-node pair ``factor`` x too fast (as sends that
+    complete in socket and qdisc buffers do across processes) and with seeded log-normal noise of spread
+    ``noise`` (the emulator's pair windows are exact); everything else is the communicator's."""
+
+    def __init__(self, comm, factor=1.0, noise=0.0, seed=0):
+        self._comm, self._factor, self._noise, self._seed = comm, factor, noise, seed
+        self._rngs = {}  # one noise sequence per pair: the same whichever snapshot drains its windows
+        self._seen = self._scaled = None
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def telemetry(self):
+        t = self._comm.telemetry()
+        if t is not self._seen:  # one reading per snapshot: the controller feeds each once
+            w = t.windows.copy()
+            for k in np.flatnonzero(w["src"] != w["dst"]):
+                pair = (int(w["src"][k]), int(w["dst"][k]))
+                rng = self._rngs.setdefault(pair, np.random.default_rng([self._seed, *pair]))
+                w["rate"][k] *= self._factor * np.exp(rng.normal(0, self._noise))
+            self._seen, self._scaled = t, dataclasses.replace(t, windows=w)
+        return self._scaled
+
+
+@pytest.mark.parametrize("factor", [1.0, 1.4])
+def test_a_meter_that_reads_high_is_calibrated_to_the_links_capacity(ag, factor):
+    """A pair first learned above its route's capacity has its levels scaled so that it reads the capacity: a NIC
+    at half its rate is re-synthesized for half, not for the 0.7 it reads through a meter 1.4x too fast."""
+    comm, f, ref = _setup()
+    comm.install("all_gather", ag)
+    ctl = Controller(_Meter(comm, factor), gamma=0.15)
+    _drive(comm, ctl, f, ref, HEALTHY)
+    _drive(comm, ctl, f, ref, 4, on_step=lambda k: k == 0 and comm.inject(TOPO.degrade(*NIC, gbps=200)), seed=90)
+    confirmed = next(e for e in ctl.events if e.kind == "confirmed")
+    assert confirmed.detail["degraded"][f"{NIC[0]}->{NIC[1]}"] == pytest.approx(0.5, abs=0.03)
+    assert "staged" in [e.kind for e in ctl.events]
+
+
+@pytest.mark.parametrize("fault", ["persistent", "one-step dip"])
+def test_a_suspected_change_is_synthesized_ahead_and_a_cleared_one_discarded(ag, fault):
+    """With noisy pair windows (10 %) a NIC at 0.6x is suspected a sample before it is decided: the decision takes
+    the schedule synthesized for the suspicion (``synth_ms`` 0); a one-step dip is suspected, then discarded. The
+    healthy steps before give no event at all."""
+    comm, f, ref = _setup()
+    comm.install("all_gather", ag)
+    ctl = Controller(_Meter(comm, noise=0.1, seed=1), gamma=0.15)
+    _drive(comm, ctl, f, ref, 3 * HEALTHY)
+    assert not ctl.events, [e.kind for e in ctl.events]
+
+    def on_step(k):
+        if k == 0:
+            comm.inject(TOPO.degrade(*NIC, gbps=240))
+        if k == 1 and fault == "one-step dip":
+            comm.inject(TOPO)
+
+    _drive(comm, ctl, f, ref, 6, on_step=on_step, seed=200)
+    kinds = [e.kind for e in ctl.events]
+    if fault == "one-step dip":
+        assert "discarded" in kinds and "staged" not in kinds, kinds
+        return
+    synthesized = next(e for e in ctl.events if e.kind == "synthesized")
+    assert synthesized.detail["synth_ms"] == 0.0 and synthesized.detail["speculative_ms"] > 0, synthesized.detail
+    assert "staged" in kinds and "discarded" not in kinds, kinds

@@ -1,11 +1,12 @@
 """The change-point test on recorded measurement windows (tests/data/windows) and on synthetic noise.
 
-The traces are the raw windows of the demo's AllGather (rail 2 x 4, emulated links): one with GPU 0's
-NIC halved at step 14, one with GPU 0's NVLink uplink at 0.4x from step 14 (time scale 1e-4), and
-one healthy at time scale 1e-2, whose windows are short. The intra-node injection rates swing by 3x
-between steps (how many channels were active) but never fall under the uplink's capacity while it
-is healthy: the noise that made the EWMA controller wait for confirmation, and the floor the
-change-point test decides against.
+The demo traces are the raw windows of the demo's AllGather (rail 2 x 4, emulated links,
+``benchmarks/control/record_windows.py``): GPU 0's NIC halved at step 14, GPU 0's NVLink uplink at
+0.4x from step 14 (time scale 1e-4, the links' own timestamps: exact windows), and a healthy one at
+time scale 1e-2 with the receiving threads' timestamps, whose short windows read low and scatter
+(the host's wake-up latency): the noise that made the EWMA controller wait for confirmation. The
+netns trace is what process 0's controller read in ``jaxccl demo --network netns`` (8 processes on
+2 cores, one sample per pair and step, ~16 % spread) with the NICs of ranks 2 and 4 cut from step 9.
 """
 
 import json
@@ -51,22 +52,34 @@ def test_a_halved_nic_is_decided_on_its_first_degraded_window():
     assert det.level((0, 4)) == pytest.approx(0.5 * det.level((1, 5)), rel=0.02)
 
 
-def test_a_degraded_nvlink_is_decided_against_the_injection_floor_within_its_step():
+def test_a_degraded_nvlink_is_decided_on_its_first_degraded_injection_window():
     det, changes = _replay("demo_nvlink_degraded.json")
     assert not [c for _, c in changes if c.entry[0] != c.entry[1]]  # nothing across hosts changed
-    gpu0 = [(s, c) for s, c in changes if c.entry == (0, 0)]
-    assert gpu0 and gpu0[0][0] == 14, changes  # decided in the step the uplink slowed down
-    assert gpu0[0][1].ratio < 0.5  # from a multimodal healthy level to the degraded link's rate
-    assert det.level((0, 0)) == pytest.approx(0.4 * 360e9, rel=0.1)  # the uplink's capacity x 0.4
-    assert len([c for s, c in changes if s < 14]) <= 1  # before the fault: at most one (multimodal) shift
+    assert [(s, c.entry) for s, c in changes] == [(14, (0, 0))], changes  # GPU 0's injection, in the fault's step
+    assert changes[0][1].samples == 1 and changes[0][1].ratio == pytest.approx(0.4, rel=0.02)
+    assert det.level((0, 0)) == pytest.approx(0.4 * 360e9, rel=0.02)  # the uplink's capacity x 0.4
 
 
-def test_short_noisy_windows_give_no_decision_across_hosts():
+def test_short_windows_that_read_low_decide_no_fall():
     det, changes = _replay("demo_healthy_short_windows.json")
-    assert not [c for _, c in changes if c.entry[0] != c.entry[1]]
-    intra = [c for _, c in changes]
-    assert len(intra) <= 4, intra  # multimodal injection rates: rare, and never on a pair across hosts
-    assert det.sigma((0, 0)) > 10 * det.sigma((0, 4))  # the noise model learned the difference
+    # 100 healthy steps of ~30 % noise: no fall decided; the job's first steps ran 2-4x slower than the rest (its
+    # warm-up), and the levels learned from them rise once, to the steady rate
+    assert all(c.ratio > 1.2 for _, c in changes), changes
+    assert len({c.entry for _, c in changes}) == len(changes)
+    assert det.sigma((0, 4)) > 0.2  # the noise model learned the scatter (the emulator's exact windows: 0.02)
+
+
+def test_nics_cut_across_processes_are_decided_on_their_pairs_only():
+    det, changes = _replay("netns_nics_cut.json")
+    cut = {(0, 4), (4, 0), (2, 6), (6, 2)}  # the pairs across the NICs of ranks 2 and 4
+    assert changes and all(s >= 9 for s, _ in changes), changes  # nothing before the cut
+    assert {c.entry for _, c in changes} <= cut, changes
+    first = {}
+    for s, c in changes:
+        first.setdefault(c.entry, (s, c))
+    assert len(first) >= 3, first
+    for s, c in first.values():
+        assert s - 9 <= 7 and c.ratio < 0.6, (s, c)  # one sample per step of ~17 % noise: within 8; the fall
 
 
 @pytest.mark.parametrize("rate", [1e-3, 1e-6])
@@ -113,7 +126,8 @@ def test_after_a_decision_the_entry_relearns_its_centre_and_keeps_its_spread():
         kinds += [(c.kind, c.change_ns) for c in det.update(w, now_ns=t)]
     # decided on the first low sample, then re-learned from it and the next two, reported from when it began
     assert kinds == [("shift", 10), ("learned", 10)]
-    assert det.level((1, 5)) == pytest.approx(0.5) and det.sigma((1, 5)) == sigma
+    # the spread stays the learned one; its confidence bound only tightens as residuals accumulate
+    assert det.level((1, 5)) == pytest.approx(0.5) and det.sigma_floor < det.sigma((1, 5)) <= sigma
 
 
 def test_bad_parameters_are_named_errors():
@@ -127,15 +141,17 @@ def test_bad_parameters_are_named_errors():
         ChangeDetector().update(np.zeros(3), now_ns=0)
 
 
-def test_the_floor_test_stops_cleanly_when_a_decision_leaves_too_few_residuals():
-    """A fall under the floor decided on a long run takes its samples out of the noise model; the floor test
-    pauses until there are enough again, and suspects() never asks for the threshold of a paused test."""
-    rng = np.random.default_rng(3)
-    det = ChangeDetector(false_alarm_rate=1e-6)
-    w = np.zeros(1, WINDOW_DTYPE)
-    w["src"], w["dst"], w["count"] = 2, 2, 1
-    for t in range(300):
-        w["rate"] = (1.0 if t < 40 or t > 200 else 0.85) * np.exp(0.03 * rng.standard_normal())
-        det.update(w, now_ns=t)
-        det.suspects()
-    assert det.shifts[(2, 2)] >= 1
+def test_a_spread_learned_from_few_samples_is_not_trusted():
+    """Entries that just finished learning from 5 samples keep their false-alarm rate: the spread is raised to
+    its 99 % upper bound (a bare 5-sample estimate is often half the true spread)."""
+    rng = np.random.default_rng(4)
+    rate, entries, samples = 1e-3, 2000, 20
+    det = ChangeDetector(false_alarm_rate=rate, min_shift=0.15, sigma_floor=1e-3)
+    decided = 0
+    for t in range(samples):
+        w = np.zeros(entries, WINDOW_DTYPE)
+        w["src"], w["dst"], w["count"] = np.arange(entries), np.arange(entries) + 1, 1
+        w["rate"] = 1e9 * np.exp(0.05 * rng.standard_normal(entries))
+        decided += len([c for c in det.update(w, now_ns=t) if c.kind == "shift"])
+    tests = entries * (samples - det.warmup) * 2
+    assert decided <= max(3.0, 5 * rate * tests), decided
