@@ -41,7 +41,7 @@ class EmulatedJob:
     _stall: list[tuple[int, float]] = dataclasses.field(default_factory=lambda: [(-1, 0.0)])
 
     @classmethod
-    def start(cls, *, time_scale: float = 1e-4, timestamps: str = "link") -> EmulatedJob:
+    def start(cls, *, time_scale: float = 1e-4, timestamps: str = "link", window_noise: float = 0.0) -> EmulatedJob:
         jaxccl.emulate(NUM_DEVICES)
         import jax
         import jax.numpy as jnp
@@ -57,7 +57,7 @@ class EmulatedJob:
             "data",
             topology=topo,
             backend="cpu",
-            link_emulation=LinkEmulation(time_scale=time_scale, timestamps=timestamps),
+            link_emulation=LinkEmulation(time_scale=time_scale, timestamps=timestamps, window_noise=window_noise),
         )
         healthy = jaxccl.synth.all_gather(topo)
         comm.install("all_gather", healthy)

@@ -288,7 +288,13 @@ class Communicator:
         if self.topology is None:
             raise ArgumentError("Communicator: link emulation needs a topology (the links to emulate)")
         self.network = EmulatedNetwork(self.topology, config)
-        self._collector = TelemetryCollector(self.axis_size, alpha=alpha, scale=1.0 / config.time_scale)
+        self._collector = TelemetryCollector(
+            self.axis_size,
+            alpha=alpha,
+            scale=1.0 / config.time_scale,
+            noise=config.window_noise,
+            seed=config.noise_seed,
+        )
 
     def _start_cuda_measurement(self, alpha: float) -> None:
         """CUDA backend: turn on the kernel's passive measurement (process-wide settings of jaxccl._native_cuda).

@@ -96,6 +96,12 @@ class LinkEmulation:
             traffic would dominate their time.
         slots_per_tb: Measurements Buffer slots per threadblock; a record that
             finds its threadblock's slots full is dropped and counted.
+        window_noise: spread of log-normal noise multiplied into every measured
+            record's rate, each matrix entry its own sequence from
+            ``noise_seed``: the emulated windows are exact, real ones scatter
+            (across processes on 2 shared cores, ~17 % per pair and step); for
+            testing decisions on noisy measurements. 0 (default): exact.
+        noise_seed: the seed of ``window_noise``.
     """
 
     time_scale: float = 1e-3
@@ -107,9 +113,13 @@ class LinkEmulation:
     inter_threshold: int = 1
     min_window_bytes: int = 32 << 10
     slots_per_tb: int = 8
+    window_noise: float = 0.0
+    noise_seed: int = 0
 
     def __post_init__(self) -> None:
         choose("timestamps", self.timestamps, ("link", "observed"))
+        if not 0 <= self.window_noise < 10:
+            raise ArgumentError(f"LinkEmulation: window_noise must be in [0, 10), got {self.window_noise}")
         if not (MIN_TIME_SCALE <= self.time_scale <= 1):
             raise ArgumentError(f"LinkEmulation: time_scale must be in [{MIN_TIME_SCALE}, 1], got {self.time_scale}")
         for name in ("intra_threshold", "inter_threshold", "slots_per_tb"):

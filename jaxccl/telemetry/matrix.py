@@ -174,14 +174,21 @@ class TelemetryCollector:
         num_gpus: ranks of the communicator.
         alpha: EWMA smoothing factor in (0, 1].
         scale: emulated bytes/s per real byte/s (``1 / time_scale`` under link emulation).
+        noise: spread of log-normal noise multiplied into every record's rate (link emulation's
+            ``window_noise``); 0: none.
+        seed: the noise's seed; every entry draws its own sequence (the same whichever drain folds it).
     """
 
-    def __init__(self, num_gpus: int, *, alpha: float = 0.5, scale: float = 1.0):
+    def __init__(self, num_gpus: int, *, alpha: float = 0.5, scale: float = 1.0, noise: float = 0.0, seed: int = 0):
         if not (0 < alpha <= 1):
             raise ArgumentError(f"TelemetryCollector: alpha must be in (0, 1], got {alpha}")
+        if not (0 <= noise < 10):
+            raise ArgumentError(f"TelemetryCollector: noise must be in [0, 10), got {noise}")
         self.num_gpus = int(num_gpus)
         self.alpha = float(alpha)
         self.scale = float(scale)
+        self.noise, self.seed = float(noise), int(seed)
+        self._noise_streams: dict[tuple[int, int], np.random.Generator] = {}
         self._lock = threading.Lock()
         self._m = np.full((num_gpus, num_gpus), np.nan)
         self._last = np.full((num_gpus, num_gpus), np.nan)
@@ -193,6 +200,13 @@ class TelemetryCollector:
         """Decodes ``raw`` records and folds them in; returns how many records were folded."""
         recs = decode(raw, num_gpus=self.num_gpus)
         windows = self._windows_of(recs)
+        if self.noise:
+            recs = recs.copy()
+            for k, (i, j) in enumerate(zip(windows["src"].tolist(), windows["dst"].tolist())):
+                rng = self._noise_streams.setdefault((i, j), np.random.default_rng([self.seed, i, j]))
+                factor = float(np.exp(self.noise * rng.standard_normal()))
+                windows["rate"][k] *= factor
+                recs["sum_bw"][k] *= factor
         with self._lock:
             self.dropped = max(self.dropped, int(dropped))
             if windows.size:

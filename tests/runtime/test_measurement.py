@@ -9,7 +9,7 @@ from jax.sharding import Mesh
 from programs import all_gather_pair, sharded
 
 import jaxccl
-from jaxccl.errors import ExecutorError, TopologyError
+from jaxccl.errors import ArgumentError, ExecutorError, TopologyError
 from jaxccl.runtime.emulated import LinkEmulation
 from jaxccl.synth import baselines
 from jaxccl.telemetry import RECORD_DTYPE, decode
@@ -307,3 +307,27 @@ def test_trace_records_every_message_with_consistent_times():
         tb = s.ranks[r["src"]][r["src_tb"]]
         assert tb.send_peer == r["dst"] and tb.ops[r["src_op"]].kind.sends
     assert len(comm.network.take_trace()) == 0
+
+
+def test_window_noise_scatters_every_entry_by_its_own_seeded_sequence():
+    topo = rail(hosts=2, gpus_per_host=1)
+
+    def rates(seed):
+        emu = LinkEmulation(time_scale=4e-4, window_noise=0.2, noise_seed=seed)
+        comm, f, _ = _all_gather_comm(topo, emu, 1)
+        x = _data(2, 1 << 16)
+        out = []
+        with comm:
+            for _ in range(12):
+                f(x).block_until_ready()
+                w = comm.telemetry().windows
+                out += w[(w["src"] == 0) & (w["dst"] == 1)]["rate"].tolist()
+        return np.array(out)
+
+    a, b, c = rates(7), rates(7), rates(8)
+    np.testing.assert_array_equal(a, b)  # the same seed: the same scatter, whatever the drains
+    assert not np.array_equal(a, c)
+    nic = topo.capacity(0, "tor:s0r0")
+    assert 0.1 < np.std(np.log(a / nic)) < 0.35 and abs(np.median(np.log(a / nic))) < 0.2
+    with pytest.raises(ArgumentError, match="window_noise"):
+        LinkEmulation(window_noise=-0.1)
