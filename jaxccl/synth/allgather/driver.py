@@ -364,6 +364,7 @@ def _report(net: Net, bound, units, logical, packing: Packing, stats: SplitStats
             "lp_solves": stats.lp_solves,
             "cuts": stats.cuts,
             "choice": stats.choice,
+            "split": stats.split,
         },
         "certificate": stats.certificate,
         "packing_stats": {k: int(v) for k, v in packing.stats.items()},

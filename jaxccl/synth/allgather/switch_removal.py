@@ -31,12 +31,13 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-from scipy.sparse.csgraph import maximum_flow
+import scipy.sparse as sp
+from scipy.sparse.csgraph import connected_components, maximum_flow, shortest_path
 
 from jaxccl.errors import SynthesisError
 from jaxccl.synth.allgather.flow import INF, FlowNetwork, RootedCheck, small_bipartite_flow
 from jaxccl.synth.allgather.logical import Logical
-from jaxccl.synth.allgather.network import Net
+from jaxccl.synth.allgather.network import Net, shape_cached
 
 
 @dataclasses.dataclass
@@ -49,6 +50,7 @@ class SplitStats:
     lp_solves: int = 0
     cuts: int = 0
     choice: str = "proportional"  # which split the trees use (the latency method compares two)
+    split: str = ""  # which proportional splitting passed: a bulk attempt (_BULK_ATTEMPTS) or "per-switch"
     certificate: str = "max-flow"  # what proves the rate optimal: the max-flow bound, or trees meeting a cut
 
 
@@ -72,13 +74,20 @@ def remove_switches(
     stats = stats if stats is not None else SplitStats()
     base = Logical(net, caps)
     order = list(range(net.num_gpus, net.num_nodes))
-    logical = base.copy()
     plans: dict = {}  # switches with the same neighbourhood (symmetric topologies) share one transportation plan
-    for w in order:
-        stats.dropped += _split_proportional(logical, w, plans)
-    if not verify or _violation(logical, net, k, stats, nodes=net.num_gpus) is None:
-        return logical
+    for attempt in _BULK_ATTEMPTS:
+        logical = base.copy()
+        stats.dropped = 0
+        sides = switch_sides(net) if attempt == "near-first" else None
+        for w in near_first_order(net) if attempt == "near-first" else order:
+            stats.dropped += _split_proportional(logical, w, plans, None if sides is None else sides[w - net.num_gpus])
+        if not verify:
+            return logical
+        if _violation(logical, net, k, stats, nodes=net.num_gpus) is None:
+            stats.split = attempt
+            return logical
     # Redo one switch at a time, verifying each.
+    stats.split = "per-switch"
     logical = base.copy()
     stats.dropped = 0
     for w in order:
@@ -96,6 +105,57 @@ def remove_switches(
     return logical
 
 
+# Bulk splittings tried in turn, each verified once: "sorted" splits the switches in index order with the plain
+# proportional plan; "near-first" splits the switches next to GPUs first and, at a switch whose removal
+# disconnects the fabric (the aggregation layer of a multi-segment rail), pairs only neighbours on different sides.
+_BULK_ATTEMPTS = ("sorted", "near-first")
+
+
+def near_first_order(net: Net) -> list[int]:
+    """The switches by their hop distance from the nearest GPU (ties: index order).
+
+    Splitting the switches next to GPUs first leaves the outer switches (aggregation, spines) with GPUs as
+    neighbours, so their split makes direct GPU-to-GPU links across the fabric. Computed once per fabric.
+    """
+    return shape_cached(net, _near_first_order)
+
+
+def _near_first_order(net: Net) -> list[int]:
+    n = net.num_nodes
+    adj = sp.csr_array((np.ones(len(net.src)), (net.src, net.dst)), shape=(n, n))
+    adj = ((adj + adj.T) > 0).astype(np.float64)
+    hops = shortest_path(adj, unweighted=True, indices=np.arange(net.num_gpus)).min(axis=0)
+    switches = np.arange(net.num_gpus, n)
+    return [int(w) for w in switches[np.lexsort((switches, hops[switches]))]]
+
+
+def switch_sides(net: Net) -> list[np.ndarray | None]:
+    """Per switch ``w``: the connected component of every node once ``w`` is gone, or None if nothing splits off.
+
+    Deviation from ForestColl (which splits any admissible pair): at a switch that disconnects the fabric, a
+    pair ``(u, w), (w, t)`` with ``u`` and ``t`` on the same side only duplicates capacity that side already
+    has, and spends the only way across (measured: it breaks the throughput condition on 2-segment rails);
+    pairs across sides keep the crossing capacity. Physical links decide the sides; splitting switches keeps
+    which nodes are connected, so they also hold for the logical graph. Computed once per fabric.
+    """
+    return shape_cached(net, _switch_sides)
+
+
+def _switch_sides(net: Net) -> list[np.ndarray | None]:
+    n = net.num_nodes
+    out: list[np.ndarray | None] = []
+    for w in range(net.num_gpus, n):
+        keep = (net.src != w) & (net.dst != w)
+        adj = sp.csr_array((np.ones(int(keep.sum())), (net.src[keep], net.dst[keep])), shape=(n, n))
+        count, labels = connected_components(adj, directed=True, connection="weak")
+        if count > 2:  # w itself is one component; more than one other: w separates them
+            labels.flags.writeable = False
+            out.append(labels)
+        else:
+            out.append(None)
+    return out
+
+
 def _violation(logical: Logical, net: Net, k: int, stats: SplitStats, *, nodes: int | None):
     """The throughput condition on the current graph: first failing GPU or None."""
     src, dst, cap = logical.arrays(nodes)
@@ -107,10 +167,11 @@ def _violation(logical: Logical, net: Net, k: int, stats: SplitStats, *, nodes: 
 
 
 # ---------------------------------------------------------------- proportional
-def _split_proportional(logical: Logical, w: int, plans: dict | None = None) -> int:
+def _split_proportional(logical: Logical, w: int, plans: dict | None = None, sides: np.ndarray | None = None) -> int:
     """Splits switch ``w`` completely and proportionally; returns the units that had to be dropped.
 
-    ``plans`` memoizes :func:`transport_plan` (a pure function) by its inputs.
+    ``plans`` memoizes :func:`transport_plan` (a pure function) by its inputs. ``sides`` (from
+    :func:`switch_sides`): pair only neighbours on different sides, when that still ships everything.
     """
     preds, succs = logical.neighbors(w)
     if not preds or not succs:
@@ -120,15 +181,28 @@ def _split_proportional(logical: Logical, w: int, plans: dict | None = None) -> 
     st = np.array([t for t, _ in succs])
     b = np.array([c for _, c in succs], dtype=np.int64)
     allowed = pu[:, None] != st[None, :]
+    y = None
+    if sides is not None:
+        across = allowed & (sides[pu][:, None] != sides[st][None, :])
+        y = _cached_plan(a, b, across, plans)
+        if y.sum() < _cached_plan(a, b, allowed, plans).sum():
+            y = None  # the sides cannot take everything across: the plain plan
+    if y is None:
+        y = _cached_plan(a, b, allowed, plans)
+    for i, j in zip(*np.nonzero(y)):
+        logical.split(int(pu[i]), w, int(st[j]), int(y[i, j]))
+    return logical.remove(w)
+
+
+def _cached_plan(a: np.ndarray, b: np.ndarray, allowed: np.ndarray, plans: dict | None) -> np.ndarray:
+    """:func:`transport_plan`, memoized in ``plans`` by its inputs."""
     key = (a.tobytes(), b.tobytes(), np.packbits(allowed).tobytes(), allowed.shape)
     y = None if plans is None else plans.get(key)
     if y is None:
         y = transport_plan(a, b, allowed)
         if plans is not None:
             plans[key] = y
-    for i, j in zip(*np.nonzero(y)):
-        logical.split(int(pu[i]), w, int(st[j]), int(y[i, j]))
-    return logical.remove(w)
+    return y
 
 
 def transport_plan(a: np.ndarray, b: np.ndarray, allowed: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:
