@@ -78,9 +78,10 @@ def remove_switches(
     for attempt in _BULK_ATTEMPTS:
         logical = base.copy()
         stats.dropped = 0
-        sides = switch_sides(net) if attempt == "near-first" else None
+        sides = switch_sides(net) if attempt != "sorted" else [None] * len(order)
+        aligned = attempt == "aligned"
         for w in near_first_order(net) if attempt == "near-first" else order:
-            stats.dropped += _split_proportional(logical, w, plans, None if sides is None else sides[w - net.num_gpus])
+            stats.dropped += _split_proportional(logical, w, plans, sides[w - net.num_gpus], aligned=aligned)
         if not verify:
             return logical
         if _violation(logical, net, k, stats, nodes=net.num_gpus) is None:
@@ -105,10 +106,17 @@ def remove_switches(
     return logical
 
 
-# Bulk splittings tried in turn, each verified once: "sorted" splits the switches in index order with the plain
-# proportional plan; "near-first" splits the switches next to GPUs first and, at a switch whose removal
-# disconnects the fabric (the aggregation layer of a multi-segment rail), pairs only neighbours on different sides.
-_BULK_ATTEMPTS = ("sorted", "near-first")
+# Bulk splittings tried in turn, each verified once (the first that passes is kept; without verification, the
+# first is used):
+# - "aligned": switches in index order (on rails the aggregation switch first, its neighbours the ToRs); at a
+#   switch whose removal disconnects the fabric, aligned neighbours across the sides (a ToR with the same rail's
+#   ToRs in the other segments) first, then any across, then within the sides (:func:`_split_proportional`);
+# - "near-first": the switches next to GPUs first, then the outer ones, whose neighbours are then GPUs; across
+#   the sides of a disconnecting switch first (densely), then within;
+# - "sorted": index order, the plain proportional plan everywhere (ForestColl's pairs, MCCL's proportions).
+# Without a disconnecting switch (single-segment rails, fat trees with several spines) all three are the same
+# splitting. Deviation from ForestColl: see :func:`switch_sides`.
+_BULK_ATTEMPTS = ("aligned", "near-first", "sorted")
 
 
 def near_first_order(net: Net) -> list[int]:
@@ -167,11 +175,14 @@ def _violation(logical: Logical, net: Net, k: int, stats: SplitStats, *, nodes: 
 
 
 # ---------------------------------------------------------------- proportional
-def _split_proportional(logical: Logical, w: int, plans: dict | None = None, sides: np.ndarray | None = None) -> int:
+def _split_proportional(
+    logical: Logical, w: int, plans: dict | None = None, sides: np.ndarray | None = None, *, aligned: bool = False
+) -> int:
     """Splits switch ``w`` completely and proportionally; returns the units that had to be dropped.
 
     ``plans`` memoizes :func:`transport_plan` (a pure function) by its inputs. ``sides`` (from
-    :func:`switch_sides`): pair only neighbours on different sides, when that still ships everything.
+    :func:`switch_sides`): pair neighbours on different sides first (``aligned``: those at the same position
+    within their sides before any other, :func:`_aligned`), then split what is left within the sides.
     """
     preds, succs = logical.neighbors(w)
     if not preds or not succs:
@@ -181,17 +192,41 @@ def _split_proportional(logical: Logical, w: int, plans: dict | None = None, sid
     st = np.array([t for t, _ in succs])
     b = np.array([c for _, c in succs], dtype=np.int64)
     allowed = pu[:, None] != st[None, :]
-    y = None
-    if sides is not None:
-        across = allowed & (sides[pu][:, None] != sides[st][None, :])
-        y = _cached_plan(a, b, across, plans)
-        if y.sum() < _cached_plan(a, b, allowed, plans).sum():
-            y = None  # the sides cannot take everything across: the plain plan
-    if y is None:
+    if sides is None:
         y = _cached_plan(a, b, allowed, plans)
+    else:  # as much as possible between aligned neighbours across the sides, then across, then within them
+        across = allowed & (sides[pu][:, None] != sides[st][None, :])
+        y = np.zeros(allowed.shape, dtype=np.int64)
+        stages = (across & _aligned(sides[pu], sides[st]), across, allowed) if aligned else (across, allowed)
+        for stage in stages:
+            rest_a, rest_b = a - y.sum(axis=1), b - y.sum(axis=0)
+            if not (rest_a.any() and rest_b.any()):
+                break
+            y += _cached_plan(rest_a, rest_b, stage, plans)
     for i, j in zip(*np.nonzero(y)):
         logical.split(int(pu[i]), w, int(st[j]), int(y[i, j]))
     return logical.remove(w)
+
+
+def _aligned(row_sides: np.ndarray, col_sides: np.ndarray) -> np.ndarray:
+    """Pairs at the same relative position within their sides (neighbours in node order).
+
+    Node order follows the fabric's structure (switch names by segment and rail), so on rails this pairs a ToR
+    with the same rail's ToRs in the other segments: a sparse crossing, each rail crossing on its own instead of
+    every ToR to every ToR of the other sides, which keeps the trees few and shallow.
+    """
+
+    def spans(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = np.zeros(len(labels)), np.zeros(len(labels))
+        for side in np.unique(labels):
+            idx = np.flatnonzero(labels == side)
+            lo[idx] = np.arange(len(idx)) / len(idx)
+            hi[idx] = (np.arange(len(idx)) + 1) / len(idx)
+        return lo, hi
+
+    r_lo, r_hi = spans(row_sides)
+    c_lo, c_hi = spans(col_sides)
+    return (r_lo[:, None] < c_hi[None, :] - 1e-12) & (c_lo[None, :] < r_hi[:, None] - 1e-12)
 
 
 def _cached_plan(a: np.ndarray, b: np.ndarray, allowed: np.ndarray, plans: dict | None) -> np.ndarray:
