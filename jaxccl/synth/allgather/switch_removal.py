@@ -75,7 +75,8 @@ def remove_switches(
     base = Logical(net, caps)
     order = list(range(net.num_gpus, net.num_nodes))
     plans: dict = {}  # switches with the same neighbourhood (symmetric topologies) share one transportation plan
-    for attempt in _BULK_ATTEMPTS:
+    disconnecting = any(side is not None for side in switch_sides(net))
+    for attempt in _BULK_ATTEMPTS if disconnecting else ("sorted",):
         logical = base.copy()
         stats.dropped = 0
         sides = switch_sides(net) if attempt != "sorted" else [None] * len(order)
@@ -110,12 +111,13 @@ def remove_switches(
 # first is used):
 # - "aligned": switches in index order (on rails the aggregation switch first, its neighbours the ToRs); at a
 #   switch whose removal disconnects the fabric, aligned neighbours across the sides (a ToR with the same rail's
-#   ToRs in the other segments) first, then any across, then within the sides (:func:`_split_proportional`);
+#   ToRs in the other segments) first, then any across, then within the sides; at other switches pairs with a
+#   GPU first (a ToR does not relay between the other segments' ToRs) (:func:`_split_proportional`);
 # - "near-first": the switches next to GPUs first, then the outer ones, whose neighbours are then GPUs; across
 #   the sides of a disconnecting switch first (densely), then within;
 # - "sorted": index order, the plain proportional plan everywhere (ForestColl's pairs, MCCL's proportions).
-# Without a disconnecting switch (single-segment rails, fat trees with several spines) all three are the same
-# splitting. Deviation from ForestColl: see :func:`switch_sides`.
+# Without a disconnecting switch (single-segment rails, fat trees with several spines) only "sorted" runs.
+# Deviation from ForestColl: see :func:`switch_sides`.
 _BULK_ATTEMPTS = ("aligned", "near-first", "sorted")
 
 
@@ -182,7 +184,8 @@ def _split_proportional(
 
     ``plans`` memoizes :func:`transport_plan` (a pure function) by its inputs. ``sides`` (from
     :func:`switch_sides`): pair neighbours on different sides first (``aligned``: those at the same position
-    within their sides before any other, :func:`_aligned`), then split what is left within the sides.
+    within their sides before any other, :func:`_aligned`), then split what is left within the sides; without
+    ``sides``, ``aligned`` pairs neighbours with a GPU among them first.
     """
     preds, succs = logical.neighbors(w)
     if not preds or not succs:
@@ -192,20 +195,29 @@ def _split_proportional(
     st = np.array([t for t, _ in succs])
     b = np.array([c for _, c in succs], dtype=np.int64)
     allowed = pu[:, None] != st[None, :]
-    if sides is None:
+    if sides is None and not aligned:
         y = _cached_plan(a, b, allowed, plans)
+    elif sides is None:  # pairs with a GPU first: a switch between two switches only relays between them
+        gpu = (pu[:, None] < logical.net.num_gpus) | (st[None, :] < logical.net.num_gpus)
+        y = _staged_plan(a, b, (allowed & gpu, allowed), plans)
     else:  # as much as possible between aligned neighbours across the sides, then across, then within them
         across = allowed & (sides[pu][:, None] != sides[st][None, :])
-        y = np.zeros(allowed.shape, dtype=np.int64)
         stages = (across & _aligned(sides[pu], sides[st]), across, allowed) if aligned else (across, allowed)
-        for stage in stages:
-            rest_a, rest_b = a - y.sum(axis=1), b - y.sum(axis=0)
-            if not (rest_a.any() and rest_b.any()):
-                break
-            y += _cached_plan(rest_a, rest_b, stage, plans)
+        y = _staged_plan(a, b, stages, plans)
     for i, j in zip(*np.nonzero(y)):
         logical.split(int(pu[i]), w, int(st[j]), int(y[i, j]))
     return logical.remove(w)
+
+
+def _staged_plan(a: np.ndarray, b: np.ndarray, stages: tuple, plans: dict | None) -> np.ndarray:
+    """Transportation plans on growing patterns: each stage ships what the earlier ones left."""
+    y = np.zeros(stages[-1].shape, dtype=np.int64)
+    for stage in stages:
+        rest_a, rest_b = a - y.sum(axis=1), b - y.sum(axis=0)
+        if not (rest_a.any() and rest_b.any()):
+            break
+        y += _cached_plan(rest_a, rest_b, stage, plans)
+    return y
 
 
 def _aligned(row_sides: np.ndarray, col_sides: np.ndarray) -> np.ndarray:
