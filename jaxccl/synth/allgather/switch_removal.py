@@ -111,8 +111,8 @@ def remove_switches(
 # first is used):
 # - "aligned": switches in index order (on rails the aggregation switch first, its neighbours the ToRs); at a
 #   switch whose removal disconnects the fabric, aligned neighbours across the sides (a ToR with the same rail's
-#   ToRs in the other segments) first, then any across, then within the sides; at other switches pairs with a
-#   GPU first (a ToR does not relay between the other segments' ToRs) (:func:`_split_proportional`);
+#   ToRs in the other segments) first, then any across, then within the sides; at other switches pairs with one
+#   of the switch's own GPUs first (a ToR does not relay between other segments) (:func:`_split_proportional`);
 # - "near-first": the switches next to GPUs first, then the outer ones, whose neighbours are then GPUs; across
 #   the sides of a disconnecting switch first (densely), then within;
 # - "sorted": index order, the plain proportional plan everywhere (ForestColl's pairs, MCCL's proportions).
@@ -185,7 +185,7 @@ def _split_proportional(
     ``plans`` memoizes :func:`transport_plan` (a pure function) by its inputs. ``sides`` (from
     :func:`switch_sides`): pair neighbours on different sides first (``aligned``: those at the same position
     within their sides before any other, :func:`_aligned`), then split what is left within the sides; without
-    ``sides``, ``aligned`` pairs neighbours with a GPU among them first.
+    ``sides``, ``aligned`` first pairs neighbours of which one is a GPU physically linked to ``w``.
     """
     preds, succs = logical.neighbors(w)
     if not preds or not succs:
@@ -197,9 +197,13 @@ def _split_proportional(
     allowed = pu[:, None] != st[None, :]
     if sides is None and not aligned:
         y = _cached_plan(a, b, allowed, plans)
-    elif sides is None:  # pairs with a GPU first: a switch between two switches only relays between them
-        gpu = (pu[:, None] < logical.net.num_gpus) | (st[None, :] < logical.net.num_gpus)
-        y = _staged_plan(a, b, (allowed & gpu, allowed), plans)
+    elif sides is None:  # pairs with one of w's own GPUs first: w does not relay between the other neighbours
+        net = logical.net
+        own = np.union1d(
+            net.src[(net.dst == w) & (net.src < net.num_gpus)], net.dst[(net.src == w) & (net.dst < net.num_gpus)]
+        )
+        mine = np.isin(pu, own)[:, None] | np.isin(st, own)[None, :]
+        y = _staged_plan(a, b, (allowed & mine, allowed), plans)
     else:  # as much as possible between aligned neighbours across the sides, then across, then within them
         across = allowed & (sides[pu][:, None] != sides[st][None, :])
         stages = (across & _aligned(sides[pu], sides[st]), across, allowed) if aligned else (across, allowed)
