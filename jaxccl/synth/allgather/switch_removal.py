@@ -28,7 +28,9 @@ Two ways are implemented:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 
 import numpy as np
 import scipy.sparse as sp
@@ -245,14 +247,33 @@ def _aligned(row_sides: np.ndarray, col_sides: np.ndarray) -> np.ndarray:
     return (r_lo[:, None] < c_hi[None, :] - 1e-12) & (c_lo[None, :] < r_hi[:, None] - 1e-12)
 
 
+_PLANS: collections.OrderedDict = collections.OrderedDict()
+_PLANS_LOCK = threading.Lock()
+PLAN_CACHE_SIZE = 4096  # transportation plans kept across calls (the last ones used)
+
+
 def _cached_plan(a: np.ndarray, b: np.ndarray, allowed: np.ndarray, plans: dict | None) -> np.ndarray:
-    """:func:`transport_plan`, memoized in ``plans`` by its inputs."""
+    """:func:`transport_plan` (read-only), memoized in ``plans`` by its inputs and across calls.
+
+    A re-synthesis after one link changes meets the same plans at every switch the change does not reach,
+    so they are kept process-wide (the last :data:`PLAN_CACHE_SIZE`; synthesizers may run in several threads).
+    """
     key = (a.tobytes(), b.tobytes(), np.packbits(allowed).tobytes(), allowed.shape)
     y = None if plans is None else plans.get(key)
     if y is None:
+        with _PLANS_LOCK:
+            y = _PLANS.get(key)
+            if y is not None:
+                _PLANS.move_to_end(key)
+    if y is None:
         y = transport_plan(a, b, allowed)
-        if plans is not None:
-            plans[key] = y
+        y.flags.writeable = False
+        with _PLANS_LOCK:
+            _PLANS[key] = y
+            while len(_PLANS) > PLAN_CACHE_SIZE:
+                _PLANS.popitem(last=False)
+    if plans is not None:
+        plans[key] = y
     return y
 
 
