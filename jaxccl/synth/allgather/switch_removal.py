@@ -142,7 +142,7 @@ def _near_first_order(net: Net) -> list[int]:
 
 
 def switch_sides(net: Net) -> list[np.ndarray | None]:
-    """Per switch ``w``: the connected component of every node once ``w`` is gone, or None if nothing splits off.
+    """Per switch ``w``: the connected component of every node once ``w`` is gone; None unless two hold neighbours.
 
     Deviation from ForestColl (which splits any admissible pair): at a switch that disconnects the fabric, a
     pair ``(u, w), (w, t)`` with ``u`` and ``t`` on the same side only duplicates capacity that side already
@@ -159,8 +159,11 @@ def _switch_sides(net: Net) -> list[np.ndarray | None]:
     for w in range(net.num_gpus, n):
         keep = (net.src != w) & (net.dst != w)
         adj = sp.csr_array((np.ones(int(keep.sum())), (net.src[keep], net.dst[keep])), shape=(n, n))
-        count, labels = connected_components(adj, directed=True, connection="weak")
-        if count > 2:  # w itself is one component; more than one other: w separates them
+        _, labels = connected_components(adj, directed=True, connection="weak")
+        near = np.union1d(net.src[net.dst == w], net.dst[net.src == w])
+        # w separates sides when at least two of them hold several of its neighbours (a GPU hanging on its
+        # fat-tree leaf alone is a side too, but every pair with it crosses anyway: no preference to give)
+        if (np.bincount(labels[near]) >= 2).sum() >= 2:
             labels.flags.writeable = False
             out.append(labels)
         else:
