@@ -18,7 +18,12 @@ Two ways are implemented:
   greedy order yields ring-like logical topologies (MCCL App. C) whose deep
   trees cost time both here and in phase 3; the proportional split is
   computed in bulk and spreads every switch's capacity, so it usually
-  passes verification at once. If it does not, the switches are redone one
+  passes verification at once. On fabrics with a switch whose removal
+  disconnects them (the aggregation layer of a multi-segment rail) the
+  splitting is first done across that switch's sides, and elsewhere with the
+  switch's own GPUs first (``_BULK_ATTEMPTS``; see :func:`switch_sides`):
+  one check of ``N`` max-flows instead of the greedy's tens of thousands.
+  If no bulk splitting passes, the switches are redone one
   at a time, each verified, falling back to :func:`greedy_split` --
   ForestColl's greedy with the maximum admissible amount per pair computed
   by max-flow -- for a switch whose proportional split breaks the condition.
