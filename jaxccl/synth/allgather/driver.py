@@ -208,14 +208,21 @@ def _cold_solve(net: Net, hints: dict, method: str, max_chunks, times: dict) -> 
     t = time.perf_counter()
     # From scratch (also when a warm start failed): offering the old parents first only added matchings in
     # measurements, so the previous trees are not used here.
-    packing = pack(net.num_gpus, units.k, logical.gpu_links())
+    links = logical.gpu_links()
+    packing = pack(net.num_gpus, units.k, links)
     times["packing"] = time.perf_counter() - t
+    # Lift the deepest GPUs where links have room (as after a warm start): the level-by-level matching can chain
+    # trees through the few links that cross segments (4 x 4 x 8 rail: 18 hops, 8 after).
+    t = time.perf_counter()
+    packing = shorten(packing, links)
+    times["shorten"] = time.perf_counter() - t
     if method == "latency":
         # Latency-aware: also pack the proportional split and keep the shallower trees (ties: the LP's).
         t = time.perf_counter()
         alt_stats = SplitStats()
         alt = remove_switches(net, units.caps, units.k, stats=alt_stats)
-        alt_packing = pack(net.num_gpus, units.k, alt.gpu_links())
+        alt_links = alt.gpu_links()
+        alt_packing = shorten(pack(net.num_gpus, units.k, alt_links), alt_links)
         stats.choice = "lp"
         if alt_packing.max_depth() < packing.max_depth():
             logical, packing, stats.choice = alt, alt_packing, "proportional"
@@ -364,6 +371,7 @@ def _report(net: Net, bound, units, logical, packing: Packing, stats: SplitStats
             "lp_solves": stats.lp_solves,
             "cuts": stats.cuts,
             "choice": stats.choice,
+            "split": stats.split,
         },
         "certificate": stats.certificate,
         "packing_stats": {k: int(v) for k, v in packing.stats.items()},

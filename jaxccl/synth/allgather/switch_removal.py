@@ -18,7 +18,12 @@ Two ways are implemented:
   greedy order yields ring-like logical topologies (MCCL App. C) whose deep
   trees cost time both here and in phase 3; the proportional split is
   computed in bulk and spreads every switch's capacity, so it usually
-  passes verification at once. If it does not, the switches are redone one
+  passes verification at once. On fabrics with a switch whose removal
+  disconnects them (the aggregation layer of a multi-segment rail) the
+  splitting is first done across that switch's sides, and elsewhere with the
+  switch's own GPUs first (``_BULK_ATTEMPTS``; see :func:`switch_sides`):
+  one check of ``N`` max-flows instead of the greedy's tens of thousands.
+  If no bulk splitting passes, the switches are redone one
   at a time, each verified, falling back to :func:`greedy_split` --
   ForestColl's greedy with the maximum admissible amount per pair computed
   by max-flow -- for a switch whose proportional split breaks the condition.
@@ -28,15 +33,18 @@ Two ways are implemented:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import threading
 
 import numpy as np
-from scipy.sparse.csgraph import maximum_flow
+import scipy.sparse as sp
+from scipy.sparse.csgraph import connected_components, maximum_flow, shortest_path
 
 from jaxccl.errors import SynthesisError
 from jaxccl.synth.allgather.flow import INF, FlowNetwork, RootedCheck, small_bipartite_flow
 from jaxccl.synth.allgather.logical import Logical
-from jaxccl.synth.allgather.network import Net
+from jaxccl.synth.allgather.network import Net, shape_cached
 
 
 @dataclasses.dataclass
@@ -49,6 +57,7 @@ class SplitStats:
     lp_solves: int = 0
     cuts: int = 0
     choice: str = "proportional"  # which split the trees use (the latency method compares two)
+    split: str = ""  # which proportional splitting passed: a bulk attempt (_BULK_ATTEMPTS) or "per-switch"
     certificate: str = "max-flow"  # what proves the rate optimal: the max-flow bound, or trees meeting a cut
 
 
@@ -72,13 +81,22 @@ def remove_switches(
     stats = stats if stats is not None else SplitStats()
     base = Logical(net, caps)
     order = list(range(net.num_gpus, net.num_nodes))
-    logical = base.copy()
     plans: dict = {}  # switches with the same neighbourhood (symmetric topologies) share one transportation plan
-    for w in order:
-        stats.dropped += _split_proportional(logical, w, plans)
-    if not verify or _violation(logical, net, k, stats, nodes=net.num_gpus) is None:
-        return logical
+    disconnecting = any(side is not None for side in switch_sides(net))
+    for attempt in _BULK_ATTEMPTS if disconnecting else ("sorted",):
+        logical = base.copy()
+        stats.dropped = 0
+        sides = switch_sides(net) if attempt != "sorted" else [None] * len(order)
+        aligned = attempt == "aligned"
+        for w in near_first_order(net) if attempt == "near-first" else order:
+            stats.dropped += _split_proportional(logical, w, plans, sides[w - net.num_gpus], aligned=aligned)
+        if not verify:
+            return logical
+        if _violation(logical, net, k, stats, nodes=net.num_gpus) is None:
+            stats.split = attempt
+            return logical
     # Redo one switch at a time, verifying each.
+    stats.split = "per-switch"
     logical = base.copy()
     stats.dropped = 0
     for w in order:
@@ -96,6 +114,68 @@ def remove_switches(
     return logical
 
 
+# Bulk splittings tried in turn, each verified once (the first that passes is kept; without verification, the
+# first is used):
+# - "aligned": switches in index order (on rails the aggregation switch first, its neighbours the ToRs); at a
+#   switch whose removal disconnects the fabric, aligned neighbours across the sides (a ToR with the same rail's
+#   ToRs in the other segments) first, then any across, then within the sides; at other switches pairs with one
+#   of the switch's own GPUs first (a ToR does not relay between other segments) (:func:`_split_proportional`);
+# - "near-first": the switches next to GPUs first, then the outer ones, whose neighbours are then GPUs; across
+#   the sides of a disconnecting switch first (densely), then within;
+# - "sorted": index order, the plain proportional plan everywhere (ForestColl's pairs, MCCL's proportions).
+# Without a disconnecting switch (single-segment rails, fat trees with several spines) only "sorted" runs.
+# Deviation from ForestColl: see :func:`switch_sides`.
+_BULK_ATTEMPTS = ("aligned", "near-first", "sorted")
+
+
+def near_first_order(net: Net) -> list[int]:
+    """The switches by their hop distance from the nearest GPU (ties: index order).
+
+    Splitting the switches next to GPUs first leaves the outer switches (aggregation, spines) with GPUs as
+    neighbours, so their split makes direct GPU-to-GPU links across the fabric. Computed once per fabric.
+    """
+    return shape_cached(net, _near_first_order)
+
+
+def _near_first_order(net: Net) -> list[int]:
+    n = net.num_nodes
+    adj = sp.csr_array((np.ones(len(net.src)), (net.src, net.dst)), shape=(n, n))
+    adj = ((adj + adj.T) > 0).astype(np.float64)
+    hops = shortest_path(adj, unweighted=True, indices=np.arange(net.num_gpus)).min(axis=0)
+    switches = np.arange(net.num_gpus, n)
+    return [int(w) for w in switches[np.lexsort((switches, hops[switches]))]]
+
+
+def switch_sides(net: Net) -> list[np.ndarray | None]:
+    """Per switch ``w``: the connected component of every node once ``w`` is gone; None unless two hold neighbours.
+
+    Deviation from ForestColl (which splits any admissible pair): at a switch that disconnects the fabric, a
+    pair ``(u, w), (w, t)`` with ``u`` and ``t`` on the same side only duplicates capacity that side already
+    has, and spends the only way across (measured: it breaks the throughput condition on 2-segment rails);
+    pairs across sides keep the crossing capacity. Physical links decide the sides; splitting switches keeps
+    which nodes are connected, so they also hold for the logical graph. Computed once per fabric.
+    """
+    return shape_cached(net, _switch_sides)
+
+
+def _switch_sides(net: Net) -> list[np.ndarray | None]:
+    n = net.num_nodes
+    out: list[np.ndarray | None] = []
+    for w in range(net.num_gpus, n):
+        keep = (net.src != w) & (net.dst != w)
+        adj = sp.csr_array((np.ones(int(keep.sum())), (net.src[keep], net.dst[keep])), shape=(n, n))
+        _, labels = connected_components(adj, directed=True, connection="weak")
+        near = np.union1d(net.src[net.dst == w], net.dst[net.src == w])
+        # w separates sides when at least two of them hold several of its neighbours (a GPU hanging on its
+        # fat-tree leaf alone is a side too, but every pair with it crosses anyway: no preference to give)
+        if (np.bincount(labels[near]) >= 2).sum() >= 2:
+            labels.flags.writeable = False
+            out.append(labels)
+        else:
+            out.append(None)
+    return out
+
+
 def _violation(logical: Logical, net: Net, k: int, stats: SplitStats, *, nodes: int | None):
     """The throughput condition on the current graph: first failing GPU or None."""
     src, dst, cap = logical.arrays(nodes)
@@ -107,10 +187,15 @@ def _violation(logical: Logical, net: Net, k: int, stats: SplitStats, *, nodes: 
 
 
 # ---------------------------------------------------------------- proportional
-def _split_proportional(logical: Logical, w: int, plans: dict | None = None) -> int:
+def _split_proportional(
+    logical: Logical, w: int, plans: dict | None = None, sides: np.ndarray | None = None, *, aligned: bool = False
+) -> int:
     """Splits switch ``w`` completely and proportionally; returns the units that had to be dropped.
 
-    ``plans`` memoizes :func:`transport_plan` (a pure function) by its inputs.
+    ``plans`` memoizes :func:`transport_plan` (a pure function) by its inputs. ``sides`` (from
+    :func:`switch_sides`): pair neighbours on different sides first (``aligned``: those at the same position
+    within their sides before any other, :func:`_aligned`), then split what is left within the sides; without
+    ``sides``, ``aligned`` first pairs neighbours of which one is a GPU physically linked to ``w``.
     """
     preds, succs = logical.neighbors(w)
     if not preds or not succs:
@@ -120,15 +205,84 @@ def _split_proportional(logical: Logical, w: int, plans: dict | None = None) -> 
     st = np.array([t for t, _ in succs])
     b = np.array([c for _, c in succs], dtype=np.int64)
     allowed = pu[:, None] != st[None, :]
-    key = (a.tobytes(), b.tobytes(), np.packbits(allowed).tobytes(), allowed.shape)
-    y = None if plans is None else plans.get(key)
-    if y is None:
-        y = transport_plan(a, b, allowed)
-        if plans is not None:
-            plans[key] = y
+    if sides is None and not aligned:
+        y = _cached_plan(a, b, allowed, plans)
+    elif sides is None:  # pairs with one of w's own GPUs first: w does not relay between the other neighbours
+        net = logical.net
+        own = np.union1d(
+            net.src[(net.dst == w) & (net.src < net.num_gpus)], net.dst[(net.src == w) & (net.dst < net.num_gpus)]
+        )
+        mine = np.isin(pu, own)[:, None] | np.isin(st, own)[None, :]
+        y = _staged_plan(a, b, (allowed & mine, allowed), plans)
+    else:  # as much as possible between aligned neighbours across the sides, then across, then within them
+        across = allowed & (sides[pu][:, None] != sides[st][None, :])
+        stages = (across & _aligned(sides[pu], sides[st]), across, allowed) if aligned else (across, allowed)
+        y = _staged_plan(a, b, stages, plans)
     for i, j in zip(*np.nonzero(y)):
         logical.split(int(pu[i]), w, int(st[j]), int(y[i, j]))
     return logical.remove(w)
+
+
+def _staged_plan(a: np.ndarray, b: np.ndarray, stages: tuple, plans: dict | None) -> np.ndarray:
+    """Transportation plans on growing patterns: each stage ships what the earlier ones left."""
+    y = np.zeros(stages[-1].shape, dtype=np.int64)
+    for stage in stages:
+        rest_a, rest_b = a - y.sum(axis=1), b - y.sum(axis=0)
+        if not (rest_a.any() and rest_b.any()):
+            break
+        y += _cached_plan(rest_a, rest_b, stage, plans)
+    return y
+
+
+def _aligned(row_sides: np.ndarray, col_sides: np.ndarray) -> np.ndarray:
+    """Pairs at the same relative position within their sides (neighbours in node order).
+
+    Node order follows the fabric's structure (switch names by segment and rail), so on rails this pairs a ToR
+    with the same rail's ToRs in the other segments: a sparse crossing, each rail crossing on its own instead of
+    every ToR to every ToR of the other sides, which keeps the trees few and shallow.
+    """
+
+    def spans(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = np.zeros(len(labels)), np.zeros(len(labels))
+        for side in np.unique(labels):
+            idx = np.flatnonzero(labels == side)
+            lo[idx] = np.arange(len(idx)) / len(idx)
+            hi[idx] = (np.arange(len(idx)) + 1) / len(idx)
+        return lo, hi
+
+    r_lo, r_hi = spans(row_sides)
+    c_lo, c_hi = spans(col_sides)
+    return (r_lo[:, None] < c_hi[None, :] - 1e-12) & (c_lo[None, :] < r_hi[:, None] - 1e-12)
+
+
+_PLANS: collections.OrderedDict = collections.OrderedDict()
+_PLANS_LOCK = threading.Lock()
+PLAN_CACHE_SIZE = 4096  # transportation plans kept across calls (the last ones used)
+
+
+def _cached_plan(a: np.ndarray, b: np.ndarray, allowed: np.ndarray, plans: dict | None) -> np.ndarray:
+    """:func:`transport_plan` (read-only), memoized in ``plans`` by its inputs and across calls.
+
+    A re-synthesis after one link changes meets the same plans at every switch the change does not reach,
+    so they are kept process-wide (the last :data:`PLAN_CACHE_SIZE`; synthesizers may run in several threads).
+    """
+    key = (a.tobytes(), b.tobytes(), np.packbits(allowed).tobytes(), allowed.shape)
+    y = None if plans is None else plans.get(key)
+    if y is None:
+        with _PLANS_LOCK:
+            y = _PLANS.get(key)
+            if y is not None:
+                _PLANS.move_to_end(key)
+    if y is None:
+        y = transport_plan(a, b, allowed)
+        y.flags.writeable = False
+        with _PLANS_LOCK:
+            _PLANS[key] = y
+            while len(_PLANS) > PLAN_CACHE_SIZE:
+                _PLANS.popitem(last=False)
+    if plans is not None:
+        plans[key] = y
+    return y
 
 
 def transport_plan(a: np.ndarray, b: np.ndarray, allowed: np.ndarray, weight: np.ndarray | None = None) -> np.ndarray:

@@ -13,7 +13,11 @@ arcs ``d_i -> sigma_d``::
 
 It is built from the :class:`~jaxccl.topology.Topology` graph alone (no code
 shared with the column generation) and is meant for small topologies: it
-has ``O(commodities * |A| * m_s)`` variables.
+has ``O(commodities * |A| * m_s)`` variables and ``O(commodities * |V| * m_s)``
+rows, with ``m_s = |V| - 1`` by default, so ``O(N |A| |V|)`` for
+``per="source"``: cubic in the fabric's size. An offline tool: at 64 GPUs (a
+2 x 4 x 8 rail, 1.6 million variables) HiGHS runs for more than 15 minutes;
+nothing on the synthesis or recovery path calls it.
 
 ``per="pair"`` is App. G.3 verbatim: one commodity per ordered pair
 ``(s, d)`` delivering ``z``. ``per="source"`` (the default) aggregates the
