@@ -12,12 +12,15 @@ one for degradations, an upward one for recoveries)::
 
     S_down <- max(0, S_down - z - k)      S_up <- max(0, S_up + z - k)
 
-Each test has the reference value ``k`` half the smallest shift worth detecting (``min_shift``, as
-a fraction of the rate, in units of ``sigma``). A statistic above ``h`` is a decided change. ``h``
-follows from the false-alarm parameter: :func:`cusum_threshold` solves Siegmund's approximation of
-the in-control average run length for ``ARL0 = 1 / false_alarm_rate`` samples, so
-``false_alarm_rate`` is the expected number of false decisions per sample and entry and
-direction under the learned (Gaussian) noise.
+Each pair of tests is a *chart* with the reference value ``k`` half the shift it is tuned to, in
+units of ``sigma``: the smallest shift worth detecting (``min_shift``, as a fraction of the rate)
+and the larger ``CHART_SHIFTS`` (a halved and a quartered rate), which decide a large fall in
+fewer samples than the ``min_shift`` chart, which accumulates small ones (several CUSUMs in
+parallel, after Lorden). A statistic above its ``h`` is a decided change. ``h`` follows from the
+false-alarm parameter: :func:`cusum_threshold` solves Siegmund's approximation of the in-control
+average run length for ``ARL0 = charts / false_alarm_rate`` samples, so ``false_alarm_rate`` is the
+expected number of false decisions per sample and entry and direction, all charts together, under
+the learned (Gaussian) noise.
 
 On a decision the change point is where the statistic last left 0, and the entry's new level is
 the median of the samples since then (a robust estimate of the degraded, or recovered, rate).
@@ -64,6 +67,7 @@ Entry = tuple[int, int]
 NOISE_SAMPLES = 64  # the noise model's spread is re-estimated from an entry's last 64 in-control residuals
 POOL_SAMPLES = 1024  # the pooled spread of a kind of entries: from the last 1024 in-control residuals of them all
 POOL_WEIGHT = 20  # the pooled spread counts as this many degrees of freedom beside an entry's own residuals
+CHART_SHIFTS = (0.5, 0.75)  # CUSUM charts beside min_shift's: tuned to halved and quartered rates
 SPREAD_CONFIDENCE = 0.99  # the spread is raised to this upper bound (x3.7 at 5 samples alone, x1.5 with the pool)
 LEARNING_LEVEL_SAMPLES = 3  # an entry's level while it learns its noise model: the median of its last 3 samples
 
@@ -145,12 +149,12 @@ class _EntryState:
     held: list[float] = dataclasses.field(default_factory=list)  # residuals waiting while the downward test runs
     unmodelled: int = 0  # residuals added since the spread was last estimated
     residuals: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=NOISE_SAMPLES))
-    stats: list[float] = dataclasses.field(default_factory=lambda: [0.0, 0.0])  # down, up
-    runs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=lambda: [[], []])  # since S left 0
+    stats: list[float] = dataclasses.field(default_factory=list)  # per chart: down, up (see ChangeDetector)
+    runs: list[list[tuple[float, int]]] = dataclasses.field(default_factory=list)  # each statistic's since it left 0
 
-    def restart(self) -> None:
-        self.stats = [0.0, 0.0]
-        self.runs = [[], []]
+    def restart(self, tests: int) -> None:
+        self.stats = [0.0] * tests
+        self.runs = [[] for _ in range(tests)]
 
 
 class ChangeDetector:
@@ -195,7 +199,11 @@ class ChangeDetector:
         self.warmup = warmup
         self.sigma_floor = float(sigma_floor)
         self.suspect = float(suspect)
-        self._shift = -math.log1p(-self.min_shift)  # in log units
+        # the charts' shifts in log units: min_shift, and the larger CHART_SHIFTS (a large shift decides in fewer
+        # samples on a chart tuned to it); each chart gets an equal share of the false-alarm rate
+        shifts = sorted({self.min_shift, *(c for c in CHART_SHIFTS if c > self.min_shift)})
+        self._shifts = [-math.log1p(-c) for c in shifts]
+        self._chart_rate = self.false_alarm_rate / len(self._shifts)
         self._entries: dict[Entry, _EntryState] = {}
         self._pools: dict[bool, collections.deque] = {}  # in-control residuals of every entry of a kind (intra?)
         self._pooled: dict[bool, tuple[float, int]] = {}  # each kind's pooled spread and residuals, at the last update
@@ -204,15 +212,16 @@ class ChangeDetector:
         self.shifts: collections.Counter[Entry] = collections.Counter()
 
     # ------------------------------------------------------------------ the model
-    def _k_h(self, sigma: float) -> tuple[float, float]:
-        k = self._shift / sigma / 2
+    def _k_h(self, sigma: float, chart: int = 0) -> tuple[float, float]:
+        """Reference value and threshold of ``chart`` for an entry of spread ``sigma``."""
+        k = self._shifts[chart] / sigma / 2
         key = round(k, 6)
         if key not in self._thresholds:
-            self._thresholds[key] = cusum_threshold(self.false_alarm_rate, k)
+            self._thresholds[key] = cusum_threshold(self._chart_rate, k)
         return k, self._thresholds[key]
 
     def threshold(self, entry: Entry) -> float:
-        """``h`` of ``entry`` (NaN while it learns its noise model)."""
+        """``h`` of ``entry``'s ``min_shift`` chart (NaN while it learns its noise model)."""
         st = self._entries.get(entry)
         return math.nan if st is None or math.isnan(st.sigma) else self._k_h(self._sigma(entry, st))[1]
 
@@ -261,8 +270,8 @@ class ChangeDetector:
         for e, st in self._entries.items():
             if math.isnan(st.sigma):
                 continue
-            for stat, run in zip(st.stats, st.runs):
-                if run and stat > self.suspect * self._k_h(self._sigma(e, st))[1]:
+            for t, (stat, run) in enumerate(zip(st.stats, st.runs)):
+                if run and stat > self.suspect * self._k_h(self._sigma(e, st), t // 2)[1]:
                     out[e] = math.exp(float(np.median([x for x, _ in run])))
         return out
 
@@ -288,7 +297,10 @@ class ChangeDetector:
         return changes
 
     def _sample(self, entry: Entry, y: float, now_ns: int) -> Change | None:
-        st = self._entries.setdefault(entry, _EntryState())
+        st = self._entries.get(entry)
+        if st is None:
+            st = self._entries[entry] = _EntryState()
+            st.restart(2 * len(self._shifts))
         if math.isnan(st.sigma):  # learning the noise model
             st.log_samples.append(y)
             st.learning_since = st.learning_since or now_ns
@@ -311,12 +323,16 @@ class ChangeDetector:
         self.tested[entry] += 1
         sigma = self._sigma(entry, st)
         z = (y - st.mu) / sigma
-        k, h = self._k_h(sigma)
-        for i, step in enumerate((-z, z)):  # the downward and the upward test around the centre
-            st.stats[i] = max(0.0, st.stats[i] + step - k)
-            st.runs[i] = [*st.runs[i], (y, now_ns)] if st.stats[i] > 0 else []
-            if st.stats[i] > h:
-                return self._decide(entry, st, i, now_ns)
+        decided = None
+        for chart in range(len(self._shifts)):
+            k, h = self._k_h(sigma, chart)
+            for i, step in ((2 * chart, -z), (2 * chart + 1, z)):  # the downward and the upward test
+                st.stats[i] = max(0.0, st.stats[i] + step - k)
+                st.runs[i] = [*st.runs[i], (y, now_ns)] if st.stats[i] > 0 else []
+                if decided is None and st.stats[i] > h:
+                    decided = i
+        if decided is not None:
+            return self._decide(entry, st, decided, now_ns)
         self._learn_noise(entry, st, y - st.mu)
         return relearned
 
@@ -327,7 +343,7 @@ class ChangeDetector:
         """Adds an in-control residual to the noise model. While the downward test runs, its samples wait: they are
         noise if the test returns to 0, the new level if it decides (a spread learned from them would widen with
         the fall it is to detect)."""
-        if st.stats[0] > 0:
+        if any(st.stats[0::2]):
             st.held.append(residual)
             return
         st.residuals.extend([*st.held, residual])
@@ -352,12 +368,12 @@ class ChangeDetector:
         before = math.exp(st.mu)
         after = [x for x, _ in run]
         st.held = []  # the downward run's samples belong to the new level, not to the noise
-        if test == 1:  # so do the upward run's, which went into the noise model as they came
+        if test % 2:  # so do the upward run's, which went into the noise model as they came
             for _ in range(min(len(run), len(st.residuals))):
                 st.residuals.pop()
         st.log_samples = list(after)
         st.learning_since = run[0][1]
         st.mu = float(np.median(after))
-        st.restart()
+        st.restart(2 * len(self._shifts))
         self.shifts[entry] += 1
         return Change(entry, before, math.exp(st.mu), len(after), run[0][1], now_ns)
