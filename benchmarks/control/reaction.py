@@ -98,12 +98,10 @@ def swap_warranted(topo: Any, degraded: Any, synthesize: Any, min_gain: float = 
     """Whether the AllGather ``synthesize(degraded, healthy)`` makes for the degraded fabric beats the one it makes
     for ``topo`` (running on ``degraded``) by more than ``min_gain`` (the controller's default), both predicted as
     the controller does."""
-    from jaxccl.control.algorithm1 import check, nominal_capacities, profile
+    from jaxccl.control.algorithm1 import algbw_on
 
     healthy = synthesize(topo, None)
-    x_min = check(profile(healthy, degraded), nominal_capacities(degraded), gamma=0.0).x_min
-    stale = healthy.num_ranks * healthy.chunks_per_period * x_min
-    return bool(synthesize(degraded, healthy).algbw > stale * (1 + min_gain))
+    return bool(synthesize(degraded, healthy).algbw > algbw_on(healthy, degraded) * (1 + min_gain))
 
 
 def one_run(draw: dict[str, Any], detector: str, steps: int) -> dict[str, Any]:

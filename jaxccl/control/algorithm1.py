@@ -34,7 +34,7 @@ from typing import Any
 
 from jaxccl.errors import ArgumentError, ScheduleError, TopologyError
 
-__all__ = ["CheckResult", "ScheduleProfile", "check", "nominal_capacities", "profile"]
+__all__ = ["CheckResult", "ScheduleProfile", "algbw_on", "check", "nominal_capacities", "profile"]
 
 Edge = tuple[Any, Any]
 _REL_TOL = 1e-9
@@ -149,3 +149,19 @@ def check(p: ScheduleProfile, capacities: Mapping[Edge, float], *, gamma: float)
         deltas[a] = slacks[a] - p.base_slacks.get(a, 0.0)
     worst = max(deltas, key=deltas.__getitem__, default=None)
     return CheckResult(x_min, slacks, deltas, bool(worst is not None and deltas[worst] > gamma), worst)  # phase 3
+
+
+def algbw_on(schedule: Any, topology: Any) -> float:
+    """``schedule``'s algbw on ``topology`` as the controller predicts it: ranks x chunks per period x ``x_min``
+    (the large-message limit; :func:`jaxccl.synth.ordered_reduce_scatter.predicted_algbw` counts an AllReduce's
+    buffer instead, for the schedules the controller splits into ReduceScatter + AllGather).
+
+    >>> from jaxccl.topology import rail
+    >>> from jaxccl.synth import all_gather
+    >>> topo = rail(hosts=2, gpus_per_host=4)
+    >>> s = all_gather(topo)
+    >>> algbw_on(s, topo) == s.algbw, algbw_on(s, topo.degrade(0, "tor:s0r0", gbps=200)) < s.algbw
+    (True, True)
+    """
+    x_min = check(profile(schedule, topology), nominal_capacities(topology), gamma=0.0).x_min
+    return schedule.num_ranks * schedule.chunks_per_period * x_min

@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from jaxccl import synth
-from jaxccl.control.algorithm1 import CheckResult, ScheduleProfile, check, nominal_capacities, profile
+from jaxccl.control.algorithm1 import CheckResult, ScheduleProfile, algbw_on, check, nominal_capacities, profile
 from jaxccl.control.detector import ChangeDetector
 from jaxccl.control.step_driven import StepTimes, at_step_end
 from jaxccl.errors import ArgumentError
@@ -151,15 +151,6 @@ def measured_topology(base: Any, estimates: Mapping[tuple, float], *, tolerance:
     if not factors:
         return base
     return base.with_edges({e: {"capacity": f * base.capacity(*e)} for e, f in factors.items()})
-
-
-def _algbw_on(schedule: Any, topo: Any) -> float:
-    """``schedule``'s algbw on ``topo`` as Algorithm 1 predicts it: ranks x chunks per period x ``x_min``."""
-    return (
-        schedule.num_ranks
-        * schedule.chunks_per_period
-        * check(profile(schedule, topo), nominal_capacities(topo), gamma=0.0).x_min
-    )
 
 
 def _close(a: Any, b: Any, base: Any, tolerance: float) -> bool:
@@ -683,7 +674,7 @@ class Controller:
         speculative, m.speculative = m.speculative, None
         if speculative is not None and _close(speculative[0], target, self.comm.topology, self.tolerance):
             new = speculative[1]  # synthesized for the suspected levels; judged on the decided ones
-            predicted = _algbw_on(new, target)
+            predicted = algbw_on(new, target)
             self._emit(
                 "synthesized",
                 coll,
@@ -703,7 +694,7 @@ class Controller:
         if not still_flagged():
             self._emit("aborted", coll, reason="the degradation cleared during re-synthesis")
             return
-        stale = _algbw_on(running, target)
+        stale = algbw_on(running, target)
         if predicted is not None and predicted <= stale * (1 + self.min_gain) * (1 + 1e-6):
             reason = (
                 "no better than the running schedule"
