@@ -2,13 +2,13 @@
 
 Every entry of the link matrix (a GPU pair across hosts, or a GPU's intra-node injection) gets a
 noise model learned from its first ``warmup`` samples: the median ``mu`` and a robust spread
-``sigma`` of its log rates (the largest of the MAD-, IQR- and 5-95 %-range estimates, raised to a
-99 % upper confidence bound for the samples behind it, at least ``sigma_floor``; re-estimated from
-the last 64 in-control residuals), never below the spread pooled over every entry of its kind
-(intra-node injections, or pairs across hosts): they share most of their noise, the hosts' load,
-and a spread from a few samples alone is often far too small. From then on every sample ``x`` is standardized,
-``z = (log x - mu) / sigma``, and fed to two one-sided CUSUM statistics (Page's test; a downward
-one for degradations, an upward one for recoveries)::
+``sigma`` of its log rates (the largest of the MAD-, IQR- and 5-95 %-range estimates, re-estimated
+from the last 64 in-control residuals, moderated by the spread pooled over every entry of its kind
+-- intra-node injections, or pairs across hosts, which share most of their noise, the hosts' load
+-- and raised to a 99 % upper confidence bound for the degrees of freedom behind it, at least
+``sigma_floor``: a spread from a few samples alone is often far too small). From then on every
+sample ``x`` is standardized, ``z = (log x - mu) / sigma``, and fed to pairs of one-sided CUSUM
+statistics (Page's test; a downward one for degradations, an upward one for recoveries)::
 
     S_down <- max(0, S_down - z - k)      S_up <- max(0, S_up + z - k)
 
@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable
 
@@ -72,6 +73,7 @@ SPREAD_CONFIDENCE = 0.99  # the spread is raised to this upper bound (x3.7 at 5 
 LEARNING_LEVEL_SAMPLES = 3  # an entry's level while it learns its noise model: the median of its last 3 samples
 
 
+@functools.cache
 def _spread_bound(n: int) -> float:
     """The factor that raises a spread estimated from ``n`` samples to its ``SPREAD_CONFIDENCE`` upper bound.
 
@@ -270,8 +272,9 @@ class ChangeDetector:
         for e, st in self._entries.items():
             if math.isnan(st.sigma):
                 continue
+            sigma = self._sigma(e, st)
             for t, (stat, run) in enumerate(zip(st.stats, st.runs)):
-                if run and stat > self.suspect * self._k_h(self._sigma(e, st), t // 2)[1]:
+                if run and stat > self.suspect * self._k_h(sigma, t // 2)[1]:
                     out[e] = math.exp(float(np.median([x for x, _ in run])))
         return out
 
