@@ -43,6 +43,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from jaxccl.cli.synth_allgather import add_arguments, main
 from jaxccl.util import report
@@ -144,12 +145,17 @@ def warm_main(argv: list[str]) -> int:
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     rows = run_warm(args.runs, args.max_hosts)
-    report.print_table(rows, WARM_COLUMNS)
     deeper = [r["case"] for r in rows if r["warm_depth"] > r["cold_depth"]]
-    print("warm trees deeper than cold: " + (", ".join(deeper) if deeper else "none"))
-    if args.json:
-        report.write_json(args.json, {"rows": rows, "columns": list(WARM_COLUMNS)})
-        print(f"wrote {args.json}")
+    return _finish(rows, WARM_COLUMNS, "warm trees deeper than cold", deeper, args.json)
+
+
+def _finish(rows: list[dict], columns: tuple, what: str, cases: list[str], path: str | None, **extra: Any) -> int:
+    """Prints the table and the ``cases`` that are ``what``; writes the JSON (rows, columns, ``extra``) to ``path``."""
+    report.print_table(rows, columns)
+    print(f"{what}: " + (", ".join(cases) if cases else "none"))
+    if path:
+        report.write_json(path, {"rows": rows, "columns": list(columns), **extra})
+        print(f"wrote {path}")
     return 0
 
 
@@ -265,13 +271,8 @@ def scale_main(argv: list[str]) -> int:
     rows = run_scale(args.max_gpus, args.validate_max)
     blas = os.environ.get("OPENBLAS_NUM_THREADS")
     print(f"OPENBLAS_NUM_THREADS={blas} (unset: OpenBLAS's idle threads spin and count as CPU time)")
-    report.print_table(rows, SCALE_COLUMNS)
     short = [r["fabric"] for r in rows if min(r["cold_algbw_over_bound"], r["warm_algbw_over_bound"]) < 1 - 2e-3]
-    print("more than 0.2 % below the bound: " + (", ".join(short) if short else "none"))
-    if args.json:
-        report.write_json(args.json, {"rows": rows, "columns": list(SCALE_COLUMNS), "openblas_num_threads": blas})
-        print(f"wrote {args.json}")
-    return 0
+    return _finish(rows, SCALE_COLUMNS, "more than 0.2 % below the bound", short, args.json, openblas_num_threads=blas)
 
 
 if __name__ == "__main__":
