@@ -232,6 +232,21 @@ def test_max_chunks_rounds_with_a_reported_gap():
     s.validate()
 
 
+def test_a_coarse_chunk_limit_gets_the_best_rate_its_trees_can_reach():
+    """GPU 2's NIC at half its rate, at most 2 chunks per shard: each host's 4 shards leave over NICs of 0.5, 1, 1
+    and 1 NIC rates. In halves of a shard, a period T carries floor(2 * 0.5 T) + 3 floor(2 T) halves, which reaches
+    the 8 needed first at T = 1.5 (1.25 and 4/3 carry 7): 2/3 of the healthy rate. Whole shards need T = 2, no
+    better than the healthy trees on the cut NIC; trees sized x*/2 found no more than that."""
+    topo = rail(hosts=2, gpus_per_host=4)
+    cut = topo.degrade(2, "tor:s0r2", capacity=topo.capacity(2, "tor:s0r2") / 2)  # both directions
+    s = allgather(cut, max_chunks=2)
+    assert s.chunks_per_period == 2
+    assert s.algbw == pytest.approx(allgather(topo).algbw * 2 / 3, rel=1e-9)
+    assert s.info["gap"] > 0 and not s.info["exact"]
+    s.validate()
+    check_trees(s, cut)
+
+
 def test_bad_inputs():
     one = Topology.from_edges(1, [(0, "sw", GB, 1e-6), ("sw", 0, GB, 1e-6)])
     with pytest.raises(TopologyError, match="at least 2 GPUs"):
