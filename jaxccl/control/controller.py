@@ -47,6 +47,7 @@ What the detectors decide on, and how fast, is measured by ``benchmarks/control/
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -65,7 +66,7 @@ from jaxccl.control.step_driven import StepTimes, at_step_end
 from jaxccl.errors import ArgumentError
 from jaxccl.schedule.table import compiled_table
 from jaxccl.synth.ordered_reduce_scatter import ordered_reduce_scatter
-from jaxccl.telemetry.matrix import entry_capacities
+from jaxccl.telemetry.matrix import entry_capacities, route_links
 
 __all__ = ["DETECTORS", "REDUCTIONS", "Controller", "Event", "managed_collectives", "measured_topology"]
 
@@ -317,7 +318,13 @@ class Controller:
         self.detector = detector
         self.hold = hold
         cusum = detector == "cusum"
-        self._changes = ChangeDetector(false_alarm_rate=false_alarm_rate, warmup=warmup) if cusum else None
+        self._changes = (
+            ChangeDetector(
+                false_alarm_rate=false_alarm_rate, warmup=warmup, links_of=functools.partial(route_links, comm.topology)
+            )
+            if cusum
+            else None
+        )
         self._fed: Any = None  # the telemetry snapshot the change detector last read
         self._baseline: dict[tuple[int, int], float] = {}  # each entry's first learned level (bytes/s)
         self._calibration: dict[tuple[int, int], float] = {}  # each entry's meter calibration (see _level_caps)
@@ -590,25 +597,39 @@ class Controller:
                     self._emit("held", m.collective, until_launch=m.swapped_at + self.hold, launch=clock)
                 m.held = True
                 continue
+            plan = self._with_suspects(m, tel, caps)
             self._emit(
                 "confirmed",
                 m.collective,
                 flagged_samples=max((c.samples for c in m.decided), default=0),
                 confirm_ms=(time.monotonic_ns() - m.detected_ns) / 1e6,
-                degraded=_degraded_links(caps, m.belief, self.tolerance),
+                degraded=_degraded_links(plan, m.belief, self.tolerance),
                 detector="cusum",
                 change_ns=m.change_ns,
                 changes=[_change_text(c) for c in m.decided[-8:]],
             )
             m.held, m.detected_ns = False, 0
             m.decided.clear()
-            self._resynthesize(m, caps, lambda m=m: self._still_flagged_cusum(m))
+            self._resynthesize(m, plan, lambda m=m: self._still_flagged_cusum(m))
 
     def _cusum_caps(self, m: _Managed, tel: Any) -> tuple[int, dict[tuple, float], dict[tuple, float]]:
         """The collective's launch clock, ``M_a`` from the detector's levels, and the same held pessimistic."""
         clock = int(self.comm.swap_state(m.collective).get("issued", 0))
         measured = self._level_caps(tel, m, self._changes.levels(learning=False))
         return clock, measured, self._pessimistic(m, measured, clock)
+
+    def _with_suspects(self, m: _Managed, tel: Any, caps: dict[tuple, float]) -> dict[tuple, float]:
+        """``caps`` lowered to the provisional levels of the entries suspected to have fallen (past ``suspect`` x
+        ``h``, not decided yet): at a decision, the schedule is planned for every fall under way. Two NICs cut
+        together are rarely decided on the same sample; planned for the first alone, a schedule moves load onto
+        the second. A suspect the detector clears leaves a link planned a little low, which the next decision
+        corrects."""
+        levels = self._changes.levels(learning=False)
+        fallen = {e: v for e, v in self._changes.suspects().items() if e in levels and v < levels[e]}
+        if not fallen:
+            return caps
+        lowered = self._level_caps(tel, m, {**levels, **fallen})
+        return {a: min(v, lowered.get(a, v)) for a, v in caps.items()}
 
     def _still_flagged_cusum(self, m: _Managed) -> bool:
         _, _, caps = self._cusum_caps(m, self._feed())

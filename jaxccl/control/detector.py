@@ -29,6 +29,16 @@ so a level measured on one sample is refined by the following ones. A large shif
 sample: at ``sigma = 2 %`` and ``false_alarm_rate = 1e-6`` a single window 10 % below the learned
 rate is enough, which is what lets the controller act at the step after the first degraded one.
 
+Joint tests (``links_of``: an entry's links): entries whose routes cross one link (a NIC carries a
+pair's windows one way and its reverse pair's the other; a link degrades both ways) are also tested
+together. Each update, the members of a link's group that were tested give ``Z = sum(z) / sqrt(m)``, standardized by the
+spread learned for ``Z`` (pooled over every group, at least 1: independent members), and fed to
+the same charts with ``k`` half the shift's ``Z``. A shift of ``d`` spreads in ``m`` members is
+``d sqrt(m)`` in ``Z``: across processes, where every pair gives one sample per step, a NIC cut to
+half its rate is decided a step earlier from its two pairs than from either. A group's decision
+decides every member with samples since the group's change point (their medians are the new
+levels).
+
 :meth:`ChangeDetector.suspects` lists entries whose statistic is past ``suspect`` x ``h`` but
 not decided yet, with their provisional level: the controller synthesizes for them speculatively.
 
@@ -53,7 +63,7 @@ import collections
 import dataclasses
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 import numpy as np
 from scipy.optimize import brentq
@@ -71,6 +81,7 @@ POOL_WEIGHT = 20  # the pooled spread counts as this many degrees of freedom bes
 CHART_SHIFTS = (0.5, 0.75)  # CUSUM charts beside min_shift's: tuned to halved and quartered rates
 SPREAD_CONFIDENCE = 0.99  # the spread is raised to this upper bound (x3.7 at 5 samples alone, x1.5 with the pool)
 LEARNING_LEVEL_SAMPLES = 3  # an entry's level while it learns its noise model: the median of its last 3 samples
+GROUP_POOL = "groups"  # the pool of in-control joint statistics of every group
 
 
 @functools.cache
@@ -159,6 +170,13 @@ class _EntryState:
         self.runs = [[] for _ in range(tests)]
 
 
+@dataclasses.dataclass
+class _GroupState:
+    stats: list[float]  # per chart: down, up (as an entry's)
+    runs: list[list[dict[Entry, tuple[float, int]]]]  # per statistic, since it left 0: each update's member samples
+    thresholds: list[float] = dataclasses.field(default_factory=list)  # per chart, at the last test
+
+
 class ChangeDetector:
     """Per-entry two-sided CUSUM on log window rates with a learned noise model; see the module.
 
@@ -168,6 +186,8 @@ class ChangeDetector:
         warmup: samples an entry learns its noise model from before it is tested.
         sigma_floor: the smallest spread of log rates assumed (emulated links can be exact).
         suspect: fraction of ``h`` past which an undecided statistic makes the entry a suspect.
+        links_of: an entry's links (any hashable names; none: the entry is tested alone); the entries that share
+            a link are also tested jointly, see the module.
 
     Attributes:
         tested: per entry, samples tested against its learned noise model (each by the two one-sided tests).
@@ -185,6 +205,7 @@ class ChangeDetector:
         warmup: int = 5,
         sigma_floor: float = 0.02,
         suspect: float = 0.5,
+        links_of: Callable[[Entry], Iterable[Hashable]] | None = None,
     ):
         if not 0 < false_alarm_rate < 1:
             raise ArgumentError(f"ChangeDetector: false_alarm_rate must be in (0, 1), got {false_alarm_rate}")
@@ -207,20 +228,31 @@ class ChangeDetector:
         self._shifts = [-math.log1p(-c) for c in shifts]
         self._chart_rate = self.false_alarm_rate / len(self._shifts)
         self._entries: dict[Entry, _EntryState] = {}
-        self._pools: dict[bool, collections.deque] = {}  # in-control residuals of every entry of a kind (intra?)
-        self._pooled: dict[bool, tuple[float, int]] = {}  # each kind's pooled spread and residuals, at the last update
+        # in-control residuals of every entry of a kind (intra-node?), and the groups' joint statistics (GROUP_POOL)
+        self._pools: dict[bool | str, collections.deque] = {}
+        self._pooled: dict[bool | str, tuple[float, int]] = {}  # each pool's spread and size, at the last update
         self._thresholds: dict[float, float] = {}
         self.tested: collections.Counter[Entry] = collections.Counter()
         self.shifts: collections.Counter[Entry] = collections.Counter()
+        self._links_of = links_of
+        self._groups: dict[Hashable, set[Entry]] = {}  # per link: the entries seen whose routes cross it
+        self._group_states: dict[frozenset[Entry], _GroupState] = {}  # by the members tested together
+        self._batch: dict[Entry, tuple[float, float, float]] = {}  # this update's tested entries: z, y, sigma
+        self.group_tests = 0
+        self.group_shifts = 0
 
     # ------------------------------------------------------------------ the model
     def _k_h(self, sigma: float, chart: int = 0) -> tuple[float, float]:
         """Reference value and threshold of ``chart`` for an entry of spread ``sigma``."""
         k = self._shifts[chart] / sigma / 2
+        return k, self._k_h_of(k)
+
+    def _k_h_of(self, k: float) -> float:
+        """The threshold of a chart with reference value ``k`` (memoized)."""
         key = round(k, 6)
         if key not in self._thresholds:
             self._thresholds[key] = cusum_threshold(self._chart_rate, k)
-        return k, self._thresholds[key]
+        return self._thresholds[key]
 
     def threshold(self, entry: Entry) -> float:
         """``h`` of ``entry``'s ``min_shift`` chart (NaN while it learns its noise model)."""
@@ -267,7 +299,8 @@ class ChangeDetector:
         return out
 
     def suspects(self) -> dict[Entry, float]:
-        """Entries past ``suspect`` x ``h`` but undecided, with the median of their samples since the change point."""
+        """Entries past ``suspect`` x ``h`` but undecided (alone, or in a link's joint test), with the median of
+        their samples since the change point."""
         out = {}
         for e, st in self._entries.items():
             if math.isnan(st.sigma):
@@ -276,6 +309,11 @@ class ChangeDetector:
             for t, (stat, run) in enumerate(zip(st.stats, st.runs)):
                 if run and stat > self.suspect * self._k_h(sigma, t // 2)[1]:
                     out[e] = math.exp(float(np.median([x for x, _ in run])))
+        for gs in self._group_states.values():  # a link's group past suspect x h: each member's samples since
+            for t, (stat, run) in enumerate(zip(gs.stats, gs.runs)):
+                if run and gs.thresholds and stat > self.suspect * gs.thresholds[t // 2]:
+                    for e in {e for batch in run for e in batch}:
+                        out.setdefault(e, math.exp(float(np.median([b[e][0] for b in run if e in b]))))
         return out
 
     # ------------------------------------------------------------------ samples
@@ -294,9 +332,11 @@ class ChangeDetector:
             change = self._sample((int(src), int(dst)), math.log(rate), int(now_ns))
             if change is not None:
                 changes.append(change)
-        for intra, pool in self._pools.items():  # the next samples' tests see this update's residuals
+        changes += self._test_groups(int(now_ns))
+        self._batch = {}
+        for kind, pool in self._pools.items():  # the next samples' tests see this update's residuals
             if len(pool) >= self.warmup:
-                self._pooled[intra] = (self._spread(pool), len(pool))
+                self._pooled[kind] = (self._spread(pool), len(pool))
         return changes
 
     def _sample(self, entry: Entry, y: float, now_ns: int) -> Change | None:
@@ -304,6 +344,8 @@ class ChangeDetector:
         if st is None:
             st = self._entries[entry] = _EntryState()
             st.restart(2 * len(self._shifts))
+            for link in self._links_of(entry) if self._links_of is not None else ():
+                self._groups.setdefault(link, set()).add(entry)
         if math.isnan(st.sigma):  # learning the noise model
             st.log_samples.append(y)
             st.learning_since = st.learning_since or now_ns
@@ -335,9 +377,68 @@ class ChangeDetector:
                 if decided is None and st.stats[i] > h:
                     decided = i
         if decided is not None:
+            self._batch.pop(entry, None)
             return self._decide(entry, st, decided, now_ns)
+        self._batch[entry] = (z, y, sigma)
         self._learn_noise(entry, st, y - st.mu)
         return relearned
+
+    # ------------------------------------------------------------------ joint tests
+    def _test_groups(self, now_ns: int) -> list[Change]:
+        """Tests every group on this update's samples of its members (those tested and not decided alone)."""
+        changes: list[Change] = []
+        seen = set()
+        for group in self._groups.values():
+            members = frozenset(e for e in group if e in self._batch)
+            if len(members) < 2 or members in seen:
+                continue
+            seen.add(members)
+            changes += self._test_group(members, now_ns)
+        return changes
+
+    def _test_group(self, members: frozenset[Entry], now_ns: int) -> list[Change]:
+        pooled = self._pooled.get(GROUP_POOL)
+        zs = [self._batch[e][0] for e in members]
+        joint = sum(zs) / math.sqrt(len(zs))
+        if pooled is None:  # learning the joint statistic's spread first
+            self._pools.setdefault(GROUP_POOL, collections.deque(maxlen=POOL_SAMPLES)).append(joint)
+            return []
+        spread = max(1.0, pooled[0] * _spread_bound(pooled[1]))
+        gs = self._group_states.get(members)
+        if gs is None:
+            tests = 2 * len(self._shifts)
+            gs = self._group_states[members] = _GroupState([0.0] * tests, [[] for _ in range(tests)])
+        self.group_tests += 1
+        samples = {e: (self._batch[e][1], now_ns) for e in members}
+        decided = None
+        gs.thresholds = []
+        for chart, shift in enumerate(self._shifts):
+            k = sum(shift / self._batch[e][2] for e in members) / math.sqrt(len(members)) / spread / 2
+            h = self._k_h_of(k)
+            gs.thresholds.append(h)
+            for i, step in ((2 * chart, -joint / spread), (2 * chart + 1, joint / spread)):
+                gs.stats[i] = max(0.0, gs.stats[i] + step - k)
+                gs.runs[i] = [*gs.runs[i], samples] if gs.stats[i] > 0 else []
+                if decided is None and gs.stats[i] > h:
+                    decided = i
+        if decided is None:
+            if not any(gs.stats[0::2]):
+                self._pools[GROUP_POOL].append(joint)
+            return []
+        run = gs.runs[decided]
+        del self._group_states[members]
+        self.group_shifts += 1
+        return [self._decide_member(e, run, decided % 2 == 1, now_ns) for e in sorted(members)]
+
+    def _decide_member(self, entry: Entry, run: list[dict[Entry, tuple[float, int]]], up: bool, now_ns: int) -> Change:
+        """A group's decision, for one of its members: as :meth:`_decide`, on the member's samples in the run."""
+        st = self._entries[entry]
+        mine = [batch[entry] for batch in run if entry in batch]
+        st.held = []
+        if up:
+            for _ in range(min(len(mine), len(st.residuals))):
+                st.residuals.pop()
+        return self._restart_at(entry, st, mine, now_ns)
 
     def _pool(self, entry: Entry) -> collections.deque:
         return self._pools.setdefault(entry[0] == entry[1], collections.deque(maxlen=POOL_SAMPLES))
@@ -368,12 +469,16 @@ class ChangeDetector:
 
     def _decide(self, entry: Entry, st: _EntryState, test: int, now_ns: int) -> Change:
         run = st.runs[test]
-        before = math.exp(st.mu)
-        after = [x for x, _ in run]
         st.held = []  # the downward run's samples belong to the new level, not to the noise
         if test % 2:  # so do the upward run's, which went into the noise model as they came
             for _ in range(min(len(run), len(st.residuals))):
                 st.residuals.pop()
+        return self._restart_at(entry, st, run, now_ns)
+
+    def _restart_at(self, entry: Entry, st: _EntryState, run: list[tuple[float, int]], now_ns: int) -> Change:
+        """The entry's new level: the median of ``run`` (its samples since the change point, with their times)."""
+        before = math.exp(st.mu)
+        after = [x for x, _ in run]
         st.log_samples = list(after)
         st.learning_since = run[0][1]
         st.mu = float(np.median(after))

@@ -27,7 +27,7 @@ from jaxccl.errors import ArgumentError
 from jaxccl.telemetry.export import write_heatmap
 from jaxccl.telemetry.records import INTRA, decode
 
-__all__ = ["WINDOW_DTYPE", "Telemetry", "TelemetryCollector", "entry_capacities"]
+__all__ = ["WINDOW_DTYPE", "Telemetry", "TelemetryCollector", "entry_capacities", "route_links"]
 
 WINDOW_DTYPE = np.dtype([("src", "<i4"), ("dst", "<i4"), ("rate", "<f8"), ("count", "<i4")])
 """One raw sample: entry ``(src, dst)`` of the matrix (``dst == src``: intra-node injection), its mean
@@ -149,6 +149,25 @@ def entry_capacities(
         elif route := topology.path(i, j):
             out[(i, j)] = float(min(topology.capacity(*e) / sharers.get(e, 1) for e in route))
     return out
+
+
+def route_links(topology: Any, entry: tuple[int, int]) -> tuple[frozenset, ...]:
+    """The links an inter-node entry's route crosses, each as both its directions (``frozenset((u, v))``); none
+    for an intra-node injection (``(i, i)``) or a pair without a route. The change detector tests the entries
+    that share a link jointly: a link degrades both ways, and a NIC carries a pair's windows one way and the
+    reverse pair's the other.
+
+    >>> from jaxccl.topology import rail
+    >>> topo = rail(hosts=2, gpus_per_host=1)
+    >>> set(route_links(topo, (0, 1))) == set(route_links(topo, (1, 0)))
+    True
+    >>> route_links(topo, (0, 0))
+    ()
+    """
+    i, j = entry
+    if i == j:
+        return ()
+    return tuple(frozenset(link) for link in topology.path(i, j) or ())
 
 
 def _sharers(topology: Any, pairs: set[tuple[int, int]] | None) -> dict[tuple, int]:

@@ -357,9 +357,9 @@ SEED = 2  # a seed whose noise shows both: deterministic (every entry draws its 
 
 @pytest.mark.parametrize("fault", ["persistent", "one-step dip"])
 def test_a_suspected_change_is_synthesized_ahead_and_a_cleared_one_discarded(ag, fault):
-    """With noisy windows (``window_noise`` 10 %) a NIC at 0.6x is suspected a sample before it is decided: the
-    decision takes the schedule synthesized for the suspicion (``synth_ms`` 0); a one-step dip is suspected, then
-    discarded. The healthy steps before give no event at all."""
+    """With noisy windows (``window_noise`` 10 %) a NIC at 0.65x is suspected a sample before it is decided (at
+    0.6x its two pairs decide it jointly at once): the decision takes the schedule synthesized for the suspicion
+    (``synth_ms`` 0); a one-step dip is suspected, then discarded. The healthy steps before give no event at all."""
     comm, f, ref = _setup(emulation=LinkEmulation(time_scale=1e-3, window_noise=0.1, noise_seed=SEED))
     comm.install("all_gather", ag)
     ctl = Controller(comm, gamma=0.15)
@@ -368,7 +368,7 @@ def test_a_suspected_change_is_synthesized_ahead_and_a_cleared_one_discarded(ag,
 
     def on_step(k):
         if k == 0:
-            comm.inject(TOPO.degrade(*NIC, gbps=240))
+            comm.inject(TOPO.degrade(*NIC, gbps=260))
         if k == 1 and fault == "one-step dip":
             comm.inject(TOPO)
 
@@ -380,3 +380,23 @@ def test_a_suspected_change_is_synthesized_ahead_and_a_cleared_one_discarded(ag,
     synthesized = next(e for e in ctl.events if e.kind == "synthesized")
     assert synthesized.detail["synth_ms"] == 0.0 and synthesized.detail["speculative_ms"] > 0, synthesized.detail
     assert "staged" in kinds and "discarded" not in kinds, kinds
+
+
+def test_two_cut_nics_are_planned_for_together_when_one_is_decided_first(ag):
+    """GPU 0's NIC at 0.4x is decided on its first degraded window; GPU 5's (the other host, another rail) at
+    0.6x is only a suspect then. The schedule synthesized at the decision is planned for both (the suspect at its
+    provisional level), not for GPU 0's alone, which would load GPU 5's cut NIC and need a second swap."""
+    comm, f, ref = _setup(emulation=LinkEmulation(time_scale=1e-3, window_noise=0.1, noise_seed=SEED))
+    comm.install("all_gather", ag)
+    ctl = Controller(comm, gamma=0.15, hold=4)
+    _drive(comm, ctl, f, ref, 3 * HEALTHY)
+    second = (5, "tor:s0r1")
+    both = TOPO.degrade(*NIC, gbps=160).degrade(*second, gbps=240)
+    _drive(comm, ctl, f, ref, 16, on_step=lambda k: k == 0 and comm.inject(both), seed=300)
+    confirmed = next(e for e in ctl.events if e.kind == "confirmed")
+    assert [c.split(" ")[0] for c in confirmed.detail["changes"]] == ["4->0", "0->4"]  # GPU 0's NIC decided alone
+    degraded = confirmed.detail["degraded"]
+    assert degraded[f"{NIC[0]}->{NIC[1]}"] == pytest.approx(0.4, abs=0.06), degraded
+    assert degraded[f"{second[0]}->{second[1]}"] == pytest.approx(0.6, abs=0.1), degraded
+    assert [e.kind for e in ctl.events].count("staged") == 1, [e.kind for e in ctl.events]
+    comm.schedule("all_gather").validate()

@@ -9,6 +9,7 @@ netns trace is what process 0's controller read in ``jaxccl demo --network netns
 2 cores, one sample per pair and step, ~16 % spread) with the NICs of ranks 2 and 4 cut from step 9.
 """
 
+import functools
 import json
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import pytest
 
 from jaxccl.control.detector import ChangeDetector, cusum_threshold
 from jaxccl.errors import ArgumentError
-from jaxccl.telemetry.matrix import WINDOW_DTYPE
+from jaxccl.telemetry.matrix import WINDOW_DTYPE, route_links
+from jaxccl.topology import rail
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "windows"
 
@@ -80,6 +82,38 @@ def test_nics_cut_across_processes_are_decided_on_their_pairs_only():
     assert len(first) >= 3, first
     for s, c in first.values():
         assert s - 9 <= 7 and c.ratio < 0.6, (s, c)  # one sample per step of ~17 % noise: within 8; the fall
+
+
+def test_nics_cut_across_processes_are_decided_a_step_earlier_jointly_with_their_reverse_pairs():
+    """Each cut NIC carries two pairs of the trace, one each way: tested jointly, both NICs are decided on the
+    second fully degraded step (the cut came during step 9), a step or two before either pair alone, and on
+    their own pairs only; the healthy steps before decide nothing."""
+    topo = rail(hosts=2, gpus_per_host=4)
+    det, changes = _replay("netns_nics_cut.json", links_of=functools.partial(route_links, topo))
+    cut = {(0, 4), (4, 0), (2, 6), (6, 2)}
+    assert {c.entry for _, c in changes} == cut, changes
+    assert all(s == 11 and c.ratio < 0.6 for s, c in changes), changes
+    assert det.group_shifts == 2
+    alone, alone_changes = _replay("netns_nics_cut.json")
+    assert min(s for s, _ in alone_changes) == 12 and alone.group_tests == 0
+
+
+@pytest.mark.parametrize("rate", [1e-3, 1e-5])
+def test_joint_tests_keep_the_stated_false_alarm_rate_on_gaussian_noise(rate):
+    """40 pairs, each sharing a link with its reverse pair: the joint tests add one test per link and sample, and
+    their decisions stay near the rate too."""
+    rng = np.random.default_rng(3)
+    det = ChangeDetector(false_alarm_rate=rate, sigma_floor=1e-3, links_of=lambda e: [frozenset(e)])  # one link
+    decided = 0
+    for t in range(500):
+        w = np.zeros(40, WINDOW_DTYPE)
+        node, back = np.repeat(np.arange(20), 2), np.arange(40) % 2 == 1
+        w["src"], w["dst"], w["count"] = np.where(back, 100, node), np.where(back, node, 100), 1  # (i, 100), (100, i)
+        w["rate"] = 1e9 * np.exp(0.05 * rng.standard_normal(40))
+        decided += len([c for c in det.update(w, now_ns=t) if c.kind == "shift"])
+    tests = 2 * (sum(det.tested.values()) + det.group_tests)  # a downward and an upward test per sample
+    assert det.group_tests > 0.9 * 20 * (500 - det.warmup - 1)
+    assert decided <= max(3.0, 5 * rate * tests), decided
 
 
 def _false_decisions(rate, entries, samples, seed):
