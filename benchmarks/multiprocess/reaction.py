@@ -149,8 +149,9 @@ def extra_phases(result: dict[str, Any]) -> dict[str, float]:
 
 def warranted(d: Draw, nic_rate_mbit: float, min_gain: float = 0.05) -> bool:
     """Whether the draw's cut warrants a swap: the demo's synthesizer (at most ``MAX_CHUNKS`` chunks per shard)
-    beats the healthy schedule on the cut fabric by more than ``min_gain``. With whole-shard trees the cut NIC
-    can only be relieved down to half a NIC's load, so a shallow cut warrants none.
+    beats the healthy schedule on the cut fabric by more than ``min_gain``. In halves of a shard the best
+    schedule runs at 2/3 of the healthy rate whatever the depth, so a cut that keeps more than about 0.63 of
+    its rate warrants none.
 
     >>> warranted(Draw(6, (2,), 0.35), 200.0), warranted(Draw(6, (2,), 0.65), 200.0)
     (True, False)

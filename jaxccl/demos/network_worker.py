@@ -10,7 +10,8 @@ native executor under the closed loop across processes
 controller in process 0, agreed swaps); the gradient reduction and the loss sum stay ``jax.lax``
 in both runs. At the failure step process 0 asks the launcher to cut the NICs (:data:`CUT_REQUEST`
 on its output; the launcher answers with the file :data:`CUT_DONE_FILE` in ``JAXCCL_DEMO_DIR``
-holding its ``time.monotonic_ns()`` of the cut). After the run the stale and the re-synthesized
+holding its ``time.monotonic_ns()`` of the cut), and every process waits for that answer before
+the step, so that the failure step's transfers all meet the cut network. After the run the stale and the re-synthesized
 schedule alternate on the cut network (A/B). Each process writes ``process-<id>.json`` there;
 process 0 also ``result.json``.
 
@@ -139,8 +140,10 @@ class _Worker:
         self.say(f"training {cfg['steps']} steps; the loop gathers every process's measurements to process 0")
         with self.comm:
             for step in range(cfg["steps"]):
-                if cut and self.me == 0 and step == cfg["fail_step"]:
-                    print(f"{CUT_REQUEST} {step}", flush=True)
+                if cut and step == cfg["fail_step"]:
+                    if self.me == 0:
+                        print(f"{CUT_REQUEST} {step}", flush=True)
+                    # every process waits for the cut: the failure step is degraded from its first byte everywhere
                     inject_ns = int(_wait_signal(Path(self.folder), CUT_DONE_FILE, WAIT_S))
                 start_ns = time.monotonic_ns()
                 t0 = time.perf_counter()
