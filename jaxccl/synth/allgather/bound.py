@@ -232,18 +232,19 @@ def _best_coarse_units(net: Net, bound: Bound, max_chunks: int, check: RootedChe
 
     A link of ``c`` units carries ``floor(c / t)`` trees, so whether ``k`` trees per root fit changes only
     where ``t`` crosses some ``c / m`` (``m`` integer), and fitting is monotone in ``t``: for each ``k`` a
-    binary search over those breakpoints in ``(found.rate / k, x* / k]`` finds the largest ``t``. Trees
+    binary search over those breakpoints in ``[found.rate / k, x* / k]`` finds the largest ``t`` (equal rates:
+    the fewest chunks). Trees
     sized ``x* / max_chunks`` (``found``) can lose much more: on a rail whose cut NIC keeps 0.5 of its rate,
     at most 2 chunks per shard reach 1.33x the stale rate this way, and 1.0x sized ``x* / 2``.
     """
     n, x_star = net.num_gpus, bound.rate
     units = sorted({int(u) for u in np.asarray(net.units).tolist() if u > 0})
-    for k in range(1, max_chunks + 1):
-        lo_t, hi_t = found.rate / k, x_star / k  # better than found: t > lo_t; at most the optimum: t <= hi_t
+    for k in range(max_chunks, 0, -1):  # the largest k first: its rate bounds the search of the others
+        lo_t, hi_t = found.rate / k, x_star / k  # at least found (a tie: fewer chunks): t >= lo_t; t <= hi_t
         breaks = set()
         for u in units:
             m_min = math.ceil(u / hi_t)  # u / m <= hi_t
-            m_max = math.ceil(u / lo_t) - 1  # u / m > lo_t
+            m_max = math.floor(u / lo_t)  # u / m >= lo_t
             breaks.update(Fraction(u, m) for m in range(max(m_min, 1), m_max + 1))
         candidates = sorted(breaks, reverse=True)
         lo, hi, fit = 0, len(candidates), None  # candidates[i] fits for every i >= the first fitting one
@@ -255,6 +256,6 @@ def _best_coarse_units(net: Net, bound: Bound, max_chunks: int, check: RootedChe
                 fit, hi = (t, caps), mid
             else:
                 lo = mid + 1
-        if fit is not None and k * fit[0] > found.rate:
+        if fit is not None and (k * fit[0] > found.rate or (k * fit[0] == found.rate and k < found.k)):
             found = TreeUnits(k, fit[1].astype(np.asarray(net.units).dtype), fit[0], k * fit[0] == x_star, check.count)
     return dataclasses.replace(found, flows=check.count)
