@@ -71,7 +71,8 @@ def run_one(job: EmulatedJob, detector: str, jitter: str, steps: int, false_alar
 
 
 def _rates(det: ChangeDetector | None) -> dict:
-    """Decided shifts and tests of the change-point test, across hosts and intra-node; {} for the EWMA."""
+    """Decided shifts and tests of the change-point test, across hosts, intra-node and per link (joint); {} for the
+    EWMA."""
     if det is None:
         return {}
     out = {}
@@ -79,6 +80,9 @@ def _rates(det: ChangeDetector | None) -> dict:
         tests = 2 * sum(n for e, n in det.tested.items() if keep(e))
         shifts = sum(n for e, n in det.shifts.items() if keep(e))
         out |= {f"{name}_tests": tests, f"{name}_shifts": shifts, f"{name}_rate": shifts / tests if tests else None}
+    tests = 2 * det.group_tests  # the joint tests of the pairs that share a link (their members count above too)
+    joint = det.group_shifts
+    out |= {"joint_tests": tests, "joint_shifts": joint, "joint_rate": joint / tests if tests else None}
     return out
 
 
