@@ -426,8 +426,9 @@ class ChangeDetector:
                 self._pools[GROUP_POOL].append(joint)
             return []
         run = gs.runs[decided]
-        del self._group_states[members]
         self.group_shifts += 1
+        for e in members:  # decided: no other link's group tests them again in this update
+            del self._batch[e]
         return [self._decide_member(e, run, decided % 2 == 1, now_ns) for e in sorted(members)]
 
     def _decide_member(self, entry: Entry, run: list[dict[Entry, tuple[float, int]]], up: bool, now_ns: int) -> Change:
@@ -476,7 +477,10 @@ class ChangeDetector:
         return self._restart_at(entry, st, run, now_ns)
 
     def _restart_at(self, entry: Entry, st: _EntryState, run: list[tuple[float, int]], now_ns: int) -> Change:
-        """The entry's new level: the median of ``run`` (its samples since the change point, with their times)."""
+        """The entry's new level: the median of ``run`` (its samples since the change point, with their times).
+        The joint tests of its links start over: their statistics hold its samples from before the change."""
+        for members in [m for m in self._group_states if entry in m]:
+            del self._group_states[members]
         before = math.exp(st.mu)
         after = [x for x, _ in run]
         st.log_samples = list(after)

@@ -116,6 +116,24 @@ def test_joint_tests_keep_the_stated_false_alarm_rate_on_gaussian_noise(rate):
     assert decided <= max(3.0, 5 * rate * tests), decided
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_an_entry_in_several_links_groups_is_decided_once(seed):
+    """(1, 0) shares one link with (0, 1) and another with (0, 2): a fall of all three to 0.8x under 5 % noise is
+    decided within a few samples, partly jointly, and every entry once (a decision restarts the joint tests that
+    hold its samples from before)."""
+    links = {(0, 1): ["a"], (1, 0): ["a", "b"], (0, 2): ["b"]}
+    det = ChangeDetector(links_of=links.__getitem__)
+    rng = np.random.default_rng(seed)
+    decided = []
+    for t in range(60):
+        w = np.zeros(3, WINDOW_DTYPE)
+        w["src"], w["dst"], w["count"] = [0, 1, 0], [1, 0, 2], 1
+        w["rate"] = 1e9 * (0.8 if t >= 40 else 1.0) * np.exp(0.05 * rng.standard_normal(3))
+        decided += [(t, c.entry) for c in det.update(w, now_ns=t) if c.kind == "shift"]
+    assert sorted(e for _, e in decided) == [(0, 1), (0, 2), (1, 0)], decided
+    assert all(40 <= t <= 44 for t, _ in decided) and det.group_shifts >= 1, decided
+
+
 def _false_decisions(rate, entries, samples, seed):
     """Decided shifts on ``samples`` samples of 5 % Gaussian noise for each of ``entries`` entries, and the bound
     the stated rate allows (5x its expectation over every tested sample and direction, at least 3)."""
