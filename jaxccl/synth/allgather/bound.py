@@ -173,7 +173,7 @@ class TreeUnits:
 
 
 def tree_units(
-    net: Net, bound: Bound, *, max_chunks: int | None = DEFAULT_MAX_CHUNKS, verify: bool = True
+    net: Net, bound: Bound, *, max_chunks: int | None = DEFAULT_MAX_CHUNKS, verify: bool = True, search: bool = True
 ) -> TreeUnits:
     """Chooses ``k`` and the per-link tree capacities for rate ``x*``.
 
@@ -182,7 +182,9 @@ def tree_units(
     which :func:`tree_units` tests from the critical cut's gcd upwards. If the
     exact ``k`` exceeds ``max_chunks``, trees are sized ``x* / max_chunks``
     and the largest number ``k' <= max_chunks`` of them per root that fits is
-    used: throughput ``x* * k' / max_chunks`` (reported as a gap).
+    used: throughput ``x* * k' / max_chunks`` (reported as a gap). With
+    ``search`` and ``max_chunks <= REFINED_MAX_CHUNKS``, the best rate any
+    ``k <= max_chunks`` trees per root reach replaces it where higher.
 
     With ``verify=False`` the smallest candidate ``k`` is returned untested
     (a warm start tests it by packing the trees).
@@ -219,7 +221,7 @@ def tree_units(
             f"max_chunks={max_chunks} is too small to split the optimal rate {float(bound.rate):.4g} into trees"
         )
     best = TreeUnits(lo, caps, Fraction(p, q * big_k), lo == big_k, check.count)
-    if big_k <= REFINED_MAX_CHUNKS:
+    if search and big_k <= REFINED_MAX_CHUNKS:
         best = _best_coarse_units(net, bound, big_k, check, best)
     return best
 

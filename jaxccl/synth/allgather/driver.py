@@ -45,6 +45,7 @@ def allgather(
     method: str = DEFAULT_METHOD,
     max_chunks: int | None = DEFAULT_MAX_CHUNKS,
     group: Sequence[int] | None = None,
+    chunk_search: bool = True,
 ) -> Schedule:
     """Synthesizes a throughput-optimal AllGather schedule for ``topo``.
 
@@ -57,6 +58,10 @@ def allgather(
         max_chunks: largest ``k`` (chunks per shard) used for an exact
             optimum; above it the rate is rounded to ``max_chunks`` trees per
             root (``info["gap"]`` says what that costs). ``None``: always exact.
+        chunk_search: below the exact ``k``, with ``max_chunks`` up to 16, search the
+            best rate any ``k <= max_chunks`` trees per root reach
+            (:func:`~jaxccl.synth.allgather.bound.tree_units`); ``False``: trees
+            sized ``x* / max_chunks``, as many per root as fit.
         group: cluster GPUs of a group collective (their order gives the
             schedule's ranks); trees may then cross GPUs outside the group as
             relays, when that is faster than the group's own view
@@ -76,7 +81,7 @@ def allgather(
         >>> s.algbw == s.bound, s.chunks_per_period, s.info["max_depth"]
         (True, 1, 2)
     """
-    return _synthesize_for(topo, group, previous, method, max_chunks, Collective.ALL_GATHER)
+    return _synthesize_for(topo, group, previous, method, max_chunks, Collective.ALL_GATHER, chunk_search)
 
 
 def reduce_scatter(
@@ -86,6 +91,7 @@ def reduce_scatter(
     method: str = DEFAULT_METHOD,
     max_chunks: int | None = DEFAULT_MAX_CHUNKS,
     group: Sequence[int] | None = None,
+    chunk_search: bool = True,
 ) -> Schedule:
     """A ReduceScatter schedule from the reversed AllGather trees.
 
@@ -95,14 +101,14 @@ def reduce_scatter(
     duplex links). Reductions follow the trees, not ascending rank order:
     ``info["ordered_reduction"]`` is False, so results can differ from
     ``jax.lax.psum_scatter`` in the last bits for floating-point data.
-    ``previous``, ``method``, ``max_chunks`` and ``group`` are as for :func:`allgather`.
+    ``previous``, ``method``, ``max_chunks``, ``group`` and ``chunk_search`` are as for :func:`allgather`.
 
     >>> from jaxccl.topology import rail
     >>> s = reduce_scatter(rail(hosts=2, gpus_per_host=4))
     >>> s.collective.value, s.algbw == s.bound, s.info["ordered_reduction"]
     ('reduce_scatter', True, False)
     """
-    return _synthesize_for(topo, group, previous, method, max_chunks, Collective.REDUCE_SCATTER)
+    return _synthesize_for(topo, group, previous, method, max_chunks, Collective.REDUCE_SCATTER, chunk_search)
 
 
 def switch_groups(net: Net) -> list[np.ndarray]:
@@ -131,10 +137,10 @@ def reversed_topology(topo: Topology) -> Topology:
     return Topology(g, name=f"{topo.name} reversed", meta=topo.meta)
 
 
-def _synthesize_for(topo, group, previous, method, max_chunks, collective: Collective) -> Schedule:
+def _synthesize_for(topo, group, previous, method, max_chunks, collective: Collective, search: bool) -> Schedule:
     """The whole topology, or a group: the faster of its own view and the view with relays."""
     if group is None:
-        return _synthesize(topo, previous, method, max_chunks, collective)
+        return _synthesize(topo, previous, method, max_chunks, collective, search)
     if not isinstance(topo, Topology):
         raise TopologyError(f"expected a jaxccl.topology.Topology, got {type(topo).__name__}")
     choose("method", method, METHODS)
@@ -145,7 +151,7 @@ def _synthesize_for(topo, group, previous, method, max_chunks, collective: Colle
     except TopologyError:  # the group's GPUs and switches alone do not connect it
         views = []
     for label, view in [*views, ("relays", relays)]:
-        s = _synthesize(view, previous, method, max_chunks, collective)
+        s = _synthesize(view, previous, method, max_chunks, collective, search)
         algbw[label] = s.algbw
         if best is None or s.algbw > best[1].algbw * (1 + 1e-12):
             best = (label, s)
@@ -160,7 +166,7 @@ def _synthesize_for(topo, group, previous, method, max_chunks, collective: Colle
     return schedule
 
 
-def _synthesize(topo, previous, method, max_chunks, collective: Collective) -> Schedule:
+def _synthesize(topo, previous, method, max_chunks, collective: Collective, search: bool = True) -> Schedule:
     choose("method", method, METHODS)
     t_start = time.perf_counter()
     times: dict[str, float] = {}
@@ -170,7 +176,7 @@ def _synthesize(topo, previous, method, max_chunks, collective: Collective) -> S
     hints = previous_hints(previous, net, collective)
     result = _warm_solve(net, hints, method, max_chunks, times) if hints else None
     if result is None:
-        result = _cold_solve(net, hints, method, max_chunks, times)
+        result = _cold_solve(net, hints, method, max_chunks, times, search)
     bound, units, logical, packing, stats = result
     solve = time.perf_counter() - t_start
     t = time.perf_counter()
@@ -195,11 +201,11 @@ def _split(net: Net, units, method: str, stats: SplitStats, *, verify: bool = Tr
     return remove_switches(net, units.caps, units.k, stats=stats, verify=verify)
 
 
-def _cold_solve(net: Net, hints: dict, method: str, max_chunks, times: dict) -> tuple:
+def _cold_solve(net: Net, hints: dict, method: str, max_chunks, times: dict, search: bool = True) -> tuple:
     """Phases 1-3 from scratch (hints only order the search)."""
     t = time.perf_counter()
     bound = optimal_rate(net, hint=hints.get("cut"))
-    units = tree_units(net, bound, max_chunks=max_chunks)
+    units = tree_units(net, bound, max_chunks=max_chunks, search=search)
     times["bound"] = time.perf_counter() - t
     t = time.perf_counter()
     stats = SplitStats()
