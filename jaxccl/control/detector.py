@@ -82,6 +82,7 @@ CHART_SHIFTS = (0.5, 0.75)  # CUSUM charts beside min_shift's: tuned to halved a
 SPREAD_CONFIDENCE = 0.99  # the spread is raised to this upper bound (x3.7 at 5 samples alone, x1.5 with the pool)
 LEARNING_LEVEL_SAMPLES = 3  # an entry's level while it learns its noise model: the median of its last 3 samples
 GROUP_POOL = "groups"  # the pool of in-control joint statistics of every group
+K_GRID = 100  # reference values k are taken on a grid of exp(1/100) steps (~1 %), each with its own threshold
 
 
 @functools.cache
@@ -231,7 +232,7 @@ class ChangeDetector:
         # in-control residuals of every entry of a kind (intra-node?), and the groups' joint statistics (GROUP_POOL)
         self._pools: dict[bool | str, collections.deque] = {}
         self._pooled: dict[bool | str, tuple[float, int]] = {}  # each pool's spread and size, at the last update
-        self._thresholds: dict[float, float] = {}
+        self._thresholds: dict[int, tuple[float, float]] = {}  # k's grid step -> (k, h)
         self.tested: collections.Counter[Entry] = collections.Counter()
         self.shifts: collections.Counter[Entry] = collections.Counter()
         self._links_of = links_of
@@ -244,14 +245,15 @@ class ChangeDetector:
     # ------------------------------------------------------------------ the model
     def _k_h(self, sigma: float, chart: int = 0) -> tuple[float, float]:
         """Reference value and threshold of ``chart`` for an entry of spread ``sigma``."""
-        k = self._shifts[chart] / sigma / 2
-        return k, self._k_h_of(k)
+        return self._k_h_of(self._shifts[chart] / sigma / 2)
 
-    def _k_h_of(self, k: float) -> float:
-        """The threshold of a chart with reference value ``k`` (memoized)."""
-        key = round(k, 6)
+    def _k_h_of(self, k: float) -> tuple[float, float]:
+        """A chart's reference value near ``k`` (on a grid of 1 % steps: the memo stays small, while spreads and
+        joint statistics change at every update) and its threshold."""
+        key = round(math.log(k) * K_GRID)
         if key not in self._thresholds:
-            self._thresholds[key] = cusum_threshold(self._chart_rate, k)
+            grid_k = math.exp(key / K_GRID)
+            self._thresholds[key] = (grid_k, cusum_threshold(self._chart_rate, grid_k))
         return self._thresholds[key]
 
     def threshold(self, entry: Entry) -> float:
@@ -413,8 +415,7 @@ class ChangeDetector:
         decided = None
         gs.thresholds = []
         for chart, shift in enumerate(self._shifts):
-            k = sum(shift / self._batch[e][2] for e in members) / math.sqrt(len(members)) / spread / 2
-            h = self._k_h_of(k)
+            k, h = self._k_h_of(sum(shift / self._batch[e][2] for e in members) / math.sqrt(len(members)) / spread / 2)
             gs.thresholds.append(h)
             for i, step in ((2 * chart, -joint / spread), (2 * chart + 1, joint / spread)):
                 gs.stats[i] = max(0.0, gs.stats[i] + step - k)

@@ -114,6 +114,7 @@ def test_joint_tests_keep_the_stated_false_alarm_rate_on_gaussian_noise(rate):
     tests = 2 * (sum(det.tested.values()) + det.group_tests)  # a downward and an upward test per sample
     assert det.group_tests > 0.9 * 20 * (500 - det.warmup - 1)
     assert decided <= max(3.0, 5 * rate * tests), decided
+    assert len(det._thresholds) < 1000  # k on a grid: the memo does not grow with every update (was 87k here)
 
 
 @pytest.mark.parametrize("seed", range(4))
