@@ -380,7 +380,7 @@ class ChangeDetector:
                     decided = i
         if decided is not None:
             self._batch.pop(entry, None)
-            return self._decide(entry, st, decided, now_ns)
+            return self._decide(entry, st.runs[decided], decided % 2 == 1, now_ns)
         self._batch[entry] = (z, y, sigma)
         self._learn_noise(entry, st, y - st.mu)
         return relearned
@@ -430,17 +430,8 @@ class ChangeDetector:
         self.group_shifts += 1
         for e in members:  # decided: no other link's group tests them again in this update
             del self._batch[e]
-        return [self._decide_member(e, run, decided % 2 == 1, now_ns) for e in sorted(members)]
-
-    def _decide_member(self, entry: Entry, run: list[dict[Entry, tuple[float, int]]], up: bool, now_ns: int) -> Change:
-        """A group's decision, for one of its members: as :meth:`_decide`, on the member's samples in the run."""
-        st = self._entries[entry]
-        mine = [batch[entry] for batch in run if entry in batch]
-        st.held = []
-        if up:
-            for _ in range(min(len(mine), len(st.residuals))):
-                st.residuals.pop()
-        return self._restart_at(entry, st, mine, now_ns)
+        up = decided % 2 == 1
+        return [self._decide(e, [b[e] for b in run if e in b], up, now_ns) for e in sorted(members)]
 
     def _pool(self, entry: Entry) -> collections.deque:
         return self._pools.setdefault(entry[0] == entry[1], collections.deque(maxlen=POOL_SAMPLES))
@@ -469,17 +460,15 @@ class ChangeDetector:
         mad = 1.4826 * float(np.median(np.abs(a - q50)))
         return max(mad, float(q75 - q25) / 1.349, float(q95 - q5) / 3.29)
 
-    def _decide(self, entry: Entry, st: _EntryState, test: int, now_ns: int) -> Change:
-        run = st.runs[test]
+    def _decide(self, entry: Entry, run: list[tuple[float, int]], up: bool, now_ns: int) -> Change:
+        """A decided change of ``entry`` (by its own test, or its link's joint one): its new level is the median of
+        ``run`` (its samples since the change point, with their times). The joint tests of its links start over:
+        their statistics hold its samples from before the change."""
+        st = self._entries[entry]
         st.held = []  # the downward run's samples belong to the new level, not to the noise
-        if test % 2:  # so do the upward run's, which went into the noise model as they came
+        if up:  # so do the upward run's, which went into the noise model as they came
             for _ in range(min(len(run), len(st.residuals))):
                 st.residuals.pop()
-        return self._restart_at(entry, st, run, now_ns)
-
-    def _restart_at(self, entry: Entry, st: _EntryState, run: list[tuple[float, int]], now_ns: int) -> Change:
-        """The entry's new level: the median of ``run`` (its samples since the change point, with their times).
-        The joint tests of its links start over: their statistics hold its samples from before the change."""
         for members in [m for m in self._group_states if entry in m]:
             del self._group_states[members]
         before = math.exp(st.mu)
