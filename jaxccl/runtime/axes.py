@@ -7,7 +7,10 @@ linear index of the device's coordinates along the named axes **in the order
 of the tuple** (``("y", "x")`` makes ``y`` the major one), as
 ``jax.lax.axis_index`` numbers them and as XLA's replica groups order them.
 With ``axis_index_groups`` each listed group runs separately, and a device's
-rank is its position within its group's list.
+rank is its position within its group's list. Reductions also take groups of
+different sizes (as ``jax.lax``); they run as one collective per size
+(:func:`size_classes`), each over groups that cover part of the axis: a device
+outside them is not a member (:func:`is_member`) and takes no part.
 
 The primitives carry ``axis_name`` (a name, or a tuple of two or more) and
 ``axis_index_groups`` (``None`` or a tuple of tuples); :func:`grouped` turns
@@ -37,7 +40,20 @@ from jax import lax
 
 from jaxccl.errors import ArgumentError, UnsupportedTypeError
 
-__all__ = ["GroupedAxis", "axis_index", "canonical_groups", "group_id", "grouped", "names", "num_groups", "ppermute"]
+__all__ = [
+    "GroupedAxis",
+    "axis_index",
+    "canonical_groups",
+    "class_index",
+    "group_id",
+    "grouped",
+    "is_member",
+    "names",
+    "num_groups",
+    "partial",
+    "ppermute",
+    "size_classes",
+]
 
 
 def names(axis_name: Any) -> tuple[Hashable, ...]:
@@ -53,6 +69,9 @@ def names(axis_name: Any) -> tuple[Hashable, ...]:
 class GroupedAxis:
     """An axis (or tuple of axes) split into ``groups``: lists of indices along it, all of one size.
 
+    The groups cover the axis, or part of it (one size of uneven groups, :func:`size_classes`):
+    a device in none of them is not a member and takes no part in the collective.
+
     Attributes:
         axis_name: a name or a tuple of names (their linear index is what ``groups`` lists).
         groups: each group's indices; a device's rank is its position in its group.
@@ -67,11 +86,11 @@ class GroupedAxis:
         return len(self.groups[0])
 
     def _table(self, which: int) -> np.ndarray:
-        n = sum(len(g) for g in self.groups)
-        out = np.zeros(n, np.int32)
+        """Per index along the axis: its rank (0), its group (1) or whether it is a member (2); 0 outside."""
+        out = np.zeros(lax.axis_size(self.axis_name), np.int32)
         for gid, group in enumerate(self.groups):
             for pos, idx in enumerate(group):
-                out[idx] = pos if which == 0 else gid
+                out[idx] = (pos, gid, 1)[which]
         return out
 
     def _lookup(self, which: int) -> jax.Array:
@@ -103,6 +122,39 @@ def group_id(axis: Any) -> jax.Array:
 def num_groups(axis: Any) -> int:
     """How many groups ``axis`` has (1 without groups)."""
     return len(axis.groups) if isinstance(axis, GroupedAxis) else 1
+
+
+def partial(axis: Any) -> bool:
+    """Whether ``axis``'s groups leave some devices of the axis out (inside ``shard_map``: it reads the size)."""
+    return isinstance(axis, GroupedAxis) and sum(map(len, axis.groups)) < lax.axis_size(axis.axis_name)
+
+
+def is_member(axis: Any) -> jax.Array:
+    """Whether this device is in one of ``axis``'s groups (always, without groups); bool."""
+    if isinstance(axis, GroupedAxis):
+        return axis._lookup(2).astype(bool)
+    return jnp.bool_(True)
+
+
+def size_classes(groups: Sequence[Sequence[int]]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """Uneven ``axis_index_groups`` split by size: one tuple of groups per size, smallest first.
+
+    >>> size_classes(((2, 3, 4), (0, 1), (5, 6, 7)))
+    (((0, 1),), ((2, 3, 4), (5, 6, 7)))
+    """
+    by_size: dict[int, list[tuple[int, ...]]] = {}
+    for g in groups:
+        by_size.setdefault(len(g), []).append(tuple(g))
+    return tuple(tuple(by_size[k]) for k in sorted(by_size))
+
+
+def class_index(axis_name: Any, classes: Sequence[Sequence[Sequence[int]]]) -> jax.Array:
+    """Which of :func:`size_classes`'s classes this device's group is in; int32."""
+    table = np.zeros(lax.axis_size(axis_name), np.int32)
+    for k, groups in enumerate(classes):
+        for g in groups:
+            table[list(g)] = k
+    return lax.dynamic_index_in_dim(jnp.asarray(table), lax.axis_index(axis_name), keepdims=False)
 
 
 def ppermute(x: jax.Array, axis: Any, perm: Sequence[tuple[int, int]]) -> jax.Array:
@@ -137,15 +189,22 @@ def _mesh_order(axes: tuple[Hashable, ...]) -> list[int] | None:
     return np.ravel_multi_index([by_name[a] for a in in_mesh], [int(mesh.shape[a]) for a in in_mesh]).tolist()
 
 
-def canonical_groups(fn: str, groups: Any, axis_size: int) -> tuple[tuple[int, ...], ...] | None:
+def canonical_groups(
+    fn: str, groups: Any, axis_size: int, *, uneven: bool = False
+) -> tuple[tuple[int, ...], ...] | None:
     """``axis_index_groups`` checked as ``jax.lax`` checks them and made hashable.
 
+    ``uneven``: groups may differ in size (``jax.lax`` allows it for ``psum``, ``pmax``,
+    ``pmin`` and ``pmean``, not for the collectives whose output shape depends on the size).
+
     Raises:
-        ValueError: the groups are empty, of different sizes, or do not cover
-            ``0..axis_size-1`` exactly once.
+        ValueError: the groups are empty, of different sizes (unless ``uneven``), or do not
+            cover ``0..axis_size-1`` exactly once.
 
     >>> canonical_groups("psum", [[0, 2], [3, 1]], 4)
     ((0, 2), (3, 1))
+    >>> canonical_groups("psum", [[0, 1], [2, 3, 4]], 5, uneven=True)
+    ((0, 1), (2, 3, 4))
     """
     if groups is None:
         return None
@@ -155,10 +214,13 @@ def canonical_groups(fn: str, groups: Any, axis_size: int) -> tuple[tuple[int, .
         raise UnsupportedTypeError(
             f"jaxccl.{fn}: axis_index_groups must be a list of lists of ints, got {groups!r}"
         ) from None
-    if not out or not out[0]:
+    if not out or not all(out):
         raise ArgumentError(f"jaxccl.{fn}: axis_index_groups must not be empty, got {groups!r}")
-    if len({len(g) for g in out}) != 1:
-        raise ArgumentError(f"jaxccl.{fn}: axis_index_groups must all be the same size, got {groups!r}")
+    if not uneven and len({len(g) for g in out}) != 1:
+        raise ArgumentError(
+            f"jaxccl.{fn}: axis_index_groups must all be the same size (as jax.lax.{fn} requires; only the "
+            f"reductions take groups of different sizes), got {groups!r}"
+        )
     if sorted(i for g in out for i in g) != list(range(axis_size)):
         raise ArgumentError(
             f"jaxccl.{fn}: axis_index_groups must cover every index of the axis (size {axis_size}) exactly once, "

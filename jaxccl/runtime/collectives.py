@@ -20,9 +20,14 @@ them (the linear index along the named axes in the order given; see
 for that tuple (``Communicator(mesh, ("data", "fsdp"))``).
 ``axis_index_groups`` are accepted wherever ``jax.lax`` accepts them inside
 ``shard_map`` (not for ``psum`` under ``check_vma=True``, nor with
-``all_gather(..., to="invarying")``, where ``jax.lax`` refuses them too); a
+``all_gather(..., to="invarying")``, where ``jax.lax`` refuses them too; nor
+for ``pmax``/``pmin`` under ``check_vma=True``, where ``jax.lax`` types the
+result as invariant although the groups' results differ); a
 group of another size than the communicator in scope runs on a communicator of
-the group's size with the same backend. ``all_gather(..., to="invarying")``
+the group's size with the same backend. As in ``jax.lax``, the reductions
+(``psum``, ``pmax``, ``pmin``, ``pmean``) also take groups of different sizes
+(``[[0, 1], [2, 3, 4, 5, 6, 7]]``): one collective per size, each device
+keeping its group's result. ``all_gather(..., to="invarying")``
 gives an axis-invariant result as ``jax.lax``'s.
 
 Dtypes: any whole-byte dtype for ``all_gather``/``all_to_all``;
@@ -131,10 +136,23 @@ def _varying(x: jax.Array, axis_name: Any) -> jax.Array:
     return lax.pcast(x, missing, to="varying") if missing else x
 
 
-def _prepare_in_groups(fn: str, x: Any, axis_name: Any, groups: Any, *, reduction: bool, op: ReduceOp = ReduceOp.SUM):
-    """Checks a call and returns (operand made varying, axis key, devices per group, groups, communicator ref)."""
+def _prepare_in_groups(
+    fn: str,
+    x: Any,
+    axis_name: Any,
+    groups: Any,
+    *,
+    reduction: bool,
+    op: ReduceOp = ReduceOp.SUM,
+    uneven: bool = False,
+):
+    """Checks a call and returns (operand made varying, axis key, devices per group, groups, communicator ref).
+
+    ``uneven``: the groups may differ in size (the all-reductions, run by :func:`_reduce_in_groups`);
+    the devices per group and the communicator are then those of the first group.
+    """
     name, size = _axis(fn, axis_name)
-    groups = _axes.canonical_groups(fn, groups, size)
+    groups = _axes.canonical_groups(fn, groups, size, uneven=uneven)
     n = len(groups[0]) if groups is not None else size
     x = jnp.asarray(x)
     _check_dtype(fn, x.dtype, reduction=reduction, op=op)
@@ -172,6 +190,31 @@ def _group_communicator(name: Any, n: int) -> _comm.Communicator:
         comm._init(name, n, mesh=None, topology=None, backend=scope.backend)
         derived[n] = comm
     return comm
+
+
+def _reduce_in_groups(prim: Any, x: jax.Array, name: Any, n: int, groups: Any, comm: Any) -> jax.Array:
+    """Binds the all-reduce ``prim`` over ``groups``; groups of different sizes as one collective per size.
+
+    Each size runs on a communicator of that size (:func:`_group_communicator`) over its groups
+    only; every device keeps the result of its own group's size. Summation orders stay those of
+    one group (each result comes from exactly one collective), so the result is bitwise
+    ``jax.lax``'s.
+    """
+    classes = _axes.size_classes(groups) if groups is not None else ()
+    if len(classes) <= 1:
+        return prim.bind(x, axis_name=name, axis_size=n, axis_index_groups=groups, comm=comm, site=_p.new_site())
+    outs = [
+        prim.bind(
+            x,
+            axis_name=name,
+            axis_size=len(cls[0]),
+            axis_index_groups=cls,
+            comm=_group_communicator(name, len(cls[0])).ref,
+            site=_p.new_site(),
+        )
+        for cls in classes
+    ]
+    return lax.select_n(_axes.class_index(name, classes), *outs)
 
 
 def _prepare(fn: str, x: Any, axis_name: Any, *, reduction: bool, op: ReduceOp = ReduceOp.SUM):
@@ -422,11 +465,11 @@ def psum(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
         leaf = jnp.asarray(leaf)
         if leaf.dtype == np.bool_:  # as lax.psum: bools are summed as int32
             leaf = leaf.astype(np.int32)
-        leaf, name, n, groups, comm = _prepare_in_groups("psum", leaf, axis_name, axis_index_groups, reduction=True)
-        _refuse_typed_groups("psum", leaf, name, groups)
-        return _p.psum_p.bind(
-            leaf, axis_name=name, axis_size=n, axis_index_groups=groups, comm=comm, site=_p.new_site()
+        leaf, name, n, groups, comm = _prepare_in_groups(
+            "psum", leaf, axis_name, axis_index_groups, reduction=True, uneven=True
         )
+        _refuse_typed_groups("psum", leaf, name, groups)
+        return _reduce_in_groups(_p.psum_p, leaf, name, n, groups, comm)
 
     return jax.tree.map(bind, x)
 
@@ -478,9 +521,11 @@ def _extremum(fn: str, prim: Any, op: ReduceOp, x: Any, axis_name: Hashable, axi
         return x
 
     def bind(leaf):
-        leaf, name, n, groups, comm = _prepare_in_groups(fn, leaf, axis_name, axis_index_groups, reduction=True, op=op)
+        leaf, name, n, groups, comm = _prepare_in_groups(
+            fn, leaf, axis_name, axis_index_groups, reduction=True, op=op, uneven=True
+        )
         _refuse_typed_groups(fn, leaf, name, groups)
-        return prim.bind(leaf, axis_name=name, axis_size=n, axis_index_groups=groups, comm=comm, site=_p.new_site())
+        return _reduce_in_groups(prim, leaf, name, n, groups, comm)
 
     return jax.tree.map(bind, x)
 
@@ -489,7 +534,10 @@ def pmean(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
     """All-reduce mean of ``x`` over mesh axis ``axis_name``; as :func:`jax.lax.pmean`.
 
     :func:`psum` divided by the axis size, exactly as ``lax.pmean`` computes it
-    (integers and bools give floats).
+    (integers and bools give floats). With ``axis_index_groups`` it divides by the
+    size of the *first* group, as ``lax.pmean`` does (for groups of different
+    sizes the other groups' means are off by the ratio of the sizes in
+    ``jax.lax`` too; bitwise equality with ``jax.lax`` is the contract here).
 
     Example:
         >>> import jax, numpy as np, jaxccl

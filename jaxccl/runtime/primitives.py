@@ -218,9 +218,9 @@ def _flat_collective(
         return ppermute_backend.run_schedule(comm.schedule(coll), flat, axis, op)
 
     kind, group_axes = backend
-    return native_backend.flat_collective(
+    run = functools.partial(
+        native_backend.flat_collective,
         coll,
-        flat,
         axis_name=axis,
         axis_size=axis_size,
         group_axes=group_axes,
@@ -230,6 +230,12 @@ def _flat_collective(
         dep=dep,
         reduce_op=int(op),
     )
+    if not _axes.partial(axis):
+        return run(flat)
+    # Groups covering part of the axis (one size of uneven groups): only their members meet in the
+    # executor; the others skip the call, and their (unused) result is zeros.
+    n_out = native_backend.output_elems(coll, int(flat.shape[0]), axis_size)
+    return lax.cond(_axes.is_member(axis), run, lambda f: jnp.zeros((n_out,), f.dtype), flat)
 
 
 def _reduce(coll: Collective, flat: jax.Array, *, op: ReduceOp = ReduceOp.SUM, **kw) -> jax.Array:

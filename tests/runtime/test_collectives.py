@@ -162,6 +162,38 @@ def test_bad_axis_index_groups(groups, match):
         _trace(lambda v: jaxccl.all_gather(v, "d", axis_index_groups=groups))
 
 
+@pytest.mark.parametrize("fn", ["psum", "pmax", "pmin", "pmean"])
+def test_reductions_take_uneven_groups_and_check_them(fn):
+    reduce = getattr(jaxccl, fn)
+    uneven = [[0, 1, 2], [3]]
+    out = jax.eval_shape(
+        jax.shard_map(
+            lambda v: reduce(v, "d", axis_index_groups=uneven),
+            mesh=_mesh(4),
+            in_specs=P("d"),
+            out_specs=P("d"),
+            check_vma=False,
+        ),
+        jax.ShapeDtypeStruct((16, 8), np.float32),
+    )
+    assert out.shape == (16, 8)
+    for groups, match in (([[0, 1, 2], [2, 3]], "exactly once"), ([[0, 1, 2, 3], []], "must not be empty")):
+        with pytest.raises(ValueError, match=match):
+            _trace(lambda v: reduce(v, "d", axis_index_groups=groups))  # noqa: B023
+    # Under check_vma=True lax.psum refuses groups, and lax.pmax/pmin type their result as invariant
+    # although the groups' results differ: refused alike, with the fix named.
+    with pytest.raises(NotImplementedError, match="check_vma=False"):
+        _trace(lambda v: reduce(v, "d", axis_index_groups=uneven))
+
+
+@pytest.mark.parametrize("fn", ["all_gather", "psum_scatter"])
+def test_shape_changing_collectives_refuse_uneven_groups_as_lax(fn):
+    with pytest.raises(ValueError, match=f"same size.*jax.lax.{fn}"):
+        _trace(lambda v: getattr(jaxccl, fn)(v, "d", axis_index_groups=[[0, 1, 2], [3]]))
+    with pytest.raises(ValueError, match="same size.*jax.lax.all_to_all"):
+        _trace(lambda v: jaxccl.all_to_all(v, "d", 0, 0, axis_index_groups=[[0, 1, 2], [3]]))
+
+
 def test_bad_axis_tuples():
     with pytest.raises(ValueError, match="more than once"):
         _trace(lambda v: jaxccl.all_gather(v, ("d", "d")))

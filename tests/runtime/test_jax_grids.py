@@ -204,6 +204,77 @@ def test_axis_index_groups(backend, check_vma):
     _compare(lambda lib: _groups_family(lib, check_vma), backend, _data((64, 8), seed=7))
 
 
+# ------------------------------------------------------------------ uneven groups (pmap_test)
+UNEVEN = (((0, 1), tuple(range(2, 8))), ((2, 3, 4), (0, 1), (5, 6, 7)), ((7,), tuple(range(7))))
+
+
+@functools.cache
+def _uneven_groups_family(lib):
+    """Reductions over groups of different sizes (``jax.lax`` takes them for psum/pmax/pmin/pmean only)."""
+
+    def body(x, ints):
+        out = {
+            # pmap_test's testPsumUnevenReplicaGroups, in shard_map: x - psum(x) over [[0, 1], [2..7]].
+            "testPsumUnevenReplicaGroups": x - lib.psum(x, "i", axis_index_groups=UNEVEN[0]),
+        }
+        for k, groups in enumerate(UNEVEN):
+            out[f"psum {k}"] = lib.psum(x, "i", axis_index_groups=groups)
+            out[f"pmax {k}"] = lib.pmax(x, "i", axis_index_groups=groups)
+            out[f"pmin {k}"] = lib.pmin(x, "i", axis_index_groups=groups)
+            out[f"pmean {k}"] = lib.pmean(x, "i", axis_index_groups=groups)
+        groups = UNEVEN[1]
+        out["psum bf16"] = lib.psum(x.astype(jnp.bfloat16), "i", axis_index_groups=groups)
+        out["psum f16"] = lib.psum(x.astype(jnp.float16), "i", axis_index_groups=groups)
+        out["psum int32"] = lib.psum(ints, "i", axis_index_groups=groups)
+        out["psum bool"] = lib.psum(ints > 0, "i", axis_index_groups=groups)
+        out["pmax int32"] = lib.pmax(ints, "i", axis_index_groups=groups)
+        out["psum tree"] = lib.psum({"a": x, "b": ints}, "i", axis_index_groups=groups)
+        out["vmap"] = jax.vmap(lambda u: lib.psum(u, "i", axis_index_groups=groups))(x)
+        out["scan"] = lax.scan(lambda c, u: (lib.psum(c * u, "i", axis_index_groups=groups), c), x, x[:4])
+        out["grad"] = jax.grad(lambda v: jnp.sin(lib.psum(v * v, "i", axis_index_groups=groups)).sum())(x)
+        out["jvp"] = jax.jvp(lambda v: lib.psum(v, "i", axis_index_groups=groups), (x,), (jnp.cos(x),))
+        return out
+
+    return ONE_AXIS, ["i"], _smap(ONE_AXIS, body, (P("i"), P("i")), P("i"), check_vma=False)
+
+
+@functools.cache
+def _uneven_groups_2d_family(lib):
+    """Uneven groups along one axis of a 2x4 mesh (a group per coordinate of the other) and over both axes."""
+    mesh = _mesh((2, 4), ("x", "y"))
+
+    def body(v):
+        return {
+            "y": lib.psum(v, "y", axis_index_groups=((0,), (1, 2, 3))),
+            "y pmax": lib.pmax(v, "y", axis_index_groups=((3, 1), (0,), (2,))),
+            "yx": lib.psum(v, ("y", "x"), axis_index_groups=((0, 1, 2), (3, 4, 5, 6, 7))),
+        }
+
+    return mesh, ["y", ("y", "x")], _smap(mesh, body, P(("x", "y")), P(("x", "y")), check_vma=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_uneven_axis_index_groups(backend):
+    _compare(_uneven_groups_family, backend, _data((64, 8), seed=11), _data((64, 8), np.int32, seed=12))
+    _compare(_uneven_groups_2d_family, backend, _data((32, 8), seed=13))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_psum_uneven_replica_groups_as_in_pmap_test(backend):
+    """pmap_test's exact case and data (arange), each device's row of ``x``; bitwise with jax.lax."""
+    groups = [[0, 1], np.arange(2, 8)]
+
+    def family(lib):
+        body = lambda x: x - lib.psum(x, "i", axis_index_groups=groups)  # noqa: E731
+        return ONE_AXIS, ["i"], _smap(ONE_AXIS, body, P("i"), P("i"), check_vma=False)
+
+    x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+    _compare(family, backend, x)
+    expected = np.concatenate([x[:2] - x[:2].sum(0), x[2:] - x[2:].sum(0)])
+    with jaxccl.Communicator(ONE_AXIS, "i", backend=backend):
+        np.testing.assert_array_equal(family(jaxccl)[2](x), expected)
+
+
 # ------------------------------------------------------------------ several axes (shard_map_test)
 CUBE = _mesh((2, 2, 2), ("x", "y", "z"))
 CUBE_KEYS = ["z", ("x", "y"), ("z", "x"), ("y", "x"), ("x", "y", "z"), ("z", "y"), ("y", "z")]
