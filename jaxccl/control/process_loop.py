@@ -57,6 +57,7 @@ from jaxccl.distributed.transport import (
     swap_key,
 )
 from jaxccl.errors import ArgumentError, DeadlineError, ExecutorError
+from jaxccl.runtime import process_layouts
 from jaxccl.schedule import Schedule
 from jaxccl.telemetry import RECORD_DTYPE, TelemetryCollector
 from jaxccl.telemetry.records import INTER, INTRA
@@ -235,7 +236,8 @@ class ProcessLoop:
         self.sources = ("executor", "transport") if comm.measuring else ("transport",)
         self.measurement = None
         self.published: list[list[float]] = []
-        self.meter = TransportMeter(n)
+        attached = process_layouts.find(comm.mesh, comm.axis_name) if comm.mesh is not None else None
+        self.meter = TransportMeter(n, layout=attached.number if attached is not None else 0)
         self.meter.drain()  # what was sent before the loop began is not its to judge
         self._collector = TelemetryCollector(n, alpha=alpha)
         self._snapshot = self._collector.snapshot()

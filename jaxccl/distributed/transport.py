@@ -25,7 +25,9 @@ True
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -292,37 +294,60 @@ def process_groups(mesh: Any, axis_name: Any) -> list[list[int]]:
     return np.transpose(processes, order).reshape(-1, size).tolist()
 
 
-def attach(transport: ProcessTransport, mesh: Any, axis_name: Any) -> None:
-    """Makes the native CPU backend run collectives over ``axis_name`` of ``mesh`` across processes.
+def attach(transport: ProcessTransport, mesh: Any, axis_name: Any) -> int:
+    """Makes the native backends run collectives over ``axis_name`` of ``mesh`` across processes.
 
     ``axis_name`` is one mesh axis or a tuple of them, as the collectives take it; the mesh may
     have more axes (each coordinate of the others is a group of its own, as in one process). Call
-    it in every process (the same mesh everywhere) before the first native collective over those
-    axes. From then on ``backend="cpu"`` collectives over them run this process's ranks in the
-    native executor and move the bytes to ranks of other processes through ``transport``; sends
-    of the same bytes to several ranks of one other process travel once. The transport stays
-    attached (and open) until :func:`detach`.
+    it in every process (the same mesh everywhere, the same calls in the same order) before the
+    programs with native collectives over those axes are traced (attaching makes jitted functions
+    trace again: the layout's groups are part of the compiled program). From then on ``backend="cpu"`` (and ``"cuda"``)
+    collectives over them run this process's ranks in the native executor and move the bytes to
+    ranks of other processes through ``transport``; sends of the same bytes to several ranks of one
+    other process travel once.
+
+    One program may run collectives over several axes of a mesh (``"model"`` inside a process,
+    ``"data"`` across, ``("data", "model")`` over all): attach each, in the same order in every
+    process. Attaching a layout that is attached already changes nothing. The transport stays
+    attached (and open) until :func:`detach`, which detaches every layout.
+
+    Returns:
+        The layout's number (0 for the first attached): the ``layout`` of a :class:`TransportMeter`
+        that measures its collectives.
 
     Raises:
-        ExecutorError: ``axis_name`` is not axes of the mesh, or this process holds none of its devices.
+        ExecutorError: ``axis_name`` is not axes of the mesh; this process holds none of its devices;
+            another transport is attached; a mesh with the same axis names and shape on other devices
+            is attached for these axes (:func:`detach` first); or the layouts' groups that span
+            processes are too many.
     """
-    from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
+    from jaxccl.runtime import native, process_layouts  # the native module loads on demand (and imports JAX)
 
     global _attached
     groups = process_groups(mesh, axis_name)
+    if _attached is transport:
+        held = process_layouts.find(mesh, axis_name)
+        if held is not None:
+            return held.number
     try:
-        native.module().set_process_group(transport._t.capsule(), transport.process_id, groups)
+        first, number = native.module().set_process_group(transport._t.capsule(), transport.process_id, groups)
     except ValueError as e:
         raise ExecutorError(str(e)) from e
+    process_layouts.record(mesh, axis_name, first_group=int(first), number=int(number))
     _attached = transport
+    return int(number)
 
 
 def detach() -> None:
-    """Detaches the transport from the native backend (before closing it)."""
+    """Detaches the transport and every attached layout from the native backend (before closing it)."""
     global _attached
-    from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
+    from jaxccl.runtime import native, process_layouts  # the native module loads on demand (and imports JAX)
 
     native.module().clear_process_group()
+    process_layouts.clear()
+    with _pending_lock:  # layout numbers start again at 0
+        _pending.clear()
+        _pending_lost.clear()
     _attached = None
 
 
@@ -443,12 +468,19 @@ MIN_WINDOW_BYTES = 32 << 10  # the executor's default (LinkEmulation.min_window_
 INTER_THRESHOLD = 1  # active connections that open an inter-node window (the executor's default, MCCL Sec. 5.2)
 
 
+MAX_PENDING_RECORDS = 1 << 16  # per layout, waiting for its meter's drain (the native buffer's size)
+_pending: dict[int, collections.deque] = {}
+_pending_lost: dict[int, int] = {}
+_pending_lock = threading.Lock()
+
+
 class TransportMeter:
     """Measured rates of this process's connections to ranks in other processes, from the transport.
 
     Every send of the native executor to another process is recorded by the proxy with its post and
     completion times, on both backends (``cpu``: from host memory; ``cuda``: the kernel's data in
-    device memory, which UCX moves). The records are process-wide: every communicator's. :meth:`rates`
+    device memory, which UCX moves). The records are process-wide: every communicator's whose collectives
+    run on the meter's ``layout`` (:func:`attach`). :meth:`rates`
     drains them and measures each (sending rank, receiving rank) pair as the executor's meter
     measures an inter-node GPU pair (``xla_ffi/core/meter.h``, run through the native module;
     docs/executor.md, "Measurement"): a *window* opens when a message is posted to the idle
@@ -471,18 +503,38 @@ class TransportMeter:
     """
 
     def __init__(
-        self, num_ranks: int, *, min_bytes: int = MIN_MEASURED_BYTES, min_window_bytes: int = MIN_WINDOW_BYTES
+        self,
+        num_ranks: int,
+        *,
+        layout: int = 0,
+        min_bytes: int = MIN_MEASURED_BYTES,
+        min_window_bytes: int = MIN_WINDOW_BYTES,
     ):
         self.num_ranks, self.min_bytes, self.min_window_bytes = int(num_ranks), int(min_bytes), int(min_window_bytes)
+        self.layout = int(layout)
         self.dropped = 0
 
     def drain(self) -> list[tuple[int, int, int, int, int]]:
-        """The records since the last drain: (src rank, dst rank, bytes, post ns, done ns)."""
+        """The records of its ``layout`` since the last drain: (src rank, dst rank, bytes, post ns, done ns).
+
+        Ranks are those of the layout's collectives (:func:`attach` returns its number). The native
+        records of other layouts wait for their meters (the newest :data:`MAX_PENDING_RECORDS` per
+        layout; older ones count as dropped there).
+        """
         from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
         flat, dropped = native.module().transport_drain()
-        self.dropped += int(dropped)
-        return [tuple(flat[i : i + 5]) for i in range(0, len(flat), 5)]
+        with _pending_lock:
+            for i in range(0, len(flat), 6):
+                layout = int(flat[i + 5])
+                queue = _pending.setdefault(layout, collections.deque(maxlen=MAX_PENDING_RECORDS))
+                if len(queue) == MAX_PENDING_RECORDS:
+                    _pending_lost[layout] = _pending_lost.get(layout, 0) + 1
+                queue.append(tuple(flat[i : i + 5]))
+            mine = _pending.pop(self.layout, ())
+            lost = _pending_lost.pop(self.layout, 0)
+        self.dropped += int(dropped) + lost
+        return list(mine)
 
     def rates(self) -> np.ndarray:
         """Drains and returns the ``num_ranks x num_ranks`` matrix of measured bytes/s (NaN: not measured)."""

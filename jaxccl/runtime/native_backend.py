@@ -24,7 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxccl.errors import UnsupportedError
 from jaxccl.runtime import axes as _axes
+from jaxccl.runtime import process_layouts
 from jaxccl.schedule.ir import Collective
 
 __all__ = ["MULTIPROCESS_TARGETS", "TARGETS", "auto_backend", "flat_collective", "output_elems", "target"]
@@ -82,6 +84,17 @@ def _group(group_axes: tuple[tuple[object, int], ...]) -> jax.Array:
     return g
 
 
+def _layout_group(axis_name) -> int:
+    """Across processes: the native index of group 0 of the attached layout of the collective's mesh and axes."""
+    if isinstance(axis_name, _axes.GroupedAxis):
+        raise UnsupportedError(
+            "jaxccl: axis_index_groups across processes are not supported on the native backends yet "
+            "(the attached layouts have one group per coordinate of the other mesh axes); use backend='ppermute'"
+        )
+    mesh = jax.sharding.get_abstract_mesh()
+    return process_layouts.first_group(mesh.axis_names, tuple(mesh.axis_sizes), axis_name)
+
+
 def flat_collective(
     coll: Collective,
     flat: jax.Array,
@@ -107,6 +120,8 @@ def flat_collective(
     n = int(axis_size)
     rank = _axes.axis_index(axis_name) if n > 1 else jnp.int32(0)
     group = _group(group_axes) * _axes.num_groups(axis_name) + _axes.group_id(axis_name)
+    if jax.process_count() > 1:
+        group = group + _layout_group(axis_name)
     coords = jnp.stack([rank, group]).astype(jnp.int32)
     if dep is not None:
         coords = coords + dep

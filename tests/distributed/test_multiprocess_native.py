@@ -204,6 +204,18 @@ def test_native_collectives_over_the_axes_of_a_two_dimensional_mesh_across_proce
         assert "ALL OK" in r.output, report
 
 
+def test_one_program_runs_collectives_over_several_attached_layouts():
+    """Hybrid sharding: "model" inside a process, "data" across, both at once, all native in one step."""
+    results = launch([sys.executable, str(WORKER), "layouts", "4"], 2, env={"JAXCCL_TIMEOUT_S": "120"}, timeout_s=500)
+    report = _report(results)
+    assert all(r.returncode == 0 for r in results), report
+    for r in results:
+        checks = [line for line in r.output.splitlines() if line.startswith("CHECK ")]
+        assert len(checks) == 1 + 5 + 2, report  # attach, 5 collectives, native launches, meter
+        assert all(" ok" in c for c in checks), report
+        assert "ALL OK" in r.output, report
+
+
 @needs_netns
 def test_native_collectives_across_four_processes_on_real_links():
     with NetLab(4, LinkShape(rate_mbit=1000)) as lab:

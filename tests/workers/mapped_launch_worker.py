@@ -124,7 +124,7 @@ def checks(t) -> bool:
             ok &= same
             print(f"CHECK {wire} {name} {'ok' if same else 'MISMATCH ' + result['error']}", flush=True)
     flat, dropped = g.native.module().transport_drain()
-    records = np.array(flat, np.int64).reshape(-1, 5)  # src rank, dst rank, bytes, post ns, done ns
+    records = np.array(flat, np.int64).reshape(-1, 6)  # src rank, dst rank, bytes, post ns, done ns, layout
     remote = [r for r in range(N) if r not in g.ranks]
     meter = (
         len(records) > 0

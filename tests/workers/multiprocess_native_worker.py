@@ -17,6 +17,12 @@ Usage: python tests/workers/multiprocess_native_worker.py MODE [ARGS]
   ``("y", "x")`` (one group of every device, ``y`` major) on the native CPU backend, each attached
   in turn, compared bitwise with ``jax.lax`` (gloo) on random integer-valued data of float32 and
   int32, whose sums are exact in any order; prints ``CHECK ...`` lines and ``ALL OK``.
+- ``layouts LOCAL_DEVICES``: the hybrid layout of large jobs in one program: a 2-D mesh
+  ``("data", "model")`` whose rows are the processes, with ``"model"`` (inside a process), ``"data"``
+  (across) and ``("data", "model")`` (every device) all attached at once; a gather over ``model``,
+  a sum over both axes, a ReduceScatter and a max over ``data`` and an AllToAll over ``model`` run
+  natively in one jitted step, compared bitwise with ``jax.lax`` on integer-valued data; each
+  layout's meter sees only its own ranks (``CHECK meter ...``).
 - ``swap LOCAL_DEVICES STEPS``: native AllGather steps across processes, each checked bitwise
   against ``jax.lax``; at a step drawn from a seed every process shares, a ring schedule is
   staged everywhere at one agreed sequence number (``stage_agreed``); prints ``SWAP version seq``
@@ -170,6 +176,74 @@ def mesh_axes(t) -> bool:
         print(f"CHECK {axis} native launches {'ok' if launches >= 2 else 'MISSING'} {launches}", flush=True)
         comm.close()
     return ok
+
+
+def layouts(t) -> bool:
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+    from jaxccl.distributed.transport import TransportMeter, attach, local_shards
+    from jaxccl.runtime import native
+
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    mesh = Mesh(devices.reshape(t.num_processes, -1), ("data", "model"))
+    axes = ("model", "data", ("data", "model"))
+    numbers = {axis: attach(t, mesh, axis) for axis in axes}
+    ok = sorted(numbers.values()) == [0, 1, 2] and attach(t, mesh, "data") == numbers["data"]
+    print(f"CHECK attached {'ok' if ok else 'BAD'} {numbers}", flush=True)
+    meters = {
+        axis: TransportMeter(int(np.prod([mesh.shape[a] for a in native_axes(axis)])), layout=n)
+        for axis, n in numbers.items()
+    }
+    for m in meters.values():
+        m.drain()
+
+    def step(lib, v):
+        gathered = lib.all_gather(v, "model", axis=1, tiled=True)
+        return {
+            "gather model": gathered,
+            "sum data model": lib.psum(gathered, ("data", "model")),
+            "scatter data": lib.psum_scatter(v, "data", scatter_dimension=1, tiled=True),
+            "max data": lib.pmax(v, "data"),
+            "a2a model": lib.all_to_all(v, "model", 1, 0, tiled=True),
+        }
+
+    spec = P("data", "model")
+    comms = [jaxccl.Communicator(mesh, axis, backend="cpu") for axis in axes]
+    rng = np.random.default_rng(5)  # the same global data in every process
+    n_model, n_data = mesh.shape["model"], mesh.shape["data"]
+    raw = rng.integers(-(2**16), 2**16, (4 * n_data, 64 * n_model * n_data)).astype(np.float32)
+    x = jax.make_array_from_callback(raw.shape, NamedSharding(mesh, spec), lambda idx: raw[idx])
+    f = {
+        lib: jax.jit(jax.shard_map(functools.partial(step, lib), mesh=mesh, in_specs=spec, out_specs=spec))
+        for lib in (jaxccl, jax.lax)
+    }
+    with comms[0], comms[1], comms[2]:
+        got = f[jaxccl](x)
+    want = f[jax.lax](x)
+    for name in want:
+        same = [s.tobytes() for s in local_shards(got[name])] == [s.tobytes() for s in local_shards(want[name])]
+        ok &= same
+        print(f"CHECK {name} lax {'ok' if same else 'MISMATCH'}", flush=True)
+    slots = [c.slot(coll) for c, coll in zip(comms, ("all_gather", "reduce_scatter", "all_reduce"))]
+    launches = [native.launch_count(slot) for slot in slots]
+    ran = all(k >= 1 for k in launches)
+    ok &= ran
+    print(f"CHECK native launches {'ok' if ran else 'MISSING'} {launches}", flush=True)
+    # Each layout's meter sees its own ranks: none inside a process, the data axis's 2, or all 8.
+    seen = {axis: sorted({r[0] for r in m.drain()} | set()) for axis, m in meters.items()}
+    good = seen["model"] == [] and seen["data"] != [] and max(seen["data"]) < n_data and seen[("data", "model")] != []
+    ok &= good
+    print(f"CHECK meter {'ok' if good else 'BAD'} {seen}", flush=True)
+    for c in comms:
+        c.close()
+    return ok
+
+
+def native_axes(axis) -> tuple:
+    return tuple(axis) if isinstance(axis, tuple) else (axis,)
 
 
 def swap(t, steps: int) -> bool:
@@ -362,7 +436,7 @@ def main(argv: list[str]) -> int:
     from jaxccl.distributed.transport import ProcessTransport
 
     mode = argv[0]
-    with_devices = ("collectives", "mesh", "swap", "killnative", "meter", "stale")
+    with_devices = ("collectives", "mesh", "layouts", "swap", "killnative", "meter", "stale")
     initialize_from_env(local_devices=int(argv[1]) if mode in with_devices else 1)
     t = ProcessTransport.bootstrap(timeout_s=TIMEOUT_S, options=transport_options())
     if mode == "exchange":
@@ -375,6 +449,8 @@ def main(argv: list[str]) -> int:
         ok = collectives(t)
     elif mode == "mesh":
         ok = mesh_axes(t)
+    elif mode == "layouts":
+        ok = layouts(t)
     elif mode == "meter":
         ok = meter(t, int(argv[2]))
     elif mode == "killnative":

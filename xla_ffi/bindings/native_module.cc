@@ -166,11 +166,17 @@ NB_MODULE(_native, m) {
         if (h == nullptr || h->version != kTransportVersion || h->transport == nullptr) {
           throw nb::value_error("jaxccl: not a transport capsule of this version (rebuild jaxccl)");
         }
-        if (ffi::Error e = AttachProcessGroups(h->transport, process_id, process_of_rank); e.failure()) Raise(e);
+        int32_t first = 0, layout = 0;
+        if (ffi::Error e = AttachProcessGroups(h->transport, process_id, process_of_rank, &first, &layout);
+            e.failure()) {
+          Raise(e);
+        }
+        return nb::make_tuple(first, layout);
       },
       nb::arg("transport"), nb::arg("process_id"), nb::arg("process_of_rank"),
       "Attaches the transport (a capsule of jaxccl._transport) and the process of every rank of every group of "
-      "the mesh (process_of_rank[group][rank]).");
+      "one layout (process_of_rank[group][rank]) after the layouts already attached; returns (the index of its "
+      "group 0, its layout number).");
   m.def("clear_process_group", [] { DetachProcessGroups(); }, "Detaches the process groups.");
   m.def("process_groups_attached", [] { return ProcessGroupOf(0).has_value(); },
         "Whether set_process_group attached process groups (native collectives may then span processes).");
@@ -180,12 +186,14 @@ NB_MODULE(_native, m) {
         int64_t dropped = 0;
         std::vector<TransportRecord> records = DrainTransportRecords(&dropped);
         std::vector<int64_t> flat;
-        flat.reserve(records.size() * 5);
-        for (const TransportRecord& r : records) flat.insert(flat.end(), {r.src_rank, r.dst_rank, r.bytes, r.post_ns, r.done_ns});
+        flat.reserve(records.size() * 6);
+        for (const TransportRecord& r : records) {
+          flat.insert(flat.end(), {r.src_rank, r.dst_rank, r.bytes, r.post_ns, r.done_ns, r.layout});
+        }
         return nb::make_tuple(flat, dropped);
       },
       "The sends to other processes since the last drain: a flat list of (src rank, dst rank, bytes, post ns, "
-      "done ns) and the number dropped.");
+      "done ns, layout) and the number dropped.");
 
   m.def("new_slot", [] { return Registry::Get().NewSlot(); }, "Creates an empty schedule slot; returns its id.");
   m.def(

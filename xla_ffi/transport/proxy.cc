@@ -35,13 +35,26 @@ int64_t ProcessGroup::NextLaunch(int64_t slot) const {
 int64_t NextLaunchNumber(const ProcessGroup& group, int64_t slot) { return group.NextLaunch(slot); }
 
 ffi::Error AttachProcessGroups(Transport* transport, int32_t process_id,
-                               const std::vector<std::vector<int32_t>>& process_of_rank) {
+                               const std::vector<std::vector<int32_t>>& process_of_rank, int32_t* first,
+                               int32_t* layout) {
   if (transport == nullptr) return ffi::Error::InvalidArgument("jaxccl: no transport to attach");
   if (process_of_rank.empty() || process_of_rank[0].empty()) {
     return ffi::Error::InvalidArgument("jaxccl: the mesh to attach has no device");
   }
+  std::lock_guard<std::mutex> lock(group_mu);
+  std::vector<std::shared_ptr<const ProcessGroup>>& attached = Groups();
+  int32_t spanning = 0, layouts = 0;
+  for (const auto& g : attached) {
+    if (g->transport != transport) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        "jaxccl: another transport is attached; detach it before attaching this one");
+    }
+    if (g->tag_index >= 0) spanning = std::max(spanning, g->tag_index + 1);
+    layouts = std::max(layouts, g->layout + 1);
+  }
+  const int32_t base = static_cast<int32_t>(attached.size());
   std::vector<std::shared_ptr<const ProcessGroup>> groups;
-  int32_t local = 0, spanning = 0;
+  int32_t local = 0;
   for (size_t i = 0; i < process_of_rank.size(); ++i) {
     const std::vector<int32_t>& procs = process_of_rank[i];
     if (procs.size() != process_of_rank[0].size()) {
@@ -50,7 +63,8 @@ ffi::Error AttachProcessGroups(Transport* transport, int32_t process_id,
     }
     auto g = std::make_shared<ProcessGroup>();
     g->process_id = process_id;
-    g->index = static_cast<int32_t>(i);
+    g->index = base + static_cast<int32_t>(i);
+    g->layout = layouts;
     g->process_of_rank = procs;
     bool spans = false;
     for (int32_t p : procs) {
@@ -62,17 +76,18 @@ ffi::Error AttachProcessGroups(Transport* transport, int32_t process_id,
       spans |= p != procs[0];
     }
     local += g->num_local;
-    if (spans) g->tag_index = spanning++;
+    g->tag_index = spans ? spanning++ : -1;
     g->transport = transport;
     groups.push_back(std::move(g));
   }
   if (local == 0) return ffi::Error::InvalidArgument("jaxccl: the process group has no rank in this process");
   if (spanning > kMaxSpanningGroups) {
-    return ffi::Error::InvalidArgument(StrCat("jaxccl: ", spanning, " groups of the collective's axes span processes; at most ",
+    return ffi::Error::InvalidArgument(StrCat("jaxccl: ", spanning, " groups of the attached layouts span processes; at most ",
                                               kMaxSpanningGroups, " may (put more of each group in one process)"));
   }
-  std::lock_guard<std::mutex> lock(group_mu);
-  Groups() = std::move(groups);
+  attached.insert(attached.end(), groups.begin(), groups.end());
+  *first = base;
+  *layout = layouts;
   return ffi::Error::Success();
 }
 
@@ -555,7 +570,8 @@ bool Proxy::ProgressSends(bool* progress) {
       continue;
     }
     const TransportCompletion& c = x.completion;
-    AddTransportRecord(TransportRecord{it->rank, it->peer_rank, static_cast<int64_t>(c.bytes), c.post_ns, c.done_ns});
+    AddTransportRecord(
+        TransportRecord{it->rank, it->peer_rank, static_cast<int64_t>(c.bytes), c.post_ns, c.done_ns, group_->layout});
     // The slot's bytes have left: the slot is free, and the backend releases what it holds for the message.
     l_->Flag(it->rank, layout.consumed(), layout.cell(it->conn, it->msg))
         ->store(Tag(v_->epoch, it->msg + 1), std::memory_order_release);

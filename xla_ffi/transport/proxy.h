@@ -47,8 +47,10 @@ namespace jaxccl {
 // group per coordinate of the other axes), and the transport between the processes.
 struct ProcessGroup {
   int32_t process_id = 0;
-  int32_t index = 0;      // the group's linear index over the other mesh axes (the collective's coords[1])
-  int32_t tag_index = 0;  // among the groups that span processes: tells their messages apart
+  int32_t index = 0;      // the collective's coords[1]: its layout's first index plus its linear index over
+                          // the layout's other mesh axes
+  int32_t layout = 0;     // which attached layout (mesh and axes) it belongs to, in the order attached
+  int32_t tag_index = 0;  // among the groups of every layout that span processes: tells their messages apart
   std::vector<int32_t> process_of_rank;  // per rank of the group
   std::vector<int32_t> local_index;      // per rank: its index among this process's ranks, or -1
   int32_t num_local = 0;
@@ -95,10 +97,13 @@ struct TransportHandle {
 // The most groups that may span processes at once (their index travels in every message's tag).
 inline constexpr int32_t kMaxSpanningGroups = 256;
 
-// Attaches the process groups of a mesh: process_of_rank[g][r] runs rank r of group g. An error when a
-// group is malformed, this process runs no rank at all, or too many groups span processes.
+// Attaches the process groups of one layout (a mesh and the axes of its collectives) after those already
+// attached: process_of_rank[g][r] runs rank r of the layout's group g, whose index is *first + g. An error
+// when a group is malformed, this process runs no rank of the layout, another transport is attached, or too
+// many groups of all layouts span processes. *layout is the layout's number (0 for the first attached).
 ffi::Error AttachProcessGroups(Transport* transport, int32_t process_id,
-                               const std::vector<std::vector<int32_t>>& process_of_rank);
+                               const std::vector<std::vector<int32_t>>& process_of_rank, int32_t* first,
+                               int32_t* layout);
 void DetachProcessGroups();
 // The attached group `index`: an error naming what is missing when none is attached or it has no such group.
 ffi::ErrorOr<std::shared_ptr<const ProcessGroup>> ProcessGroupOf(int32_t index);
@@ -112,6 +117,7 @@ int64_t NextLaunchNumber(const ProcessGroup& group, int64_t slot);
 // (jaxccl.distributed.transport.TransportMeter), which turns them into measured link rates.
 struct TransportRecord {
   int64_t src_rank, dst_rank, bytes, post_ns, done_ns;
+  int64_t layout;  // the attached layout whose ranks src_rank and dst_rank are
 };
 inline constexpr size_t kMaxTransportRecords = 1 << 16;
 void AddTransportRecord(const TransportRecord& r);
