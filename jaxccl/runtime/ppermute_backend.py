@@ -30,7 +30,7 @@ from jaxccl.runtime.rounds import Instr, Plan, plan
 from jaxccl.schedule.ir import Buffer, OpKind, Schedule, period_elements
 from jaxccl.schedule.reduction import ReduceOp, step
 
-__all__ = ["execute", "run_schedule"]
+__all__ = ["execute", "fusion_barrier", "run_schedule"]
 
 
 def run_schedule(schedule: Schedule, x: jax.Array, axis_name, op: ReduceOp = ReduceOp.SUM) -> jax.Array:
@@ -44,6 +44,20 @@ def run_schedule(schedule: Schedule, x: jax.Array, axis_name, op: ReduceOp = Red
     """
     lp = period_elements(schedule.collective, schedule.num_ranks, int(x.shape[0]))
     return execute(plan(schedule, lp), x, axis_name, op)
+
+
+def fusion_barrier(x: jax.Array, axis_name, num_ranks: int) -> jax.Array:
+    """``x`` through an identity ``ppermute`` over ``axis_name`` (``num_ranks`` ranks): a fusion barrier.
+
+    XLA fuses nothing across a collective, so the value is materialized on
+    both sides, as around ``lax``'s collectives. ``lax.optimization_barrier``
+    is no substitute: XLA:CPU fuses across it (it is gone from the optimized
+    HLO). With one rank there is nothing to permute and ``x`` is returned
+    unchanged.
+    """
+    if num_ranks < 2:
+        return x
+    return _axes.ppermute(x, axis_name, perm=[(i, i) for i in range(num_ranks)])
 
 
 class _Tables:

@@ -47,6 +47,22 @@ bitwise equal to XLA:CPU's (the rule: :mod:`jaxccl.schedule.reduction`):
 - on the ppermute backend the operand first passes an identity ``ppermute``,
   a fusion barrier: otherwise XLA fuses e.g. a multiply producing the operand
   into the schedule's additions and LLVM contracts them into an FMA.
+
+The program around a collective must also compile as it does around
+``lax``'s, whose collective is an opaque operation between two materialized
+buffers. The native backends' custom calls are such operations; on the
+ppermute backend every collective, reducing or not, is bracketed by identity
+``ppermute`` operations
+(:func:`~jaxccl.runtime.ppermute_backend.fusion_barrier`, in
+:func:`_materialized`). Without the one after the result XLA:CPU fuses the
+schedule's tail (``finish``'s select, a last reduce step, the update of the
+output buffer, the reshape back) into the consumer's fusion; XLA:CPU emits a
+``reduce``'s accumulation as ``fadd reassoc``, and with the extra operations
+in the loop LLVM vectorized the consumer's sum (8 lanes, two accumulators,
+then a tree) where ``lax``'s consumer is a sequential fold with FMAs: the
+backward pass of ``examples/transformer.py``'s RMS norms, after a ``psum``,
+differed in the last bit (``tests/runtime/test_ppermute_whole_step.py``).
+``lax.optimization_barrier`` does not prevent that fusion on XLA:CPU.
 """
 
 from __future__ import annotations
@@ -210,12 +226,9 @@ def _flat_collective(
     """The flat-buffer collective on this rank (chunk layout of docs/schedule-ir.md), reducing with ``op``."""
     axis = _axes.grouped(axis_name, axis_index_groups)
     if backend == "ppermute":
-        if coll.reduces and axis_size > 1:
-            # An identity ppermute is a fusion barrier: without it XLA:CPU fuses the producer of the operand
-            # into the schedule's additions and may contract a multiply and an add into an FMA, which
-            # rounds differently from lax (whose collective reads a materialized operand).
-            flat = _axes.ppermute(flat, axis, perm=[(i, i) for i in range(axis_size)])
-        return ppermute_backend.run_schedule(comm.schedule(coll), flat, axis, op)
+        y = ppermute_backend.run_schedule(comm.schedule(coll), flat, axis, op)
+        # the native executors' steps finish themselves (xla_ffi/core/reduce.h)
+        return finish(op, y, jnp) if coll.reduces else y
 
     kind, group_axes = backend
     run = functools.partial(
@@ -242,10 +255,7 @@ def _reduce(coll: Collective, flat: jax.Array, *, op: ReduceOp = ReduceOp.SUM, *
     """A reducing flat collective in the operator's wire dtype (bf16 in f32, rounded once, as XLA:CPU)."""
     dtype = flat.dtype
     flat = flat.astype(wire_dtype(op, dtype))
-    y = _flat_collective(coll, flat, op=op, **kw)
-    if kw["backend"] == "ppermute":  # the native executors' steps finish themselves (xla_ffi/core/reduce.h)
-        y = finish(op, y, jnp)
-    return y.astype(dtype)
+    return _flat_collective(coll, flat, op=op, **kw).astype(dtype)
 
 
 def _kw(axis_name, axis_size, comm, site, backend, dep=None, sub: int = 0, axis_index_groups=None) -> dict:
@@ -335,19 +345,25 @@ def _chain_dep(prev: jax.Array) -> jax.Array:
 
 
 def _materialized(impl):
-    """``impl`` with its operand and its result behind optimization barriers.
+    """``impl`` with its operand and its result behind barriers: optimization barriers, or on the
+    ppermute backend identity ``ppermute`` operations (XLA:CPU fuses across an optimization barrier).
 
     ``lax``'s collectives read a materialized operand and hand their consumers
     a plain buffer. Without the barriers XLA fuses the reshapes/transposes to
-    and from the flat layout into the producer and the consumer, which changes
-    their loops: a consumer's reduction (a loss's ``sum``) runs in another
-    order, a producer's ``cos`` may take another code path, and the bits
-    differ from the same program on ``lax``.
+    and from the flat layout (and on the ppermute backend the schedule's first
+    and last operations) into the producer and the consumer, which changes
+    their loops: a consumer's reduction (a loss's ``sum``, a norm's backward
+    pass) runs in another order, a producer's ``cos`` may take another code
+    path, and the bits differ from the same program on ``lax``.
     """
 
     @functools.wraps(impl)
     def run(x, *args, **kwargs):
-        return lax.optimization_barrier(impl(lax.optimization_barrier(x), *args, **kwargs))
+        if kwargs["backend"] != "ppermute":
+            return lax.optimization_barrier(impl(lax.optimization_barrier(x), *args, **kwargs))
+        axis = _axes.grouped(kwargs["axis_name"], kwargs.get("axis_index_groups"))
+        barrier = functools.partial(ppermute_backend.fusion_barrier, axis_name=axis, num_ranks=kwargs["axis_size"])
+        return barrier(impl(barrier(x), *args, **kwargs))
 
     return run
 
