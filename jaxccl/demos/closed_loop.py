@@ -195,8 +195,9 @@ def _programs(
     """The jitted AllGather of the parameters and the training step, with ``lib``'s collectives.
 
     ``reductions`` (default ``lib``) supplies the gradient reduce-scatter and the loss sum: across
-    processes both runs use ``jax.lax`` for them, whose float sums over sockets need not follow
-    jaxccl's rank order, so that the loss curves compare the AllGather alone.
+    processes both runs use ``jax.lax`` for them (the demo's communicator has a topology, whose
+    ``psum`` is its synthesized ReduceScatter and AllGather, not gloo's ring), so that the loss curves
+    compare the AllGather alone.
     """
     import jax
     import jax.numpy as jnp

@@ -18,10 +18,11 @@ processes share the machine's loopback: there is no NIC to cut, and the run chec
 measurement and that nothing is detected on a healthy network.
 
 The losses are compared bitwise with a ``jax.lax`` run of the same training in the same
-processes (the gradient reduce-scatter and the loss sum are ``jax.lax`` in both runs: gloo's
-float sums across sockets need not follow jaxccl's rank order, so the comparison checks the
-AllGather). The result has the single-process demo's keys plus ``processes``, ``network`` and
-``per_process`` (each process's ranks, AllGather times, table versions, loop times and events).
+processes (the gradient reduce-scatter and the loss sum are ``jax.lax`` in both runs: on the
+demo's topology communicator ``psum`` is the synthesized ReduceScatter and AllGather, not gloo's
+ring, so the comparison checks the AllGather). The result has the single-process demo's keys plus
+``processes``, ``network`` and ``per_process`` (each process's ranks, AllGather times, table
+versions, loop times and events).
 
 Example:
     >>> NetworkDemoConfig(network="netns").resolved_processes(), NetworkDemoConfig().resolved_processes()

@@ -124,14 +124,26 @@ def native_available() -> bool:
     return True
 
 
-def _default_schedule(collective: Collective, n: int, with_all_reduce: bool) -> Schedule | None:
+def _default_schedule(
+    collective: Collective, n: int, with_all_reduce: bool, *, across_processes: bool = False
+) -> Schedule | None:
+    """A communicator's schedule of ``collective`` until one is installed.
+
+    The reductions sum as XLA:CPU does, so they are bitwise ``jax.lax``'s: in one process in ascending
+    rank order; in a job of several processes in gloo's orders (its ring for AllReduce, only without a
+    topology; its halving-doubling tree for ReduceScatter where ``n`` is a power of two).
+    """
     if collective is Collective.ALL_GATHER:
         return default_schedules.direct_allgather(n)
     if collective is Collective.ALL_TO_ALL:
         return baselines.direct_alltoall(n)
     if collective is Collective.REDUCE_SCATTER:
+        if across_processes and n & (n - 1) == 0:
+            return default_schedules.gloo_tree_reduce_scatter(n)
         return baselines.direct_reduce_scatter(n)
-    return default_schedules.direct_allreduce(n) if with_all_reduce else None
+    if not with_all_reduce:
+        return None
+    return default_schedules.gloo_ring_allreduce(n) if across_processes else default_schedules.direct_allreduce(n)
 
 
 class Communicator:
@@ -265,8 +277,12 @@ class Communicator:
         # the first slot exists, so that a constructor failing half-way frees what it made.
         self._lease = _Lease()
         self._finalizer = weakref.finalize(self._lease, _release, self._slots, self.network)
+        import jax
+
+        across = jax.process_count() > 1
         self._schedules: dict[Collective, Schedule | None] = {
-            c: _default_schedule(c, axis_size, with_all_reduce=topology is None) for c in Collective
+            c: _default_schedule(c, axis_size, with_all_reduce=topology is None, across_processes=across)
+            for c in Collective
         }
         if backend in ("cpu", "cuda"):
             native = _native()

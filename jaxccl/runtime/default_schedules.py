@@ -1,11 +1,14 @@
-"""Default schedules of a communicator without a topology (one process, ranks sharing memory).
+"""Default schedules of a communicator without a topology.
 
 Direct, never relayed: every message goes from the rank that has the data
 straight to the rank that needs it, and the compiled table marks such sends
 *direct* (the receiver copies from the sender's buffer in place), so each
 block is moved once and no rank waits for a chain of hand-offs. Reductions
 fold every contribution in ascending rank order ``((x0 + x1) + x2) + ...``,
-the order XLA:CPU uses, so results are bitwise equal to ``jax.lax``. They are
+the order XLA:CPU uses, so results are bitwise equal to ``jax.lax``. In a
+job of several processes XLA:CPU reduces with gloo instead, and so do
+:func:`gloo_ring_allreduce` and :func:`gloo_tree_reduce_scatter` (the
+defaults there). They are
 schedules like any other: the reference interpreter validates them.
 
 >>> direct_allgather(4).validate().num_ranks
@@ -16,11 +19,12 @@ schedules like any other: the reference interpreter validates them.
 
 from __future__ import annotations
 
-from jaxccl.schedule import Buffer, Schedule, ScheduleBuilder
+from jaxccl.errors import ArgumentError
+from jaxccl.schedule import Buffer, OpKind, Schedule, ScheduleBuilder
 
-__all__ = ["direct_allgather", "direct_allreduce"]
+__all__ = ["direct_allgather", "direct_allreduce", "gloo_ring_allreduce", "gloo_tree_reduce_scatter"]
 
-I, O = Buffer.INPUT, Buffer.OUTPUT
+I, O, S = Buffer.INPUT, Buffer.OUTPUT, Buffer.SCRATCH
 
 
 def direct_allgather(n: int) -> Schedule:
@@ -73,3 +77,89 @@ def direct_allreduce(n: int) -> Schedule:
         for k in range(1, n):
             b.transfer(owner, (owner + k) % n, (O, owner), (O, owner), channel=1, after=[folded[owner]])
     return b.build(name="direct_allreduce", info={"algorithm": "direct", "ordered_reduction": True})
+
+
+def gloo_ring_allreduce(n: int) -> Schedule:
+    """AllReduce in gloo's ring order: what XLA:CPU's reductions across processes compute, bit for bit.
+
+    ``C = N``, one chunk per rank (the caller sizes the chunks as gloo does:
+    :func:`jaxccl.schedule.reduction.gloo_ring_chunk`). Messages go down the ring, rank ``r`` to
+    ``r - 1``. Chunk ``c`` starts as rank ``c - 1``'s input; each rank below adds its own input to
+    what it receives and passes the sum on, and rank ``c`` stores
+    ``x_c + (x_(c+1) + (... + (x_(c-2) + x_(c-1))))``, then sends the chunk around the same ring
+    (``rcs``) to every rank. One threadblock per rank; the interpreter checks that every rank ends
+    with the whole sum.
+
+    Args:
+        n: number of ranks.
+
+    >>> s = gloo_ring_allreduce(4).validate()
+    >>> s.info["fold"], s.num_threadblocks, s.num_ops
+    ('gloo_ring', 4, 32)
+    """
+    b = ScheduleBuilder("all_reduce", num_ranks=n, chunks_per_period=n)
+    if n == 1:
+        b.copy(0, (I, 0), (O, 0))
+        return b.build(name="gloo_ring_allreduce", info={"algorithm": "ring", "fold": "gloo_ring"})
+    for r in range(n):
+        tb = b.threadblock(r, send_peer=(r - 1) % n, recv_peer=(r + 1) % n)
+        b.op(r, tb, OpKind.SEND, (I, (r + 1) % n), (I, (r + 1) % n))  # chunk r+1 starts here
+        for k in range(2, n):  # chunk r+k: add this rank's term, pass it down
+            c = (r + k) % n
+            b.op(r, tb, OpKind.RECV_REDUCE_SEND, (I, c), (O, c))
+        b.op(r, tb, OpKind.RECV_REDUCE_COPY, (I, r), (O, r))  # chunk r is complete here
+        b.op(r, tb, OpKind.SEND, (O, r), (O, r))
+        for k in range(1, n - 1):  # the complete chunks travel down the same ring
+            c = (r + k) % n
+            b.op(r, tb, OpKind.RECV_COPY_SEND, None, (O, c))
+        b.op(r, tb, OpKind.RECV, None, (O, (r - 1) % n))
+    return b.build(name="gloo_ring_allreduce", info={"algorithm": "ring", "fold": "gloo_ring"})
+
+
+def gloo_tree_reduce_scatter(n: int) -> Schedule:
+    """ReduceScatter in the order of gloo's halving-doubling (XLA:CPU's ``psum_scatter`` across processes).
+
+    ``n`` must be a power of two. Every element of every shard is the butterfly tree over the ranks,
+    lowest bit first: ``(x0 + x1) + (x2 + x3)`` for 4 ranks,
+    ``((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))`` for 8; the chunk size does not matter.
+    Moved directly: every rank sends block ``r`` to rank ``r``, which receives the first term of each
+    pair into scratch and adds the second as it arrives (``rrc``), then adds the pairs' sums level by
+    level (``re``) and copies the root to its output.
+
+    Args:
+        n: number of ranks, a power of two.
+
+    Raises:
+        ArgumentError: ``n`` is not a power of two (gloo's binary blocks for other counts are not modeled).
+
+    >>> s = gloo_tree_reduce_scatter(4).validate()
+    >>> s.info["fold"], s.scratch_chunks
+    ('gloo_tree', 2)
+    """
+    if n < 1 or n & (n - 1):
+        raise ArgumentError(f"gloo_tree_reduce_scatter: {n} ranks is not a power of two")
+    b = ScheduleBuilder("reduce_scatter", num_ranks=n, chunks_per_period=1, scratch_chunks=max(1, n // 2))
+    for r in range(n):
+        if n == 1:
+            b.copy(r, (I, 0), (O, 0))
+            continue
+        level = []  # (scratch slot holding the pair's sum, handle of its last op)
+        for slot, lo in enumerate(range(0, n, 2)):
+            first, second = lo, lo + 1
+            if first == r:
+                h = b.transfer(second, r, (I, r), (S, slot), reduce=True, reduce_with=(I, r))
+            elif second == r:
+                got = b.transfer(first, r, (I, r), (S, slot))
+                h = b.reduce(r, (I, r), (S, slot), after=[got])
+            else:
+                got = b.transfer(first, r, (I, r), (S, slot))
+                h = b.transfer(second, r, (I, r), (S, slot), reduce=True, recv_after=[got])
+            level.append((slot, h))
+        while len(level) > 1:  # left + right into the left's slot
+            level = [
+                (left, b.reduce(r, (S, right), (S, left), after=[hl, hr]))
+                for (left, hl), (right, hr) in zip(level[::2], level[1::2])
+            ]
+        root, h = level[0]
+        b.copy(r, (S, root), (O, 0), after=[h])
+    return b.build(name="gloo_tree_reduce_scatter", info={"algorithm": "direct", "fold": "gloo_tree"})

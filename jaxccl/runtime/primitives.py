@@ -83,7 +83,7 @@ from jaxccl.runtime import axes as _axes
 from jaxccl.runtime import communicator as _comm
 from jaxccl.runtime import native_backend, ppermute_backend
 from jaxccl.schedule.ir import Collective
-from jaxccl.schedule.reduction import ReduceOp, finish, wire_dtype
+from jaxccl.schedule.reduction import ReduceOp, finish, gloo_ring_chunk, wire_dtype
 
 __all__ = ["all_gather_invariant_p", "all_gather_p", "all_to_all_p", "pmax_p", "pmin_p", "psum_p", "reduce_scatter_p"]
 
@@ -303,7 +303,14 @@ def _reduce_scatter_impl(x, *, scatter_dimension, tiled, **params):
 def _allreduce_impl(x, *, op: ReduceOp, **params):
     n, comm = params["axis_size"], params["comm"]
     flat = x.reshape(-1)
-    if comm.schedule(Collective.ALL_REDUCE) is not None:
+    schedule = comm.schedule(Collective.ALL_REDUCE)
+    if schedule is not None and schedule.info.get("fold") == "gloo_ring" and n > 1:
+        # gloo's ring order holds on gloo's chunks: pad to N of them (the padding is its own elements).
+        e = flat.shape[0]
+        chunk = gloo_ring_chunk(e, wire_dtype(op, flat.dtype).itemsize, n)
+        work = jnp.concatenate([flat, jnp.zeros((n * chunk - e,), flat.dtype)]) if n * chunk > e else flat
+        return _reduce(Collective.ALL_REDUCE, work, op=op, **_kw(**params))[:e].reshape(x.shape)
+    if schedule is not None:
         return _reduce(Collective.ALL_REDUCE, flat, op=op, **_kw(**params)).reshape(x.shape)
     # ReduceScatter + AllGather on a buffer padded to a multiple of N (MCCL Sec. 3); the padding is dropped.
     e = flat.shape[0]

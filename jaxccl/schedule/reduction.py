@@ -31,6 +31,15 @@ the reference instead (its sums round after every step in the element type,
 bfloat16 included); a GPU run is bitwise equal to NCCL only with the same
 order.
 
+Across processes XLA:CPU's reductions are gloo's instead (every device is a gloo rank, ranked along
+the collective's axes in mesh order): a ring all-reduce whose chunk ``c`` folds the ranks
+downwards from ``c - 1``, ``x_c + (x_(c+1) + (... + (x_(c-2) + x_(c-1))))`` (indices mod N), on
+chunks of :func:`gloo_ring_chunk` elements; a schedule with that order
+(:func:`jaxccl.runtime.default_schedules.gloo_ring_allreduce`) gives gloo's sums. Three
+differences remain: gloo's fold has no identity (a sum of negative zeros stays ``-0``, this rule
+makes it ``+0``), its float16 addition drops the incoming partial sum where its ``float16``
+comparison mistakes bits for an integer (large values only), and its NaN choice is the hardware's.
+
 A schedule's fold starts from its first term, not from the identity;
 :func:`step` and :func:`finish` are written so that the two agree bitwise: max
 and min replace a NaN accumulator by the identity, and a float sum's ``-0`` is
@@ -54,7 +63,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ReduceOp", "finish", "reduce_terms", "step", "supports", "wire_dtype"]
+__all__ = ["ReduceOp", "finish", "gloo_ring_chunk", "reduce_terms", "step", "supports", "wire_dtype"]
+
+GLOO_MAX_SEGMENT_BYTES = 1 << 20  # gloo::AllreduceOptions' default maxSegmentSize, which XLA:CPU keeps
 
 
 class ReduceOp(enum.IntEnum):
@@ -109,6 +120,29 @@ def wire_dtype(op: ReduceOp, dtype: Any) -> np.dtype:
     if dt.name == "bfloat16":
         return np.dtype(np.float32)
     return dt
+
+
+def gloo_ring_chunk(elems: int, itemsize: int, ranks: int) -> int:
+    """Elements per chunk of gloo's ring all-reduce of ``elems`` elements of ``itemsize`` bytes over ``ranks``.
+
+    gloo (``allreduce.cc``, ``ring``) cuts the buffer into ``S`` segments of at most 1 MiB, ``S`` a
+    multiple of ``ranks`` and at least ``2 * ranks``, each segment rounded up to whole elements;
+    rank ``r``'s chunk is segments ``r * S / ranks`` on (its last chunks may be short or empty).
+    Every element of a chunk is folded along the same ring path, so this size fixes the order.
+    ``itemsize`` is that of the reduced dtype (:func:`wire_dtype`: 4 for bfloat16).
+
+    >>> gloo_ring_chunk(1, 4, 8), gloo_ring_chunk(65537, 4, 8), gloo_ring_chunk(4_194_305, 4, 8)
+    (2, 8194, 524289)
+    """
+
+    def ceil_div(a: int, b: int) -> int:
+        return -(a // -b)
+
+    total = elems * itemsize
+    max_segment = itemsize * max(1, GLOO_MAX_SEGMENT_BYTES // itemsize)
+    segments = ceil_div(max(ceil_div(total, max_segment), 2 * ranks), ranks) * ranks
+    segment_elems = ceil_div(ceil_div(total, segments), itemsize)
+    return segments // ranks * segment_elems
 
 
 def step(op: ReduceOp, acc: Any, x: Any, xp: Any = np) -> Any:

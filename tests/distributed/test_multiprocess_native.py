@@ -216,6 +216,27 @@ def test_one_program_runs_collectives_over_several_attached_layouts():
         assert "ALL OK" in r.output, report
 
 
+@pytest.mark.parametrize(("processes", "local_devices", "backend"), [(2, 4, "cpu"), (2, 2, "ppermute")])
+def test_float_sums_across_processes_are_bitwise_those_of_jax_lax(processes, local_devices, backend):
+    """psum/pmean across processes in gloo's ring order (XLA:CPU's there), on every axis of 1-D and 2-D meshes.
+
+    The order depends on the ranks of a group only, not on how they spread over processes (measured on
+    2x4, 4x2 and 8x1 processes x devices), so two layouts check both backends.
+    """
+    results = launch(
+        [sys.executable, str(WORKER), "sums", str(local_devices), backend],
+        processes,
+        env={"JAXCCL_TIMEOUT_S": "120"},
+        timeout_s=600,
+    )
+    report = _report(results)
+    assert all(r.returncode == 0 for r in results), report
+    for r in results:
+        checks = [line for line in r.output.splitlines() if line.startswith("CHECK ")]
+        assert len(checks) == 5, report
+        assert all(c.endswith(" ok") for c in checks), report
+
+
 @needs_netns
 def test_native_collectives_across_four_processes_on_real_links():
     with NetLab(4, LinkShape(rate_mbit=1000)) as lab:

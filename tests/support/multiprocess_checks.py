@@ -7,13 +7,16 @@ tests/workers/multiprocess_native_worker.py) over every device of every process,
 float32 and int32, and compares this process's shards bitwise:
 
 - with ``jax.lax`` on the same inputs (``CHECK <case> lax ok|MISMATCH``);
-- for reductions, also with a NumPy left fold in ascending rank order (``CHECK <case> ordered
-  ok|MISMATCH``), jaxccl's default reduction order. XLA's gloo collectives do not promise that
-  order for float32, so for float32 reductions the ``lax`` line reports what was measured
-  (``differs`` with the largest difference) instead of failing.
+- for reductions, also with a NumPy fold in jaxccl's default order across processes (``CHECK
+  <case> ordered ok|MISMATCH``): gloo's ring for ``psum`` (:func:`gloo_ring_sum`) and gloo's
+  halving-doubling tree for ``psum_scatter`` (:func:`gloo_tree_sum`, power-of-two rank counts;
+  ascending rank order otherwise, whose float32 ``lax`` line then reports what was measured,
+  ``differs`` with the largest difference, instead of failing).
 
 >>> ordered_sum(np.array([[1.0], [2.0]], np.float32)).tolist()
 [3.0]
+>>> gloo_ring_sum(np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], np.float32)).tolist()
+[9.0, 12.0]
 """
 
 from __future__ import annotations
@@ -31,6 +34,36 @@ def ordered_sum(blocks: np.ndarray) -> np.ndarray:
     return acc
 
 
+def gloo_ring_sum(blocks: np.ndarray) -> np.ndarray:
+    """Rank ``r``'s rows ``blocks[r]`` summed as gloo's ring does: chunk ``c`` is
+    ``x_c + (x_(c+1) + (... + (x_(c-2) + x_(c-1))))`` on chunks of ``gloo_ring_chunk`` elements."""
+    from jaxccl.schedule.reduction import gloo_ring_chunk
+
+    n = len(blocks)
+    flat = [np.asarray(b).reshape(-1) for b in blocks]
+    e = flat[0].size
+    chunk = gloo_ring_chunk(e, flat[0].dtype.itemsize, n)
+    out = flat[0].copy()
+    for c in range(n):
+        lo, hi = c * chunk, min((c + 1) * chunk, e)
+        if lo >= hi:
+            continue
+        acc = flat[(c - 1) % n][lo:hi]
+        for k in range(2, n + 1):
+            acc = flat[(c - k) % n][lo:hi] + acc
+        out[lo:hi] = acc
+    return out.reshape(np.shape(blocks[0]))
+
+
+def gloo_tree_sum(blocks: np.ndarray) -> np.ndarray:
+    """``blocks`` (a power of two of them) summed as gloo's halving-doubling ReduceScatter does:
+    pairs of neighbours first, ``((x0 + x1) + (x2 + x3)) + ...``."""
+    level = list(blocks)
+    while len(level) > 1:
+        level = [level[i] + level[i + 1] for i in range(0, len(level), 2)]
+    return level[0]
+
+
 def check_collectives(comm: Any, mesh: Any, axis: str = "d") -> bool:
     """Runs the four collectives over ``axis`` of the 1-D ``mesh`` with ``comm``; prints CHECK lines.
 
@@ -46,12 +79,15 @@ def check_collectives(comm: Any, mesh: Any, axis: str = "d") -> bool:
     n = mesh.shape[axis]
     sharding = NamedSharding(mesh, P(axis))
 
+    tree = n & (n - 1) == 0  # gloo's order for power-of-two groups, ascending rank order otherwise
+
     def expect_rs(g: np.ndarray) -> np.ndarray:  # psum_scatter(v, scatter_dimension=1, tiled=True)
         v = g.reshape(n, 2, n, 3)  # [source rank, row, destination block, col]
-        return np.concatenate([ordered_sum(v[:, :, r]) for r in range(n)], axis=0)
+        fold = gloo_tree_sum if tree else ordered_sum
+        return np.concatenate([fold(v[:, :, r]) for r in range(n)], axis=0)
 
     def expect_psum(g: np.ndarray) -> np.ndarray:
-        return ordered_sum(g.reshape(n, 2, 3 * n))
+        return gloo_ring_sum(g.reshape(n, 2, 3 * n))
 
     cases = {
         "all_gather": (
@@ -88,7 +124,7 @@ def check_collectives(comm: Any, mesh: Any, axis: str = "d") -> bool:
             lax_vals = [np.asarray(s.data) for s in shards_b]
             same = a.shape == b.shape and all(u.tobytes() == w.tobytes() for u, w in zip(got, lax_vals))
             label = f"{name} {np.dtype(dtype).name}"
-            if same or expect is None or dtype is not np.float32:
+            if same or expect is None or dtype is not np.float32 or name == "psum" or tree:
                 ok &= same
                 print(f"CHECK {label} lax {'ok' if same else 'MISMATCH'}", flush=True)
             else:

@@ -23,6 +23,11 @@ Usage: python tests/workers/multiprocess_native_worker.py MODE [ARGS]
   a sum over both axes, a ReduceScatter and a max over ``data`` and an AllToAll over ``model`` run
   natively in one jitted step, compared bitwise with ``jax.lax`` on integer-valued data; each
   layout's meter sees only its own ranks (``CHECK meter ...``).
+- ``sums LOCAL_DEVICES BACKEND``: float sums across processes bitwise equal to ``jax.lax`` (gloo's
+  orders): ``psum``, ``pmean`` and ``psum_scatter`` over a 1-D axis of every device and over ``"data"``, ``"model"``,
+  ``("data", "model")`` and ``("model", "data")`` of a 2-D mesh whose rows are the processes, on
+  float32, bfloat16 and float16 data whose magnitudes span decades, 1 to 300,001 elements per rank
+  (odd sizes, several gloo segments); BACKEND ``cpu`` (each layout attached) or ``ppermute``.
 - ``swap LOCAL_DEVICES STEPS``: native AllGather steps across processes, each checked bitwise
   against ``jax.lax``; at a step drawn from a seed every process shares, a ring schedule is
   staged everywhere at one agreed sequence number (``stage_agreed``); prints ``SWAP version seq``
@@ -242,6 +247,66 @@ def layouts(t) -> bool:
     return ok
 
 
+def sums(t, backend: str) -> bool:
+    import jax
+    import ml_dtypes
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+    from jaxccl.distributed.transport import attach, local_shards
+
+    devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+    meshes = {"1d": Mesh(devices, ("d",)), "2d": Mesh(devices.reshape(t.num_processes, -1), ("data", "model"))}
+    cases = [("1d", "d"), ("2d", "data"), ("2d", "model"), ("2d", ("data", "model")), ("2d", ("model", "data"))]
+    rng = np.random.default_rng(9)  # the same global data in every process
+    sizes = (1, 7, 65537, 300001)
+    dtypes = (np.float32, ml_dtypes.bfloat16, np.float16)
+    ok = True
+    for mesh_name, axis in cases:
+        mesh = meshes[mesh_name]
+        spec = P(tuple(mesh.axis_names))
+        n = int(np.prod([mesh.shape[a] for a in native_axes(axis)]))
+        if backend == "cpu":
+            attach(t, mesh, axis)
+        data = {}
+        for dtype in dtypes:
+            decades = 3 if dtype is np.float16 else 6  # float16: ordinary magnitudes (gloo's float16 quirk aside)
+            for e in sizes:
+                shape = (mesh.devices.size, e)
+                raw = rng.standard_normal(shape) * 10.0 ** rng.uniform(-decades / 2, decades / 2, shape)
+                data[f"{np.dtype(dtype).name} {e}"] = raw.astype(dtype)
+        arrays = {
+            k: jax.make_array_from_callback(v.shape, NamedSharding(mesh, spec), lambda idx, v=v: v[idx])
+            for k, v in data.items()
+        }
+
+        def step(lib, xs, axis=axis, n=n):
+            out = {f"psum {k}": lib.psum(v, axis) for k, v in xs.items()}
+            out["pmean float32 65537"] = lib.pmean(xs["float32 65537"], axis)
+            for k in ("float32 65537", "bfloat16 65537", "float16 65537"):  # shards below gloo's race (512 KiB)
+                out[f"psum_scatter {k}"] = lib.psum_scatter(
+                    xs[k][:, : xs[k].shape[1] // n * n], axis, scatter_dimension=1, tiled=True
+                )
+            return out
+
+        f = {
+            lib: jax.jit(jax.shard_map(functools.partial(step, lib), mesh=mesh, in_specs=spec, out_specs=spec))
+            for lib in (jaxccl, jax.lax)
+        }
+        with jaxccl.Communicator(mesh, axis, backend=backend):
+            got = f[jaxccl](arrays)
+        want = f[jax.lax](arrays)
+        bad = [
+            k
+            for k in want
+            if [s.tobytes() for s in local_shards(got[k])] != [s.tobytes() for s in local_shards(want[k])]
+        ]
+        ok &= not bad
+        print(f"CHECK sums {mesh_name} {axis} {'ok' if not bad else 'MISMATCH ' + ', '.join(bad)}", flush=True)
+    return ok
+
+
 def native_axes(axis) -> tuple:
     return tuple(axis) if isinstance(axis, tuple) else (axis,)
 
@@ -436,7 +501,7 @@ def main(argv: list[str]) -> int:
     from jaxccl.distributed.transport import ProcessTransport
 
     mode = argv[0]
-    with_devices = ("collectives", "mesh", "layouts", "swap", "killnative", "meter", "stale")
+    with_devices = ("collectives", "mesh", "layouts", "sums", "swap", "killnative", "meter", "stale")
     initialize_from_env(local_devices=int(argv[1]) if mode in with_devices else 1)
     t = ProcessTransport.bootstrap(timeout_s=TIMEOUT_S, options=transport_options())
     if mode == "exchange":
@@ -451,6 +516,8 @@ def main(argv: list[str]) -> int:
         ok = mesh_axes(t)
     elif mode == "layouts":
         ok = layouts(t)
+    elif mode == "sums":
+        ok = sums(t, argv[2])
     elif mode == "meter":
         ok = meter(t, int(argv[2]))
     elif mode == "killnative":
