@@ -193,48 +193,35 @@ def test_native_collectives_across_processes_on_loopback(processes, local_device
     _check_collectives(results)
 
 
-def test_native_collectives_over_the_axes_of_a_two_dimensional_mesh_across_processes():
-    results = launch([sys.executable, str(WORKER), "mesh", "2"], 2, env={"JAXCCL_TIMEOUT_S": "120"}, timeout_s=500)
+def _run_checks(args: list[str], processes: int, expected: int) -> None:
+    """Runs the worker with ``args`` in ``processes`` processes; each must print ``expected`` CHECK lines, all ok."""
+    results = launch([sys.executable, str(WORKER), *args], processes, env={"JAXCCL_TIMEOUT_S": "120"}, timeout_s=600)
     report = _report(results)
     assert all(r.returncode == 0 for r in results), report
     for r in results:
         checks = [line for line in r.output.splitlines() if line.startswith("CHECK ")]
-        assert len(checks) == 3 * (4 * 2 + 1), report  # 3 axis choices x (4 collectives x 2 dtypes + launches)
-        assert all(" ok" in c for c in checks), report
+        assert len(checks) == expected, report
+        assert all(c.endswith(" ok") or " ok " in c for c in checks), report
         assert "ALL OK" in r.output, report
+
+
+def test_native_collectives_over_the_axes_of_a_two_dimensional_mesh_across_processes():
+    _run_checks(["mesh", "2"], 2, 3 * (4 * 2 + 1))  # 3 axis choices x (4 collectives x 2 dtypes + launches)
 
 
 def test_one_program_runs_collectives_over_several_attached_layouts():
     """Hybrid sharding: "model" inside a process, "data" across, both at once, all native in one step."""
-    results = launch([sys.executable, str(WORKER), "layouts", "4"], 2, env={"JAXCCL_TIMEOUT_S": "120"}, timeout_s=500)
-    report = _report(results)
-    assert all(r.returncode == 0 for r in results), report
-    for r in results:
-        checks = [line for line in r.output.splitlines() if line.startswith("CHECK ")]
-        assert len(checks) == 1 + 5 + 2, report  # attach, 5 collectives, native launches, meter
-        assert all(" ok" in c for c in checks), report
-        assert "ALL OK" in r.output, report
+    _run_checks(["layouts", "4"], 2, 1 + 5 + 2)  # attach, 5 collectives, native launches, meter
 
 
 @pytest.mark.parametrize(("processes", "local_devices", "backend"), [(2, 4, "cpu"), (2, 2, "ppermute")])
 def test_float_sums_across_processes_are_bitwise_those_of_jax_lax(processes, local_devices, backend):
-    """psum/pmean across processes in gloo's ring order (XLA:CPU's there), on every axis of 1-D and 2-D meshes.
+    """psum/pmean/psum_scatter across processes in gloo's orders (XLA:CPU's there), on every axis of 1-D and 2-D meshes.
 
     The order depends on the ranks of a group only, not on how they spread over processes (measured on
     2x4, 4x2 and 8x1 processes x devices), so two layouts check both backends.
     """
-    results = launch(
-        [sys.executable, str(WORKER), "sums", str(local_devices), backend],
-        processes,
-        env={"JAXCCL_TIMEOUT_S": "120"},
-        timeout_s=600,
-    )
-    report = _report(results)
-    assert all(r.returncode == 0 for r in results), report
-    for r in results:
-        checks = [line for line in r.output.splitlines() if line.startswith("CHECK ")]
-        assert len(checks) == 5, report
-        assert all(c.endswith(" ok") for c in checks), report
+    _run_checks(["sums", str(local_devices), backend], processes, 5)
 
 
 @needs_netns
