@@ -131,14 +131,14 @@ def _default_schedule(
 
     The reductions sum as XLA:CPU does, so they are bitwise ``jax.lax``'s: in one process in ascending
     rank order; in a job of several processes in gloo's orders (its ring for AllReduce, only without a
-    topology; its halving-doubling tree for ReduceScatter where ``n`` is a power of two).
+    topology; its halving-doubling tree for ReduceScatter).
     """
     if collective is Collective.ALL_GATHER:
         return default_schedules.direct_allgather(n)
     if collective is Collective.ALL_TO_ALL:
         return baselines.direct_alltoall(n)
     if collective is Collective.REDUCE_SCATTER:
-        if across_processes and n & (n - 1) == 0:
+        if across_processes:
             return default_schedules.gloo_tree_reduce_scatter(n)
         return baselines.direct_reduce_scatter(n)
     if not with_all_reduce:

@@ -119,47 +119,91 @@ def gloo_ring_allreduce(n: int) -> Schedule:
 def gloo_tree_reduce_scatter(n: int) -> Schedule:
     """ReduceScatter in the order of gloo's halving-doubling (XLA:CPU's ``psum_scatter`` across processes).
 
-    ``n`` must be a power of two. Every element of every shard is the butterfly tree over the ranks,
-    lowest bit first: ``(x0 + x1) + (x2 + x3)`` for 4 ranks,
-    ``((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))`` for 8; the chunk size does not matter.
-    Moved directly: every rank sends block ``r`` to rank ``r``, which receives the first term of each
-    pair into scratch and adds the second as it arrives (``rrc``), then adds the pairs' sums level by
-    level (``re``) and copies the root to its output.
+    Every element of every shard is the same tree over the ranks, whatever the chunk size. For a
+    power of two it is the butterfly tree, lowest bit first: ``(x0 + x1) + (x2 + x3)`` for 4 ranks,
+    ``((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))`` for 8. Other counts split into gloo's binary
+    blocks, largest first (6 = 4 + 2), each a butterfly tree, folded from the smallest up:
+    ``T(block 0) + (T(block 1) + ...)``; 3 ranks give ``(x0 + x1) + x2``, 6 give
+    ``((x0 + x1) + (x2 + x3)) + (x4 + x5)`` (measured against XLA at 3 and 6 ranks).
+    Moved directly: every rank sends block ``r`` to rank ``r``, which adds each term where the tree
+    needs it (``rrc`` as it arrives, ``re`` for sums already in scratch) and copies the root to its
+    output.
 
     Args:
-        n: number of ranks, a power of two.
-
-    Raises:
-        ArgumentError: ``n`` is not a power of two (gloo's binary blocks for other counts are not modeled).
+        n: number of ranks.
 
     >>> s = gloo_tree_reduce_scatter(4).validate()
     >>> s.info["fold"], s.scratch_chunks
     ('gloo_tree', 2)
+    >>> gloo_tree_reduce_scatter(6).validate().num_ranks
+    6
     """
-    if n < 1 or n & (n - 1):
-        raise ArgumentError(f"gloo_tree_reduce_scatter: {n} ranks is not a power of two")
-    b = ScheduleBuilder("reduce_scatter", num_ranks=n, chunks_per_period=1, scratch_chunks=max(1, n // 2))
-    for r in range(n):
-        if n == 1:
-            b.copy(r, (I, 0), (O, 0))
-            continue
-        level = []  # (scratch slot holding the pair's sum, handle of its last op)
-        for slot, lo in enumerate(range(0, n, 2)):
-            first, second = lo, lo + 1
-            if first == r:
-                h = b.transfer(second, r, (I, r), (S, slot), reduce=True, reduce_with=(I, r))
-            elif second == r:
-                got = b.transfer(first, r, (I, r), (S, slot))
-                h = b.reduce(r, (I, r), (S, slot), after=[got])
-            else:
-                got = b.transfer(first, r, (I, r), (S, slot))
-                h = b.transfer(second, r, (I, r), (S, slot), reduce=True, recv_after=[got])
-            level.append((slot, h))
-        while len(level) > 1:  # left + right into the left's slot
-            level = [
-                (left, b.reduce(r, (S, right), (S, left), after=[hl, hr]))
-                for (left, hl), (right, hr) in zip(level[::2], level[1::2])
-            ]
-        root, h = level[0]
-        b.copy(r, (S, root), (O, 0), after=[h])
+    if n < 1:
+        raise ArgumentError(f"gloo_tree_reduce_scatter: needs at least one rank, got {n}")
+    blocks, start = [], 0
+    for bit in reversed(range(n.bit_length())):
+        if n >> bit & 1:
+            blocks.append(range(start, start + (1 << bit)))
+            start += 1 << bit
+    plans = [_TreeFold(r) for r in range(n)]
+    for fold in plans:
+        roots = [fold.tree(block) for block in blocks]
+        acc = roots[-1]
+        for root in reversed(roots[:-1]):
+            acc = fold.add(root, acc)
+        fold.root = acc
+    b = ScheduleBuilder("reduce_scatter", num_ranks=n, chunks_per_period=1, scratch_chunks=max(p.slots for p in plans))
+    for fold in plans:
+        fold.emit(b)
     return b.build(name="gloo_tree_reduce_scatter", info={"algorithm": "direct", "fold": "gloo_tree"})
+
+
+class _TreeFold:
+    """Rank ``r``'s part of :func:`gloo_tree_reduce_scatter`: the tree's additions as ops, planned first.
+
+    A term is ``("own",)`` (``r``'s input block), ``("remote", s)`` (rank ``s``'s block, not received yet)
+    or ``("slot", k)`` (a sum in scratch chunk ``k``); :meth:`add` records one addition.
+    """
+
+    def __init__(self, r: int):
+        self.r, self.slots, self.steps, self.root = r, 0, [], None
+
+    def leaf(self, s: int) -> tuple:
+        return ("own",) if s == self.r else ("remote", s)
+
+    def tree(self, ranks: range) -> tuple:
+        level = [self.leaf(s) for s in ranks]
+        while len(level) > 1:
+            level = [self.add(a, b) for a, b in zip(level[::2], level[1::2])]
+        return level[0]
+
+    def add(self, a: tuple, b: tuple) -> tuple:
+        if b[0] == "slot" and a[0] != "slot":
+            a, b = b, a  # sums commute bit for bit: only the tree's shape matters
+        if a[0] == "slot":
+            self.steps.append(("into", a[1], b))
+            return a
+        slot = ("slot", self.slots)
+        self.slots += 1
+        if a[0] == "own":
+            a, b = b, a
+        self.steps.append(("start", slot[1], a))  # a is remote: received first
+        self.steps.append(("into", slot[1], b))
+        return slot
+
+    def emit(self, b: ScheduleBuilder) -> None:
+        r, last = self.r, {}
+        if self.root == ("own",):  # one rank
+            b.copy(r, (I, r), (O, 0))
+            return
+        for kind, slot, term in self.steps:
+            dst, after = (S, slot), [h for h in (last.get(slot),) if h is not None]
+            if kind == "start":
+                last[slot] = b.transfer(term[1], r, (I, r), dst)
+            elif term[0] == "remote":
+                last[slot] = b.transfer(term[1], r, (I, r), dst, reduce=True, recv_after=after)
+            elif term[0] == "own":
+                last[slot] = b.reduce(r, (I, r), dst, after=after)
+            else:
+                last[slot] = b.reduce(r, (S, term[1]), dst, after=[*after, last[term[1]]])
+        b.copy(r, (S, self.root[1]), (O, 0), after=[last[self.root[1]]])

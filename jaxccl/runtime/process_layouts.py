@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 from jaxccl.errors import ExecutorError
-from jaxccl.runtime.communicator import _bump_generation
 
 __all__ = ["Layout", "clear", "find", "first_group", "record"]
 
@@ -79,7 +78,7 @@ def find(mesh: Any, axis_name: Any) -> Layout | None:
 def record(mesh: Any, axis_name: Any, *, first_group: int, number: int) -> None:
     """Records that ``axis_name`` of ``mesh`` is attached, its groups starting at native index ``first_group``."""
     _layouts[_key(mesh.axis_names, np.shape(mesh.devices), axis_name)] = Layout(first_group, number, _devices(mesh))
-    _bump_generation()
+    _retrace()
 
 
 def first_group(mesh_axis_names: Any, mesh_shape: Any, axis_name: Any) -> int:
@@ -102,4 +101,11 @@ def first_group(mesh_axis_names: Any, mesh_shape: Any, axis_name: Any) -> int:
 def clear() -> None:
     """Forgets every layout (the transport was detached)."""
     _layouts.clear()
+    _retrace()
+
+
+def _retrace() -> None:
+    """Makes jitted functions trace again (the layouts' group indices are part of compiled programs)."""
+    from jaxccl.runtime.communicator import _bump_generation  # imports JAX: not at import time
+
     _bump_generation()

@@ -214,12 +214,13 @@ def test_one_program_runs_collectives_over_several_attached_layouts():
     _run_checks(["layouts", "4"], 2, 1 + 5 + 2)  # attach, 5 collectives, native launches, meter
 
 
-@pytest.mark.parametrize(("processes", "local_devices", "backend"), [(2, 4, "cpu"), (2, 2, "ppermute")])
+@pytest.mark.parametrize(("processes", "local_devices", "backend"), [(2, 4, "cpu"), (3, 2, "cpu"), (2, 2, "ppermute")])
 def test_float_sums_across_processes_are_bitwise_those_of_jax_lax(processes, local_devices, backend):
     """psum/pmean/psum_scatter across processes in gloo's orders (XLA:CPU's there), on every axis of 1-D and 2-D meshes.
 
     The order depends on the ranks of a group only, not on how they spread over processes (measured on
-    2x4, 4x2 and 8x1 processes x devices), so two layouts check both backends.
+    2x4, 4x2 and 8x1 processes x devices), so a few layouts check both backends; 3x2 has groups of 6
+    and 3 ranks (gloo's ReduceScatter splits them into power-of-two blocks).
     """
     _run_checks(["sums", str(local_devices), backend], processes, 5)
 
