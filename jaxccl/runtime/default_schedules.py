@@ -126,15 +126,14 @@ def gloo_tree_reduce_scatter(n: int) -> Schedule:
     ``T(block 0) + (T(block 1) + ...)``; 3 ranks give ``(x0 + x1) + x2``, 6 give
     ``((x0 + x1) + (x2 + x3)) + (x4 + x5)`` (measured against XLA at 3 and 6 ranks).
     Moved directly: every rank sends block ``r`` to rank ``r``, which adds each term where the tree
-    needs it (``rrc`` as it arrives, ``re`` for sums already in scratch) and copies the root to its
-    output.
+    needs it (``rrc`` as it arrives, ``re`` for sums already held), the root's sums in its output.
 
     Args:
         n: number of ranks.
 
     >>> s = gloo_tree_reduce_scatter(4).validate()
     >>> s.info["fold"], s.scratch_chunks
-    ('gloo_tree', 2)
+    ('gloo_tree', 1)
     >>> gloo_tree_reduce_scatter(6).validate().num_ranks
     6
     """
@@ -152,7 +151,9 @@ def gloo_tree_reduce_scatter(n: int) -> Schedule:
         for root in reversed(roots[:-1]):
             acc = fold.add(root, acc)
         fold.root = acc
-    b = ScheduleBuilder("reduce_scatter", num_ranks=n, chunks_per_period=1, scratch_chunks=max(p.slots for p in plans))
+    b = ScheduleBuilder(
+        "reduce_scatter", num_ranks=n, chunks_per_period=1, scratch_chunks=max(p.scratch for p in plans)
+    )
     for fold in plans:
         fold.emit(b)
     return b.build(name="gloo_tree_reduce_scatter", info={"algorithm": "direct", "fold": "gloo_tree"})
@@ -162,7 +163,8 @@ class _TreeFold:
     """Rank ``r``'s part of :func:`gloo_tree_reduce_scatter`: the tree's additions as ops, planned first.
 
     A term is ``("own",)`` (``r``'s input block), ``("remote", s)`` (rank ``s``'s block, not received yet)
-    or ``("slot", k)`` (a sum in scratch chunk ``k``); :meth:`add` records one addition.
+    or ``("slot", k)`` (a partial sum in slot ``k``); :meth:`add` records one addition. The slot that ends
+    as the root is the output chunk, the others scratch chunks, so no pass copies the result.
     """
 
     def __init__(self, r: int):
@@ -187,23 +189,38 @@ class _TreeFold:
         self.slots += 1
         if a[0] == "own":
             a, b = b, a
-        self.steps.append(("start", slot[1], a))  # a is remote: received first
-        self.steps.append(("into", slot[1], b))
+        self.steps.append(("start", slot[1], a, b))  # a is remote; b own or remote
         return slot
 
+    @property
+    def scratch(self) -> int:
+        """Scratch chunks it needs (its slots but the root)."""
+        return max(0, self.slots - 1)
+
     def emit(self, b: ScheduleBuilder) -> None:
-        r, last = self.r, {}
+        r = self.r
         if self.root == ("own",):  # one rank
             b.copy(r, (I, r), (O, 0))
             return
-        for kind, slot, term in self.steps:
-            dst, after = (S, slot), [h for h in (last.get(slot),) if h is not None]
-            if kind == "start":
-                last[slot] = b.transfer(term[1], r, (I, r), dst)
+        root = self.root[1]
+        where, k_s = {}, 0
+        for k in range(self.slots):
+            if k == root:
+                where[k] = (O, 0)
+            else:
+                where[k], k_s = (S, k_s), k_s + 1
+        last = {}
+        for step in self.steps:
+            kind, slot, term = step[0], step[1], step[2]
+            dst, after = where[slot], [h for h in (last.get(slot),) if h is not None]
+            if kind == "start" and step[3][0] == "own":  # dst = own + message, one op
+                last[slot] = b.transfer(term[1], r, (I, r), dst, reduce=True, reduce_with=(I, r))
+            elif kind == "start":
+                got = b.transfer(term[1], r, (I, r), dst)
+                last[slot] = b.transfer(step[3][1], r, (I, r), dst, reduce=True, recv_after=[got])
             elif term[0] == "remote":
                 last[slot] = b.transfer(term[1], r, (I, r), dst, reduce=True, recv_after=after)
             elif term[0] == "own":
                 last[slot] = b.reduce(r, (I, r), dst, after=after)
             else:
-                last[slot] = b.reduce(r, (S, term[1]), dst, after=[*after, last[term[1]]])
-        b.copy(r, (S, self.root[1]), (O, 0), after=[last[self.root[1]]])
+                last[slot] = b.reduce(r, where[term[1]], dst, after=[*after, last[term[1]]])

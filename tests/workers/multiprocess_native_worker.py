@@ -27,7 +27,8 @@ Usage: python tests/workers/multiprocess_native_worker.py MODE [ARGS]
   orders): ``psum``, ``pmean`` and ``psum_scatter`` over a 1-D axis of every device and over ``"data"``, ``"model"``,
   ``("data", "model")`` and ``("model", "data")`` of a 2-D mesh whose rows are the processes, on
   float32, bfloat16 and float16 data whose magnitudes span decades, 1 to 300,001 elements per rank
-  (odd sizes, several gloo segments); BACKEND ``cpu`` (each layout attached) or ``ppermute``.
+  (odd sizes, several gloo segments); BACKEND ``cpu`` (each layout attached) or ``ppermute`` (the 1-D
+  axis and ``("model", "data")``: the same schedules, lowered to ppermute rounds).
 - ``swap LOCAL_DEVICES STEPS``: native AllGather steps across processes, each checked bitwise
   against ``jax.lax``; at a step drawn from a seed every process shares, a ring schedule is
   staged everywhere at one agreed sequence number (``stage_agreed``); prints ``SWAP version seq``
@@ -259,6 +260,8 @@ def sums(t, backend: str) -> bool:
     devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
     meshes = {"1d": Mesh(devices, ("d",)), "2d": Mesh(devices.reshape(t.num_processes, -1), ("data", "model"))}
     cases = [("1d", "d"), ("2d", "data"), ("2d", "model"), ("2d", ("data", "model")), ("2d", ("model", "data"))]
+    if backend == "ppermute":  # the same schedules as on cpu: two axes show the lowering runs them
+        cases = [cases[0], cases[4]]
     rng = np.random.default_rng(9)  # the same global data in every process
     sizes = (1, 7, 65537, 300001)
     dtypes = (np.float32, ml_dtypes.bfloat16, np.float16)
