@@ -301,10 +301,10 @@ def attach(transport: ProcessTransport, mesh: Any, axis_name: Any) -> int:
     have more axes (each coordinate of the others is a group of its own, as in one process). Call
     it in every process (the same mesh everywhere, the same calls in the same order) before the
     programs with native collectives over those axes are traced (attaching makes jitted functions
-    trace again: the layout's groups are part of the compiled program). From then on ``backend="cpu"`` (and ``"cuda"``)
-    collectives over them run this process's ranks in the native executor and move the bytes to
-    ranks of other processes through ``transport``; sends of the same bytes to several ranks of one
-    other process travel once.
+    trace again: the layout's groups are part of the compiled program). From then on
+    ``backend="cpu"`` (and ``"cuda"``) collectives over them run this process's ranks in the
+    native executor and move the bytes to ranks of other processes through ``transport``; sends of
+    the same bytes to several ranks of one other process travel once.
 
     One program may run collectives over several axes of a mesh (``"model"`` inside a process,
     ``"data"`` across, ``("data", "model")`` over all): attach each, in the same order in every

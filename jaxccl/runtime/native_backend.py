@@ -24,9 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxccl.errors import UnsupportedError
 from jaxccl.runtime import axes as _axes
-from jaxccl.runtime import process_layouts
 from jaxccl.schedule.ir import Collective
 
 __all__ = ["MULTIPROCESS_TARGETS", "TARGETS", "auto_backend", "flat_collective", "output_elems", "target"]
@@ -84,17 +82,6 @@ def _group(group_axes: tuple[tuple[object, int], ...]) -> jax.Array:
     return g
 
 
-def _layout_group(axis_name) -> int:
-    """Across processes: the native index of group 0 of the attached layout of the collective's mesh and axes."""
-    if isinstance(axis_name, _axes.GroupedAxis):
-        raise UnsupportedError(
-            "jaxccl: axis_index_groups across processes are not supported on the native backends yet "
-            "(the attached layouts have one group per coordinate of the other mesh axes); use backend='ppermute'"
-        )
-    mesh = jax.sharding.get_abstract_mesh()
-    return process_layouts.first_group(mesh.axis_names, tuple(mesh.axis_sizes), axis_name)
-
-
 def flat_collective(
     coll: Collective,
     flat: jax.Array,
@@ -107,21 +94,22 @@ def flat_collective(
     backend: str = "cpu",
     dep: jax.Array | None = None,
     reduce_op: int = 0,
+    first_group: int = 0,
 ) -> jax.Array:
     """Runs collective ``coll`` of the table in registry ``slot`` on this rank's flat buffer.
 
     ``dep``, an int32 zero computed from an earlier collective's result, is
     added to ``coords`` so that XLA runs this call after that one. ``reduce_op``
     is the code of the reduction operator (ignored by tables that do not reduce).
+    ``first_group`` is where the groups of the collective's attached layout start
+    across processes (:mod:`jaxccl.runtime.process_layouts`; 0 in one process).
     """
     from jaxccl.runtime import native  # registers the FFI targets on import
 
     del native
     n = int(axis_size)
     rank = _axes.axis_index(axis_name) if n > 1 else jnp.int32(0)
-    group = _group(group_axes) * _axes.num_groups(axis_name) + _axes.group_id(axis_name)
-    if jax.process_count() > 1:
-        group = group + _layout_group(axis_name)
+    group = first_group + _group(group_axes) * _axes.num_groups(axis_name) + _axes.group_id(axis_name)
     coords = jnp.stack([rank, group]).astype(jnp.int32)
     if dep is not None:
         coords = coords + dep

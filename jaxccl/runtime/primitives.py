@@ -81,7 +81,7 @@ from jax.interpreters.mlir import ir
 from jaxccl.errors import ContextError, UnsupportedError
 from jaxccl.runtime import axes as _axes
 from jaxccl.runtime import communicator as _comm
-from jaxccl.runtime import native_backend, ppermute_backend
+from jaxccl.runtime import native_backend, ppermute_backend, process_layouts
 from jaxccl.schedule.ir import Collective
 from jaxccl.schedule.reduction import ReduceOp, finish, gloo_ring_chunk, wire_dtype
 
@@ -230,13 +230,14 @@ def _flat_collective(
         # the native executors' steps finish themselves (xla_ffi/core/reduce.h)
         return finish(op, y, jnp) if coll.reduces else y
 
-    kind, group_axes = backend
+    kind, group_axes, first_group = backend
     run = functools.partial(
         native_backend.flat_collective,
         coll,
         axis_name=axis,
         axis_size=axis_size,
         group_axes=group_axes,
+        first_group=first_group,
         slot=comm.slot(coll),
         site=site,
         backend=kind,
@@ -322,6 +323,22 @@ def _allreduce_impl(x, *, op: ReduceOp, **params):
     return full[:e].reshape(x.shape)
 
 
+def _first_group(ctx, axis_name, axis_index_groups) -> int:
+    """Across processes: where the groups of the attached layout of the lowered mesh and ``axis_name`` start."""
+    if jax.process_count() == 1:
+        return 0
+    if axis_index_groups is not None:
+        raise UnsupportedError(
+            "jaxccl: axis_index_groups across processes are not supported on the native backends yet "
+            "(the attached layouts have one group per coordinate of the other mesh axes); use backend='ppermute'"
+        )
+    mesh = getattr(ctx.module_context.axis_context, "mesh", None)
+    if mesh is None:
+        raise UnsupportedError("jaxccl: a native collective across processes needs the mesh of a jax.shard_map")
+    shape = dict(mesh.shape)
+    return process_layouts.first_group(mesh.axis_names, [shape[a] for a in mesh.axis_names], axis_name)
+
+
 def _group_axes(ctx, axis_name) -> tuple[tuple[object, int], ...]:
     """The manual mesh axes outside ``axis_name`` (name, size): their coordinates identify this rank's group."""
     axis_context = ctx.module_context.axis_context
@@ -398,7 +415,8 @@ def _lowering(impl):
         if backend == "ppermute":
             fn = functools.partial(impl, backend=backend)
             return mlir.lower_fun(fn, multiple_results=False)(ctx, x, comm=comm, **params)
-        backend = (backend, _group_axes(ctx, params["axis_name"]))
+        name, groups = params["axis_name"], params.get("axis_index_groups")
+        backend = (backend, _group_axes(ctx, name), _first_group(ctx, name, groups))
         chain = ctx.module_context.cached_primitive_lowerings  # a per-module dict
         key = (_CHAIN_KEY, ir.InsertionPoint.current.block)
         prev = chain.get(key)
