@@ -99,7 +99,7 @@ def _default_synthesizers(exact_reductions: bool) -> dict[str, Synthesizer]:
     else:  # the reversed AllGather tree packing, warm-started: faster, sums in tree order
         reduce_scatter = lambda topo, prev: synth.reduce_scatter(topo, previous=_tree_or_none(prev))  # noqa: E731
     return {
-        "all_gather": lambda topo, prev: synth.all_gather(topo, previous=prev),
+        "all_gather": lambda topo, prev: synth.all_gather(topo, previous=_tree_or_none(prev)),
         "all_to_all": lambda topo, prev: synth.all_to_all(topo, previous=prev),
         "reduce_scatter": reduce_scatter,
     }

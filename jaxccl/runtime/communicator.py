@@ -130,8 +130,8 @@ def _default_schedule(
     """A communicator's schedule of ``collective`` until one is installed.
 
     The reductions sum as XLA:CPU does, so they are bitwise ``jax.lax``'s: in one process in ascending
-    rank order; in a job of several processes in gloo's orders (its ring for AllReduce, only without a
-    topology; its halving-doubling tree for ReduceScatter).
+    rank order; in a job of several processes in gloo's orders (its ring for AllReduce, with a topology
+    too: the synthesized ReduceScatter would sum in another order; its halving-doubling tree for ReduceScatter).
     """
     if collective is Collective.ALL_GATHER:
         return default_schedules.direct_allgather(n)
@@ -281,7 +281,7 @@ class Communicator:
 
         across = jax.process_count() > 1
         self._schedules: dict[Collective, Schedule | None] = {
-            c: _default_schedule(c, axis_size, with_all_reduce=topology is None, across_processes=across)
+            c: _default_schedule(c, axis_size, with_all_reduce=topology is None or across, across_processes=across)
             for c in Collective
         }
         if backend in ("cpu", "cuda"):

@@ -97,6 +97,19 @@ def test_persistent_degradation_on_the_cut_is_resynthesized_and_swapped(ag, dete
     comm.schedule("all_gather").validate()
 
 
+def test_a_communicator_on_its_default_schedule_is_resynthesized_cold():
+    # The running AllGather is the communicator's default (direct, not a tree packing the synthesizer can
+    # warm-start from): the re-synthesis starts cold instead of failing (it raised SynthesisError before).
+    comm, f, ref = _setup()
+    assert "trees" not in comm.schedule("all_gather").info
+    ctl = Controller(comm, gamma=0.15)
+    _drive(comm, ctl, f, ref, HEALTHY)
+    _drive(comm, ctl, f, ref, 8, on_step=lambda k: k == 0 and comm.inject(TOPO.degrade(*NIC, gbps=200)), seed=100)
+    kinds = [e.kind for e in ctl.events]
+    assert "error" not in kinds and "synthesized" in kinds, [e.to_dict() for e in ctl.events if e.kind == "error"]
+    assert "trees" in comm.schedule("all_gather").info
+
+
 @pytest.mark.parametrize("detector", ["cusum", "ewma"])
 def test_one_persistent_failure_gives_one_resynthesis_for_the_settled_capacity(ag, detector):
     """The EWMA falls towards the new capacity over several samples; acting on it half-way would synthesize
