@@ -195,9 +195,8 @@ def _programs(
     """The jitted AllGather of the parameters and the training step, with ``lib``'s collectives.
 
     ``reductions`` (default ``lib``) supplies the gradient reduce-scatter and the loss sum: across
-    processes both runs use ``jax.lax`` for them (the demo's communicator has a topology, whose
-    ``psum`` is its synthesized ReduceScatter and AllGather, not gloo's ring), so that the loss curves
-    compare the AllGather alone.
+    processes both runs use ``jax.lax`` for them, so that the two runs differ in the AllGather alone
+    (the one collective the loop manages).
     """
     import jax
     import jax.numpy as jnp
