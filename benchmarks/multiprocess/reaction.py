@@ -31,9 +31,14 @@ fabric by more than ``min_gain``); the swaps of the other draws are counted apar
 testbed numbers are printed beside ours: detection 53.1 ms, synthesizer 13.1 ms, hot-swap
 11.6 ms (OOB synchronization 5.74 ms), total 78.2 ms.
 
-Usage (as root, with namespaces; a run takes 1-2 minutes on a small machine):
+``--groups 4`` gives every rank's process 4 devices, each a ``data`` group of the 8 ranks (32
+ranks; every NIC carries a rank of each group, so a cut one degrades all four); the loop's one
+schedule serves every group. Each run then also reports the whole step's A/B (the AllGather and
+the training step, whose gloo reductions cross the cut NIC too): ``step_recovery_ratio``.
+
+Usage (as root, with namespaces; a run takes 1-2 minutes on a small machine, 2-3 with --groups 4):
     nice -n 10 python -m benchmarks.multiprocess.reaction [--runs 5] [--seed 0] [--detectors cusum,ewma]
-        [--json results.json]
+        [--groups 1] [--json results.json]
 """
 
 from __future__ import annotations
@@ -107,8 +112,10 @@ def draw(rng: random.Random) -> Draw:
     return Draw(fail_step, cut_ranks, round(rng.uniform(*DEPTHS), 3))
 
 
-def demo_config(d: Draw, detector: str, steps: int, nic_rate_mbit: float, job_timeout_s: float) -> NetworkDemoConfig:
-    """The netns demo's settings for one draw and detector (quiet, no files).
+def demo_config(
+    d: Draw, detector: str, steps: int, nic_rate_mbit: float, job_timeout_s: float, groups: int = 1
+) -> NetworkDemoConfig:
+    """The netns demo's settings for one draw and detector (quiet, no files); ``groups`` devices per rank.
 
     >>> cfg = demo_config(Draw(5, (1, 6), 0.5), "ewma", 16, 200.0, 600.0)
     >>> cfg.network, cfg.cut_ranks, cfg.cut_rate_mbit, cfg.detector
@@ -124,6 +131,7 @@ def demo_config(d: Draw, detector: str, steps: int, nic_rate_mbit: float, job_ti
         detector=detector,
         job_timeout_s=job_timeout_s,
         quiet=True,
+        groups=groups,
     )
 
 
@@ -191,6 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=FAIL_STEPS[1] + STEPS_AFTER_FAULT)
     ap.add_argument("--nic-rate-mbit", type=float, default=NetworkDemoConfig.nic_rate_mbit)
     ap.add_argument("--job-timeout", type=float, default=600.0, help="seconds per job")
+    ap.add_argument(
+        "--groups", type=int, default=1, help="devices per rank, each a data group (4: 32 ranks in 8 processes)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.runs < 1 or args.steps < FAIL_STEPS[1] + 3:
@@ -206,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     for k, d, det in report.progress(jobs, label="netns demo jobs"):
         record: dict[str, Any] = {"run": k, "detector": det, "draw": dataclasses.asdict(d), "result": None}
         try:
-            record["result"] = one_run(demo_config(d, det, args.steps, args.nic_rate_mbit, args.job_timeout))
+            cfg = demo_config(d, det, args.steps, args.nic_rate_mbit, args.job_timeout, args.groups)
+            record["result"] = one_run(cfg)
         except JaxcclError as e:  # a job that failed is reported, not hidden; the others still count
             record["error"] = f"{type(e).__name__}: {str(e)[-400:]}"
         records.append(record)
@@ -224,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in records:
         result = r["result"]
         outcome_text = r.get("error") or (
-            f"steps_to_active {result['steps_to_active']}, ratio {result['recovery_ratio']:.2f}"
+            f"steps_to_active {result['steps_to_active']}, AllGather ratio {result['recovery_ratio']:.2f}, "
+            f"whole step ratio {result['step_recovery_ratio'] or float('nan'):.2f}"
         )
         print(f"  run {r['run']} {r['detector']}: {r['draw']} warranted {r['warranted']} -> {outcome_text}")
     if args.json:

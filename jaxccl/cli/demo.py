@@ -90,6 +90,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="with --network loopback: 2 (one per host, the default) or 8 (one per rank); netns runs 8",
     )
     p.add_argument(
+        "--groups",
+        type=positive_int,
+        default=None,
+        help=(
+            "with --network: devices per rank (default 1); each is a data group of the 8 ranks, so every NIC "
+            "carries a rank of every group (8 x GROUPS devices, one schedule for all groups)"
+        ),
+    )
+    p.add_argument(
         "--nic-rate-mbit",
         type=positive_float,
         default=NetworkDemoConfig.nic_rate_mbit,
@@ -114,8 +123,9 @@ def _run(args: argparse.Namespace) -> int:
     base = NetworkDemoConfig if args.network else DemoConfig
     args.steps = base.steps if args.steps is None else args.steps
     args.fail_step = base.fail_step if args.fail_step is None else args.fail_step
-    if args.network is None and args.processes is not None:
-        raise UsageError("--processes needs --network netns or --network loopback")
+    for flag, value in (("--processes", args.processes), ("--groups", args.groups)):
+        if args.network is None and value is not None:
+            raise UsageError(f"{flag} needs --network netns or --network loopback")
     for flag, value in (("--fail-link", args.fail_link), ("--depth", args.depth)):
         if args.network and value is not None:
             raise UsageError(f"{flag} applies to the single-process demo only, not with --network")
@@ -166,6 +176,7 @@ def _run_network(args: argparse.Namespace) -> int:
         cut_rate_mbit=args.cut_rate_mbit,
         job_timeout_s=args.job_timeout,
         detector=args.detector,
+        groups=args.groups or 1,
     )
     try:
         network.check(cfg)

@@ -68,6 +68,7 @@ NETWORKS = ("loopback", "netns")
 # The MLP's widths: 790 KiB of parameters per rank, so that one shard sent to another process
 # outlasts what the socket and the qdisc buffer (its completion time then measures the link).
 SIZES = (256, 1024, 1024, 256, 16)
+MAX_GROUPS = 8  # devices per rank's process (each a data group)
 
 
 @dataclasses.dataclass
@@ -80,7 +81,10 @@ class NetworkDemoConfig(DemoConfig):
     ``confirm`` flagged samples and a settled EWMA); ``fail_link`` and ``depth`` are the
     single-process demo's only. ``cut_ranks`` are the ranks whose NICs ``netns`` cuts at
     ``fail_step`` (not rank 0, whose NIC carries the job's coordinator); ``job_timeout_s`` is the
-    deadline of the whole job.
+    deadline of the whole job. ``groups`` is the number of devices each rank's process holds: the
+    mesh is ``data x model`` (8 x ``groups``), every ``model`` coordinate a ``data`` group of the 8
+    ranks, so each process's NIC carries a rank of every group and a cut one degrades them all; the
+    AllGather runs over ``data`` in every group at once, one communicator and one schedule for all.
     """
 
     steps: int = 16
@@ -94,6 +98,7 @@ class NetworkDemoConfig(DemoConfig):
     cut_ranks: tuple[int, ...] = (FAILED_RANK,)
     confirm: int = 2
     job_timeout_s: float = 900.0
+    groups: int = 1
 
     def resolved_processes(self) -> int:
         """The number of processes this run starts."""
@@ -130,6 +135,8 @@ def check(cfg: NetworkDemoConfig) -> int:
     processes = cfg.resolved_processes()
     check_processes(cfg.network, processes)
     check_cut_ranks(cfg.cut_ranks)
+    if not isinstance(cfg.groups, int) or isinstance(cfg.groups, bool) or not 1 <= cfg.groups <= MAX_GROUPS:
+        raise DemoNetworkError(f"groups must be an integer in 1..{MAX_GROUPS} (devices per rank), got {cfg.groups!r}")
     if not 0 < cfg.cut_rate_mbit < cfg.nic_rate_mbit:
         raise DemoNetworkError(
             f"the cut rate {cfg.cut_rate_mbit:g} Mbit/s must be between 0 and the NIC's {cfg.nic_rate_mbit:g}"
@@ -154,6 +161,7 @@ def run(cfg: NetworkDemoConfig) -> dict[str, Any]:
     say = (lambda *a: None) if cfg.quiet else (lambda *a: print(*a, flush=True))
     say(
         f"jaxccl demo --network {cfg.network}: 8 ranks (2 hosts x 4) in {processes} processes"
+        + (f", each rank {cfg.groups} devices (a data group each: {8 * cfg.groups} in all)" if cfg.groups > 1 else "")
         + (
             f", a {cfg.nic_rate_mbit:g} Mbit/s NIC each (network namespaces, tc); {describe_cut(cfg.cut_ranks)} cut "
             f"to {cfg.cut_rate_mbit:g} Mbit/s at step {cfg.fail_step}; detector {cfg.detector}"
@@ -173,7 +181,7 @@ def run(cfg: NetworkDemoConfig) -> dict[str, Any]:
 
 def _worker_config(cfg: NetworkDemoConfig, processes: int) -> str:
     keys = ("steps", "fail_step", "ab_runs", "network", "nic_rate_mbit", "lr", "batch", "quiet", "alpha", "gamma")
-    keys += ("confirm", "detector", "cut_ranks")
+    keys += ("confirm", "detector", "cut_ranks", "groups")
     return json.dumps({**{k: getattr(cfg, k) for k in keys}, "processes": processes, "sizes": SIZES})
 
 

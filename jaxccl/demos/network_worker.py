@@ -55,6 +55,7 @@ from jaxccl.distributed.transport import NETWORK_ONLY, ProcessTransport, attach,
 from jaxccl.errors import DemoNetworkError
 from jaxccl.labs.drill import _wait_signal
 from jaxccl.labs.rail import transport_options_from_env
+from jaxccl.util import report
 
 CUT_REQUEST = "JAXCCL-DEMO-CUT"
 CUT_DONE_FILE = "cut-done"
@@ -83,9 +84,12 @@ class _Worker:
         self.train = DemoConfig(lr=cfg["lr"], batch=cfg["batch"])
         options = transport_options_from_env() or dict(NETWORK_ONLY)  # a rail lab's, else sockets only
         self.transport = ProcessTransport.bootstrap(timeout_s=WAIT_S, options=options)
-        mesh = Mesh(np.array(jax.devices()), ("data",))
-        if mesh.size != NUM_RANKS:
-            raise DemoNetworkError(f"the demo needs {NUM_RANKS} ranks, the job has {mesh.size}")
+        groups = self.groups = int(cfg.get("groups", 1))
+        devices = np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+        if devices.size != NUM_RANKS * groups:
+            raise DemoNetworkError(f"the demo needs {NUM_RANKS} x {groups} devices, the job has {devices.size}")
+        # a rank's devices are consecutive: row r of data x model is rank r, its columns the groups
+        mesh = Mesh(devices.reshape(NUM_RANKS, groups), ("data", "model"))
         attach(self.transport, mesh, "data")
         self.topo = demo_topology(cfg["nic_rate_mbit"])
         self.comm = jaxccl.Communicator(mesh, "data", topology=self.topo, backend="cpu")
@@ -181,12 +185,14 @@ class _Worker:
         return rows, losses, loop, inject_ns, labels
 
     def ab(self, recovered: Any, rounds: int) -> dict[str, list[float]]:
-        """The stale and the re-synthesized schedule alternately on the cut network: algbw of each call."""
+        """The stale and the re-synthesized schedule alternately on the cut network: algbw of each call
+        (``stale``, ``recovered``) and the whole step's time in ms, the AllGather and the training step
+        (``step_stale``, ``step_recovered``)."""
         from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
-        gather_fn, _ = self.programs
+        gather_fn, step_fn = self.programs
         shard = self.put(self.flat)
-        ab: dict[str, list[float]] = {"stale": [], "recovered": []}
+        ab: dict[str, list[float]] = {"stale": [], "recovered": [], "step_stale": [], "step_recovered": []}
         with self.comm:
             for i in range(rounds):
                 for key, schedule in (("stale", self.healthy), ("recovered", recovered)):
@@ -199,6 +205,10 @@ class _Worker:
                     t0 = time.perf_counter()
                     gather_fn(shard).block_until_ready()
                     ab[key].append(self.out_bytes / (time.perf_counter() - t0))
+                    t0 = time.perf_counter()
+                    _, loss = step_fn(shard, gather_fn(shard), self.xb, self.yb)
+                    loss.block_until_ready()
+                    ab[f"step_{key}"].append((time.perf_counter() - t0) * 1e3)
         return ab
 
     def run(self) -> None:
@@ -213,10 +223,15 @@ class _Worker:
         rows, losses, loop, inject_ns, labels = self.train_under_loop()
         swapped = any(r["version"] != rows[0]["version"] for r in rows)
         recovered = self.comm.schedule("all_gather")
-        ab = {"stale": [], "recovered": []}
+        ab = {"stale": [], "recovered": [], "step_stale": [], "step_recovered": []}
         if swapped:
             self.say(f"A/B on the cut network: stale vs re-synthesized, {cfg['ab_runs']} rounds ...")
             ab = self.ab(recovered, cfg["ab_runs"])
+            stale_ms, recovered_ms = report.median(ab["step_stale"]), report.median(ab["step_recovered"])
+            self.say(
+                f"the whole step (AllGather + training step): stale {stale_ms:.1f} ms, re-synthesized "
+                f"{recovered_ms:.1f} ms ({stale_ms / recovered_ms:.2f}x; A/B medians)"
+            )
         matches = len(losses) == len(ref_losses) and all(a.tobytes() == b.tobytes() for a, b in zip(losses, ref_losses))
         detail = {
             "process_id": self.me,
@@ -263,6 +278,12 @@ class _Worker:
                 "events": [e.to_dict() for e in events],
                 "inject_ns": inject_ns,
                 "topology": self.topo.name,
+                "groups": self.groups,
+                "ab_step_stale_ms": ab["step_stale"],
+                "ab_step_recovered_ms": ab["step_recovered"],
+                "step_recovery_ratio": (
+                    report.median(ab["step_stale"]) / report.median(ab["step_recovered"]) if swapped else None
+                ),
             }
             with open(os.path.join(self.folder, "result.json"), "w") as f:
                 json.dump(result, f, default=float)
@@ -274,7 +295,7 @@ def main() -> int:
     """Runs this process's part of the demo; returns its exit status."""
     cfg = json.loads(os.environ["JAXCCL_DEMO_CONFIG"])
 
-    local = check_processes(cfg["network"], cfg["processes"])
+    local = check_processes(cfg["network"], cfg["processes"]) * int(cfg.get("groups", 1))
     initialize_from_env(local_devices=local, timeout_s=WAIT_S)
     _Worker(cfg, os.environ["JAXCCL_DEMO_DIR"]).run()
     import jax

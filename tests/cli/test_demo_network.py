@@ -141,6 +141,9 @@ def test_bad_settings_are_named_errors():
             check(NetworkDemoConfig(network="loopback", processes=3))
         with pytest.raises(DemoNetworkError, match="fail_step"):
             check(NetworkDemoConfig(network="loopback", steps=6, fail_step=4))
+        for groups in (0, 9, 1.5, True):
+            with pytest.raises(DemoNetworkError, match="groups must be"):
+                check(NetworkDemoConfig(network="loopback", groups=groups))
 
 
 def test_what_the_machine_lacks_is_named(monkeypatch, capsys):
@@ -169,10 +172,11 @@ def test_cli_names_what_netns_lacks():
     assert "cannot run here" in done.stderr + done.stdout
 
 
-def test_plain_demo_rejects_processes_without_network():
-    argv = [sys.executable, "-m", "jaxccl", "demo", "--processes", "8"]
+@pytest.mark.parametrize("flag", ["--processes", "--groups"])
+def test_plain_demo_rejects_network_flags_without_network(flag):
+    argv = [sys.executable, "-m", "jaxccl", "demo", flag, "8"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 2 and "--network" in done.stderr + done.stdout
+    assert done.returncode == 2 and f"{flag} needs --network" in done.stderr + done.stdout
 
 
 @pytest.mark.multiprocess
@@ -207,3 +211,20 @@ def test_netns_demo_detects_the_cut_and_swaps(tmp_path):
     assert prefix and not [n for n in list_namespaces() if n.startswith(prefix)], "namespaces left behind"
     if os.path.isdir(NETNS_ETC):
         assert not [n for n in os.listdir(NETNS_ETC) if n.startswith(prefix)]
+
+
+@pytest.mark.slow  # 2-3 minutes; benchmarks/multiprocess/reaction.py --groups 4 measures the same job's reaction
+@pytest.mark.multiprocess
+@pytest.mark.skipif(unavailable_reason("netns") is not None, reason=str(unavailable_reason("netns")))
+def test_netns_demo_with_four_groups_per_nic_swaps_every_group(tmp_path):
+    # 32 ranks in 8 processes: every process's NIC carries a rank of each of the 4 data groups, so the cut
+    # degrades all of them; one decision, one schedule for every group, swapped at one agreed call.
+    r = _demo(tmp_path, "--network", "netns", "--groups", "4")
+    _check_common(r, 8)
+    assert r["groups"] == 4 and r["config"]["groups"] == 4
+    assert r["swaps"] >= 1 and r["swap_step"] > r["fail_step"]
+    confirmed = [e for e in r["events"] if e["kind"] == "confirmed" and e["time_ns"] > r["cut_ns"]]
+    u, v = r["failed_link"].split("->")
+    assert confirmed and {f"{u}->{v}", f"{v}->{u}"} & set(confirmed[0]["detail"]["degraded"]), r["events"]
+    assert len({tuple(p["versions"]) for p in r["per_process"]}) == 1
+    assert len(r["ab_step_stale_ms"]) == len(r["ab_step_recovered_ms"]) == r["config"]["ab_runs"]
