@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 MOVED = {
     "jaxccl.runtime.multiprocess": "jaxccl.distributed.transport",
     "jaxccl.runtime.multiprocess_launch": "jaxccl.distributed.launch",
@@ -22,44 +24,48 @@ MOVED = {
     "jaxccl.sim.groups": "jaxccl.topology.groups",
 }
 
-# Each old name is imported first in a fresh interpreter: a module imports once per process, and so warns once.
+# One fresh interpreter for every old name: first a submodule of an old package, imported cold; then each old
+# name, with it and its submodules dropped from sys.modules first, so that its file runs (and warns) again even
+# when an earlier import loaded it.
 _PROBE = """
 import importlib, json, sys, warnings
-old, new = sys.argv[1], sys.argv[2]
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    module = importlib.import_module(old)
-print(json.dumps({
-    "same": module is importlib.import_module(new),
-    "warned": [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and old in str(w.message)],
-}))
+moved = json.loads(sys.argv[1])
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import jaxccl.netlab.commands as c, jaxccl.labs.netlab.commands as n
+out = {"netlab.commands same": c is n, "moved": {}}
+for old, new in moved.items():
+    for name in [m for m in sys.modules if m == old or m.startswith(old + ".")]:
+        del sys.modules[name]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = importlib.import_module(old)
+    warned = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and old in str(w.message)]
+    out["moved"][old] = {"same": module is importlib.import_module(new), "warned": warned}
+print(json.dumps(out))
 """
 
 
-def test_every_old_module_name_is_the_new_module_and_warns():
+@pytest.fixture(scope="module")
+def probe() -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, json.dumps(MOVED)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, f"the probe failed:\n{proc.stderr[-2000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_old_module_name_is_the_new_module_and_warns(probe):
+    assert sorted(probe["moved"]) == sorted(MOVED)
     for old, new in MOVED.items():
-        proc = subprocess.run([sys.executable, "-c", _PROBE, old, new], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 0, f"import {old} failed:\n{proc.stderr[-2000:]}"
-        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        result = probe["moved"][old]
         assert result["same"], f"{old} is not {new}"
         assert result["warned"] and new in result["warned"][0], f"{old} did not warn that it moved to {new}"
 
 
-def test_names_from_an_old_package_keep_one_identity():
+def test_names_from_an_old_package_keep_one_identity(probe):
     from jaxccl.labs.netlab import NetlabError
     from jaxccl.labs.netlab.commands import NetlabError as direct
 
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-W",
-            "ignore",
-            "-c",
-            "import jaxccl.netlab.commands as c, jaxccl.labs.netlab.commands as n; print(c is n)",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.stdout.strip() == "True", proc.stderr
+    assert probe["netlab.commands same"]
     assert NetlabError is direct
