@@ -42,8 +42,9 @@ def _probe(argv: list[str], tmp_path: Path, timeout: float) -> tuple[Topology, d
 
 def test_emulated_links_are_probed_at_their_capacities(tmp_path):
     known = rail(hosts=2, gpus_per_host=2)
+    # 1 MiB crosses an emulated 400 Gbps NIC in 0.2 s at this scale: rates come out within 2 % on a loaded machine.
     topo, pairs = _probe(
-        ["--emulate", "rail:2x2", "--time-scale", "1e-4", "--large-bytes", "4M", "--runs", "3"], tmp_path, timeout=300
+        ["--emulate", "rail:2x2", "--time-scale", "1e-4", "--large-bytes", "1M", "--runs", "3"], tmp_path, timeout=300
     )
     rates = pairs["rates_bytes_per_s"]
     for i in range(4):
