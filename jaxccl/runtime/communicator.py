@@ -5,6 +5,9 @@ A :class:`Communicator` owns one schedule per collective (``all_gather``,
 jaxccl collectives over ``comm.axis_name`` use it; outside any ``with``, a
 default communicator per ``(axis name, axis size)`` is used (direct AllGather,
 direct AllToAll, rank-ordered direct ReduceScatter, rank-ordered direct AllReduce).
+With a topology and no ``all_reduce`` schedule installed, ``psum`` runs the
+``reduce_scatter`` and ``all_gather`` schedules fused into one AllReduce
+(:meth:`Communicator.launched_schedule`), which follows every install of either.
 
 Hot-swap. On the native backends (``cpu``, ``cuda``) every collective of a
 communicator has a registry *slot* in the native module; the compiled program
@@ -45,6 +48,7 @@ from jaxccl.errors import (
 from jaxccl.runtime import default_schedules
 from jaxccl.runtime.emulated import EmulatedNetwork, LinkEmulation
 from jaxccl.runtime.failures import as_executor_error, note_closed_slots
+from jaxccl.schedule.fusion import fuse_all_reduce
 from jaxccl.schedule.ir import Collective, Schedule
 from jaxccl.schedule.table import check_table, compiled_table, header
 from jaxccl.synth import baselines
@@ -57,6 +61,7 @@ __all__ = ["BACKENDS", "COLLECTIVES", "Communicator", "current", "default_commun
 BACKENDS = ("cpu", "cuda", "ppermute", "auto")
 COLLECTIVES = tuple(c.value for c in Collective)
 _ALIASES = {"psum_scatter": "reduce_scatter", "psum": "all_reduce"}
+_HALVES = (Collective.REDUCE_SCATTER, Collective.ALL_GATHER)  # what psum runs on a communicator with a topology
 
 _log = logging.getLogger("jaxccl.runtime")
 _uids = itertools.count(1)
@@ -158,8 +163,9 @@ class Communicator:
         topology: optional :class:`jaxccl.topology.Topology` with ``num_gpus``
             equal to the axis size. Without one, ``psum`` runs the rank-ordered
             AllReduce schedule; with one, ``psum`` is ReduceScatter + AllGather
-            (MCCL Sec. 3: the AllGather half is the adaptive one) until an
-            ``all_reduce`` schedule is installed. ``"auto"`` takes the machine's
+            (MCCL Sec. 3: the AllGather half is the adaptive one), fused into one
+            launch (:meth:`launched_schedule`), until an ``all_reduce`` schedule is
+            installed. ``"auto"`` takes the machine's
             topology from :func:`jaxccl.topology.discover` (``NCCL_TOPO_FILE``, else
             ``nvidia-smi topo -m``, else none), logs the choice on the
             ``jaxccl.runtime`` logger and keeps where it came from in
@@ -179,6 +185,12 @@ class Communicator:
             On the ``cuda`` backend a ``topology`` alone turns on the kernel's
             measurement (per-threadblock accumulators), read the same way.
         telemetry_alpha: EWMA smoothing factor of :meth:`telemetry` (MCCL's alpha).
+        fuse_all_reduce: with a topology, run ``psum`` as one launch of the fused
+            ReduceScatter + AllGather (default) rather than as two launches. The
+            executor measures no collective that reduces, so only the two launches
+            let link emulation and the CUDA kernel measure ``psum``'s AllGather half
+            (for a closed loop over a program whose only collective is ``psum``).
+            Across processes ``psum`` is never fused.
 
     Example:
         >>> import jax, numpy as np, jaxccl
@@ -202,6 +214,7 @@ class Communicator:
         backend: str = "auto",
         link_emulation: Any = None,
         telemetry_alpha: float = 0.5,
+        fuse_all_reduce: bool = True,
     ):
         # --- several mesh axes (a tuple, in jax.lax's order: the first is the major one)
         axis_names = tuple(getattr(mesh, "axis_names", ()))
@@ -221,6 +234,7 @@ class Communicator:
             backend=backend,
             link_emulation=link_emulation,
             telemetry_alpha=telemetry_alpha,
+            fuse_all_reduce=fuse_all_reduce,
         )
 
     def _init(
@@ -233,6 +247,7 @@ class Communicator:
         backend: str,
         link_emulation: Any = None,
         telemetry_alpha: float = 0.5,
+        fuse_all_reduce: bool = True,
     ) -> None:
         choose("backend", backend, BACKENDS)
         #: Where :attr:`topology` came from: ``"given"``, ``"none"``, or a :func:`jaxccl.topology.discover` source.
@@ -260,6 +275,7 @@ class Communicator:
         self.uid = next(_uids)
         self._is_default = mesh is None
         self._lock = threading.Lock()
+        self._stage_lock = threading.RLock()  # one install at a time: a half and psum's fusion of the halves
         self._slots: dict[Collective, int] = {}
         if backend == "auto" and not self._is_default:
             backend = "cuda" if native_available() and _native().has_cuda_support() else "cpu"
@@ -284,11 +300,16 @@ class Communicator:
             c: _default_schedule(c, axis_size, with_all_reduce=topology is None or across, across_processes=across)
             for c in Collective
         }
+        # psum follows the halves (fused into one launch) in one process; across processes the halves are swapped
+        # at calls the processes agree on per slot (stage_agreed), which a third table would need too.
+        self._fusing = bool(fuse_all_reduce) and topology is not None and not across
+        self._fused = self._fusion_with(Collective.ALL_GATHER, self._schedules[Collective.ALL_GATHER])
         if backend in ("cpu", "cuda"):
             native = _native()
             if backend == "cuda" and not native.has_cuda_support():
                 raise ExecutorError("Communicator(backend='cuda'): the native module was built without CUDA")
-            for c, s in self._schedules.items():
+            for c in Collective:
+                s = self._launched(c)
                 if s is not None:
                     self._install_native(c, s)
         _LIVE[self.uid] = self
@@ -414,9 +435,41 @@ class Communicator:
 
     # ------------------------------------------------------------------ schedules
     def schedule(self, collective: str | Collective) -> Schedule | None:
-        """The active schedule of ``collective`` (``None``: ``all_reduce`` runs as ReduceScatter + AllGather)."""
+        """The schedule installed for ``collective``; ``None`` for ``all_reduce`` on a communicator with a topology
+        until one is installed (``psum`` then runs its ReduceScatter and AllGather: :meth:`launched_schedule`)."""
         self._check_open()
         return self._schedules[_canonical(collective)]
+
+    def launched_schedule(self, collective: str | Collective) -> Schedule | None:
+        """The schedule one launch of ``collective`` runs: the installed one, or for ``all_reduce`` without one
+        on a communicator with a topology, the fusion of the ``reduce_scatter`` and ``all_gather`` schedules
+        (:func:`jaxccl.schedule.fusion.fuse_all_reduce`), re-fused whenever either is installed. ``None`` where
+        ``psum`` runs them as two launches (``fuse_all_reduce=False``, or across processes).
+
+        Example:
+            >>> import jax, numpy as np, jaxccl
+            >>> from jax.sharding import Mesh
+            >>> mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+            >>> comm = jaxccl.Communicator(mesh, "d", topology=jaxccl.topology.single_node(4), backend="cpu")
+            >>> comm.schedule("all_reduce") is None, comm.launched_schedule("all_reduce").name
+            (True, 'direct_reduce_scatter+direct_allgather')
+            >>> comm.install("all_gather", jaxccl.synth.ring_allgather(4))
+            >>> comm.launched_schedule("psum").name
+            'direct_reduce_scatter+ring_allgather'
+        """
+        self._check_open()
+        return self._launched(_canonical(collective))
+
+    def _launched(self, coll: Collective) -> Schedule | None:
+        installed = self._schedules[coll]
+        return self._fused if installed is None and coll is Collective.ALL_REDUCE else installed
+
+    def _fusion_with(self, coll: Collective, schedule: Schedule) -> Schedule | None:
+        """psum's fused AllReduce once ``schedule`` is ``coll``'s (``None``: psum does not follow the halves)."""
+        if not self._fusing or coll not in _HALVES or self._schedules[Collective.ALL_REDUCE] is not None:
+            return None
+        halves = {c: self._schedules[c] for c in _HALVES} | {coll: schedule}
+        return fuse_all_reduce(halves[Collective.REDUCE_SCATTER], halves[Collective.ALL_GATHER])
 
     def install(self, collective: str | Collective, schedule: Schedule) -> None:
         """Makes ``schedule`` the active schedule of ``collective``, from the next call on.
@@ -426,17 +479,18 @@ class Communicator:
         collective's registry slot (MCCL Sec. 6.2.2): collectives any rank has
         already issued finish on the old schedule, the first later one on
         every rank runs the new one (see :meth:`swap_state`); already-compiled
-        programs pick it up without recompiling. One exception: with a topology, ``psum`` runs as
-        ReduceScatter + AllGather while no ``all_reduce`` schedule is installed, and a program traced
-        that way keeps doing so (results stay bitwise equal) until it is retraced; install an
-        ``all_reduce`` schedule before tracing for ``psum`` to follow later installs. On the
-        ``ppermute`` backend the next call of a jitted function retraces. Float reductions are bitwise equal to
-        ``jax.lax`` only with schedules that sum in ascending rank order
-        (``info["ordered_reduction"]``).
+        programs pick it up without recompiling. With a topology and no ``all_reduce`` schedule
+        installed, ``psum`` runs the fusion of the ``reduce_scatter`` and ``all_gather`` schedules in one
+        launch (:meth:`launched_schedule`): installing either half fuses them anew and stages the result in
+        ``all_reduce``'s slot too, so the next ``psum`` runs the new pair, again without recompiling; an
+        installed ``all_reduce`` schedule replaces the fusion in that slot (programs traced before follow it
+        as well). On the ``ppermute`` backend the next call of a jitted function retraces. Float reductions are
+        bitwise equal to ``jax.lax`` only with schedules that sum in ascending rank order
+        (``info["ordered_reduction"]``); a fused ``psum`` sums as its ReduceScatter does.
 
         Raises:
             ScheduleError: ``schedule`` is for another collective or another
-                number of ranks, or fails the interpreter.
+                number of ranks, or fails the interpreter (it or psum's fusion of it with the other half).
             CommunicatorClosedError: the communicator is closed.
             ExecutorError: the native registry refused it.
         """
@@ -459,7 +513,9 @@ class Communicator:
         the table of another schedule, collective or rank count, or one changed after it was compiled, is
         refused here, before it reaches the registry.
         ``interpreter=False`` skips the interpreter: only for testing a result checker with a deliberately
-        wrong schedule (``jaxccl bench --no-validate``), never in training.
+        wrong schedule (``jaxccl bench --no-validate``), never in training. A ``reduce_scatter`` or
+        ``all_gather`` schedule that ``psum`` fuses (:meth:`launched_schedule`) goes through the interpreter
+        all the same: the fusion follows its data.
         Returns the staged version (native backends; 0 on ``ppermute``).
 
         Raises:
@@ -479,7 +535,9 @@ class Communicator:
         For staging paths that talk to the native registry directly, such as a hot-swap agreed
         across processes (:func:`jaxccl.distributed.transport.stage_agreed`): :meth:`schedule` and
         the controller's profiles then describe what runs. The schedule must have passed the
-        interpreter.
+        interpreter. Where ``psum`` fuses the halves (:meth:`launched_schedule`, one process), a
+        ``reduce_scatter`` or ``all_gather`` schedule recorded here is fused with the other half and staged in
+        ``all_reduce``'s slot at once: the next ``psum`` runs the new pair.
 
         Raises:
             ScheduleError: ``schedule`` does not fit this communicator, was not validated, or is not what
@@ -491,10 +549,18 @@ class Communicator:
         self._check_fits(coll, schedule, "record_staged")
         if not schedule.validated:
             raise ScheduleError(f"record_staged({coll.value!r}): the schedule has not passed validate()")
-        with self._lock:
-            if self.backend in ("cpu", "cuda") and coll in self._slots:
-                self._check_registry_holds(coll, schedule)
-            self._schedules[coll] = schedule
+        with self._stage_lock:
+            fused = self._fusion_with(coll, schedule)
+            with self._lock:
+                if self.backend in ("cpu", "cuda") and coll in self._slots:
+                    self._check_registry_holds(coll, schedule)
+                if fused is not None and self.backend in ("cpu", "cuda"):
+                    self._install_native(Collective.ALL_REDUCE, fused)
+                self._schedules[coll] = schedule
+                if fused is not None:
+                    self._fused = fused
+        if fused is not None and self.backend in ("ppermute", "auto"):
+            _bump_generation()
 
     def _check_registry_holds(self, coll: Collective, schedule: Schedule) -> None:
         """Raises unless the slot's staged table (or, with none staged, its current one) is ``schedule``'s."""
@@ -509,10 +575,18 @@ class Communicator:
 
     def _stage(self, coll: Collective, schedule: Schedule, table: Any = None) -> int:
         version = 0
-        with self._lock:
-            if self.backend in ("cpu", "cuda"):
-                version = self._install_native(coll, schedule, table)
-            self._schedules[coll] = schedule
+        with self._stage_lock:
+            fused = self._fusion_with(coll, schedule)  # before anything is staged: a refusal changes nothing
+            with self._lock:
+                if self.backend in ("cpu", "cuda"):
+                    version = self._install_native(coll, schedule, table)
+                    if fused is not None:
+                        self._install_native(Collective.ALL_REDUCE, fused)
+                self._schedules[coll] = schedule
+                if coll is Collective.ALL_REDUCE:
+                    self._fused = None  # psum runs the installed schedule from now on
+                elif fused is not None:
+                    self._fused = fused
         if self.backend in ("ppermute", "auto"):
             _bump_generation()
         return version
@@ -556,7 +630,7 @@ class Communicator:
         with self._lock:
             self._check_open()
             if coll not in self._slots:
-                s = self._schedules[coll]
+                s = self._launched(coll)
                 if s is None:
                     raise ExecutorError(f"{self!r}: no {coll.value} schedule installed")
                 self._install_native(coll, s)

@@ -82,6 +82,7 @@ from jaxccl.errors import ContextError, UnsupportedError
 from jaxccl.runtime import axes as _axes
 from jaxccl.runtime import communicator as _comm
 from jaxccl.runtime import native_backend, ppermute_backend, process_layouts
+from jaxccl.schedule.fusion import input_padding
 from jaxccl.schedule.ir import Collective
 from jaxccl.schedule.reduction import ReduceOp, finish, gloo_ring_chunk, wire_dtype
 
@@ -226,7 +227,7 @@ def _flat_collective(
     """The flat-buffer collective on this rank (chunk layout of docs/schedule-ir.md), reducing with ``op``."""
     axis = _axes.grouped(axis_name, axis_index_groups)
     if backend == "ppermute":
-        y = ppermute_backend.run_schedule(comm.schedule(coll), flat, axis, op)
+        y = ppermute_backend.run_schedule(comm.launched_schedule(coll), flat, axis, op)
         # the native executors' steps finish themselves (xla_ffi/core/reduce.h)
         return finish(op, y, jnp) if coll.reduces else y
 
@@ -304,17 +305,20 @@ def _reduce_scatter_impl(x, *, scatter_dimension, tiled, **params):
 def _allreduce_impl(x, *, op: ReduceOp, **params):
     n, comm = params["axis_size"], params["comm"]
     flat = x.reshape(-1)
-    schedule = comm.schedule(Collective.ALL_REDUCE)
+    e = flat.shape[0]
+    schedule = comm.launched_schedule(Collective.ALL_REDUCE)  # installed, or the halves fused into one
     if schedule is not None and schedule.info.get("fold") == "gloo_ring" and n > 1:
         # gloo's ring order holds on gloo's chunks: pad to N of them (the padding is its own elements).
-        e = flat.shape[0]
         chunk = gloo_ring_chunk(e, wire_dtype(op, flat.dtype).itemsize, n)
         work = jnp.concatenate([flat, jnp.zeros((n * chunk - e,), flat.dtype)]) if n * chunk > e else flat
         return _reduce(Collective.ALL_REDUCE, work, op=op, **_kw(**params))[:e].reshape(x.shape)
     if schedule is not None:
-        return _reduce(Collective.ALL_REDUCE, flat, op=op, **_kw(**params)).reshape(x.shape)
-    # ReduceScatter + AllGather on a buffer padded to a multiple of N (MCCL Sec. 3); the padding is dropped.
-    e = flat.shape[0]
+        pad = input_padding(schedule, e)  # a fused schedule sums as its halves on a multiple of N elements
+        work = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)]) if pad else flat
+        y = _reduce(Collective.ALL_REDUCE, work, op=op, **_kw(**params))
+        return (y[:e] if pad else y).reshape(x.shape)
+    # ReduceScatter + AllGather in two launches on a buffer padded to a multiple of N (MCCL Sec. 3); the padding
+    # is dropped.
     work = flat
     if e % n:
         work = jnp.concatenate([work, jnp.zeros((-e % n,), work.dtype)])

@@ -84,7 +84,9 @@ import jaxccl
 from jaxccl.cli.bench_run import AXIS, collective_body
 from jaxccl.errors import ExecutorError
 from jaxccl.runtime import native
+from jaxccl.schedule.fusion import fuse_all_reduce
 from jaxccl.schedule.ir import Schedule
+from jaxccl.schedule.table import compiled_table, header
 
 __all__ = [
     "COLLECTIVES",
@@ -113,8 +115,8 @@ _UINT_OF: dict[str, Any] = {"float32": jnp.uint32, "int32": jnp.uint32, "bfloat1
 SIZE_LEVELS: tuple[tuple[int, int], ...] = ((1, 1), (7, 7), (64, 8), (1000, 125), (4099, 513), (16384, 2048))
 
 # "plain": Communicator(mesh, "d", backend="cpu") without a topology (psum runs the all_reduce schedule).
-# "rail": the rail topology with link emulation (faults; psum is ReduceScatter + AllGather until an
-# all_reduce schedule is installed).
+# "rail": the rail topology with link emulation (faults; psum is the ReduceScatter and AllGather fused into one
+# launch until an all_reduce schedule is installed).
 COMMS = ("plain", "rail")
 
 # Fabrics injected into the "rail" communicator: (name, gpu) -> Topology, see Harness.fabric.
@@ -280,7 +282,7 @@ class CommModel:
         comm: the communicator.
         current: per collective, the pool key of the schedule of the slot's current table (the one
             launches run until a staged table's transition passes); ``"none"`` for all_reduce on a
-            topology communicator before one is installed (psum then runs ReduceScatter + AllGather).
+            topology communicator before one is installed (psum then runs the fusion of the halves).
         version: per collective, the registry version of the current table.
         staged: per collective, the staged table: ``(key, transition_seq, version)``; it becomes
             current at the first launch numbered above ``transition_seq`` (an install stages at the
@@ -494,7 +496,7 @@ class Harness:
         self.calling = ""  # the call in progress, named in errors it raises
         self.comms: dict[str, CommModel] = {}
         self._programs: dict[tuple, Callable[..., Any]] = {}
-        self._paths: dict[tuple, str] = {}  # psum programs: what they were lowered to (see psum_paths)
+        self._fused_checksums: dict[tuple[str, str], int] = {}  # psum on a topology communicator (_check_fused)
         self._last_reopen = time.monotonic()
         self._fabrics: dict[tuple[str, int], Any] = {}
 
@@ -545,7 +547,6 @@ class Harness:
         slots = dict(old.comm._slots)  # noqa: SLF001 - checked to be freed below
         old.comm.close()
         self._programs = {k: v for k, v in self._programs.items() if k[0] != old.comm.uid}
-        self._paths = {k: v for k, v in self._paths.items() if k[0] != old.comm.uid}
         self.stats.reopens += 1
         self._last_reopen = time.monotonic()
         if check:
@@ -573,13 +574,12 @@ class Harness:
             cm.comm.close()
         self.comms.clear()
         self._programs.clear()
-        self._paths.clear()
 
     # ------------------------------------------------------------------ changes
     @staticmethod
     def runs_all_reduce(cm: CommModel) -> bool:
-        """Whether psum on ``cm`` runs an all_reduce schedule (else ReduceScatter + AllGather)."""
-        return cm.current["all_reduce"] != "none"
+        """Whether psum on ``cm`` runs an all_reduce schedule from its next call (else the fused halves)."""
+        return cm.current["all_reduce"] != "none" or "all_reduce" in cm.staged
 
     def install(self, name: str, coll: str, key: str, *, via: str = "install") -> int:
         """Makes pool schedule ``coll``/``key`` the next one of ``name`` (``comm.install`` or ``stage_validated``).
@@ -664,35 +664,24 @@ class Harness:
         self.stats.faults += 1
 
     # ------------------------------------------------------------------ calls
-    def _key(self, cm: CommModel, coll: str, level: int, dtype: str) -> tuple:
-        """The program cache key of ``coll`` on ``cm`` at ``level`` and ``dtype``."""
-        return (cm.comm.uid, coll, level, dtype, "host" if self.mode == "host" else self.batch[level])
+    def psum_paths(self, cm: CommModel, extra: Sequence[tuple[str, str]] = ()) -> list[str]:
+        """What a psum may run: ``["all_reduce"]`` (an all_reduce schedule), ``["fused"]`` or both.
 
-    def psum_paths(self, cm: CommModel, level: int, dtype: str, extra: Sequence[tuple[str, str]] = ()) -> list[str]:
-        """What a psum program may run: ``["all_reduce"]``, ``["reduce_scatter", "all_gather"]`` or both.
-
-        psum is lowered to the all_reduce schedule when the communicator has one at trace time, else to
-        ReduceScatter + AllGather, and a compiled program keeps its choice (installs do not retrace on
-        the native backends): a program traced before a topology communicator's first all_reduce
-        install runs ReduceScatter + AllGather for as long as it is cached. The harness records what
-        each program ran (:meth:`call`); a program not traced yet follows the communicator, or may go
-        either way while another thread installs the first all_reduce schedule.
+        Every psum is one launch of the all_reduce slot: the installed schedule, or on a topology
+        communicator without one the fusion of its ReduceScatter and AllGather (summing as the
+        ReduceScatter), which follows every install of either half; both while another thread
+        installs the first all_reduce schedule.
         """
-        known = self._paths.get(self._key(cm, "all_reduce", level, dtype))
-        if known is not None:
-            return [known]
         if self.runs_all_reduce(cm):
             return ["all_reduce"]
-        return ["rs+ag", "all_reduce"] if any(c == "all_reduce" for c, _ in extra) else ["rs+ag"]
+        return ["fused", "all_reduce"] if any(c == "all_reduce" for c, _ in extra) else ["fused"]
 
-    def relevant(
-        self, cm: CommModel, coll: str, extra: Sequence[tuple[str, str]] = (), *, level: int = 0, dtype: str = ""
-    ) -> list[Entry]:
+    def relevant(self, cm: CommModel, coll: str, extra: Sequence[tuple[str, str]] = ()) -> list[Entry]:
         """Every pool schedule whose summation order a call of ``coll`` may run (current, staged, ``extra``)."""
         colls = [coll]
         if coll == "all_reduce":
-            paths = self.psum_paths(cm, level, dtype, extra)
-            colls = (["all_reduce"] if "all_reduce" in paths else []) + (["reduce_scatter"] if "rs+ag" in paths else [])
+            paths = self.psum_paths(cm, extra)
+            colls = (["all_reduce"] if "all_reduce" in paths else []) + (["reduce_scatter"] if "fused" in paths else [])
         out = []
         for c in colls:
             keys = {cm.current[c]}
@@ -709,7 +698,7 @@ class Harness:
         """The dtype of a call: the communicator's, or int32 for a reduction that may run an unordered schedule."""
         if coll not in REDUCTIONS or cm.dtype == "int32":
             return cm.dtype
-        schedules = self.relevant(cm, coll, extra, level=cm.level, dtype=cm.dtype)
+        schedules = self.relevant(cm, coll, extra)
         return cm.dtype if all(e.ordered for e in schedules) else "int32"
 
     def _launches(self, cm: CommModel) -> dict[str, int]:
@@ -797,16 +786,13 @@ class Harness:
         self.stats.per_collective[coll] += count
         self.stats.per_dtype[dtype] += count
         self.stats.per_level[level] += count
-        used = [coll]
-        if coll == "all_reduce":  # which way the program went: the slots that launched
+        if coll == "all_reduce":  # one launch of the all_reduce slot per psum, a fused pair's too
             after = self._launches(cm)
-            path = "all_reduce" if after.get("all_reduce", 0) > before.get("all_reduce", 0) else "rs+ag"
-            key = self._key(cm, coll, level, dtype)
-            if self._paths.setdefault(key, path) != path:
-                self._fail(f"{what}: the compiled psum ran {path}, earlier {self._paths[key]}")
-            used = ["all_reduce"] if path == "all_reduce" else ["reduce_scatter", "all_gather"]
+            grew = {c: after[c] - before.get(c, 0) for c in after if after[c] != before.get(c, 0)}
+            if grew != {"all_reduce": count}:
+                self._fail(f"{what}: {count} psum(s) launched {grew}, not once each on all_reduce's slot")
         if settle:
-            self._settle(cm, used)
+            self._settle(cm, [coll])
         self.calling = ""
         return count
 
@@ -837,6 +823,9 @@ class Harness:
                 cm.current[coll], cm.version[coll] = key, version
                 del cm.staged[coll]
         for coll in used:
+            if cm.current[coll] == "none":  # a topology communicator's psum: the fusion of its halves
+                self._check_fused(cm)
+                continue
             ran = native.last_launch_version(cm.comm.slot(coll))
             self.stats.version_checks += 1
             if ran != cm.version[coll]:
@@ -847,6 +836,21 @@ class Harness:
             latest = cm.staged[coll][0] if coll in cm.staged else cm.current[coll]
             if latest != DEFAULT_KEY and cm.comm.schedule(coll) is not self.pool[coll][latest].schedule:
                 self._fail(f"{cm.name}: comm.schedule({coll!r}) is not {latest}, the schedule installed last")
+
+    def _check_fused(self, cm: CommModel) -> None:
+        """The last psum ran the current table of all_reduce's slot, the fusion of the halves installed last."""
+        halves = (cm.comm.schedule("reduce_scatter"), cm.comm.schedule("all_gather"))
+        key = tuple(h.digest for h in halves)
+        if key not in self._fused_checksums:
+            self._fused_checksums[key] = header(compiled_table(fuse_all_reduce(*halves), num_slots=8))["checksum"]
+        st = cm.comm.swap_state("all_reduce")
+        ran = native.last_launch_version(cm.comm.slot("all_reduce"))
+        self.stats.version_checks += 1
+        if ran != st["current_version"] or st["current_checksum"] != self._fused_checksums[key]:
+            self._fail(
+                f"{cm.name}: psum ran table version {ran}, not the fusion of {halves[0].name} and {halves[1].name} "
+                f"(swap state {st})"
+            )
 
     def _describe(self, cm: CommModel, coll: str) -> str:
         colls = [c for c in (coll, "reduce_scatter") if cm.history[c]] if coll == "all_reduce" else [coll]
@@ -940,11 +944,13 @@ class Harness:
             raise errors[0]
         for coll in dict.fromkeys(c for c, _, _ in log):
             known = {v: k for c, k, v in log if c == coll}
+            st = cm.comm.swap_state(coll)
             if cm.current[coll] != "none":
                 known.setdefault(cm.version[coll], cm.current[coll])
+            else:  # all_reduce on a topology communicator, no psum since the thread's install: still a fusion
+                known.setdefault(st["current_version"], "none")
             if coll in cm.staged:
                 known.setdefault(cm.staged[coll][2], cm.staged[coll][0])
-            st = cm.comm.swap_state(coll)
             if st["current_version"] not in known or (st["staged_version"] and st["staged_version"] not in known):
                 self._fail(f"{name}: {coll} registry state {st} names a version the model never staged ({known})")
                 continue
