@@ -156,8 +156,11 @@ def rule_reference(op: str, x: np.ndarray, n: int) -> np.ndarray:
     return np.broadcast_to(y, (n, *y.shape))
 
 
-# The ppermute lowering compiles a few seconds per leaf and rank count: 8 ranks are left to the 16-bit test.
-GRID = [("cpu", op, n) for op in OPS for n in SIZES] + [("ppermute", op, n) for op in OPS for n in SIZES[:2]]
+# The ppermute lowering compiles a few seconds per leaf and rank count: 8 ranks are left to the 16-bit test, and
+# 2 ranks run its two schedules (AllReduce, ReduceScatter) once each: pmax, pmin and pmean run psum's rounds with
+# another reduce op (or a division after them), which 3 ranks check on every dtype.
+GRID = [("cpu", op, n) for op in OPS for n in SIZES]
+GRID += [("ppermute", op, 3) for op in OPS] + [("ppermute", op, 2) for op in ("psum", "psum_scatter")]
 
 
 @pytest.mark.parametrize(("backend", "op", "n"), GRID)
@@ -343,7 +346,8 @@ def _x64_main() -> None:
     assert jax.config.jax_enable_x64
     for backend in BACKENDS:
         for op in OPS:
-            for n in (2, 3):
+            # ppermute: 3 ranks only (the sums' order shows there; the grid above runs its 2-rank lowering)
+            for n in (2, 3) if backend == "cpu" else (3,):
                 rng = np.random.default_rng([n, OPS.index(op), 64])
                 tree = make_tree(rng, op, n, DTYPES_64)
                 want = compiled(lax, op, n, None)(tree)
