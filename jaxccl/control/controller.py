@@ -116,8 +116,9 @@ def managed_collectives(collectives: Sequence[str]) -> tuple[str, ...]:
 
     ``"all_reduce"`` (or ``"psum"``) stands for its two halves: a communicator
     with a topology and no ``all_reduce`` schedule runs ``psum`` as
-    ReduceScatter + AllGather (MCCL Sec. 3), so adapting AllReduce is adapting
-    both halves.
+    ReduceScatter + AllGather (MCCL Sec. 3), fused into one launch that follows
+    every staged half (``Communicator.launched_schedule``), so adapting
+    AllReduce is adapting both halves.
 
     >>> managed_collectives(["psum", "all_gather", "psum_scatter"])
     ('reduce_scatter', 'all_gather')

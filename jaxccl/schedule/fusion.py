@@ -113,10 +113,8 @@ def fuse_all_reduce(reduce_scatter: Schedule, all_gather: Schedule) -> Schedule:
     m = math.lcm(rs.chunks_per_period, ag.chunks_per_period)
     c_rs, c_ag = rs.chunks_per_period, ag.chunks_per_period
     phases = (
-        _Phase(rs, 0, m // c_rs, _flow(rs, lambda r, i: i), lambda r, buf, off, lab: _rs_home(r, buf, off, lab, c_rs)),
-        _Phase(
-            ag, 1, m // c_ag, _flow(ag, lambda r, i: r * c_ag + i), lambda r, buf, off, lab: _ag_home(buf, off, lab)
-        ),
+        _Phase(rs, 0, m // c_rs, _flow(rs), lambda r, buf, off, lab: _rs_home(r, buf, off, lab, c_rs)),
+        _Phase(ag, 1, m // c_ag, _flow(ag), lambda r, buf, off, lab: _ag_home(buf, off, lab)),
     )
     layout = _Layout(n, n * m, phases)
     channel_offset = 1 + max((tb.channel for tbs in rs.ranks for tb in tbs), default=-1)
@@ -196,10 +194,19 @@ class _Flow:
     dst: dict[OpRef, list[int]]
 
 
-def _flow(s: Schedule, input_label: Callable[[int, int], int]) -> _Flow:
+def _flow(s: Schedule) -> _Flow:
+    """The half's flow, memoized on the schedule object (immutable; a communicator fuses each half again and again)."""
+    if "_fusion_flow" not in s.__dict__:
+        s.__dict__["_fusion_flow"] = _trace(s)
+    return s.__dict__["_fusion_flow"]
+
+
+def _trace(s: Schedule) -> _Flow:
     plan = simulate_rounds(s)  # every check of the interpreter: the half is a valid schedule
+    c = s.chunks_per_period
+    gathered = s.collective is Collective.ALL_GATHER  # rank r's input chunk i is block r*C + i, else chunk i
     mem = [
-        [[input_label(r, i) for i in range(s.in_chunks)], [-1] * s.out_chunks, [-1] * s.scratch_chunks]
+        [[r * c + i if gathered else i for i in range(s.in_chunks)], [-1] * s.out_chunks, [-1] * s.scratch_chunks]
         for r in range(s.num_ranks)
     ]
     inbox: dict[OpRef, list[int]] = {}
