@@ -437,7 +437,9 @@ def psum(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
     the axis's default one (:func:`~jaxccl.runtime.communicator.default_communicator`).
 
     Runs the communicator's ``all_reduce`` schedule when one is installed
-    (the default: rank-ordered), else ReduceScatter + AllGather (MCCL Sec. 3).
+    (the default: rank-ordered), else (a communicator with a topology) its
+    ReduceScatter and AllGather fused into one launch (MCCL Sec. 3;
+    :meth:`~jaxccl.runtime.communicator.Communicator.launched_schedule`).
     The result is invariant over the axis (``check_vma=True`` types it as
     ``lax.psum``'s).
 
@@ -477,7 +479,7 @@ def psum(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
 def pmax(x: Any, axis_name: Hashable, *, axis_index_groups: Any = None) -> Any:
     """All-reduce max of ``x`` over mesh axis ``axis_name``; as :func:`jax.lax.pmax`.
 
-    Runs the communicator's ``all_reduce`` (or ReduceScatter + AllGather)
+    Runs the communicator's ``all_reduce`` (or fused ReduceScatter + AllGather)
     schedule with the max operator: the schedule that sums also takes the max.
     As XLA:CPU, NaN terms are skipped (all-NaN gives ``-inf``) and of equal
     terms the lowest rank's wins (``-0.0`` before ``+0.0``), bitwise equal to
