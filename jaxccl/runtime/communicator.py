@@ -556,9 +556,7 @@ class Communicator:
                     self._check_registry_holds(coll, schedule)
                 if fused is not None and self.backend in ("cpu", "cuda"):
                     self._install_native(Collective.ALL_REDUCE, fused)
-                self._schedules[coll] = schedule
-                if fused is not None:
-                    self._fused = fused
+                self._record(coll, schedule, fused)
         if fused is not None and self.backend in ("ppermute", "auto"):
             _bump_generation()
 
@@ -582,14 +580,18 @@ class Communicator:
                     version = self._install_native(coll, schedule, table)
                     if fused is not None:
                         self._install_native(Collective.ALL_REDUCE, fused)
-                self._schedules[coll] = schedule
-                if coll is Collective.ALL_REDUCE:
-                    self._fused = None  # psum runs the installed schedule from now on
-                elif fused is not None:
-                    self._fused = fused
+                self._record(coll, schedule, fused)
         if self.backend in ("ppermute", "auto"):
             _bump_generation()
         return version
+
+    def _record(self, coll: Collective, schedule: Schedule, fused: Schedule | None) -> None:
+        """``schedule`` is ``coll``'s from now on, ``fused`` (if any) psum's fusion of the halves; under the lock."""
+        self._schedules[coll] = schedule
+        if coll is Collective.ALL_REDUCE:
+            self._fused = None  # psum runs the installed schedule
+        elif fused is not None:
+            self._fused = fused
 
     def _check_fits(self, coll: Collective, schedule: Any, caller: str) -> None:
         if not isinstance(schedule, Schedule):
