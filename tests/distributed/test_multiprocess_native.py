@@ -3,6 +3,8 @@
 Each test starts a multi-process JAX job (tests/workers/multiprocess_native_worker.py) with
 jaxccl.distributed.launch: data checked bitwise across 2 and 4 processes, measured
 rates that follow a shaped link and its live cut, and a killed peer named within the deadline.
+The collectives checked on loopback share one job per layout (processes x local devices), each
+test reading its part of the job's output.
 Skips with the reason where the transport was not built or namespaces are not available.
 """
 
@@ -14,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -182,47 +185,81 @@ def _check_collectives(results: list[ProcessResult]) -> None:
         assert "ALL OK" in r.output, report
 
 
-@pytest.mark.parametrize(("processes", "local_devices"), [(2, 2), (2, 1), (8, 1)])
-def test_native_collectives_across_processes_on_loopback(processes, local_devices):
-    results = launch(
-        [sys.executable, str(WORKER), "collectives", str(local_devices)],
-        processes,
-        env={"JAXCCL_TIMEOUT_S": "120"},
-        timeout_s=500,
-    )
-    _check_collectives(results)
+# The worker's checks on loopback, as parts of one job per (processes, local devices): a job's start (JAX in
+# every process, jax.distributed, the transport) costs more than most parts.
+LOOPBACK_JOBS = {
+    (2, 1): "collectives",
+    (2, 2): "collectives+mesh+swap:14+sums:ppermute",
+    (2, 4): "layouts+sums:cpu",
+    (3, 2): "sums:cpu",
+    (8, 1): "collectives",
+}
 
 
-def _run_checks(args: list[str], processes: int, expected: int) -> None:
-    """Runs the worker with ``args`` in ``processes`` processes; each must print ``expected`` CHECK lines, all ok."""
-    results = launch([sys.executable, str(WORKER), *args], processes, env={"JAXCCL_TIMEOUT_S": "120"}, timeout_s=600)
+@pytest.fixture(scope="module")
+def loopback_job() -> Callable[[int, int], list[ProcessResult]]:
+    """``(processes, local_devices) ->`` the results of that job of :data:`LOOPBACK_JOBS`, run on first use."""
+    done: dict[tuple[int, int], list[ProcessResult]] = {}
+
+    def get(processes: int, local_devices: int) -> list[ProcessResult]:
+        key = (processes, local_devices)
+        if key not in done:
+            argv = [sys.executable, str(WORKER), "parts", str(local_devices), LOOPBACK_JOBS[key]]
+            done[key] = launch(argv, processes, env={"JAXCCL_TIMEOUT_S": "120"}, timeout_s=600)
+        return done[key]
+
+    return get
+
+
+def _part_lines(output: str, part: str) -> list[str] | None:
+    """The lines that ``part`` of a ``parts`` job printed; None where it did not finish."""
+    lines = output.splitlines()
+    if f"PART {part}" not in lines:
+        return None
+    rest = lines[lines.index(f"PART {part}") + 1 :]
+    end = next((i for i, line in enumerate(rest) if line.startswith("PART ") or line in ("ALL OK", "FAILED")), None)
+    return None if end is None else rest[:end]
+
+
+def _check_part(results: list[ProcessResult], part: str, expected: int) -> list[list[str]]:
+    """Every process finished ``part`` with ``expected`` CHECK lines, all ok; returns each process's lines of it."""
     report = _report(results)
-    assert all(r.returncode == 0 for r in results), report
+    sections = []
     for r in results:
-        checks = [line for line in r.output.splitlines() if line.startswith("CHECK ")]
+        assert r.returncode == 0 or "FAILED" in r.output.splitlines(), report  # a failed check is its part's
+        lines = _part_lines(r.output, part)
+        assert lines is not None, report
+        checks = [line for line in lines if line.startswith("CHECK ")]
         assert len(checks) == expected, report
         assert all(c.endswith(" ok") or " ok " in c for c in checks), report
-        assert "ALL OK" in r.output, report
+        sections.append(lines)
+    return sections
 
 
-def test_native_collectives_over_the_axes_of_a_two_dimensional_mesh_across_processes():
-    _run_checks(["mesh", "2"], 2, 3 * (4 * 2 + 1))  # 3 axis choices x (4 collectives x 2 dtypes + launches)
+@pytest.mark.parametrize(("processes", "local_devices"), [(2, 2), (2, 1), (8, 1)])
+def test_native_collectives_across_processes_on_loopback(processes, local_devices, loopback_job):
+    # 4 collectives x 2 dtypes + 4 ordered-sum checks + native launches
+    _check_part(loopback_job(processes, local_devices), "collectives", 13)
 
 
-def test_one_program_runs_collectives_over_several_attached_layouts():
+def test_native_collectives_over_the_axes_of_a_two_dimensional_mesh_across_processes(loopback_job):
+    _check_part(loopback_job(2, 2), "mesh", 3 * (4 * 2 + 1))  # 3 axis choices x (4 collectives x 2 dtypes + launches)
+
+
+def test_one_program_runs_collectives_over_several_attached_layouts(loopback_job):
     """Hybrid sharding: "model" inside a process, "data" across, both at once, all native in one step."""
-    _run_checks(["layouts", "4"], 2, 1 + 5 + 2)  # attach, 5 collectives, native launches, meter
+    _check_part(loopback_job(2, 4), "layouts", 1 + 5 + 2)  # attach, 5 collectives, native launches, meter
 
 
 @pytest.mark.parametrize(("processes", "local_devices", "backend"), [(2, 4, "cpu"), (3, 2, "cpu"), (2, 2, "ppermute")])
-def test_float_sums_across_processes_are_bitwise_those_of_jax_lax(processes, local_devices, backend):
+def test_float_sums_across_processes_are_bitwise_those_of_jax_lax(processes, local_devices, backend, loopback_job):
     """psum/pmean/psum_scatter across processes in gloo's orders (XLA:CPU's there), on every axis of 1-D and 2-D meshes.
 
     The order depends on the ranks of a group only, not on how they spread over processes (measured on
     2x4, 4x2 and 8x1 processes x devices), so a few layouts check both backends; 3x2 has groups of 6
     and 3 ranks (gloo's ReduceScatter splits them into power-of-two blocks).
     """
-    _run_checks(["sums", str(local_devices), backend], processes, 5 if backend == "cpu" else 2)
+    _check_part(loopback_job(processes, local_devices), f"sums:{backend}", 5 if backend == "cpu" else 2)
 
 
 @needs_netns
@@ -238,16 +275,14 @@ def test_native_collectives_across_four_processes_on_real_links():
     _check_collectives(results)
 
 
-def test_hot_swap_at_one_agreed_sequence_number_across_processes():
-    results = launch([sys.executable, str(WORKER), "swap", "2", "14"], 2, env={"JAXCCL_TIMEOUT_S": "60"}, timeout_s=300)
+def test_hot_swap_at_one_agreed_sequence_number_across_processes(loopback_job):
+    results = loopback_job(2, 2)
     report = _report(results)
-    assert all(r.returncode == 0 for r in results), report
     swaps, staged = set(), set()
-    for r in results:
-        checks = [line for line in r.output.splitlines() if line.startswith("CHECK step")]
-        assert len(checks) == 14 and all(c.endswith(" ok") for c in checks), report
-        staged.add(re.search(r"STAGED version (\d+) at seq (\d+)", r.output).groups())
-        swaps.add(re.search(r"SWAP (\d+) (\d+)", r.output).groups())
+    for lines in _check_part(results, "swap:14", 14):
+        output = "\n".join(lines)
+        staged.add(re.search(r"STAGED version (\d+) at seq (\d+)", output).groups())
+        swaps.add(re.search(r"SWAP (\d+) (\d+)", output).groups())
     assert len(staged) == 1 and len(swaps) == 1, report  # one version, one transition point, everywhere
     (version, seq), (current, swapped_at) = staged.pop(), swaps.pop()
     assert current == version and int(swapped_at) == int(seq) + 1, report

@@ -43,6 +43,9 @@ Usage: python tests/workers/multiprocess_native_worker.py MODE [ARGS]
   schedule, whose local ranks wait for local ranks).
 - ``stale LOCAL_DEVICES``: process 1 sends one message with a stale identity; process 0 prints
   ``REFUSED <error>``, then both check three more AllGathers (``CHECK after k ok``).
+- ``parts LOCAL_DEVICES PART+PART+...``: several of ``collectives``, ``mesh``, ``layouts``, ``sums:BACKEND``
+  and ``swap:STEPS`` in one job, in turn, each after a line ``PART <part>``; ``ALL OK`` when every
+  part's checks passed.
 """
 
 from __future__ import annotations
@@ -499,12 +502,28 @@ def kill_native(t, schedule: str = "direct") -> bool:
     return False
 
 
+def run_part(t, part: str) -> bool:
+    """One part of a ``parts`` job: ``MODE`` or ``MODE:ARG``."""
+    mode, _, arg = part.partition(":")
+    if mode == "collectives":
+        return collectives(t)
+    if mode == "mesh":
+        return mesh_axes(t)
+    if mode == "layouts":
+        return layouts(t)
+    if mode == "sums":
+        return sums(t, arg)
+    if mode == "swap":
+        return swap(t, int(arg))
+    raise SystemExit(f"unknown part {part!r}")
+
+
 def main(argv: list[str]) -> int:
     from jaxccl.distributed.launch import initialize_from_env
     from jaxccl.distributed.transport import ProcessTransport
 
     mode = argv[0]
-    with_devices = ("collectives", "mesh", "layouts", "sums", "swap", "killnative", "meter", "stale")
+    with_devices = ("collectives", "mesh", "layouts", "sums", "swap", "killnative", "meter", "stale", "parts")
     initialize_from_env(local_devices=int(argv[1]) if mode in with_devices else 1)
     t = ProcessTransport.bootstrap(timeout_s=TIMEOUT_S, options=transport_options())
     if mode == "exchange":
@@ -529,6 +548,11 @@ def main(argv: list[str]) -> int:
         ok = swap(t, int(argv[2]))
     elif mode == "stale":
         ok = stale(t)
+    elif mode == "parts":
+        ok = True
+        for part in argv[2].split("+"):
+            print(f"PART {part}", flush=True)
+            ok &= run_part(t, part)
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     print("ALL OK" if ok else "FAILED", flush=True)
