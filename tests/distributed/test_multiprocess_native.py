@@ -39,6 +39,57 @@ def _report(results: list[ProcessResult]) -> str:
     return "\n----\n".join(f"process {r.process_id} (rc {r.returncode}):\n{r.output[-3000:]}" for r in results)
 
 
+# The worker's checks on loopback, as parts of one job per (processes, local devices): a job's start (JAX in
+# every process, jax.distributed, the transport) costs more than most parts.
+LOOPBACK_JOBS = {
+    (2, 1): "exchange+collectives",
+    (2, 2): "collectives+mesh+swap:14+sums:ppermute",
+    (2, 4): "layouts+sums:cpu",
+    (3, 2): "sums:cpu",
+    (8, 1): "collectives",
+}
+
+
+@pytest.fixture(scope="module")
+def loopback_job() -> Callable[[int, int], list[ProcessResult]]:
+    """``(processes, local_devices) ->`` the results of that job of :data:`LOOPBACK_JOBS`, run on first use."""
+    done: dict[tuple[int, int], list[ProcessResult]] = {}
+
+    def get(processes: int, local_devices: int) -> list[ProcessResult]:
+        key = (processes, local_devices)
+        if key not in done:
+            argv = [sys.executable, str(WORKER), "parts", str(local_devices), LOOPBACK_JOBS[key]]
+            done[key] = launch(argv, processes, env={"JAXCCL_TIMEOUT_S": "120"}, timeout_s=600)
+        return done[key]
+
+    return get
+
+
+def _part_lines(output: str, part: str) -> list[str] | None:
+    """The lines that ``part`` of a ``parts`` job printed; None where it did not finish."""
+    lines = output.splitlines()
+    if f"PART {part}" not in lines:
+        return None
+    rest = lines[lines.index(f"PART {part}") + 1 :]
+    end = next((i for i, line in enumerate(rest) if line.startswith("PART ") or line in ("ALL OK", "FAILED")), None)
+    return None if end is None else rest[:end]
+
+
+def _check_part(results: list[ProcessResult], part: str, expected: int) -> list[list[str]]:
+    """Every process finished ``part`` with ``expected`` CHECK lines, all ok; returns each process's lines of it."""
+    report = _report(results)
+    sections = []
+    for r in results:
+        assert r.returncode == 0 or "FAILED" in r.output.splitlines(), report  # a failed check is its part's
+        lines = _part_lines(r.output, part)
+        assert lines is not None, report
+        checks = [line for line in lines if line.startswith("CHECK ")]
+        assert len(checks) == expected, report
+        assert all(c.endswith(" ok") or " ok " in c for c in checks), report
+        sections.append(lines)
+    return sections
+
+
 def _check_exchange(results: list[ProcessResult], n: int) -> None:
     report = _report(results)
     assert all(r.returncode == 0 for r in results), report
@@ -49,9 +100,8 @@ def _check_exchange(results: list[ProcessResult], n: int) -> None:
         assert "ALL OK" in r.output, report
 
 
-def test_bitwise_exchange_across_two_processes_on_loopback():
-    results = launch([sys.executable, str(WORKER), "exchange"], 2, timeout_s=150)
-    _check_exchange(results, 2)
+def test_bitwise_exchange_across_two_processes_on_loopback(loopback_job):
+    _check_part(loopback_job(2, 1), "exchange", 3)  # 3 sizes from the other process
 
 
 @needs_netns
@@ -183,57 +233,6 @@ def _check_collectives(results: list[ProcessResult]) -> None:
         assert len(checks) == 13, report  # 4 collectives x 2 dtypes + 4 ordered-sum checks + native launches
         assert not any("MISMATCH" in c or "MISSING" in c for c in checks), report
         assert "ALL OK" in r.output, report
-
-
-# The worker's checks on loopback, as parts of one job per (processes, local devices): a job's start (JAX in
-# every process, jax.distributed, the transport) costs more than most parts.
-LOOPBACK_JOBS = {
-    (2, 1): "collectives",
-    (2, 2): "collectives+mesh+swap:14+sums:ppermute",
-    (2, 4): "layouts+sums:cpu",
-    (3, 2): "sums:cpu",
-    (8, 1): "collectives",
-}
-
-
-@pytest.fixture(scope="module")
-def loopback_job() -> Callable[[int, int], list[ProcessResult]]:
-    """``(processes, local_devices) ->`` the results of that job of :data:`LOOPBACK_JOBS`, run on first use."""
-    done: dict[tuple[int, int], list[ProcessResult]] = {}
-
-    def get(processes: int, local_devices: int) -> list[ProcessResult]:
-        key = (processes, local_devices)
-        if key not in done:
-            argv = [sys.executable, str(WORKER), "parts", str(local_devices), LOOPBACK_JOBS[key]]
-            done[key] = launch(argv, processes, env={"JAXCCL_TIMEOUT_S": "120"}, timeout_s=600)
-        return done[key]
-
-    return get
-
-
-def _part_lines(output: str, part: str) -> list[str] | None:
-    """The lines that ``part`` of a ``parts`` job printed; None where it did not finish."""
-    lines = output.splitlines()
-    if f"PART {part}" not in lines:
-        return None
-    rest = lines[lines.index(f"PART {part}") + 1 :]
-    end = next((i for i, line in enumerate(rest) if line.startswith("PART ") or line in ("ALL OK", "FAILED")), None)
-    return None if end is None else rest[:end]
-
-
-def _check_part(results: list[ProcessResult], part: str, expected: int) -> list[list[str]]:
-    """Every process finished ``part`` with ``expected`` CHECK lines, all ok; returns each process's lines of it."""
-    report = _report(results)
-    sections = []
-    for r in results:
-        assert r.returncode == 0 or "FAILED" in r.output.splitlines(), report  # a failed check is its part's
-        lines = _part_lines(r.output, part)
-        assert lines is not None, report
-        checks = [line for line in lines if line.startswith("CHECK ")]
-        assert len(checks) == expected, report
-        assert all(c.endswith(" ok") or " ok " in c for c in checks), report
-        sections.append(lines)
-    return sections
 
 
 @pytest.mark.parametrize(("processes", "local_devices"), [(2, 2), (2, 1), (8, 1)])

@@ -43,9 +43,9 @@ Usage: python tests/workers/multiprocess_native_worker.py MODE [ARGS]
   schedule, whose local ranks wait for local ranks).
 - ``stale LOCAL_DEVICES``: process 1 sends one message with a stale identity; process 0 prints
   ``REFUSED <error>``, then both check three more AllGathers (``CHECK after k ok``).
-- ``parts LOCAL_DEVICES PART+PART+...``: several of ``collectives``, ``mesh``, ``layouts``, ``sums:BACKEND``
-  and ``swap:STEPS`` in one job, in turn, each after a line ``PART <part>``; ``ALL OK`` when every
-  part's checks passed.
+- ``parts LOCAL_DEVICES PART+PART+...``: several of ``exchange``, ``collectives``, ``mesh``, ``layouts``,
+  ``sums:BACKEND`` and ``swap:STEPS`` in one job, in turn, each after a line ``PART <part>``; ``ALL OK``
+  when every part's checks passed.
 """
 
 from __future__ import annotations
@@ -505,6 +505,8 @@ def kill_native(t, schedule: str = "direct") -> bool:
 def run_part(t, part: str) -> bool:
     """One part of a ``parts`` job: ``MODE`` or ``MODE:ARG``."""
     mode, _, arg = part.partition(":")
+    if mode == "exchange":
+        return exchange(t)
     if mode == "collectives":
         return collectives(t)
     if mode == "mesh":
