@@ -10,12 +10,13 @@ After every step each process compares its shards of every collective bitwise wi
 (the processes of an SPMD job must); reductions use int32 data, whose sums are exact in any
 order (cross-process float sums follow gloo's order, not jaxccl's: docs/guides/multiprocess.md).
 
-Prints ``STEP k <what>`` per step, ``MISMATCH ...`` for any difference, and at the end
-``COUNTS collectives=C swaps=S mismatches=M reinstalls=R`` and ``ALL OK`` or ``FAILED``.
+Per seed (the walks of several seeds run one after another in the job), prints ``SEED s``,
+``STEP k <what>`` per step, ``MISMATCH ...`` for any difference and at the end of the walk
+``COUNTS collectives=C swaps=S mismatches=M reinstalls=R``; then ``ALL OK`` or ``FAILED``.
 
 Usage (through :func:`jaxccl.distributed.launch.launch`)::
 
-    python tests/workers/multiprocess_change_worker.py LOCAL_DEVICES STEPS SEED
+    python tests/workers/multiprocess_change_worker.py LOCAL_DEVICES STEPS SEED[,SEED...]
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def main(argv: list[str]) -> int:
     from jaxccl.distributed.launch import initialize_from_env
     from jaxccl.distributed.transport import ProcessTransport
 
-    local_devices, steps, seed = int(argv[0]), int(argv[1]), int(argv[2])
+    local_devices, steps, seeds = int(argv[0]), int(argv[1]), [int(v) for v in argv[2].split(",")]
     initialize_from_env(local_devices=local_devices)
     t = ProcessTransport.bootstrap(timeout_s=60.0)
 
@@ -113,63 +114,74 @@ def main(argv: list[str]) -> int:
         c.install("psum", pool["psum"]["direct"])
         return c
 
-    rng = random.Random(seed)
-    comm = open_communicator()
-    history = {c: ["direct"] for c in COLLECTIVES}  # schedules installed, in order
-    counts = {"collectives": 0, "swaps": 0, "mismatches": 0, "reinstalls": 0}
-    size, dtype = SIZES[0], DTYPES[0]
+    def walk(seed: int) -> dict[str, int]:
+        """One seeded walk of ``steps`` steps on communicators of its own; returns its counts."""
+        programs.clear()  # traced afresh, as in a job of its own
+        rng = random.Random(seed)
+        comm = open_communicator()
+        history = {c: ["direct"] for c in COLLECTIVES}  # schedules installed, in order
+        counts = {"collectives": 0, "swaps": 0, "mismatches": 0, "reinstalls": 0}
+        size, dtype = SIZES[0], DTYPES[0]
 
-    def check(collective: str, k: int) -> None:
-        data_dtype = "int32" if collective in REDUCING else dtype
-        per_rank = size * n  # divisible by n for all_to_all and psum_scatter
-        raw = np.random.default_rng([seed, k, COLLECTIVES.index(collective)]).integers(1, 1000, n * per_rank)
-        x = jax.device_put(jnp.asarray(raw * (1 if data_dtype == "int32" else 1.25), data_dtype), sharding)
-        with comm:
-            ours = local_shards(program(collective, "ours")(x))
-        ref = local_shards(program(collective, "lax")(x))
-        counts["collectives"] += 1
-        for shard, (a, b) in enumerate(zip(ours, ref)):
-            if a.tobytes() != b.tobytes():
-                counts["mismatches"] += 1
-                print(
-                    f"MISMATCH step {k} {collective} {history[collective][-1]} size {size} {data_dtype} local shard "
-                    f"{shard}: {int(np.sum(a.view(np.uint8) != b.view(np.uint8)))} bytes differ",
-                    flush=True,
+        def check(collective: str, k: int) -> None:
+            data_dtype = "int32" if collective in REDUCING else dtype
+            per_rank = size * n  # divisible by n for all_to_all and psum_scatter
+            raw = np.random.default_rng([seed, k, COLLECTIVES.index(collective)]).integers(1, 1000, n * per_rank)
+            x = jax.device_put(jnp.asarray(raw * (1 if data_dtype == "int32" else 1.25), data_dtype), sharding)
+            with comm:
+                ours = local_shards(program(collective, "ours")(x))
+            ref = local_shards(program(collective, "lax")(x))
+            counts["collectives"] += 1
+            for shard, (a, b) in enumerate(zip(ours, ref)):
+                if a.tobytes() != b.tobytes():
+                    counts["mismatches"] += 1
+                    print(
+                        f"MISMATCH step {k} {collective} {history[collective][-1]} size {size} {data_dtype} "
+                        f"local shard {shard}: {int(np.sum(a.view(np.uint8) != b.view(np.uint8)))} bytes differ",
+                        flush=True,
+                    )
+
+        for k in range(steps):
+            rule = rng.choices(("swap", "reinstall", "size", "dtype", "reopen"), weights=(5, 4, 2, 2, 1))[0]
+            collective = rng.choice(COLLECTIVES)
+            what = rule
+            if rule in ("swap", "reinstall"):
+                names = list(pool[collective])
+                past = history[collective]
+                if rule == "reinstall" and len(past) >= 2 and past[-2] != past[-1]:
+                    name = past[-2]  # A -> B -> A
+                    counts["reinstalls"] += 1
+                else:
+                    name = rng.choice([m for m in names if m != past[-1]])
+                margin = rng.randrange(0, 4)
+                version, seq = stage_agreed(
+                    comm, collective, pool[collective][name], round_id=f"{seed}/{k}", margin=margin
                 )
-
-    for k in range(steps):
-        rule = rng.choices(("swap", "reinstall", "size", "dtype", "reopen"), weights=(5, 4, 2, 2, 1))[0]
-        collective = rng.choice(COLLECTIVES)
-        what = rule
-        if rule in ("swap", "reinstall"):
-            names = list(pool[collective])
-            past = history[collective]
-            if rule == "reinstall" and len(past) >= 2 and past[-2] != past[-1]:
-                name = past[-2]  # A -> B -> A
-                counts["reinstalls"] += 1
+                past.append(name)
+                counts["swaps"] += 1
+                what = f"{rule} {collective} -> {name} (version {version}, from call {seq + 1})"
+            elif rule == "size":
+                size = rng.choice([s for s in SIZES if s != size])
+                what = f"size {size}"
+            elif rule == "dtype":
+                dtype = rng.choice([d for d in DTYPES if d != dtype])
+                what = f"dtype {dtype}"
             else:
-                name = rng.choice([m for m in names if m != past[-1]])
-            margin = rng.randrange(0, 4)
-            version, seq = stage_agreed(comm, collective, pool[collective][name], round_id=f"{seed}/{k}", margin=margin)
-            past.append(name)
-            counts["swaps"] += 1
-            what = f"{rule} {collective} -> {name} (version {version}, from call {seq + 1})"
-        elif rule == "size":
-            size = rng.choice([s for s in SIZES if s != size])
-            what = f"size {size}"
-        elif rule == "dtype":
-            dtype = rng.choice([d for d in DTYPES if d != dtype])
-            what = f"dtype {dtype}"
-        else:
-            comm.close()
-            comm = open_communicator()
-            history = {c: ["direct"] for c in COLLECTIVES}
-        print(f"STEP {k} {what}", flush=True)
-        for c in COLLECTIVES:  # every collective after every step: swaps with a margin activate calls later
-            check(c, k)
-    comm.close()
-    ok = counts["mismatches"] == 0
-    print("COUNTS " + " ".join(f"{key}={value}" for key, value in counts.items()), flush=True)
+                comm.close()
+                comm = open_communicator()
+                history = {c: ["direct"] for c in COLLECTIVES}
+            print(f"STEP {k} {what}", flush=True)
+            for c in COLLECTIVES:  # every collective after every step: swaps with a margin activate calls later
+                check(c, k)
+        comm.close()
+        return counts
+
+    ok = True
+    for seed in seeds:
+        print(f"SEED {seed}", flush=True)
+        counts = walk(seed)
+        ok &= counts["mismatches"] == 0
+        print("COUNTS " + " ".join(f"{key}={value}" for key, value in counts.items()), flush=True)
     print("ALL OK" if ok else "FAILED", flush=True)
     t.close()
     jax.distributed.shutdown()
