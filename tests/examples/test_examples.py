@@ -67,10 +67,11 @@ def _is_shape(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "ppermute"])
-def test_script_reports_bitwise_equality(tmp_path, capsys, backend):
+# The cpu backend's run of the script is test_every_example_runs_as_its_docstring_says (its default, "auto", is cpu
+# here: the script exits 0 only when bitwise equal); the report is the same for either backend.
+def test_script_reports_bitwise_equality(tmp_path, capsys):
     out = tmp_path / "transformer.json"
-    assert T.main(["--steps", "3", "--backend", backend, "--json", str(out)]) == 0
+    assert T.main(["--steps", "3", "--backend", "ppermute", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["bitwise_equal"] and report["loss_lax"] == report["loss_jaxccl"] and len(report["loss_lax"]) == 3
     assert "bitwise equal" in capsys.readouterr().out
