@@ -301,15 +301,17 @@ class Communicator:
             for c in Collective
         }
         # psum follows the halves (fused into one launch) in one process; across processes the halves are swapped
-        # at calls the processes agree on per slot (stage_agreed), which a third table would need too.
+        # at calls the processes agree on per slot (stage_agreed), which a third table would need too. The halves
+        # are first fused when a program traces psum (launched_schedule): a communicator whose programs never sum
+        # pays no fusion, at construction nor at a swap of a half (the closed loop's AllGather swaps).
         self._fusing = bool(fuse_all_reduce) and topology is not None and not across
-        self._fused = self._fusion_with(Collective.ALL_GATHER, self._schedules[Collective.ALL_GATHER])
+        self._fused: Schedule | None = None
         if backend in ("cpu", "cuda"):
             native = _native()
             if backend == "cuda" and not native.has_cuda_support():
                 raise ExecutorError("Communicator(backend='cuda'): the native module was built without CUDA")
             for c in Collective:
-                s = self._launched(c)
+                s = self._schedules[c]
                 if s is not None:
                     self._install_native(c, s)
         _LIVE[self.uid] = self
@@ -462,11 +464,22 @@ class Communicator:
 
     def _launched(self, coll: Collective) -> Schedule | None:
         installed = self._schedules[coll]
-        return self._fused if installed is None and coll is Collective.ALL_REDUCE else installed
+        if installed is not None or coll is not Collective.ALL_REDUCE or not self._fusing:
+            return installed
+        if self._fused is None:  # the first psum: fuse the halves now (slot() stages it in a new slot)
+            with self._stage_lock:  # never under self._lock: _stage takes the two in this order
+                if self._fused is None and self._schedules[Collective.ALL_REDUCE] is None:
+                    self._fused = fuse_all_reduce(
+                        self._schedules[Collective.REDUCE_SCATTER], self._schedules[Collective.ALL_GATHER]
+                    )
+        return self._fused if self._schedules[coll] is None else self._schedules[coll]
 
     def _fusion_with(self, coll: Collective, schedule: Schedule) -> Schedule | None:
-        """psum's fused AllReduce once ``schedule`` is ``coll``'s (``None``: psum does not follow the halves)."""
+        """psum's fused AllReduce once ``schedule`` is ``coll``'s (``None``: psum does not follow the halves, or
+        no program traced psum yet: :meth:`_launched` fuses them then)."""
         if not self._fusing or coll not in _HALVES or self._schedules[Collective.ALL_REDUCE] is not None:
+            return None
+        if self._fused is None:
             return None
         halves = {c: self._schedules[c] for c in _HALVES} | {coll: schedule}
         return fuse_all_reduce(halves[Collective.REDUCE_SCATTER], halves[Collective.ALL_GATHER])
@@ -629,10 +642,11 @@ class Communicator:
     def slot(self, collective: str | Collective) -> int:
         """The native registry slot of ``collective`` (allocated and filled on first use)."""
         coll = _canonical(collective)
+        launched = self._launched(coll) if coll not in self._slots else None  # may fuse psum's halves: unlocked
         with self._lock:
             self._check_open()
             if coll not in self._slots:
-                s = self._launched(coll)
+                s = launched if launched is not None else self._launched(coll)
                 if s is None:
                     raise ExecutorError(f"{self!r}: no {coll.value} schedule installed")
                 self._install_native(coll, s)

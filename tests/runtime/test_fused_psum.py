@@ -22,6 +22,7 @@ from jaxccl.runtime import native
 from jaxccl.runtime.rounds import plan
 from jaxccl.schedule import period_elements
 from jaxccl.schedule.fusion import fuse_all_reduce
+from jaxccl.schedule.ir import Collective
 from jaxccl.synth import baselines
 from jaxccl.synth.ordered_reduce_scatter import ordered_reduce_scatter
 from jaxccl.topology import rail, single_node
@@ -236,3 +237,21 @@ def test_a_half_that_fails_the_interpreter_changes_nothing():
         fused.stage_validated("reduce_scatter", broken, interpreter=False)  # psum's fusion follows its data
     after = fused.launched_schedule("psum"), fused.swap_state("reduce_scatter"), fused.swap_state("psum")
     assert after == before
+
+
+def test_the_halves_are_fused_only_once_a_program_traces_psum():
+    # A communicator whose programs never sum (the closed loop's AllGather job) pays no fusion: neither at
+    # construction nor when a half is swapped; the first psum fuses the halves installed then.
+    comm = jaxccl.Communicator(_mesh(), "d", topology=SLOW_NIC, backend="cpu")
+    ag = jaxccl.synth.all_gather(SLOW_NIC)
+    comm.install("all_gather", ag)
+    assert Collective.ALL_REDUCE not in comm._slots  # noqa: SLF001 - no fused table was made nor staged
+    x = _data(8, np.float32, 11)
+    assert _run(comm, x) == _run(_pair(SLOW_NIC, "cpu", {"all_gather": ag})[1], x)
+    assert _launches(comm)["all_reduce"] == 1
+    assert comm.launched_schedule("psum").digest == fuse_all_reduce(comm.schedule("reduce_scatter"), ag).digest
+    comm.install("all_gather", baselines.ring_allgather(8))  # from now on a half's install re-fuses
+    ring = fuse_all_reduce(comm.schedule("reduce_scatter"), comm.schedule("all_gather"))
+    assert comm.launched_schedule("psum").digest == ring.digest
+    assert _run(comm, x) == _lax(x)
+    comm.close()
