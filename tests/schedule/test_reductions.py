@@ -92,14 +92,20 @@ def data(rng, shape, dtype) -> np.ndarray:
     return _floats(rng, shape, dt)
 
 
-def make_tree(rng, op: str, n: int, dtypes) -> dict:
-    """Global arrays (leading axis = device) of every dtype ``op`` reduces, in two shapes per dtype."""
+def make_tree(rng, op: str, n: int, dtypes, *, every_shape: bool = True) -> dict:
+    """Global arrays (leading axis = device) of every dtype ``op`` reduces, in two shapes per dtype.
+
+    ``every_shape=False``: the first shape in one dtype only. The ppermute lowering's rounds depend on the
+    element count alone and each reduce step on the dtype alone, so there the cross product repeats itself.
+    """
     shapes = [(n * 3,), (n * 5, 7)] if op == "psum_scatter" else [(7,), (3, 129)]
     tree = {}
     for dt in dtypes:
         if not lax_accepts(op, dt):
             continue
         for k, s in enumerate(shapes):
+            if k == 0 and not every_shape and tree:
+                continue
             tree[f"{np.dtype(dt).name}/{k}"] = data(rng, (n, *s), dt)
     return tree
 
@@ -169,7 +175,7 @@ def test_every_dtype_bitwise_equal_to_lax(backend, op, n):
     ref = compiled(lax, op, n, None)
     ours = compiled(jaxccl, op, n, backend)
     for seed in range(2):
-        tree = make_tree(rng, op, n, DTYPES_32)
+        tree = make_tree(rng, op, n, DTYPES_32, every_shape=backend == "cpu")
         want = ref(tree)
         assert_bitwise_tree(ours(tree), want, f"{backend} {op} n={n} seed={seed}")
         if backend == "cpu" and op != "pmean":  # the numpy rule, once per data set (pmean's division is jax's)
@@ -349,7 +355,7 @@ def _x64_main() -> None:
             # ppermute: 3 ranks only (the sums' order shows there; the grid above runs its 2-rank lowering)
             for n in (2, 3) if backend == "cpu" else (3,):
                 rng = np.random.default_rng([n, OPS.index(op), 64])
-                tree = make_tree(rng, op, n, DTYPES_64)
+                tree = make_tree(rng, op, n, DTYPES_64, every_shape=backend == "cpu")
                 want = compiled(lax, op, n, None)(tree)
                 assert_bitwise_tree(compiled(jaxccl, op, n, backend)(tree), want, f"x64 {backend} {op} n={n}")
                 if backend == "cpu" and op != "pmean":
