@@ -190,7 +190,8 @@ class Communicator:
             executor measures no collective that reduces, so only the two launches
             let link emulation and the CUDA kernel measure ``psum``'s AllGather half
             (for a closed loop over a program whose only collective is ``psum``).
-            Across processes ``psum`` is never fused.
+            The halves are fused when a program first traces ``psum``. Across
+            processes ``psum`` is never fused: it runs gloo's ring (its sums are gloo's).
 
     Example:
         >>> import jax, numpy as np, jaxccl
