@@ -130,31 +130,17 @@ class OpKind(str, enum.Enum):
 
     @property
     def reduces(self) -> bool:
-        return self in (OpKind.RECV_REDUCE_COPY, OpKind.RECV_REDUCE_SEND, OpKind.RECV_REDUCE_COPY_SEND, OpKind.REDUCE)
+        return self in _REDUCES
 
     @property
     def reads_src(self) -> bool:
         """Whether the op reads its local ``src`` range."""
-        return self in (
-            OpKind.SEND,
-            OpKind.RECV_REDUCE_COPY,
-            OpKind.RECV_REDUCE_SEND,
-            OpKind.RECV_REDUCE_COPY_SEND,
-            OpKind.COPY,
-            OpKind.REDUCE,
-        )
+        return self in _READS_SRC
 
     @property
     def writes_dst(self) -> bool:
         """Whether the op writes its local ``dst`` range."""
-        return self in (
-            OpKind.RECV,
-            OpKind.RECV_COPY_SEND,
-            OpKind.RECV_REDUCE_COPY,
-            OpKind.RECV_REDUCE_COPY_SEND,
-            OpKind.COPY,
-            OpKind.REDUCE,
-        )
+        return self in _WRITES_DST
 
 
 _OP_CODES = {k: i for i, k in enumerate(OpKind)}
@@ -162,6 +148,27 @@ _new_object = object.__new__
 _SENDS = frozenset({OpKind.SEND, OpKind.RECV_COPY_SEND, OpKind.RECV_REDUCE_SEND, OpKind.RECV_REDUCE_COPY_SEND})
 _RECVS = frozenset(
     {OpKind.RECV, OpKind.RECV_COPY_SEND, OpKind.RECV_REDUCE_COPY, OpKind.RECV_REDUCE_SEND, OpKind.RECV_REDUCE_COPY_SEND}
+)
+_REDUCES = frozenset({OpKind.RECV_REDUCE_COPY, OpKind.RECV_REDUCE_SEND, OpKind.RECV_REDUCE_COPY_SEND, OpKind.REDUCE})
+_READS_SRC = frozenset(
+    {
+        OpKind.SEND,
+        OpKind.RECV_REDUCE_COPY,
+        OpKind.RECV_REDUCE_SEND,
+        OpKind.RECV_REDUCE_COPY_SEND,
+        OpKind.COPY,
+        OpKind.REDUCE,
+    }
+)
+_WRITES_DST = frozenset(
+    {
+        OpKind.RECV,
+        OpKind.RECV_COPY_SEND,
+        OpKind.RECV_REDUCE_COPY,
+        OpKind.RECV_REDUCE_COPY_SEND,
+        OpKind.COPY,
+        OpKind.REDUCE,
+    }
 )
 
 
