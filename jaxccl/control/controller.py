@@ -740,7 +740,7 @@ class Controller:
         new.validate()  # with info["ordered_reduction"], also proves the ascending-rank fold
         table = compiled_table(new, num_slots=8)  # memoized: staging checks the table against it for free
         t2 = time.perf_counter()
-        version = self.comm.stage_validated(coll, new, table=table)
+        version = self.comm.stage_validated(coll, new, table=table, defer_psum=True)
         t3 = time.perf_counter()
         m.belief, m.digest, m.rejected = target, "", None
         m.staged_ns = time.monotonic_ns()
@@ -754,3 +754,4 @@ class Controller:
             predicted_algbw=predicted,
             stale_algbw=stale,
         )
+        self.comm.fuse_psum()  # psum follows the new half once it is swapped (until then it ran the earlier pair)

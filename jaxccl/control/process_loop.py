@@ -150,8 +150,11 @@ class _GatheredView:
     def swap_state(self, collective: str) -> dict[str, int]:
         return self._loop.comm.swap_state(collective)
 
-    def stage_validated(self, collective: str, schedule: Any, *, table: Any = None) -> int:
+    def stage_validated(self, collective: str, schedule: Any, *, table: Any = None, defer_psum: bool = False) -> int:
         return self._loop._publish_and_stage(collective, schedule)
+
+    def fuse_psum(self) -> bool:
+        return False  # across processes psum does not fuse the halves (gloo's ring)
 
 
 @dataclasses.dataclass

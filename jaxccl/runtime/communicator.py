@@ -307,6 +307,7 @@ class Communicator:
         # pays no fusion, at construction nor at a swap of a half (the closed loop's AllGather swaps).
         self._fusing = bool(fuse_all_reduce) and topology is not None and not across
         self._fused: Schedule | None = None
+        self._psum_deferred = False  # a half was staged with defer_psum: psum runs an earlier fusion
         if backend in ("cpu", "cuda"):
             native = _native()
             if backend == "cuda" and not native.has_cuda_support():
@@ -475,12 +476,15 @@ class Communicator:
                     )
         return self._fused if self._schedules[coll] is None else self._schedules[coll]
 
+    def _psum_follows(self, coll: Collective) -> bool:
+        """Whether installing ``coll`` re-fuses psum: a half, psum fuses them and a program traced it already."""
+        fusing = self._fusing and coll in _HALVES and self._schedules[Collective.ALL_REDUCE] is None
+        return fusing and self._fused is not None
+
     def _fusion_with(self, coll: Collective, schedule: Schedule) -> Schedule | None:
         """psum's fused AllReduce once ``schedule`` is ``coll``'s (``None``: psum does not follow the halves, or
         no program traced psum yet: :meth:`_launched` fuses them then)."""
-        if not self._fusing or coll not in _HALVES or self._schedules[Collective.ALL_REDUCE] is not None:
-            return None
-        if self._fused is None:
+        if not self._psum_follows(coll):
             return None
         halves = {c: self._schedules[c] for c in _HALVES} | {coll: schedule}
         return fuse_all_reduce(halves[Collective.REDUCE_SCATTER], halves[Collective.ALL_GATHER])
@@ -514,7 +518,13 @@ class Communicator:
         self._stage(coll, schedule.validate())
 
     def stage_validated(
-        self, collective: str | Collective, schedule: Schedule, *, table: Any = None, interpreter: bool = True
+        self,
+        collective: str | Collective,
+        schedule: Schedule,
+        *,
+        table: Any = None,
+        interpreter: bool = True,
+        defer_psum: bool = False,
     ) -> int:
         """:meth:`install` for callers that validated ``schedule`` already (the controller).
 
@@ -529,7 +539,9 @@ class Communicator:
         ``interpreter=False`` skips the interpreter: only for testing a result checker with a deliberately
         wrong schedule (``jaxccl bench --no-validate``), never in training. A ``reduce_scatter`` or
         ``all_gather`` schedule that ``psum`` fuses (:meth:`launched_schedule`) goes through the interpreter
-        all the same: the fusion follows its data.
+        all the same: the fusion follows its data. ``defer_psum=True`` stages the half alone and leaves ``psum``
+        on its current fusion (a correct AllReduce of the halves installed before) until :meth:`fuse_psum` (the
+        controller: fusing a synthesized pair takes tens of milliseconds, which would delay the swap of the half).
         Returns the staged version (native backends; 0 on ``ppermute``).
 
         Raises:
@@ -541,7 +553,28 @@ class Communicator:
         self._check_fits(coll, schedule, "stage_validated")
         if interpreter and not schedule.validated:
             schedule.validate()
-        return self._stage(coll, schedule, table)
+        return self._stage(coll, schedule, table, defer_psum=defer_psum)
+
+    def fuse_psum(self) -> bool:
+        """Fuses ``psum``'s halves as installed now and stages the result in ``all_reduce``'s slot, after
+        :meth:`stage_validated` with ``defer_psum=True``; returns whether it staged one (False: ``psum`` already
+        runs the current halves, or does not fuse them).
+
+        Raises:
+            CommunicatorClosedError: the communicator is closed.
+        """
+        self._check_open()
+        with self._stage_lock:
+            if not self._psum_deferred:
+                return False
+            fused = fuse_all_reduce(self._schedules[Collective.REDUCE_SCATTER], self._schedules[Collective.ALL_GATHER])
+            with self._lock:
+                if self.backend in ("cpu", "cuda"):
+                    self._install_native(Collective.ALL_REDUCE, fused)
+                self._record(Collective.ALL_GATHER, self._schedules[Collective.ALL_GATHER], fused)
+        if self.backend in ("ppermute", "auto"):
+            _bump_generation()
+        return True
 
     def record_staged(self, collective: str | Collective, schedule: Schedule) -> None:
         """Records ``schedule`` as ``collective``'s schedule after the caller staged its table itself.
@@ -585,16 +618,18 @@ class Communicator:
                 f"not the compilation of {schedule.name or schedule.digest[:12]} (0x{expected:08x})"
             )
 
-    def _stage(self, coll: Collective, schedule: Schedule, table: Any = None) -> int:
+    def _stage(self, coll: Collective, schedule: Schedule, table: Any = None, *, defer_psum: bool = False) -> int:
         version = 0
         with self._stage_lock:
-            fused = self._fusion_with(coll, schedule)  # before anything is staged: a refusal changes nothing
+            fused = None if defer_psum else self._fusion_with(coll, schedule)  # before anything is staged
             with self._lock:
                 if self.backend in ("cpu", "cuda"):
                     version = self._install_native(coll, schedule, table)
                     if fused is not None:
                         self._install_native(Collective.ALL_REDUCE, fused)
                 self._record(coll, schedule, fused)
+                if defer_psum and self._psum_follows(coll):
+                    self._psum_deferred = True
         if self.backend in ("ppermute", "auto"):
             _bump_generation()
         return version
@@ -604,8 +639,10 @@ class Communicator:
         self._schedules[coll] = schedule
         if coll is Collective.ALL_REDUCE:
             self._fused = None  # psum runs the installed schedule
+            self._psum_deferred = False
         elif fused is not None:
             self._fused = fused
+            self._psum_deferred = False
 
     def _check_fits(self, coll: Collective, schedule: Any, caller: str) -> None:
         if not isinstance(schedule, Schedule):

@@ -255,3 +255,22 @@ def test_the_halves_are_fused_only_once_a_program_traces_psum():
     assert comm.launched_schedule("psum").digest == ring.digest
     assert _run(comm, x) == _lax(x)
     comm.close()
+
+
+def test_a_deferred_fusion_keeps_psum_on_the_earlier_pair_until_fuse_psum():
+    # The controller stages a half with defer_psum (its swap is not delayed by the fusion), then fuse_psum.
+    comm = jaxccl.Communicator(_mesh(), "d", topology=SLOW_NIC, backend="cpu")
+    x = _data(8, np.float32, 12)
+    assert _run(comm, x) == _lax(x)  # psum traced: the halves follow from now on
+    before = comm.launched_schedule("psum")
+    ag = jaxccl.synth.all_gather(SLOW_NIC).validate()
+    comm.stage_validated("all_gather", ag, defer_psum=True)
+    assert comm.schedule("all_gather") is ag and comm.launched_schedule("psum") is before
+    assert _run(comm, x) == _lax(x)
+    assert comm.fuse_psum() is True and comm.fuse_psum() is False
+    assert comm.launched_schedule("psum").digest == fuse_all_reduce(comm.schedule("reduce_scatter"), ag).digest
+    assert _run(comm, x) == _lax(x)
+    plain = jaxccl.Communicator(_mesh(), "d", backend="cpu")  # no topology: nothing to fuse
+    assert plain.fuse_psum() is False
+    comm.close()
+    plain.close()
