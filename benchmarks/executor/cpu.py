@@ -25,6 +25,8 @@ import argparse
 import gc
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import jaxccl
 from jaxccl.cli.bench_run import implementation_runner  # axis "d"
@@ -37,6 +39,57 @@ IMPLS = ("jaxccl-cpu", "lax", "jaxccl-ppermute", "jaxccl-cpu-unprepared", "jaxcc
 FULL_SIZES = [4 << 10 << (2 * i) for i in range(7)]  # 4 KiB, 16 KiB, ..., 16 MiB
 QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20]
 ACCEPT = ((1 << 20, None, 1.0), (4 << 10, 4 << 10, 1.3))  # (from size, to size or None, largest ratio)
+
+
+def measure_interleaved(
+    fns: dict[str, Callable[[Any], Any]], x: Any, *, warmup: int, runs: int, rotate: bool = False
+) -> tuple[dict[str, Any], dict[str, list[float]]]:
+    """``warmup`` calls of each implementation, then ``runs`` rounds calling each once in turn (``rotate``: the
+    order rotated from round to round). Returns each one's first result (numpy) and its times (seconds)."""
+    import numpy as np
+
+    first = {}
+    for impl, fn in fns.items():
+        for _ in range(warmup):
+            out = fn(x)
+            out.block_until_ready()
+        first[impl] = np.asarray(out)
+        del out
+    impls = list(fns)
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    for run in range(runs):
+        k = run % len(impls) if rotate else 0
+        for impl in impls[k:] + impls[:k]:
+            t0 = time.perf_counter()
+            out = fns[impl](x)
+            out.block_until_ready()
+            times[impl].append(time.perf_counter() - t0)
+            del out
+    gc.collect()
+    return first, times
+
+
+def point_rows(first: dict[str, Any], times: dict[str, list[float]], size: int, out_bytes: int) -> list[dict[str, Any]]:
+    """One row per implementation: median time, algbw of ``out_bytes`` and the ratio to ``lax`` (when measured),
+    and whether its result is bitwise ``lax``'s."""
+    import numpy as np
+
+    lax_t = report.median(times["lax"]) if "lax" in times else float("nan")
+    rows = []
+    for impl, ts in times.items():
+        t = report.median(ts)
+        rows.append(
+            {
+                "impl": impl,
+                "size": size,
+                "size_h": report.format_bytes(size),
+                "time_us": t * 1e6,
+                "algbw_GBs": out_bytes / t / 1e9,
+                "ratio_vs_lax": t / lax_t,
+                "bitwise_ok": None if "lax" not in first else bool(np.array_equal(first[impl], first["lax"])),
+            }
+        )
+    return rows
 
 
 def _bound(size: int) -> float | None:
@@ -119,37 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         x = jax.device_put(data, sharding)
         out_bytes = {"all_gather": size * n, "psum_scatter": size // n}.get(collective, size)
         fns = {impl: build(collective, impl) for impl in impls}
-        first = {}
-        for impl, fn in fns.items():
-            for _ in range(args.warmup):
-                out = fn(x)
-                out.block_until_ready()
-            first[impl] = np.asarray(out)
-            del out
-        times = {impl: [] for impl in impls}
-        for _ in range(runs):
-            for impl, fn in fns.items():  # interleaved
-                t0 = time.perf_counter()
-                out = fn(x)
-                out.block_until_ready()
-                times[impl].append(time.perf_counter() - t0)
-                del out
-        gc.collect()
-        lax_t = report.median(times["lax"]) if "lax" in times else float("nan")
-        for impl in impls:
-            t = report.median(times[impl])
-            rows.append(
-                {
-                    "collective": collective,
-                    "impl": impl,
-                    "size": size,
-                    "size_h": report.format_bytes(size),
-                    "time_us": t * 1e6,
-                    "algbw_GBs": out_bytes / t / 1e9,
-                    "ratio_vs_lax": t / lax_t,
-                    "bitwise_ok": None if "lax" not in first else bool(np.array_equal(first[impl], first["lax"])),
-                }
-            )
+        first, times = measure_interleaved(fns, x, warmup=args.warmup, runs=runs)
+        rows += [{"collective": collective, **row} for row in point_rows(first, times, size, out_bytes)]
         del x
 
     cols = ["size_h", "impl", "time_us", "algbw_GBs", "ratio_vs_lax", "bitwise_ok"]

@@ -28,12 +28,11 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 import sys
-import time
 
 import jaxccl
+from benchmarks.executor.cpu import measure_interleaved, point_rows
 from jaxccl.cli.args import topology as parse_topology
 from jaxccl.cli.bench_run import implementation_runner  # axis "d"
 from jaxccl.util import report
@@ -94,39 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         data = np.random.default_rng(size).standard_normal(NUM_DEVICES * elems).astype(np.float32)
         x = jax.device_put(data, sharding)
         fns = {impl: implementation_runner(mesh, "psum", comms.get(impl)) for impl in impls}
-        first = {}
-        for impl, fn in fns.items():
-            for _ in range(args.warmup):
-                out = fn(x)
-                out.block_until_ready()
-            first[impl] = np.asarray(out)
-            del out
-        times = {impl: [] for impl in impls}
-        for run in range(runs):
-            k = run % len(impls)  # interleaved, the order rotated: a call right after jax.lax's runs faster at 4 KiB
-            for impl in impls[k:] + impls[:k]:
-                fn = fns[impl]
-                t0 = time.perf_counter()
-                out = fn(x)
-                out.block_until_ready()
-                times[impl].append(time.perf_counter() - t0)
-                del out
-        gc.collect()
-        lax_t = report.median(times["lax"]) if "lax" in times else float("nan")
-        for impl in impls:
-            t = report.median(times[impl])
-            rows.append(
-                {
-                    "sweep": sweep,
-                    "impl": impl,
-                    "size": size,
-                    "size_h": report.format_bytes(size),
-                    "time_us": t * 1e6,
-                    "algbw_GBs": size / t / 1e9,
-                    "ratio_vs_lax": t / lax_t,
-                    "bitwise_ok": None if "lax" not in first else bool(np.array_equal(first[impl], first["lax"])),
-                }
-            )
+        # interleaved, the order rotated: a call right after jax.lax's runs faster at 4 KiB
+        first, times = measure_interleaved(fns, x, warmup=args.warmup, runs=runs, rotate=True)
+        rows += [{"sweep": sweep, **row} for row in point_rows(first, times, size, size)]
         del x
 
     print(
