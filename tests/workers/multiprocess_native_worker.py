@@ -23,12 +23,13 @@ Usage: python tests/workers/multiprocess_native_worker.py MODE [ARGS]
   a sum over both axes, a ReduceScatter and a max over ``data`` and an AllToAll over ``model`` run
   natively in one jitted step, compared bitwise with ``jax.lax`` on integer-valued data; each
   layout's meter sees only its own ranks (``CHECK meter ...``).
-- ``sums LOCAL_DEVICES BACKEND``: float sums across processes bitwise equal to ``jax.lax`` (gloo's
+- ``sums LOCAL_DEVICES BACKEND [AXES]``: float sums across processes bitwise equal to ``jax.lax`` (gloo's
   orders): ``psum``, ``pmean`` and ``psum_scatter`` over a 1-D axis of every device and over ``"data"``, ``"model"``,
   ``("data", "model")`` and ``("model", "data")`` of a 2-D mesh whose rows are the processes, on
   float32, bfloat16 and float16 data whose magnitudes span decades, 1 to 300,001 elements per rank
   (odd sizes, several gloo segments); BACKEND ``cpu`` (each layout attached) or ``ppermute`` (the 1-D
-  axis and ``("model", "data")``: the same schedules, lowered to ppermute rounds).
+  axis and ``("model", "data")``: the same schedules, lowered to ppermute rounds). AXES, comma-separated,
+  takes some of ``d``, ``data``, ``model``, ``data/model`` and ``model/data`` only (a part: ``sums:BACKEND:AXES``).
 - ``swap LOCAL_DEVICES STEPS``: native AllGather steps across processes, each checked bitwise
   against ``jax.lax``; at a step drawn from a seed every process shares, a ring schedule is
   staged everywhere at one agreed sequence number (``stage_agreed``); prints ``SWAP version seq``
@@ -251,7 +252,7 @@ def layouts(t) -> bool:
     return ok
 
 
-def sums(t, backend: str) -> bool:
+def sums(t, backend: str, axes: str = "") -> bool:
     import jax
     import ml_dtypes
     from jax.sharding import Mesh, NamedSharding
@@ -265,6 +266,8 @@ def sums(t, backend: str) -> bool:
     cases = [("1d", "d"), ("2d", "data"), ("2d", "model"), ("2d", ("data", "model")), ("2d", ("model", "data"))]
     if backend == "ppermute":  # the same schedules as on cpu: two axes show the lowering runs them
         cases = [cases[0], cases[4]]
+    if axes:
+        cases = [c for c in cases if "/".join(native_axes(c[1])) in axes.split(",")]
     rng = np.random.default_rng(9)  # the same global data in every process
     sizes = (1, 7, 65537, 300001)
     dtypes = (np.float32, ml_dtypes.bfloat16, np.float16)
@@ -514,7 +517,7 @@ def run_part(t, part: str) -> bool:
     if mode == "layouts":
         return layouts(t)
     if mode == "sums":
-        return sums(t, arg)
+        return sums(t, *arg.split(":", 1))
     if mode == "swap":
         return swap(t, int(arg))
     raise SystemExit(f"unknown part {part!r}")
@@ -541,7 +544,7 @@ def main(argv: list[str]) -> int:
     elif mode == "layouts":
         ok = layouts(t)
     elif mode == "sums":
-        ok = sums(t, argv[2])
+        ok = sums(t, *argv[2:4])
     elif mode == "meter":
         ok = meter(t, int(argv[2]))
     elif mode == "killnative":
