@@ -312,8 +312,7 @@ class Communicator:
             native = _native()
             if backend == "cuda" and not native.has_cuda_support():
                 raise ExecutorError("Communicator(backend='cuda'): the native module was built without CUDA")
-            for c in Collective:
-                s = self._schedules[c]
+            for c, s in self._schedules.items():
                 if s is not None:
                     self._install_native(c, s)
         _LIVE[self.uid] = self
@@ -567,11 +566,11 @@ class Communicator:
         with self._stage_lock:
             if not self._psum_deferred:
                 return False
-            fused = fuse_all_reduce(self._schedules[Collective.REDUCE_SCATTER], self._schedules[Collective.ALL_GATHER])
+            fused = self._fusion_with(Collective.ALL_GATHER, self._schedules[Collective.ALL_GATHER])
             with self._lock:
                 if self.backend in ("cpu", "cuda"):
                     self._install_native(Collective.ALL_REDUCE, fused)
-                self._record(Collective.ALL_GATHER, self._schedules[Collective.ALL_GATHER], fused)
+                self._fused, self._psum_deferred = fused, False
         if self.backend in ("ppermute", "auto"):
             _bump_generation()
         return True
