@@ -312,7 +312,8 @@ class Communicator:
             native = _native()
             if backend == "cuda" and not native.has_cuda_support():
                 raise ExecutorError("Communicator(backend='cuda'): the native module was built without CUDA")
-            for c, s in self._schedules.items():
+            for c in Collective:
+                s = self._schedules[c]
                 if s is not None:
                     self._install_native(c, s)
         _LIVE[self.uid] = self
@@ -566,11 +567,11 @@ class Communicator:
         with self._stage_lock:
             if not self._psum_deferred:
                 return False
-            fused = self._fusion_with(Collective.ALL_GATHER, self._schedules[Collective.ALL_GATHER])
+            fused = fuse_all_reduce(self._schedules[Collective.REDUCE_SCATTER], self._schedules[Collective.ALL_GATHER])
             with self._lock:
                 if self.backend in ("cpu", "cuda"):
                     self._install_native(Collective.ALL_REDUCE, fused)
-                self._fused, self._psum_deferred = fused, False
+                self._record(Collective.ALL_GATHER, self._schedules[Collective.ALL_GATHER], fused)
         if self.backend in ("ppermute", "auto"):
             _bump_generation()
         return True
