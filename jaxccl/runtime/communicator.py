@@ -312,8 +312,7 @@ class Communicator:
             native = _native()
             if backend == "cuda" and not native.has_cuda_support():
                 raise ExecutorError("Communicator(backend='cuda'): the native module was built without CUDA")
-            for c in Collective:
-                s = self._schedules[c]
+            for c, s in self._schedules.items():
                 if s is not None:
                     self._install_native(c, s)
         _LIVE[self.uid] = self
@@ -567,11 +566,10 @@ class Communicator:
         with self._stage_lock:
             if not self._psum_deferred:
                 return False
-            fused = fuse_all_reduce(self._schedules[Collective.REDUCE_SCATTER], self._schedules[Collective.ALL_GATHER])
+            gather = self._schedules[Collective.ALL_GATHER]
+            fused = self._fusion_with(Collective.ALL_GATHER, gather)
             with self._lock:
-                if self.backend in ("cpu", "cuda"):
-                    self._install_native(Collective.ALL_REDUCE, fused)
-                self._record(Collective.ALL_GATHER, self._schedules[Collective.ALL_GATHER], fused)
+                self._record(Collective.ALL_GATHER, gather, fused)
         if self.backend in ("ppermute", "auto"):
             _bump_generation()
         return True
@@ -601,8 +599,6 @@ class Communicator:
             with self._lock:
                 if self.backend in ("cpu", "cuda") and coll in self._slots:
                     self._check_registry_holds(coll, schedule)
-                if fused is not None and self.backend in ("cpu", "cuda"):
-                    self._install_native(Collective.ALL_REDUCE, fused)
                 self._record(coll, schedule, fused)
         if fused is not None and self.backend in ("ppermute", "auto"):
             _bump_generation()
@@ -625,8 +621,6 @@ class Communicator:
             with self._lock:
                 if self.backend in ("cpu", "cuda"):
                     version = self._install_native(coll, schedule, table)
-                    if fused is not None:
-                        self._install_native(Collective.ALL_REDUCE, fused)
                 self._record(coll, schedule, fused)
                 if defer_psum and self._psum_follows(coll):
                     self._psum_deferred = True
@@ -635,7 +629,10 @@ class Communicator:
         return version
 
     def _record(self, coll: Collective, schedule: Schedule, fused: Schedule | None) -> None:
-        """``schedule`` is ``coll``'s from now on, ``fused`` (if any) psum's fusion of the halves; under the lock."""
+        """``schedule`` is ``coll``'s from now on, ``fused`` (if any) psum's fusion of the halves, staged in
+        ``all_reduce``'s slot here on native backends; under the lock, after ``coll``'s own table is staged."""
+        if fused is not None and self.backend in ("cpu", "cuda"):
+            self._install_native(Collective.ALL_REDUCE, fused)
         self._schedules[coll] = schedule
         if coll is Collective.ALL_REDUCE:
             self._fused = None  # psum runs the installed schedule
