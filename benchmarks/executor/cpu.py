@@ -189,9 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             "\nacceptance (jaxccl-cpu / lax <= 1.0 at >= 1 MiB per rank, <= 1.3 at 4 KiB): "
             + ("PASS" if not failing else f"FAIL at {[(r['collective'], r['size_h']) for r in failing]}")
         )
-    wrong = [r for r in rows if r["bitwise_ok"] is False]
-    if wrong:
-        print(f"\nresults differing from jax.lax: {[(r['collective'], r['impl'], r['size']) for r in wrong]}")
+    wrong = report.print_differing(rows, ["collective", "impl", "size"])
     if args.json:
         report.write_json(
             args.json,

@@ -106,9 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repeat > 1:
         print(f"medians over {args.repeat} sweeps")
     report.print_table(summary, ["size_h", "impl", "time_us", "algbw_GBs", "ratio_vs_lax", "bitwise_ok"])
-    wrong = [r for r in rows if r["bitwise_ok"] is False]
-    if wrong:
-        print(f"\nresults differing from jax.lax: {[(r['impl'], r['size']) for r in wrong]}")
+    wrong = report.print_differing(rows, ["impl", "size"])
     if args.json:
         report.write_json(
             args.json,

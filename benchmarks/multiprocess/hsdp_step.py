@@ -17,10 +17,10 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
+from benchmarks.multiprocess.jobs import launch_rows, publish_rows
 from jaxccl.util import report
 
 WIDTHS = (256, 512, 1024, 2048)
@@ -96,7 +96,7 @@ def worker(args: argparse.Namespace) -> int:
             }
         )
     if me == 0:
-        print("ROWS " + json.dumps(rows), flush=True)
+        publish_rows(rows)
     for comm in comms:
         comm.close()
     transport.close()
@@ -125,19 +125,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
 
-    from jaxccl.distributed.launch import launch
     from jaxccl.distributed.transport import unavailable_reason
 
     if (reason := unavailable_reason()) is not None:
         print(f"cannot run: {reason}")
         return 2
-    argv_worker = [sys.executable, __file__, "--worker", *(argv if argv is not None else sys.argv[1:])]
     t0 = time.perf_counter()
-    results = launch(argv_worker, args.processes, timeout_s=args.timeout_s)
-    rows = next((json.loads(line[5:]) for line in results[0].output.splitlines() if line.startswith("ROWS ")), None)
-    if rows is None or any(r.returncode != 0 for r in results):
-        for r in results:
-            print(f"process {r.process_id} (rc {r.returncode}):\n{r.output[-3000:]}")
+    rows = launch_rows(__file__, argv, args.processes, timeout_s=args.timeout_s)
+    if rows is None:
         return 1
     print(
         f"HSDP step, {args.processes} processes x {args.devices} devices (loopback), {args.layers} layers; medians of "

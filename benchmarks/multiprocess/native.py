@@ -20,10 +20,10 @@ Usage:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
+from benchmarks.multiprocess.jobs import launch_rows, publish_rows
 from jaxccl.cli.bench_run import implementation_runner  # axis "d"
 from jaxccl.util import report
 
@@ -107,7 +107,7 @@ def worker(args: argparse.Namespace) -> int:
             if me == 0:
                 print(f"POINT {collective} {size}", file=sys.stderr, flush=True)
     if me == 0:
-        print("ROWS " + json.dumps(rows), flush=True)
+        publish_rows(rows)
     for comm in comms.values():
         comm.close()
     transport.close()
@@ -148,27 +148,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import contextlib
 
-    from jaxccl.distributed.launch import launch
     from jaxccl.labs.netlab import LinkShape, NetLab
 
-    argv_worker = [sys.executable, __file__, "--worker", *(argv if argv is not None else sys.argv[1:])]
     with contextlib.ExitStack() as stack:
         lab = None
         if args.network == "netns":
             shape = LinkShape(rate_mbit=args.rate_mbit) if args.rate_mbit else None
             lab = stack.enter_context(NetLab(args.processes, shape))
         t0 = time.perf_counter()
-        results = launch(
-            argv_worker, args.processes, lab=lab, timeout_s=args.timeout_s, env={"JAXCCL_TIMEOUT_S": "120"}
+        rows = launch_rows(
+            __file__, argv, args.processes, lab=lab, timeout_s=args.timeout_s, env={"JAXCCL_TIMEOUT_S": "120"}
         )
         elapsed = time.perf_counter() - t0
-    rows = None
-    for line in results[0].output.splitlines():
-        if line.startswith("ROWS "):
-            rows = json.loads(line[5:])
-    if rows is None or any(r.returncode != 0 for r in results):
-        for r in results:
-            print(f"process {r.process_id} (rc {r.returncode}):\n{r.output[-3000:]}")
+    if rows is None:
         return 1
     cols = ["size_h", "impl", "time_us", "cpu_us", "algbw_GBs", "ratio_vs_lax", "bitwise_ok"]
     where = f"{args.network}" + (f", NICs at {args.rate_mbit:g} Mbit/s" if args.rate_mbit else "")
@@ -179,9 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             "algbw = one rank's output bytes / time; times measured in process 0"
         )
         report.print_table(sel, cols)
-    wrong = [r for r in rows if r["bitwise_ok"] is False]
-    if wrong:
-        print(f"\nresults differing from their reference: {[(r['collective'], r['impl'], r['size']) for r in wrong]}")
+    wrong = report.print_differing(rows, ["collective", "impl", "size"], "their reference")
     print(f"\n({elapsed:.0f} s)")
     if args.json:
         report.write_json(

@@ -98,6 +98,22 @@ def print_table(
         out.write("  ".join(v.rjust(w) for v, w in zip(row, widths)) + "\n")
 
 
+def print_differing(rows: Sequence[Mapping[str, Any]], fields: Sequence[str], reference: str = "jax.lax") -> bool:
+    """Prints the rows whose result differed from ``reference`` (``bitwise_ok`` False), named by ``fields``;
+    returns whether there were any (a benchmark's exit status).
+
+    Example:
+        >>> print_differing([{"impl": "ring", "size": 4096, "bitwise_ok": False}], ["impl", "size"])
+        <BLANKLINE>
+        results differing from jax.lax: [('ring', 4096)]
+        True
+    """
+    wrong = [tuple(r[f] for f in fields) for r in rows if r.get("bitwise_ok") is False]
+    if wrong:
+        print(f"\nresults differing from {reference}: {wrong}")
+    return bool(wrong)
+
+
 def write_json(path: str | os.PathLike[str], data: Any) -> None:
     """Writes ``data`` as indented JSON, creating parent folders; NaN/inf become null."""
 
