@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from jaxccl.control.controller import Controller, Event
+from jaxccl.distributed import kv
 from jaxccl.distributed.transport import (
     DEFAULT_SWAP_MARGIN,
     TransportMeter,
@@ -56,7 +57,7 @@ from jaxccl.distributed.transport import (
     stage_agreed,
     swap_key,
 )
-from jaxccl.errors import ArgumentError, DeadlineError, ExecutorError
+from jaxccl.errors import ArgumentError
 from jaxccl.runtime import process_layouts
 from jaxccl.schedule import Schedule
 from jaxccl.telemetry import RECORD_DTYPE, TelemetryCollector
@@ -215,12 +216,8 @@ class ProcessLoop:
         key_prefix: str = LOOP_KEY_PREFIX,
         **controller_options: Any,
     ):
-        from jax._src import distributed
-
         check_loop_backend(comm, "ProcessLoop")
-        self._client = distributed.global_state.client
-        if self._client is None:
-            raise ExecutorError("ProcessLoop needs jax.distributed.initialize(...) first")
+        self._client, process_id, num_processes = kv.job_client("ProcessLoop")
         if comm.topology is None:
             raise ArgumentError(
                 "ProcessLoop: the communicator has no topology (the links the controller reasons about)"
@@ -228,8 +225,7 @@ class ProcessLoop:
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ArgumentError(f"ProcessLoop: every must be a positive integer, got {every!r}")
         self.comm = comm
-        self.process_id = int(distributed.global_state.process_id)
-        self.num_processes = int(distributed.global_state.num_processes)
+        self.process_id, self.num_processes = int(process_id), int(num_processes)
         self.every, self.timeout_s, self.margin = every, float(timeout_s), int(margin)
         self.key_prefix = key_prefix
         n = comm.axis_size
@@ -386,10 +382,7 @@ class ProcessLoop:
         self._spent.clear()
 
     def _get(self, key: str, what: str) -> str:
-        try:
-            return self._client.blocking_key_value_get(key, int(self.timeout_s * 1000))
-        except Exception as e:  # XLA raises its own error type for a missed deadline
-            raise DeadlineError(f"{what} did not arrive within {self.timeout_s} s: {e}") from e
+        return kv.get(self._client, key, self.timeout_s, f"{what} did not arrive")
 
     # ------------------------------------------------------------------ decisions and agreement
     def _publish_and_stage(self, collective: str, schedule: Any) -> int:

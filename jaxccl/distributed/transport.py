@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxccl.distributed import kv
 from jaxccl.errors import ArgumentError, DeadlineError, ExecutorError, TransportArgumentError
 
 KEY_PREFIX = "jaxccl/transport"
@@ -168,25 +169,15 @@ class ProcessTransport:
             ExecutorError: ``jax.distributed`` is not initialized, or the transport failed.
             DeadlineError: a peer did not publish its address within ``timeout_s``.
         """
-        from jax._src import distributed
-
-        client = distributed.global_state.client
-        if client is None:
-            raise ExecutorError("ProcessTransport.bootstrap() needs jax.distributed.initialize(...) first")
-        me, n = distributed.global_state.process_id, distributed.global_state.num_processes
+        client, me, n = kv.job_client("ProcessTransport.bootstrap()")
         t = cls(me, n, options=options)
         try:
             client.key_value_set(f"{key_prefix}/{me}", t._t.address().hex())
             for peer in range(n):
                 if peer == me:
                     continue
-                try:
-                    hex_address = client.blocking_key_value_get(f"{key_prefix}/{peer}", int(timeout_s * 1000))
-                except Exception as e:  # XLA raises its own error type for a missed deadline
-                    raise DeadlineError(
-                        f"process {peer} did not publish its transport address within {timeout_s} s: {e}"
-                    ) from e
-                t.connect(peer, bytes.fromhex(hex_address))
+                missing = f"process {peer} did not publish its transport address"
+                t.connect(peer, bytes.fromhex(kv.get(client, f"{key_prefix}/{peer}", timeout_s, missing)))
         except BaseException:
             t.close()
             raise
@@ -437,27 +428,17 @@ def stage_agreed(
         DeadlineError: a process did not publish within ``timeout_s``.
         ExecutorError: this process already issued past the agreed point (raise ``margin``).
     """
-    from jax._src import distributed
-
     from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
     check_loop_backend(comm, "stage_agreed()")
-    client = distributed.global_state.client
-    if client is None:
-        raise ExecutorError("stage_agreed() needs jax.distributed.initialize(...) first")
+    client, me, n = kv.job_client("stage_agreed()")
     if not schedule.validated:
         schedule.validate()
-    me, n = distributed.global_state.process_id, distributed.global_state.num_processes
     slot = comm.slot(collective)
     key = swap_key(slot, round_id)
-    client.key_value_set(f"{key}/{me}", str(native.swap_state(slot)["issued"]))
-    issued = []
-    for p in range(n):
-        try:
-            issued.append(int(client.blocking_key_value_get(f"{key}/{p}", int(timeout_s * 1000))))
-        except Exception as e:  # XLA raises its own error type for a missed deadline
-            raise DeadlineError(f"process {p} did not publish its swap point within {timeout_s} s: {e}") from e
-    transition = max(issued) + int(margin)
+    own = str(native.swap_state(slot)["issued"])
+    issued = kv.gather(client, key, own, process_id=me, num_processes=n, timeout_s=timeout_s, what="its swap point")
+    transition = max(int(i) for i in issued) + int(margin)
     version = native.stage(slot, schedule, transition_seq=transition)
     comm.record_staged(collective, schedule)
     return version, transition
