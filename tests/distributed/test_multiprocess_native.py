@@ -235,7 +235,9 @@ def _check_collectives(results: list[ProcessResult]) -> None:
         assert "ALL OK" in r.output, report
 
 
-@pytest.mark.parametrize(("processes", "local_devices"), [(2, 2), (2, 1), (8, 1)])
+# 8 x 1 (one rank per process, 18 s) runs with -m slow; benchmarks/multiprocess/native.py --processes 8 checks it
+# bitwise at every point it measures.
+@pytest.mark.parametrize(("processes", "local_devices"), [(2, 2), (2, 1), pytest.param(8, 1, marks=pytest.mark.slow)])
 def test_native_collectives_across_processes_on_loopback(processes, local_devices, loopback_job):
     # 4 collectives x 2 dtypes + 4 ordered-sum checks + native launches
     _check_part(loopback_job(processes, local_devices), "collectives", 13)
