@@ -43,6 +43,7 @@ from jaxccl.errors import (
     ExecutorError,
     ScheduleError,
     TopologyError,
+    UnsupportedError,
     UnsupportedTypeError,
 )
 from jaxccl.runtime import default_schedules
@@ -56,7 +57,16 @@ from jaxccl.telemetry import MeasurementStats, TelemetryCollector
 from jaxccl.topology.discover import discover
 from jaxccl.util.options import choose
 
-__all__ = ["BACKENDS", "COLLECTIVES", "Communicator", "current", "default_communicator", "resolve"]
+__all__ = [
+    "BACKENDS",
+    "COLLECTIVES",
+    "Communicator",
+    "current",
+    "default_communicator",
+    "message_bytes",
+    "resolve",
+    "size_bucket",
+]
 
 BACKENDS = ("cpu", "cuda", "ppermute", "auto")
 COLLECTIVES = tuple(c.value for c in Collective)
@@ -108,6 +118,38 @@ def _canonical(collective: str | Collective) -> Collective:
         raise ArgumentError(
             f"unknown collective {collective!r}; expected one of {COLLECTIVES} (or 'psum_scatter', 'psum')"
         ) from None
+
+
+def size_bucket(nbytes: int) -> int:
+    """The size bucket of a message of ``nbytes`` bytes: the smallest power of two ``>= nbytes``.
+
+    Bucket ``2**k`` holds the sizes ``(2**(k-1), 2**k]`` (bucket 1 holds 1 byte).
+
+    Example:
+        >>> size_bucket(1), size_bucket(1000), size_bucket(1024), size_bucket(1025)
+        (1, 1024, 1024, 2048)
+
+    Raises:
+        ArgumentError: ``nbytes`` is not a positive integer.
+    """
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or int(nbytes) < 1:
+        raise ArgumentError(f"size bucket: nbytes must be a positive integer, got {nbytes!r}")
+    return 1 << (int(nbytes) - 1).bit_length()
+
+
+def message_bytes(collective: str | Collective, elems: int, itemsize: int, num_ranks: int) -> int:
+    """The message size of one call (nccl-tests' convention, the larger per-rank buffer), what size buckets use.
+
+    ``elems`` is the flat per-rank input the executor receives: AllGather's output is ``num_ranks`` times it;
+    ReduceScatter, AllReduce and AllToAll move their input's size.
+
+    Example:
+        >>> message_bytes("all_gather", 1024, 4, 8), message_bytes("reduce_scatter", 8192, 4, 8)
+        (32768, 32768)
+    """
+    coll = _canonical(collective)
+    n = int(elems) * int(itemsize)
+    return n * int(num_ranks) if coll is Collective.ALL_GATHER else n
 
 
 def _native():
@@ -192,6 +234,14 @@ class Communicator:
             (for a closed loop over a program whose only collective is ``psum``).
             The halves are fused when a program first traces ``psum``. Across
             processes ``psum`` is never fused: it runs gloo's ring (its sums are gloo's).
+        size_buckets: give every message size bucket (:func:`size_bucket`: powers of two) its own registry
+            slot, so that one compiled program that calls a collective at several sizes can run a different
+            schedule per size (``install(collective, schedule, nbytes=...)``, what
+            :class:`jaxccl.tune.OnlineTuner` does). The size of a call is static, so its bucket, and with it the
+            slot, is chosen when the program is lowered (:meth:`slot` with ``nbytes``), not by the executor at
+            launch: equivalent for static shapes. The first bucket that needs a slot shares the collective's
+            own slot (``slot(collective)``, :meth:`swap_state`), so a program with one size per collective runs
+            exactly as without buckets. One process only (a bucket's swap is not agreed across processes).
 
     Example:
         >>> import jax, numpy as np, jaxccl
@@ -216,6 +266,7 @@ class Communicator:
         link_emulation: Any = None,
         telemetry_alpha: float = 0.5,
         fuse_all_reduce: bool = True,
+        size_buckets: bool = False,
     ):
         # --- several mesh axes (a tuple, in jax.lax's order: the first is the major one)
         axis_names = tuple(getattr(mesh, "axis_names", ()))
@@ -236,6 +287,7 @@ class Communicator:
             link_emulation=link_emulation,
             telemetry_alpha=telemetry_alpha,
             fuse_all_reduce=fuse_all_reduce,
+            size_buckets=size_buckets,
         )
 
     def _init(
@@ -249,8 +301,11 @@ class Communicator:
         link_emulation: Any = None,
         telemetry_alpha: float = 0.5,
         fuse_all_reduce: bool = True,
+        size_buckets: bool = False,
     ) -> None:
         choose("backend", backend, BACKENDS)
+        if not isinstance(size_buckets, bool):
+            raise ArgumentError(f"Communicator: size_buckets must be True or False, got {size_buckets!r}")
         #: Where :attr:`topology` came from: ``"given"``, ``"none"``, or a :func:`jaxccl.topology.discover` source.
         self.topology_source = "none" if topology is None else "given"
         if isinstance(topology, str):
@@ -277,7 +332,12 @@ class Communicator:
         self._is_default = mesh is None
         self._lock = threading.Lock()
         self._stage_lock = threading.RLock()  # one install at a time: a half and psum's fusion of the halves
-        self._slots: dict[Collective, int] = {}
+        # A collective's slot under its Collective; a size bucket's own slot under (collective, bucket). The
+        # first bucket that needs a slot shares the collective's (_base_bucket); close() releases them all.
+        self._slots: dict[Collective | tuple[Collective, int], int] = {}
+        self._size_buckets = size_buckets
+        self._base_bucket: dict[Collective, int] = {}
+        self._bucket_own: dict[tuple[Collective, int], Schedule] = {}  # buckets with a schedule of their own
         if backend == "auto" and not self._is_default:
             backend = "cuda" if native_available() and _native().has_cuda_support() else "cpu"
         self.backend = backend
@@ -297,6 +357,11 @@ class Communicator:
         import jax
 
         across = jax.process_count() > 1
+        if size_buckets and across:
+            raise UnsupportedError(
+                "Communicator(size_buckets=True) runs in one process only: a size bucket's swap is not agreed "
+                "across processes"
+            )
         self._schedules: dict[Collective, Schedule | None] = {
             c: _default_schedule(c, axis_size, with_all_reduce=topology is None or across, across_processes=across)
             for c in Collective
@@ -437,13 +502,46 @@ class Communicator:
         return native.cuda_measurement(dropped_before=dropped_before)
 
     # ------------------------------------------------------------------ schedules
-    def schedule(self, collective: str | Collective) -> Schedule | None:
+    def schedule(self, collective: str | Collective, *, nbytes: int | None = None) -> Schedule | None:
         """The schedule installed for ``collective``; ``None`` for ``all_reduce`` on a communicator with a topology
-        until one is installed (``psum`` then runs its ReduceScatter and AllGather: :meth:`launched_schedule`)."""
+        until one is installed (``psum`` then runs its ReduceScatter and AllGather: :meth:`launched_schedule`).
+        With ``nbytes`` (``size_buckets=True``): the schedule of that size's bucket, its own or the collective's."""
         self._check_open()
-        return self._schedules[_canonical(collective)]
+        coll = _canonical(collective)
+        own = self._bucket_own.get((coll, self._bucket(nbytes)))
+        return own if own is not None else self._schedules[coll]
 
-    def launched_schedule(self, collective: str | Collective) -> Schedule | None:
+    def buckets(self, collective: str | Collective) -> dict[int, Schedule | None]:
+        """The size buckets of ``collective`` that have a registry slot (or, on ``ppermute``, a schedule of their
+        own): bucket (bytes, a power of two) -> its own schedule, or ``None`` where it runs the collective's.
+
+        Example:
+            >>> import jax, numpy as np, jaxccl
+            >>> from jax.sharding import Mesh
+            >>> mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
+            >>> comm = jaxccl.Communicator(mesh, "d", backend="cpu", size_buckets=True)
+            >>> comm.install("all_gather", jaxccl.synth.ring_allgather(4), nbytes=3000)
+            >>> {b: s.name for b, s in comm.buckets("all_gather").items()}
+            {4096: 'ring_allgather'}
+            >>> comm.schedule("all_gather", nbytes=4096).name, comm.schedule("all_gather", nbytes=8192).name
+            ('ring_allgather', 'direct_allgather')
+        """
+        self._check_open()
+        coll = _canonical(collective)
+        with self._lock:
+            found = {b: None for c, b in self._base_bucket.items() if c is coll}
+            found |= {k[1]: None for k in self._slots if isinstance(k, tuple) and k[0] is coll}
+            found |= {b: s for (c, b), s in self._bucket_own.items() if c is coll}
+        return dict(sorted(found.items()))
+
+    def _bucket(self, nbytes: int | None) -> int | None:
+        """``nbytes``' size bucket where this communicator has buckets, else ``None``."""
+        if nbytes is None:
+            return None
+        b = size_bucket(nbytes)
+        return b if self._size_buckets else None
+
+    def launched_schedule(self, collective: str | Collective, *, nbytes: int | None = None) -> Schedule | None:
         """The schedule one launch of ``collective`` runs: the installed one, or for ``all_reduce`` without one
         on a communicator with a topology, the fusion of the ``reduce_scatter`` and ``all_gather`` schedules
         (:func:`jaxccl.schedule.fusion.fuse_all_reduce`), re-fused whenever either is installed. ``None`` where
@@ -459,11 +557,18 @@ class Communicator:
             >>> comm.install("all_gather", jaxccl.synth.ring_allgather(4))
             >>> comm.launched_schedule("psum").name
             'direct_reduce_scatter+ring_allgather'
+
+        With ``nbytes`` (``size_buckets=True``): what a launch of that size runs, its bucket's own schedule or
+        the collective's.
         """
         self._check_open()
-        return self._launched(_canonical(collective))
+        coll = _canonical(collective)
+        return self._launched(coll, self._bucket(nbytes))
 
-    def _launched(self, coll: Collective) -> Schedule | None:
+    def _launched(self, coll: Collective, bucket: int | None = None) -> Schedule | None:
+        own = self._bucket_own.get((coll, bucket)) if bucket is not None else None
+        if own is not None:
+            return own
         installed = self._schedules[coll]
         if installed is not None or coll is not Collective.ALL_REDUCE or not self._fusing:
             return installed
@@ -488,7 +593,7 @@ class Communicator:
         halves = {c: self._schedules[c] for c in _HALVES} | {coll: schedule}
         return fuse_all_reduce(halves[Collective.REDUCE_SCATTER], halves[Collective.ALL_GATHER])
 
-    def install(self, collective: str | Collective, schedule: Schedule) -> None:
+    def install(self, collective: str | Collective, schedule: Schedule, *, nbytes: int | None = None) -> None:
         """Makes ``schedule`` the active schedule of ``collective``, from the next call on.
 
         Checks it with the reference interpreter (``schedule.validate()``) first.
@@ -505,16 +610,54 @@ class Communicator:
         bitwise equal to ``jax.lax`` only with schedules that sum in ascending rank order
         (``info["ordered_reduction"]``); a fused ``psum`` sums as its ReduceScatter does.
 
+        Size buckets (``Communicator(..., size_buckets=True)``): with ``nbytes``, ``schedule`` becomes the
+        schedule of that size's bucket (:func:`size_bucket`) only, staged in the bucket's own slot, which
+        programs lowered before or after run at their next call of that size. Without ``nbytes`` it is the
+        schedule of every size: every bucket's own schedule is dropped and all the collective's slots are
+        staged with ``schedule`` (what the closed loop's swaps do; as without buckets, every later call runs
+        it). ``psum``'s fusion follows the halves installed without ``nbytes`` only.
+
         Raises:
             ScheduleError: ``schedule`` is for another collective or another
                 number of ranks, or fails the interpreter (it or psum's fusion of it with the other half).
+            ArgumentError: ``nbytes`` is not a positive integer, or the communicator has no size buckets.
             CommunicatorClosedError: the communicator is closed.
             ExecutorError: the native registry refused it.
         """
         coll = _canonical(collective)
         self._check_open()
         self._check_fits(coll, schedule, "install")
-        self._stage(coll, schedule.validate())
+        bucket = self._bucket_required(nbytes, "install")
+        if bucket is None:
+            self._stage(coll, schedule.validate())
+        else:
+            self._stage_bucket(coll, bucket, schedule.validate())
+
+    def _bucket_required(self, nbytes: int | None, caller: str) -> int | None:
+        if nbytes is not None and not self._size_buckets:
+            raise ArgumentError(
+                f"{caller}(nbytes={nbytes!r}): {self!r} has no size buckets (Communicator(..., size_buckets=True))"
+            )
+        return self._bucket(nbytes)
+
+    def _stage_bucket(self, coll: Collective, bucket: int, schedule: Schedule, table: Any = None) -> int:
+        """Stages ``schedule`` as size bucket ``bucket``'s own schedule (its slot allocated first if need be)."""
+        version = 0
+        with self._stage_lock:  # the slot is allocated and staged before any other install (same order as _stage)
+            native_backend = self.backend in ("cpu", "cuda")
+            slot = self.slot(coll, bucket) if native_backend else None
+            with self._lock:
+                self._check_open()
+                if native_backend:
+                    if table is None:
+                        table = compiled_table(schedule, num_slots=8)
+                    else:
+                        table = check_table(schedule, table, what=f"the table staged for {coll.value!r}")
+                    version = int(_native().stage(slot, table))
+                self._bucket_own[(coll, bucket)] = schedule
+        if self.backend in ("ppermute", "auto"):
+            _bump_generation()
+        return version
 
     def stage_validated(
         self,
@@ -524,6 +667,7 @@ class Communicator:
         table: Any = None,
         interpreter: bool = True,
         defer_psum: bool = False,
+        nbytes: int | None = None,
     ) -> int:
         """:meth:`install` for callers that validated ``schedule`` already (the controller).
 
@@ -541,17 +685,23 @@ class Communicator:
         all the same: the fusion follows its data. ``defer_psum=True`` stages the half alone and leaves ``psum``
         on its current fusion (a correct AllReduce of the halves installed before) until :meth:`fuse_psum` (the
         controller: fusing a synthesized pair takes tens of milliseconds, which would delay the swap of the half).
-        Returns the staged version (native backends; 0 on ``ppermute``).
+        ``nbytes`` stages it for that size's bucket only, as :meth:`install` does.
+        Returns the staged version (native backends; 0 on ``ppermute``): without ``nbytes``, that of the
+        collective's own slot (:meth:`swap_state`).
 
         Raises:
             ScheduleError: ``schedule`` does not fit or fails the interpreter, or ``table`` is not its compilation.
+            ArgumentError: ``nbytes`` is not a positive integer, or the communicator has no size buckets.
             CommunicatorClosedError: the communicator is closed.
         """
         coll = _canonical(collective)
         self._check_open()
         self._check_fits(coll, schedule, "stage_validated")
+        bucket = self._bucket_required(nbytes, "stage_validated")
         if interpreter and not schedule.validated:
             schedule.validate()
+        if bucket is not None:
+            return self._stage_bucket(coll, bucket, schedule, table)
         return self._stage(coll, schedule, table, defer_psum=defer_psum)
 
     def fuse_psum(self) -> bool:
@@ -582,7 +732,8 @@ class Communicator:
         the controller's profiles then describe what runs. The schedule must have passed the
         interpreter. Where ``psum`` fuses the halves (:meth:`launched_schedule`, one process), a
         ``reduce_scatter`` or ``all_gather`` schedule recorded here is fused with the other half and staged in
-        ``all_reduce``'s slot at once: the next ``psum`` runs the new pair.
+        ``all_reduce``'s slot at once: the next ``psum`` runs the new pair. With size buckets, it becomes the
+        schedule of every size, as :meth:`install` without ``nbytes``: the buckets' own slots are staged here.
 
         Raises:
             ScheduleError: ``schedule`` does not fit this communicator, was not validated, or is not what
@@ -599,6 +750,8 @@ class Communicator:
             with self._lock:
                 if self.backend in ("cpu", "cuda") and coll in self._slots:
                     self._check_registry_holds(coll, schedule)
+                    self._stage_buckets(coll, compiled_table(schedule, num_slots=8), every=True)
+                self._drop_own(coll)
                 self._record(coll, schedule, fused)
         if fused is not None and self.backend in ("ppermute", "auto"):
             _bump_generation()
@@ -620,7 +773,8 @@ class Communicator:
             fused = None if defer_psum else self._fusion_with(coll, schedule)  # before anything is staged
             with self._lock:
                 if self.backend in ("cpu", "cuda"):
-                    version = self._install_native(coll, schedule, table)
+                    version = self._install_native(coll, schedule, table, every_bucket=True)
+                self._drop_own(coll)
                 self._record(coll, schedule, fused)
                 if defer_psum and self._psum_follows(coll):
                     self._psum_deferred = True
@@ -654,30 +808,66 @@ class Communicator:
                 f"N={schedule.num_ranks} ranks but axis {self.axis_name!r} has {self.axis_size} devices"
             )
 
-    def _install_native(self, coll: Collective, schedule: Schedule, table: Any = None) -> int:
-        """Stages ``schedule`` in ``coll``'s slot: its compilation, or ``table`` once checked to be exactly that."""
+    def _install_native(
+        self, coll: Collective, schedule: Schedule, table: Any = None, *, every_bucket: bool = False
+    ) -> int:
+        """Stages ``schedule`` in ``coll``'s slot: its compilation, or ``table`` once checked to be exactly that;
+        also in the slot of every size bucket that follows the collective (``every_bucket``: of every bucket,
+        whose own schedules the caller drops). Returns the version staged in the collective's slot (0: its
+        bucket keeps a schedule of its own)."""
         self._check_open()
         if table is None:
             table = compiled_table(schedule, num_slots=8)
         else:
             table = check_table(schedule, table, what=f"the table staged for {coll.value!r}")
         native = _native()
-        slot = self._slots.get(coll)
+        version = 0
+        base = self._base_bucket.get(coll)
+        if every_bucket or base is None or (coll, base) not in self._bucket_own:
+            version = int(native.stage(self._new_slot(coll), table))
+        self._stage_buckets(coll, table, every=every_bucket)
+        return version
+
+    def _new_slot(self, key: Collective | tuple[Collective, int]) -> int:
+        """``key``'s slot, allocated (and attached to the emulated network) if it has none; under the lock."""
+        slot = self._slots.get(key)
         if slot is None:
-            slot = int(native.new_slot())
-            self._slots[coll] = slot
+            slot = int(_native().new_slot())
+            self._slots[key] = slot
             if self.network is not None:
                 self.network.attach(slot)
-        return int(native.stage(slot, table))
+        return slot
 
-    def swap_state(self, collective: str | Collective) -> dict[str, int]:
-        """Hot-swap bookkeeping of ``collective``'s slot (native backends): versions and sequence numbers."""
-        return _native().swap_state(self.slot(collective))
+    def _stage_buckets(self, coll: Collective, table: Any, *, every: bool) -> None:
+        """Stages ``table`` in the own slots of ``coll``'s size buckets that follow it (``every``: all of them)."""
+        native = _native()
+        for key, slot in list(self._slots.items()):
+            if isinstance(key, tuple) and key[0] is coll and (every or key not in self._bucket_own):
+                native.stage(slot, table)
 
-    def slot(self, collective: str | Collective) -> int:
-        """The native registry slot of ``collective`` (allocated and filled on first use)."""
+    def _drop_own(self, coll: Collective) -> None:
+        """``coll``'s size buckets follow the collective's schedule again (their slots were staged with it)."""
+        for key in [k for k in self._bucket_own if k[0] is coll]:
+            del self._bucket_own[key]
+
+    def swap_state(self, collective: str | Collective, *, nbytes: int | None = None) -> dict[str, int]:
+        """Hot-swap bookkeeping of ``collective``'s slot (native backends): versions and sequence numbers.
+        With ``nbytes`` (``size_buckets=True``): of that size's bucket's slot."""
+        return _native().swap_state(self.slot(collective, nbytes))
+
+    def slot(self, collective: str | Collective, nbytes: int | None = None) -> int:
+        """The native registry slot of ``collective`` (allocated and filled on first use).
+
+        With ``nbytes`` on a communicator with ``size_buckets=True``, the slot of that message size's bucket
+        (:func:`size_bucket`), what the lowering of a call of that size bakes into the program: the first bucket
+        shares the collective's slot, each later one gets its own, filled with the collective's schedule until
+        one is installed for it. Without size buckets ``nbytes`` is ignored (one slot per collective).
+        """
         coll = _canonical(collective)
-        launched = self._launched(coll) if coll not in self._slots else None  # may fuse psum's halves: unlocked
+        bucket = self._bucket(nbytes)
+        key = coll if bucket is None else (coll, bucket)
+        fresh = coll not in self._slots or (key not in self._slots and self._base_bucket.get(coll, bucket) != bucket)
+        launched = self._launched(coll) if fresh else None  # may fuse psum's halves: unlocked
         with self._lock:
             self._check_open()
             if coll not in self._slots:
@@ -685,7 +875,18 @@ class Communicator:
                 if s is None:
                     raise ExecutorError(f"{self!r}: no {coll.value} schedule installed")
                 self._install_native(coll, s)
-            return self._slots[coll]
+            if bucket is None:
+                return self._slots[coll]
+            if self._base_bucket.setdefault(coll, bucket) == bucket:  # the first bucket shares the collective's
+                return self._slots[coll]
+            if key not in self._slots:
+                # what the collective runs now (an install may have come between: it staged the slots it saw)
+                s = self._schedules[coll]
+                if s is None and coll is Collective.ALL_REDUCE and self._fusing:
+                    s = self._fused
+                table = compiled_table(s if s is not None else launched, num_slots=8)
+                _native().stage(self._new_slot(key), table)
+            return self._slots[key]
 
     def group_devices(self) -> np.ndarray:
         """The devices of every group the collectives of this communicator run over, as a 2-D array.

@@ -223,11 +223,21 @@ def _flat_collective(
     dep=None,
     axis_index_groups=None,
     op: ReduceOp = ReduceOp.SUM,
+    nbytes: int | None = None,
 ) -> jax.Array:
-    """The flat-buffer collective on this rank (chunk layout of docs/schedule-ir.md), reducing with ``op``."""
+    """The flat-buffer collective on this rank (chunk layout of docs/schedule-ir.md), reducing with ``op``.
+
+    ``nbytes`` is the call's message size (default: :func:`~jaxccl.runtime.communicator.message_bytes` of
+    ``flat``); on a communicator with size buckets it picks the bucket's slot (or, on ``ppermute``, its
+    schedule). Shapes are static, so the bucket is chosen here, when the program is lowered, rather than by
+    the executor at launch: the same choice for every launch of this call.
+    """
     axis = _axes.grouped(axis_name, axis_index_groups)
+    if nbytes is None:
+        nbytes = _comm.message_bytes(coll, int(flat.shape[0]), flat.dtype.itemsize, axis_size)
+    nbytes = max(int(nbytes), 1)
     if backend == "ppermute":
-        y = ppermute_backend.run_schedule(comm.launched_schedule(coll), flat, axis, op)
+        y = ppermute_backend.run_schedule(comm.launched_schedule(coll, nbytes=nbytes), flat, axis, op)
         # the native executors' steps finish themselves (xla_ffi/core/reduce.h)
         return finish(op, y, jnp) if coll.reduces else y
 
@@ -239,7 +249,7 @@ def _flat_collective(
         axis_size=axis_size,
         group_axes=group_axes,
         first_group=first_group,
-        slot=comm.slot(coll),
+        slot=comm.slot(coll, nbytes),
         site=site,
         backend=kind,
         dep=dep,
@@ -306,16 +316,18 @@ def _allreduce_impl(x, *, op: ReduceOp, **params):
     n, comm = params["axis_size"], params["comm"]
     flat = x.reshape(-1)
     e = flat.shape[0]
-    schedule = comm.launched_schedule(Collective.ALL_REDUCE)  # installed, or the halves fused into one
+    # the message size of the call (its size bucket), on the wire: the padding below does not change it
+    nbytes = max(e * wire_dtype(op, flat.dtype).itemsize, 1)
+    schedule = comm.launched_schedule(Collective.ALL_REDUCE, nbytes=nbytes)  # installed, or the halves fused
     if schedule is not None and schedule.info.get("fold") == "gloo_ring" and n > 1:
         # gloo's ring order holds on gloo's chunks: pad to N of them (the padding is its own elements).
         chunk = gloo_ring_chunk(e, wire_dtype(op, flat.dtype).itemsize, n)
         work = jnp.concatenate([flat, jnp.zeros((n * chunk - e,), flat.dtype)]) if n * chunk > e else flat
-        return _reduce(Collective.ALL_REDUCE, work, op=op, **_kw(**params))[:e].reshape(x.shape)
+        return _reduce(Collective.ALL_REDUCE, work, op=op, nbytes=nbytes, **_kw(**params))[:e].reshape(x.shape)
     if schedule is not None:
         pad = input_padding(schedule, e)  # a fused schedule sums as its halves on a multiple of N elements
         work = jnp.concatenate([flat, jnp.zeros((pad,), flat.dtype)]) if pad else flat
-        y = _reduce(Collective.ALL_REDUCE, work, op=op, **_kw(**params))
+        y = _reduce(Collective.ALL_REDUCE, work, op=op, nbytes=nbytes, **_kw(**params))
         return (y[:e] if pad else y).reshape(x.shape)
     # ReduceScatter + AllGather in two launches on a buffer padded to a multiple of N (MCCL Sec. 3); the padding
     # is dropped.
