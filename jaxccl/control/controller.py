@@ -357,6 +357,15 @@ class Controller:
         self._thread: threading.Thread | None = None
         self.resyntheses = 0
         self.step_times = StepTimes()
+        self._resynthesis_hooks: list[Callable[[str, Any, Any], None]] = []
+
+    def add_resynthesis_hook(self, hook: Callable[[str, Any, Any], None]) -> None:
+        """Calls ``hook(collective, schedule, topology)`` after every re-synthesized schedule is staged, with
+        the topology it was synthesized for (the measured, degraded one); on the controller's thread, so keep
+        it short (:class:`jaxccl.tune.OnlineTuner` queues it). An exception in it is an ``error`` event."""
+        if not callable(hook):
+            raise ArgumentError(f"Controller.add_resynthesis_hook: expected a callable, got {hook!r}")
+        self._resynthesis_hooks.append(hook)
 
     @property
     def change_detector(self) -> ChangeDetector | None:
@@ -755,3 +764,8 @@ class Controller:
             stale_algbw=stale,
         )
         self.comm.fuse_psum()  # psum follows the new half once it is swapped (until then it ran the earlier pair)
+        for hook in self._resynthesis_hooks:
+            try:
+                hook(coll, new, target)
+            except Exception as e:  # noqa: BLE001 - a listener must never break the loop
+                self.record_error(e)

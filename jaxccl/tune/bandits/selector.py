@@ -295,6 +295,17 @@ class Selector:
                 return tuple(a.parts)
         raise TuneError(f"context {ctx.key}: unknown arm {arm!r}")
 
+    def reset(self, context: Context | Mapping[str, Any] | Sequence[Any]) -> bool:
+        """Forgets ``context``'s bandit: its next visit builds a new one from the arms and predictions
+        offered then (after a re-synthesis changed them, or the fabric the model predicts for). Returns
+        whether there was one.
+
+        >>> sel = Selector(["ring", "tree"], lambda ctx: {"ring": 2e-3, "tree": 1e-3})
+        >>> sel.choose(("all_gather", 8, 1024)), sel.reset(("all_gather", 8, 1024)), sel.contexts
+        ('tree', True, [])
+        """
+        return self._bandits.pop(Context.coerce(context).key, None) is not None
+
     @property
     def contexts(self) -> list[str]:
         """Keys of the contexts seen so far."""
