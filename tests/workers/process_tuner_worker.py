@@ -1,0 +1,86 @@
+"""One process of tests/tune/test_process_tuner.py (started by jaxccl.distributed.launch).
+
+Usage: python tests/workers/process_tuner_worker.py MODE STEPS
+
+Two processes of two CPU devices, the transport attached, a ``cpu`` communicator over the four ranks
+(rail of 2 hosts x 2: each process a host). MODE ``agree``: a :class:`ProcessTuner` with UCB1 runs
+STEPS AllGather steps; every result is compared with ``jax.lax``'s. MODE ``diverge``: process 1's
+selector offers the arms in another order, so the processes choose different first arms; the tuner
+must refuse to stage them.
+
+Prints ``HISTORY json`` (the tuner's (context, arm, latency) records), ``OWN json`` (this process's own
+launch time of each step), ``SWAPS n`` (the agreed swaps staged), ``CHECK step k ok|MISMATCH``,
+``REFUSED message`` (diverge) and ``ALL OK``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+
+
+def main(argv: list[str]) -> int:
+    from jaxccl.distributed.launch import initialize_from_env
+
+    mode, steps = argv[0], int(argv[1])
+    me, _ = initialize_from_env(local_devices=2)
+    import jax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+    from jaxccl.cli.bench_run import AXIS, implementation_runner
+    from jaxccl.distributed.transport import ProcessTransport, attach, local_shards
+    from jaxccl.errors import TuneError
+    from jaxccl.runtime import native
+    from jaxccl.tune import Selector, arm_catalog
+    from jaxccl.tune.process_tuner import ProcessTuner
+
+    mesh = Mesh(np.array(jax.devices()), (AXIS,))
+    topo = jaxccl.topology.rail(hosts=2, gpus_per_host=2)
+    transport = ProcessTransport.bootstrap(timeout_s=60)
+    attach(transport, mesh, AXIS)
+    comm = jaxccl.Communicator(mesh, AXIS, topology=topo, backend="cpu")
+    nbytes = 4 * 16384  # AllGather output per rank: 4 shards of 16 KiB
+    data = np.random.default_rng(5).standard_normal(nbytes // 4).astype(np.float32)
+    x = jax.make_array_from_callback(data.shape, NamedSharding(mesh, P(AXIS)), lambda idx: data[idx])
+    expected = b"".join(s.tobytes() for s in local_shards(implementation_runner(mesh, "all_gather", None)(x)))
+    run = implementation_runner(mesh, "all_gather", comm)
+    if mode == "diverge":
+        catalog = arm_catalog("all_gather", topo)
+        order = [a.name for a in (catalog if me == 0 else catalog[::-1])]
+        selector = Selector(order, catalog=lambda ctx: catalog, policy="ucb1")  # no model: the first arm first
+        tuner = ProcessTuner(comm, selector, timeout_s=30)
+        try:
+            tuner.prepare("all_gather", nbytes)
+        except TuneError as e:
+            print(f"REFUSED {e}", flush=True)
+            print("ALL OK", flush=True)
+        return 0
+    tuner = ProcessTuner(comm, Selector.for_topology(topo), timeout_s=60)
+    own, swaps, ok = [], 0, True
+    for k in range(steps):
+        before = comm.schedule("all_gather").digest
+        arm = tuner.prepare("all_gather", nbytes)
+        swaps += comm.schedule("all_gather").digest != before
+        out = run(x)
+        out.block_until_ready()
+        own.append(native.last_launch_seconds(comm.slot("all_gather")))
+        tuner.record("all_gather", nbytes, arm)
+        same = b"".join(s.tobytes() for s in local_shards(out)) == expected
+        ok &= same
+        print(f"CHECK step {k} {'ok' if same else 'MISMATCH'}", flush=True)
+    print(f"HISTORY {json.dumps(tuner.history)}", flush=True)
+    print(f"OWN {json.dumps(own)}", flush=True)
+    print(f"SWAPS {swaps}", flush=True)
+    comm.close()
+    transport.close()
+    if ok:
+        print("ALL OK", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
