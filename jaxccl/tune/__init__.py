@@ -1,7 +1,7 @@
 """Choosing and reshaping schedules online: NCCL-BOT bandits seeded by a cost model, and REACT.
 
 Thin re-exports; the code lives in the submodules (``arms``, ``cost_model``,
-``bandits``, ``replay``, ``online`` for a live communicator; ``react`` for
+``bandits``, ``replay``, ``online`` for a live communicator: :class:`OnlineTuner`; ``react`` for
 REACT's pattern transforms).
 """
 
@@ -9,7 +9,7 @@ from jaxccl.tune import react
 from jaxccl.tune.arms import COLLECTIVES, Arm, Context, TuneError, arm_catalog, arm_names, direct_allgather
 from jaxccl.tune.bandits import DEFAULT_POLICY, ContextBandit, Selector, filter_arms, make_policy
 from jaxccl.tune.cost_model import CostModel, CostParams, calibrate, margin
-from jaxccl.tune.online import OnlineTuner
+from jaxccl.tune.online import OnlineTuner, exact_arm
 from jaxccl.tune.react import ReactConfig, run_react
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "arm_names",
     "calibrate",
     "direct_allgather",
+    "exact_arm",
     "filter_arms",
     "make_policy",
     "margin",

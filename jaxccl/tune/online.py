@@ -115,6 +115,10 @@ class OnlineTuner:
             the cost model's choice, never learning).
         model: the :class:`~jaxccl.tune.CostModel` of the prior (default: the physical constants).
         rho_max, seed: as for :class:`~jaxccl.tune.Selector`.
+        prediction_scale: executor seconds per second the cost model predicts, so that the prior and the
+            rewards are on one scale (NCCL-BOT's warm start needs ``mu_hat`` in the reward's units); default
+            ``1 / time_scale`` on an emulated fabric (``LinkEmulation(time_scale=...)`` slows every link by
+            that factor), else 1.
         exact_reductions: offer only rank-ordered arms for ReduceScatter and AllReduce contexts (and refuse
             another arm from a given ``selector``).
 
@@ -131,6 +135,7 @@ class OnlineTuner:
         model: CostModel | None = None,
         rho_max: float = RHO_MAX,
         seed: int = 0,
+        prediction_scale: float | None = None,
         exact_reductions: bool = True,
     ):
         if getattr(comm, "backend", None) not in ("cpu", "cuda"):
@@ -140,6 +145,14 @@ class OnlineTuner:
         self.comm = comm
         self.exact_reductions = exact_reductions
         self.model = model if model is not None else CostModel()
+        if prediction_scale is None:
+            network = getattr(comm, "network", None)
+            prediction_scale = 1.0 / network.config.time_scale if network is not None else 1.0
+        if isinstance(prediction_scale, bool) or not isinstance(prediction_scale, (int, float)):
+            raise TuneError(f"prediction_scale must be a positive number, got {prediction_scale!r}")
+        if not 0 < prediction_scale < float("inf"):
+            raise TuneError(f"prediction_scale must be a positive number, got {prediction_scale!r}")
+        self.prediction_scale = float(prediction_scale)
         #: The fabric the cost model predicts on: the communicator's, then the controller's measured one.
         self.topology = comm.topology
         self._own = selector is None
@@ -184,7 +197,8 @@ class OnlineTuner:
         return [a.name for a in self._catalog(ctx)]
 
     def _predict(self, ctx: Context) -> dict[str, float]:
-        return self.model.predict_context(ctx, self._catalog(ctx), self.topology)
+        predicted = self.model.predict_context(ctx, self._catalog(ctx), self.topology)
+        return {a: t * self.prediction_scale for a, t in predicted.items()}
 
     def arms(self, collective: str) -> list[str]:
         """The arm names offered now for ``collective``'s contexts."""

@@ -140,7 +140,8 @@ def test_resynthesis_replaces_the_synthesized_arm_and_resets_the_context():
     assert tuner.selector.schedules(ctx, "tree")[0].digest == new.digest
     b = tuner.selector.bandit(ctx)
     want = tuner.model.predict_context(ctx, tuner._catalog(jaxccl.tune.Context(*ctx)), degraded)
-    assert b.predictions == [want[a] for a in b.all_arms]  # the prior on the degraded fabric
+    assert tuner.prediction_scale == pytest.approx(1e2)  # 1 / the emulation's time scale: the rewards' units
+    assert b.predictions == [want[a] * tuner.prediction_scale for a in b.all_arms]  # the prior, degraded fabric
     assert len(tuner.history) == 3 and arm in b.arms
     assert sum(b.policy.state()["pulls"]) == 0  # the estimates restarted
     with pytest.raises(TuneError):
@@ -193,6 +194,9 @@ def test_tuner_bad_input():
         tuner.record("all_gather", 1024)
     with pytest.raises(TuneError, match="policy"):
         OnlineTuner(comm, Selector.for_topology(TOPO), policy="ucb1")
+    for bad in (0, -1.0, float("inf"), "2", True):
+        with pytest.raises(TuneError, match="prediction_scale"):
+            OnlineTuner(comm, prediction_scale=bad)
     with pytest.raises(TuneError, match="exact_reductions"):
         OnlineTuner(comm, exact_reductions="yes")
     with pytest.raises(TuneError, match="topology"):
