@@ -43,7 +43,7 @@ import dataclasses
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -62,8 +62,9 @@ from jaxccl.runtime import process_layouts
 from jaxccl.schedule import Schedule
 from jaxccl.telemetry import RECORD_DTYPE, TelemetryCollector
 from jaxccl.telemetry.records import INTER, INTRA
+from jaxccl.topology import Topology
 
-__all__ = ["LOOP_KEY_PREFIX", "ProcessLoop", "decision_key", "published_rows", "rates_key"]
+__all__ = ["LOOP_KEY_PREFIX", "ProcessLoop", "decision_key", "published_rows", "rates_key", "topology_key"]
 
 log = logging.getLogger("jaxccl.control")
 
@@ -84,6 +85,11 @@ def round_key(prefix: str, step: int) -> str:
 def decision_key(prefix: str, step: int) -> str:
     """Where process 0 publishes the decision of step ``step``."""
     return f"{prefix}/{step}/decision"
+
+
+def topology_key(prefix: str, step: int) -> str:
+    """Where process 0 publishes the topology a re-synthesis of step ``step`` planned for (for the hooks)."""
+    return f"{prefix}/{step}/topology"
 
 
 def records_of(matrix: np.ndarray) -> bytes:
@@ -255,6 +261,36 @@ class ProcessLoop:
             if self.process_id == 0
             else None
         )
+        self._hooks: list[Callable[[str, Schedule, Topology], None]] = []
+        if self.controller is not None:
+            self.controller.add_resynthesis_hook(self._announce)
+
+    def add_resynthesis_hook(self, hook: Callable[[str, Schedule, Topology], None]) -> None:
+        """Calls ``hook(collective, schedule, topology)`` in every process once it took part in the agreed swap
+        of a re-synthesized schedule, with the topology process 0's controller planned it for (the measured,
+        degraded one: the same data in every process, so that what every process derives from it agrees, as
+        :meth:`jaxccl.tune.process_tuner.ProcessTuner.follow` needs). Register it in every process. An
+        exception in it is an ``error`` event.
+
+        Raises:
+            ArgumentError: ``hook`` is not callable.
+        """
+        if not callable(hook):
+            raise ArgumentError(f"ProcessLoop.add_resynthesis_hook: expected a callable, got {hook!r}")
+        self._hooks.append(hook)
+
+    def _announce(self, collective: str, schedule: Schedule, topology: Topology) -> None:
+        """Process 0, after the controller's agreed swap: publishes the planned topology and runs the hooks."""
+        text = topology.to_json()
+        self._client.key_value_set(topology_key(self.key_prefix, self._decision_step), text)
+        self._run_hooks(collective, schedule, Topology.from_json(text))
+
+    def _run_hooks(self, collective: str, schedule: Schedule, topology: Topology) -> None:
+        for hook in self._hooks:
+            try:
+                hook(collective, schedule, topology)
+            except Exception as e:  # noqa: BLE001 - a listener must never break the loop
+                self._record_error("resynthesis hook", e)
 
     # ------------------------------------------------------------------ events
     @property
@@ -432,5 +468,9 @@ class ProcessLoop:
         if "schedule" not in decision:
             return
         collective = decision["collective"]
-        version = self._agree(k, collective, Schedule.from_json(decision["schedule"]))
+        schedule = Schedule.from_json(decision["schedule"])
+        version = self._agree(k, collective, schedule)
         self._emit("agreed", collective, version=version, agree_ms=self.times.agree_ms)
+        if self._hooks:
+            planned = self._get(topology_key(self.key_prefix, k), "the topology of process 0's re-synthesis")
+            self._run_hooks(collective, schedule, Topology.from_json(planned))

@@ -60,25 +60,49 @@ class ProcessTuner:
 
     Args:
         comm: a ``cpu`` or ``cuda`` communicator attached to the job's transport.
-        selector: this process's selector; every process builds it alike.
+        selector: this process's selector, built alike in every process; default: the tuner's own over
+            jaxccl's catalogue on ``comm.topology`` (needed for :meth:`follow`).
         key_prefix: where the tuner's agreements live in the key-value store (one tuner per prefix).
         timeout_s: how long a process waits for the others at an agreement.
+        tuner_options: the :class:`~jaxccl.tune.online.OnlineTuner` options (``policy``, ``model``, ``seed``...).
 
     Raises:
         ArgumentError: ``comm`` runs on a backend whose swaps cannot be agreed.
         ExecutorError: ``jax.distributed`` is not initialized.
+        TuneError: a bad tuner option.
     """
 
-    def __init__(self, comm: Any, selector: Any, *, key_prefix: str = TUNE_KEY_PREFIX, timeout_s: float = 60.0):
+    def __init__(
+        self,
+        comm: Any,
+        selector: Any = None,
+        *,
+        key_prefix: str = TUNE_KEY_PREFIX,
+        timeout_s: float = 60.0,
+        **tuner_options: Any,
+    ):
         check_loop_backend(comm, "ProcessTuner")
         self.comm = comm
         self.key_prefix, self.timeout_s = str(key_prefix), float(timeout_s)
         self._client, self.process_id, self.num_processes = kv.job_client("ProcessTuner")
-        self.tuner = OnlineTuner(_AgreedInstalls(self), selector)
+        self.tuner = OnlineTuner(_AgreedInstalls(self), selector, **tuner_options)
         self._agreements = 0
         self._agreed = False  # whether this prepare's agreement happened (in install)
         self._records = 0
         self._spent: list[str] = []  # process 0: keys every process has read, deleted at the next record
+
+    def follow(self, loop: Any) -> ProcessTuner:
+        """Subscribes to a :class:`~jaxccl.control.process_loop.ProcessLoop`'s re-syntheses (call it in every
+        process): after each agreed swap of a re-synthesized schedule, the next :meth:`prepare` makes it the
+        collective's synthesized arm and restarts its contexts from the prior on the topology process 0 planned
+        for, the same in every process (:meth:`OnlineTuner.on_resynthesis
+        <jaxccl.tune.online.OnlineTuner.on_resynthesis>`). Returns the tuner.
+
+        Raises:
+            TuneError: the tuner was given a selector (its arms are not the tuner's to replace).
+        """
+        self.tuner.follow(loop)  # a ProcessLoop offers the controller's add_resynthesis_hook, in every process
+        return self
 
     @property
     def selector(self) -> Any:

@@ -4,6 +4,7 @@
   process records the same arms and the same latencies, each the largest of the processes' own
   launch times; the arms it switches between run at agreed calls (every result bitwise ``jax.lax``'s).
 - Processes whose selectors choose different schedules are refused with a TuneError before a swap.
+- Following a ProcessLoop, every process takes the loop's re-synthesized schedule into its arms.
 - In one process: a ``ppermute`` communicator and a job without ``jax.distributed`` are named errors.
 """
 
@@ -63,6 +64,22 @@ def test_processes_that_choose_different_schedules_are_refused_before_a_swap():
         assert r.returncode == 0, r.output[-3000:]
         refused = _lines(r.output, "REFUSED")
         assert refused and "chose different all_gather schedules" in refused[0], r.output[-3000:]
+
+
+@pytest.mark.multiprocess
+@needs_transport
+def test_every_process_takes_the_loops_resynthesis_into_its_arms():
+    steps = 6
+    results = launch(
+        [sys.executable, str(WORKER), "follow", str(steps)], 2, env={"JAXCCL_TIMEOUT_S": "60"}, timeout_s=240
+    )
+    for r in results:
+        assert r.returncode == 0 and "ALL OK" in r.output, r.output[-3000:]
+        assert json.loads(_lines(r.output, "ERRORS")[0]) == []
+    resyntheses = [json.loads(_lines(r.output, "RESYNTHESES")[0]) for r in results]
+    assert resyntheses[0] and resyntheses[0] == resyntheses[1]  # the same re-synthesis, in every process
+    histories = [json.loads(_lines(r.output, "HISTORY")[0]) for r in results]
+    assert histories[0] == histories[1]  # and the same choices from the new prior after it
 
 
 def _comm(backend: str) -> jaxccl.Communicator:

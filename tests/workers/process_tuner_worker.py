@@ -6,11 +6,13 @@ Two processes of two CPU devices, the transport attached, a ``cpu`` communicator
 (rail of 2 hosts x 2: each process a host). MODE ``agree``: a :class:`ProcessTuner` with UCB1 runs
 STEPS AllGather steps; every result is compared with ``jax.lax``'s. MODE ``diverge``: process 1's
 selector offers the arms in another order, so the processes choose different first arms; the tuner
-must refuse to stage them.
+must refuse to stage them. MODE ``follow``: the tuner (the cost model's choice) follows a
+:class:`ProcessLoop` on the same communicator, whose topology overstates one rail so that the loop
+re-synthesizes in its first steps; every process must apply that re-synthesis to its arms.
 
 Prints ``HISTORY json`` (the tuner's (context, arm, latency) records), ``OWN json`` (this process's own
 launch time of each step), ``SWAPS n`` (the agreed swaps staged), ``CHECK step k ok|MISMATCH``,
-``REFUSED message`` (diverge) and ``ALL OK``.
+``REFUSED message`` (diverge), ``RESYNTHESES json`` and ``ERRORS json`` (follow) and ``ALL OK``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,14 @@ import json
 import sys
 
 import numpy as np
+
+
+def _skewed(topology):
+    """Rail 2 x 2 whose rail-0 NICs claim 1000x what rail 1's do: loopback carries far less, so the loop's
+    first measurements flag the schedule and process 0's controller re-synthesizes (as in
+    multiprocess_loop_worker.py)."""
+    base = topology.rail(hosts=2, gpus_per_host=2, nic_gbps=8)
+    return base.with_edges({e: {"capacity": 1000 * base.capacity(*e)} for e in base.graph.edges if "tor:s0r0" in e})
 
 
 def main(argv: list[str]) -> int:
@@ -43,7 +53,7 @@ def main(argv: list[str]) -> int:
     transport = ProcessTransport.bootstrap(timeout_s=60)
     attach(transport, mesh, AXIS)
     comm = jaxccl.Communicator(mesh, AXIS, topology=topo, backend="cpu")
-    nbytes = 4 * 16384  # AllGather output per rank: 4 shards of 16 KiB
+    nbytes = 4 * 65536  # AllGather output per rank: 4 shards of 64 KiB (the loop measures sends >= 32 KiB)
     data = np.random.default_rng(5).standard_normal(nbytes // 4).astype(np.float32)
     x = jax.make_array_from_callback(data.shape, NamedSharding(mesh, P(AXIS)), lambda idx: data[idx])
     expected = b"".join(s.tobytes() for s in local_shards(implementation_runner(mesh, "all_gather", None)(x)))
@@ -59,7 +69,18 @@ def main(argv: list[str]) -> int:
             print(f"REFUSED {e}", flush=True)
             print("ALL OK", flush=True)
         return 0
-    tuner = ProcessTuner(comm, Selector.for_topology(topo), timeout_s=60)
+    loop = None
+    if mode == "follow":  # the loop's controller on process 0 re-synthesizes at once (see below)
+        from jaxccl.control.process_loop import ProcessLoop
+
+        comm.close()
+        comm = jaxccl.Communicator(mesh, AXIS, topology=_skewed(jaxccl.topology), backend="cpu")
+        run = implementation_runner(mesh, "all_gather", comm)
+        tuner = ProcessTuner(comm, policy="auto", timeout_s=60)
+        loop = ProcessLoop(comm, margin=0, timeout_s=60, confirm=1)
+        tuner.follow(loop)
+    else:
+        tuner = ProcessTuner(comm, Selector.for_topology(topo), timeout_s=60)
     own, swaps, ok = [], 0, True
     for k in range(steps):
         before = comm.schedule("all_gather").digest
@@ -69,12 +90,18 @@ def main(argv: list[str]) -> int:
         out.block_until_ready()
         own.append(native.last_launch_seconds(comm.slot("all_gather")))
         tuner.record("all_gather", nbytes, arm)
+        if loop is not None:
+            loop.step()
         same = b"".join(s.tobytes() for s in local_shards(out)) == expected
         ok &= same
         print(f"CHECK step {k} {'ok' if same else 'MISMATCH'}", flush=True)
     print(f"HISTORY {json.dumps(tuner.history)}", flush=True)
     print(f"OWN {json.dumps(own)}", flush=True)
     print(f"SWAPS {swaps}", flush=True)
+    if loop is not None:
+        print(f"RESYNTHESES {json.dumps(tuner.tuner.resyntheses)}", flush=True)
+        print(f"ERRORS {json.dumps([e.detail for e in loop.errors])}", flush=True)
+        print(f"EVENTS {[e.kind for e in loop.events]}", flush=True)
     comm.close()
     transport.close()
     if ok:
