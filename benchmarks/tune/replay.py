@@ -16,9 +16,13 @@ topology, as a cost model frozen at communicator creation).
 The pools, the split and the model's predictions are saved under
 ``benchmarks/results/tuning/`` so the tables re-run without simulating.
 
+``--pools measured [PATH]`` replays measured pools (``jaxccl bench --tune``) instead:
+:mod:`benchmarks.tune.replay_measured`.
+
 Usage:
     nice -n 10 python -m benchmarks.tune.replay [--quick] [--views actual nominal]
-        [--pools PATH] [--resimulate] [--recalibrate] [--trials N] [--seeds N] [--json PATH]
+        [--pools PATH | --pools measured [PATH]] [--resimulate] [--recalibrate] [--trials N] [--seeds N]
+        [--json PATH]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxccl.tune.measured import read_measurement
 from jaxccl.tune.replay import (
     FAMILIES,
     PAPER,
@@ -50,6 +55,7 @@ from jaxccl.tune.replay import (
 from jaxccl.util.report import print_table, write_json
 
 OUT = os.path.join("benchmarks", "results", "tuning")
+MEASURED_POOLS = os.path.join(OUT, "measured_pools_rail2x4.npz")  # jaxccl bench --tune's recorded pools
 QUICK_CONFIG = PoolConfig(hosts=(4, 8, 16), sizes=tuple(1 << k for k in range(9, 35, 3)))
 ROWS = [  # (row label, family, paper key)
     ("AUTO", "auto", "auto"),
@@ -189,10 +195,31 @@ def table(pools, view: str, res: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def _pools_argument(ap: argparse.ArgumentParser, values: list[str] | None) -> tuple[bool, str | None]:
+    """``--pools``: ``(measured?, path)``; ``measured [PATH]``, or a file whose metadata says it was measured."""
+    if not values:
+        return False, None
+    if values[0] == "measured":
+        if len(values) > 2:
+            ap.error("--pools measured takes at most one PATH")
+        return True, values[1] if len(values) == 2 else MEASURED_POOLS
+    if len(values) != 1:
+        ap.error("--pools takes one PATH, or 'measured [PATH]'")
+    path = values[0]
+    return bool(os.path.exists(path) and read_measurement(path) is not None), path
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small tuning budget (and a small pool if none is saved)")
-    ap.add_argument("--pools", help="pools file (default benchmarks/results/tuning/pools.npz)")
+    ap.add_argument(
+        "--pools",
+        nargs="+",
+        metavar="[measured] PATH",
+        help="pools file (default benchmarks/results/tuning/pools.npz); 'measured [PATH]' (or a file written by "
+        "jaxccl bench --tune) replays measured pools (benchmarks/tune/replay_measured.py; default "
+        "benchmarks/results/tuning/measured_pools_rail2x4.npz)",
+    )
     ap.add_argument("--resimulate", action="store_true", help="simulate the pools even if the file exists")
     ap.add_argument("--recalibrate", action="store_true", help="re-fit the cost model and its predictions")
     ap.add_argument("--views", nargs="+", default=["actual", "nominal"], choices=["actual", "nominal"])
@@ -204,6 +231,16 @@ def main(argv: list[str] | None = None) -> int:
     args.trials = args.trials if args.trials is not None else (6 if args.quick else 40)
     args.seeds = args.seeds if args.seeds is not None else (3 if args.quick else 10)
     args.tune_seeds = args.tune_seeds if args.tune_seeds is not None else (1 if args.quick else 3)
+    measured, args.pools = _pools_argument(ap, args.pools)
+    if measured:
+        # imported here: replay_measured imports this module (run_view, log)
+        from benchmarks.tune import replay_measured
+
+        out = replay_measured.run(args.pools, args)
+        dest = args.json or os.path.join(OUT, "measured_replay_rail2x4.json")
+        write_json(dest, out)
+        log(f"wrote {dest} ({out['wall_s']:.0f} s)")
+        return 0
     t0 = time.perf_counter()
     pools, path = get_pools(args)
     train, test = pools.indices("train"), pools.indices("test")

@@ -34,7 +34,7 @@ from typing import Any
 
 import jaxccl
 from jaxccl import topology as t
-from jaxccl.cli import bench_launch, bench_memory
+from jaxccl.cli import bench_launch, bench_memory, bench_tune
 from jaxccl.cli.args import UsageError, parse_size, positive_float, positive_int, topology
 from jaxccl.cli.bench_run import BenchConfig, run
 from jaxccl.cli.bench_schedules import NAMES, load_file
@@ -127,6 +127,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(root), the transport on TCP only so every byte crosses the lab's links",
     )
     bench_launch.add_arguments(p)
+    bench_tune.add_arguments(p)
     p.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     p.set_defaults(func=_run)
 
@@ -303,6 +304,8 @@ def _run(args: argparse.Namespace) -> int:
         sizes = sweep(args.min_bytes, args.max_bytes, args.step_factor)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if args.tune:
+        return bench_tune.run(args, sizes)
     topo = topology(args.topology) if args.topology is not None else None
     if args.processes is not None:
         _check(args, args.processes)
