@@ -3,16 +3,17 @@
 Usage: python tests/workers/process_tuner_worker.py MODE STEPS
 
 Two processes of two CPU devices, the transport attached, a ``cpu`` communicator over the four ranks
-(rail of 2 hosts x 2: each process a host). MODE ``agree``: a :class:`ProcessTuner` with UCB1 runs
-STEPS AllGather steps; every result is compared with ``jax.lax``'s. MODE ``diverge``: process 1's
-selector offers the arms in another order, so the processes choose different first arms; the tuner
-must refuse to stage them. MODE ``follow``: the tuner (the cost model's choice) follows a
+(rail of 2 hosts x 2: each process a host). MODE ``run``: a :class:`ProcessTuner` (cold UCB1 over every
+arm, its own selector) runs STEPS AllGather steps, every result compared with ``jax.lax``'s, and follows a
 :class:`ProcessLoop` on the same communicator, whose topology overstates one rail so that the loop
-re-synthesizes in its first steps; every process must apply that re-synthesis to its arms.
+re-synthesizes in its first steps (as in multiprocess_loop_worker.py). MODE ``diverge``: process 1's
+selector offers the arms in another order, so the processes choose different first arms; the tuner
+must refuse to stage them.
 
 Prints ``HISTORY json`` (the tuner's (context, arm, latency) records), ``OWN json`` (this process's own
-launch time of each step), ``SWAPS n`` (the agreed swaps staged), ``CHECK step k ok|MISMATCH``,
-``REFUSED message`` (diverge), ``RESYNTHESES json`` and ``ERRORS json`` (follow) and ``ALL OK``.
+launch time of each step), ``SWAPS n`` (steps whose prepare changed the schedule), ``RESYNTHESES json``
+(what the tuner took from the loop), ``ERRORS json`` (the loop's), ``CHECK step k ok|MISMATCH``,
+``REFUSED message`` (diverge) and ``ALL OK``.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import numpy as np
 
 def _skewed(topology):
     """Rail 2 x 2 whose rail-0 NICs claim 1000x what rail 1's do: loopback carries far less, so the loop's
-    first measurements flag the schedule and process 0's controller re-synthesizes (as in
-    multiprocess_loop_worker.py)."""
+    first measurements flag the schedule and process 0's controller re-synthesizes."""
     base = topology.rail(hosts=2, gpus_per_host=2, nic_gbps=8)
     return base.with_edges({e: {"capacity": 1000 * base.capacity(*e)} for e in base.graph.edges if "tor:s0r0" in e})
 
@@ -42,6 +42,7 @@ def main(argv: list[str]) -> int:
 
     import jaxccl
     from jaxccl.cli.bench_run import AXIS, implementation_runner
+    from jaxccl.control.process_loop import ProcessLoop
     from jaxccl.distributed.transport import ProcessTransport, attach, local_shards
     from jaxccl.errors import TuneError
     from jaxccl.runtime import native
@@ -49,7 +50,7 @@ def main(argv: list[str]) -> int:
     from jaxccl.tune.process_tuner import ProcessTuner
 
     mesh = Mesh(np.array(jax.devices()), (AXIS,))
-    topo = jaxccl.topology.rail(hosts=2, gpus_per_host=2)
+    topo = _skewed(jaxccl.topology)
     transport = ProcessTransport.bootstrap(timeout_s=60)
     attach(transport, mesh, AXIS)
     comm = jaxccl.Communicator(mesh, AXIS, topology=topo, backend="cpu")
@@ -62,25 +63,16 @@ def main(argv: list[str]) -> int:
         catalog = arm_catalog("all_gather", topo)
         order = [a.name for a in (catalog if me == 0 else catalog[::-1])]
         selector = Selector(order, catalog=lambda ctx: catalog, policy="ucb1")  # no model: the first arm first
-        tuner = ProcessTuner(comm, selector, timeout_s=30)
         try:
-            tuner.prepare("all_gather", nbytes)
+            ProcessTuner(comm, selector, timeout_s=30).prepare("all_gather", nbytes)
         except TuneError as e:
             print(f"REFUSED {e}", flush=True)
             print("ALL OK", flush=True)
         return 0
-    loop = None
-    if mode == "follow":  # the loop's controller on process 0 re-synthesizes at once (see below)
-        from jaxccl.control.process_loop import ProcessLoop
-
-        comm.close()
-        comm = jaxccl.Communicator(mesh, AXIS, topology=_skewed(jaxccl.topology), backend="cpu")
-        run = implementation_runner(mesh, "all_gather", comm)
-        tuner = ProcessTuner(comm, policy="auto", timeout_s=60)
-        loop = ProcessLoop(comm, margin=0, timeout_s=60, confirm=1)
-        tuner.follow(loop)
-    else:
-        tuner = ProcessTuner(comm, Selector.for_topology(topo), timeout_s=60)
+    # cold UCB1 over every arm (no filter): it tries each in turn, so the steps switch arms
+    tuner = ProcessTuner(comm, timeout_s=60, policy={"policy": "ucb1", "pseudo_count": 0}, rho_max=1e9)
+    loop = ProcessLoop(comm, margin=0, timeout_s=60, confirm=1)
+    tuner.follow(loop)
     own, swaps, ok = [], 0, True
     for k in range(steps):
         before = comm.schedule("all_gather").digest
@@ -90,18 +82,15 @@ def main(argv: list[str]) -> int:
         out.block_until_ready()
         own.append(native.last_launch_seconds(comm.slot("all_gather")))
         tuner.record("all_gather", nbytes, arm)
-        if loop is not None:
-            loop.step()
+        loop.step()
         same = b"".join(s.tobytes() for s in local_shards(out)) == expected
         ok &= same
         print(f"CHECK step {k} {'ok' if same else 'MISMATCH'}", flush=True)
     print(f"HISTORY {json.dumps(tuner.history)}", flush=True)
     print(f"OWN {json.dumps(own)}", flush=True)
     print(f"SWAPS {swaps}", flush=True)
-    if loop is not None:
-        print(f"RESYNTHESES {json.dumps(tuner.tuner.resyntheses)}", flush=True)
-        print(f"ERRORS {json.dumps([e.detail for e in loop.errors])}", flush=True)
-        print(f"EVENTS {[e.kind for e in loop.events]}", flush=True)
+    print(f"RESYNTHESES {json.dumps(tuner.tuner.resyntheses)}", flush=True)
+    print(f"ERRORS {json.dumps([e.detail for e in loop.errors])}", flush=True)
     comm.close()
     transport.close()
     if ok:
