@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 import jaxccl
-from jaxccl.topology import rail
+from jaxccl.topology import rail, scenario
 from jaxccl.util import report
 
 AXES = ("a", "b")
@@ -214,6 +214,11 @@ def summarize(runs: dict[str, Run], ab: dict[str, Any], steps: int) -> dict[str,
     return out
 
 
+def _rounded(rows: Sequence[Sequence[float]]) -> list[list[float]]:
+    """Seconds to the microsecond (the JSON stays small)."""
+    return [[round(float(v), 6) for v in row] for row in rows]
+
+
 def _counts(items: Sequence[str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for i in items:
@@ -288,6 +293,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--rounds", type=int, default=9, help="round-robin A/B rounds per phase after the run")
     ap.add_argument("--time-scale", type=float, default=1e-3)
     ap.add_argument("--fault-gbps", type=float, default=100.0, help="GPU 0's NIC after the fault (of 400)")
+    ap.add_argument(
+        "--fault", default="nic", choices=("nic", "fail1", "fail2", "fail3"),
+        help="nic: GPU 0's NIC at --fault-gbps; failN: MCCL's scenario on GPU 0 (jaxccl.topology.scenario)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="benchmarks/results/tuning/live_rail2x4.json")
     ap.add_argument("--png", default="docs/_static/tuning_live.png")
@@ -302,7 +311,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), AXES)
     topo = rail(hosts=2, gpus_per_host=4)
-    fault = topo.degrade(0, "tor:s0r0", gbps=args.fault_gbps)
+    if args.fault == "nic":
+        fault, fault_text = (
+            topo.degrade(0, "tor:s0r0", gbps=args.fault_gbps),
+            f"GPU 0's NIC 400 -> {args.fault_gbps:g} Gbps",
+        )
+    else:
+        fault, fault_text = scenario(topo, args.fault), f"MCCL's {args.fault} on GPU 0"
     step_fn, ref = _program(mesh, jaxccl), _program(mesh, jax.lax)
     rng = np.random.default_rng(args.seed)
     xs = [rng.standard_normal(8 * e).astype(np.float32) + np.float32(0.5) for e in ELEMS]
@@ -341,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "topology": "rail 2x4 (emulated)",
         "mesh": "2 x 4, communicator over both axes",
         "contexts": [f"all_gather/8/{message_bytes(e)}" for e in ELEMS],
-        "fault": f"GPU 0's NIC 400 -> {args.fault_gbps:g} Gbps after step {args.steps}",
+        "fault": f"{fault_text} after step {args.steps}",
         "args": vars(args),
         "load_average_run": load_run,
         "load_average_end": load,
@@ -350,10 +365,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "controller_events": {p: [(e.kind, e.collective) for e in r.controller.events] for p, r in runs.items()},
         "resyntheses": {p: (r.tuner.resyntheses if r.tuner else []) for p, r in runs.items()},
         "steps": {
-            p: {"times_s": r.times, "arms": r.arms, "ran": [[d[:12] for d in s] for s in r.ran]}
+            p: {"times_s": _rounded(r.times), "arms": r.arms, "ran": [[d[:12] for d in s] for s in r.ran]}
             for p, r in runs.items()
         },
-        "ab": {ph: {ab["names"][d]: v for d, v in ab[ph].items()} for ph in PHASES},
+        "ab": {ph: {ab["names"][d]: _rounded(v) for d, v in ab[ph].items()} for ph in PHASES},
     }
     if args.json:
         report.write_json(args.json, result)
