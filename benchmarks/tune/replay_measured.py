@@ -39,6 +39,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.tune.replay import MEASURED_POOLS, OUT, log, run_view
+from jaxccl import sim as simulator
+from jaxccl.tune.arms import Context
 from jaxccl.tune.measured import read_measurement
 from jaxccl.tune.replay import (
     FAMILIES,
@@ -117,6 +119,50 @@ def static_arm(pools: Any, train: list[int], test: list[int]) -> tuple[dict[str,
     return chosen, out
 
 
+def simulate_contexts(pools: Any) -> np.ndarray:
+    """``[contexts, arms]`` :func:`jaxccl.sim.run` seconds of every measured (context, arm): the arm built for the
+    healthy rail, run on the context's fabric, parts summed (as :func:`jaxccl.tune.replay.simulate_pools`)."""
+    out = np.full(pools.sim_s.shape, np.nan)
+    cache: dict[tuple[str, str, float], float] = {}
+    for (coll, _hosts), (arms, topos) in build_catalogs(pools).items():
+        names = pools.arms[coll]
+        for ci in pools.indices(collective=coll):
+            c = pools.contexts[ci]
+            ctx, topo = Context(coll, c["num_ranks"], c["nbytes"]), topos[c["scenario"]]
+            for arm in arms:
+                total = 0.0
+                for part in arm.parts:
+                    b = ctx.part_bytes(part.collective)
+                    key = (part.digest, topo.fingerprint, b)
+                    if key not in cache:
+                        cache[key] = float(simulator.run(topo, part, bytes_per_rank=b).time_s)
+                    total += cache[key]
+                out[ci, names.index(arm.name)] = total
+    return out
+
+
+def against_simulator(pools: Any, simulated: np.ndarray, test: list[int]) -> dict[str, Any]:
+    """How the simulator's times compare with the measured steady means, and what playing its argmin costs."""
+    steady = pools.steady()
+    ok = np.isfinite(steady) & np.isfinite(simulated)
+    log_err = np.log(simulated[ok] / steady[ok])
+    realized = np.zeros(len(test))
+    same = 0
+    for k, ci in enumerate(test):
+        star, pick = int(np.nanargmin(steady[ci])), int(np.nanargmin(simulated[ci]))
+        same += star == pick
+        realized[k] = 100.0 * (pools.samples[ci, pick].sum() / pools.samples[ci, star].sum() - 1.0)
+    best_all = [int(np.nanargmin(steady[i])) == int(np.nanargmin(simulated[i])) for i in range(pools.num_contexts)]
+    return {
+        "rms_log_error": float(np.sqrt((log_err**2).mean())),
+        "median_ratio_sim_over_measured": float(np.exp(np.median(log_err))),
+        "same_best_arm_all": float(np.mean(best_all)),
+        "same_best_arm_test": same / max(1, len(test)),
+        "argmin_realized": summarize(realized),
+        "per_context_realized": realized.tolist(),
+    }
+
+
 def noise_stats(pools: Any) -> dict[str, Any]:
     """How noisy the pools are: per (context, arm) the largest sample over the median, and the steady samples'
     coefficient of variation (percentiles over all measured (context, arm) pairs)."""
@@ -162,11 +208,17 @@ def run(path: str, args: argparse.Namespace) -> dict[str, Any]:
         f"(rms log err {report['rms_log_error']:.3f}, physical {report['rms_log_error_physical']})"
     )
     noise = noise_stats(pools)
+    versus_sim = against_simulator(pools, simulate_contexts(pools), test)
+    log(f"simulator vs measured steady means: { ({k: v for k, v in versus_sim.items() if 'per_context' not in k}) }")
     results: dict[str, Any] = {}
     sims: dict[str, Any] = {}
     for view in args.views:
         sim = sims[view] = simulated_reference(view)
         res = run_view(pools, view, args)
+        res["tuning"] = {  # the search histories, cut to their size and best value (the files stay small)
+            f: {"trials": len(h), "best_objective": min((t["objective"] for t in h), default=None)}
+            for f, h in res["tuning"].items()
+        }
         extra = {}
         for key, cfg in (("ucb1_simulated_champion", sim["ucb1_champion"]), ("ucb1_nccl_bot", FAMILIES["ucb1"][0])):
             te = evaluate(pools, cfg, test, view=view, seeds=args.seeds)
@@ -185,7 +237,7 @@ def run(path: str, args: argparse.Namespace) -> dict[str, Any]:
             f"model view '{view}'; realized TRLT in % (p99 and contexts > 10 % over the test contexts), "
             f"simulated-pool figures ({sim['num_test']} test contexts, {sim['source']}) beside."
         )
-        print_table(table(res, sim))
+        print_table(table(res, sim, versus_sim))
         print(f"static arm per collective (best on train): {arms}; noise: {noise}")
     out = {
         "benchmark": "tuning_replay_measured",
@@ -200,6 +252,7 @@ def run(path: str, args: argparse.Namespace) -> dict[str, Any]:
         "args": {k: v for k, v in vars(args).items()},
         "simulated": sims,
         "noise": noise,
+        "simulator": versus_sim,
         "views": results,
         "wall_s": time.perf_counter() - t0,
     }
@@ -220,8 +273,8 @@ def _row(label: str, r: dict[str, Any], sim: dict[str, Any] | None, sel: dict[st
     }
 
 
-def table(res: dict[str, Any], sim: dict[str, Any]) -> list[dict[str, Any]]:
-    """The summary rows: AUTO, UCB1 (tuned, transferred), the static arm and the oracle."""
+def table(res: dict[str, Any], sim: dict[str, Any], versus_sim: dict[str, Any]) -> list[dict[str, Any]]:
+    """The summary rows: AUTO, UCB1 (tuned, transferred), the static arm, the simulator's argmin and the oracle."""
     t = res["transfer"]
     zero = {"mean": 0.0, "sem": 0.0, "p99": 0.0, "over_10": 0}
     w = t["winsorized"]
@@ -241,6 +294,7 @@ def table(res: dict[str, Any], sim: dict[str, Any]) -> list[dict[str, Any]]:
         ),
         _row("UCB1 (NCCL-BOT defaults)", t["ucb1_nccl_bot"]["realized"], None, t["ucb1_nccl_bot"]["selection"]),
         _row("static arm (best per collective on train)", t["static"]["realized"], None),
+        _row("simulator's argmin (jaxccl.sim, no noise)", versus_sim["argmin_realized"], None),
         _row("oracle (best arm in hindsight)", zero, zero, zero),
         _row(f"AUTO, samples cut at {w['factor']:g}x median", w["auto"]["realized"], None, w["auto"]["selection"]),
         _row(f"UCB1, samples cut at {w['factor']:g}x median", w["ucb1"]["realized"], None, w["ucb1"]["selection"]),
