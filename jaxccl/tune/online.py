@@ -6,9 +6,13 @@ of a communicator. Before a step, :meth:`OnlineTuner.prepare` asks the
 stages it (a hot-swap at the next call: nothing recompiles on the native
 backends); after the step, :meth:`OnlineTuner.record` feeds back the time the
 executor measured for that context's launch
-(:func:`jaxccl.runtime.native.last_launch_seconds`: from the launch's start to
-its last rank's end, so the slowest rank of the launch, host dispatch not
-counted) as NCCL-BOT's reward ``mu_min / t`` (Eq. 1).
+(:func:`jaxccl.runtime.native.last_launch_seconds`: from the launch's start,
+once every rank's call has arrived, to its last rank's end, so the slowest rank
+of the launch, host dispatch not counted; per registry slot, so per size
+bucket) as NCCL-BOT's reward ``mu_min / t`` (Eq. 1). Where the communicator's
+axis is part of a larger mesh, the groups along the other axes launch the same
+slot and the launch that finished last is the one read; a context called
+several times per step is read at its last call.
 
 **Several sizes in one program.** On a communicator built with
 ``size_buckets=True`` every size bucket (powers of two,
