@@ -219,7 +219,7 @@ def _body(parts: tuple[str, ...], lib: Any) -> Callable[[Any], Any]:
 
 
 class _Programs:
-    """Jitted programs over the mesh, compiled once per (parts, library, dtype, size) and shared by arms."""
+    """Jitted programs over the mesh, one per (parts, library), shared by arms (jit compiles each shape once)."""
 
     def __init__(self, mesh: Any, comm: Any):
         self.mesh, self.comm = mesh, comm
