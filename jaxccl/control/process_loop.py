@@ -52,6 +52,7 @@ from jaxccl.control.controller import Controller, Event
 from jaxccl.distributed import kv
 from jaxccl.distributed.transport import (
     DEFAULT_SWAP_MARGIN,
+    MIN_MEASURED_BYTES,
     TransportMeter,
     check_loop_backend,
     stage_agreed,
@@ -192,6 +193,9 @@ class ProcessLoop:
             (:func:`~jaxccl.distributed.transport.stage_agreed`); 0 is safe when every process
             calls :meth:`step` only after its collectives finished.
         key_prefix: where in the key-value store the loop keeps its messages (one per loop of a job).
+        min_measured_bytes: the transport's sends smaller than this are not measured (:class:`TransportMeter`'s
+            ``min_bytes``): raise it above what the job's smaller collectives send, whose messages finish in
+            the sockets' buffers and would report rates far above the link's, hiding a degradation.
         **controller_options: passed to the :class:`~jaxccl.control.Controller` of process 0
             (``gamma``, ``confirm``, ``tolerance``, ``synthesizers``, ...).
 
@@ -220,6 +224,7 @@ class ProcessLoop:
         alpha: float = 0.5,
         margin: int = DEFAULT_SWAP_MARGIN,
         key_prefix: str = LOOP_KEY_PREFIX,
+        min_measured_bytes: int = MIN_MEASURED_BYTES,
         **controller_options: Any,
     ):
         check_loop_backend(comm, "ProcessLoop")
@@ -230,6 +235,8 @@ class ProcessLoop:
             )
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ArgumentError(f"ProcessLoop: every must be a positive integer, got {every!r}")
+        if not isinstance(min_measured_bytes, int) or isinstance(min_measured_bytes, bool) or min_measured_bytes < 0:
+            raise ArgumentError(f"ProcessLoop: min_measured_bytes must be an integer >= 0, got {min_measured_bytes!r}")
         self.comm = comm
         self.process_id, self.num_processes = int(process_id), int(num_processes)
         self.every, self.timeout_s, self.margin = every, float(timeout_s), int(margin)
@@ -242,7 +249,8 @@ class ProcessLoop:
         self.measurement = None
         self.published: list[list[float]] = []
         attached = process_layouts.find(comm.mesh, comm.axis_name) if comm.mesh is not None else None
-        self.meter = TransportMeter(n, layout=attached.number if attached is not None else 0)
+        layout = attached.number if attached is not None else 0
+        self.meter = TransportMeter(n, layout=layout, min_bytes=min_measured_bytes)
         self.meter.drain()  # what was sent before the loop began is not its to judge
         self._collector = TelemetryCollector(n, alpha=alpha)
         self._snapshot = self._collector.snapshot()
