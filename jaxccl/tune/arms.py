@@ -43,6 +43,7 @@ __all__ = [
     "arm_catalog",
     "arm_names",
     "direct_allgather",
+    "exact_arm",
 ]
 
 #: The collectives the tuner has arm catalogues for.
@@ -259,3 +260,16 @@ def arm_catalog(collective: str | Collective, topo: Any, *, names: Sequence[str]
         if parts is not None:
             out.append(Arm(name, coll.value, parts))
     return out
+
+
+def exact_arm(arm: Arm) -> bool:
+    """Whether ``arm``'s float results are bitwise ``jax.lax``'s: every part either reduces nothing or sums in
+    ascending rank order (``info["ordered_reduction"]``).
+
+    >>> from jaxccl.topology import rail
+    >>> [a.name for a in arm_catalog("reduce_scatter", rail(hosts=2, gpus_per_host=2)) if exact_arm(a)]
+    ['direct']
+    >>> all(exact_arm(a) for a in arm_catalog("all_gather", rail(hosts=2, gpus_per_host=2)))
+    True
+    """
+    return all(not p.collective.reduces or bool((p.info or {}).get("ordered_reduction")) for p in arm.parts)

@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from jaxccl.topology import rail, scenario
-from jaxccl.tune.arms import COLLECTIVES, Arm, Context, TuneError, arm_catalog, arm_names
+from jaxccl.tune.arms import COLLECTIVES, Arm, Context, TuneError, arm_catalog, arm_names, exact_arm
 from jaxccl.tune.replay import POOL_SCHEMA, SCENARIOS, STEADY_FROM, PoolConfig, Pools
 from jaxccl.util.report import progress
 
@@ -193,13 +193,6 @@ class MeasureConfig:
 
 
 # ---------------------------------------------------------------------------- programs
-def _is_exact(arm: Arm) -> bool:
-    """Whether the arm's result is bitwise ``jax.lax``'s on floats (no reduction, or every part sums in rank order)."""
-    if arm.collective == "all_gather":
-        return True
-    return all(p.collective.value == "all_gather" or p.info.get("ordered_reduction") for p in arm.parts)
-
-
 def _body(parts: tuple[str, ...], lib: Any) -> Callable[[Any], Any]:
     """The per-device function running ``parts`` (collective names) of ``lib`` back to back over :data:`AXIS`."""
 
@@ -307,7 +300,7 @@ class _Runner:
 
     def check(self, arm: Arm, ctx: Context, mesh: Any, seed: int) -> str:
         """Compares ``arm``'s result bitwise with ``jax.lax``'s on random data; returns the dtype checked."""
-        dtype = "float32" if _is_exact(arm) else "int32"
+        dtype = "float32" if exact_arm(arm) else "int32"
         x = _input(mesh, ctx, dtype, np.random.default_rng(seed))
         self.stage(arm)
         with self.comm:

@@ -59,26 +59,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from jaxccl.schedule.ir import Schedule
-from jaxccl.tune.arms import Arm, Context, TuneError, arm_catalog
+from jaxccl.tune.arms import Arm, Context, TuneError, arm_catalog, exact_arm
 from jaxccl.tune.bandits.selector import RHO_MAX, Selector
 from jaxccl.tune.cost_model import CostModel
 
-__all__ = ["REDUCTIONS", "OnlineTuner", "exact_arm"]
+__all__ = ["REDUCTIONS", "OnlineTuner"]
 
 #: The collectives whose float results depend on the order of the sums.
 REDUCTIONS = ("reduce_scatter", "all_reduce")
 _ALIASES = {"psum_scatter": "reduce_scatter", "psum": "all_reduce"}
-
-
-def exact_arm(arm: Arm) -> bool:
-    """Whether every part of ``arm`` sums in ascending rank order (bitwise ``jax.lax`` for floats).
-
-    >>> from jaxccl.topology import rail
-    >>> from jaxccl.tune.arms import arm_catalog
-    >>> [a.name for a in arm_catalog("reduce_scatter", rail(hosts=2, gpus_per_host=2)) if exact_arm(a)]
-    ['direct']
-    """
-    return all(bool((p.info or {}).get("ordered_reduction")) for p in arm.parts)
 
 
 def _exact_extras(collective: str, topo: Any, taken: set[str]) -> list[Arm]:
