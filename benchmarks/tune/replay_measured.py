@@ -39,13 +39,13 @@ from typing import Any
 import numpy as np
 
 from benchmarks.tune.replay import MEASURED_POOLS, OUT, log, run_view
-from jaxccl import sim as simulator
 from jaxccl.tune.arms import Context
 from jaxccl.tune.measured import read_measurement
 from jaxccl.tune.replay import (
     FAMILIES,
     HEADLINE_VIEW,
     STEADY_FROM,
+    arm_sim_seconds,
     build_catalogs,
     calibrate_model,
     evaluate,
@@ -130,14 +130,7 @@ def simulate_contexts(pools: Any) -> np.ndarray:
             c = pools.contexts[ci]
             ctx, topo = Context(coll, c["num_ranks"], c["nbytes"]), topos[c["scenario"]]
             for arm in arms:
-                total = 0.0
-                for part in arm.parts:
-                    b = ctx.part_bytes(part.collective)
-                    key = (part.digest, topo.fingerprint, b)
-                    if key not in cache:
-                        cache[key] = float(simulator.run(topo, part, bytes_per_rank=b).time_s)
-                    total += cache[key]
-                out[ci, names.index(arm.name)] = total
+                out[ci, names.index(arm.name)] = arm_sim_seconds(arm, ctx, topo, cache)
     return out
 
 

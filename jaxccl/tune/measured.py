@@ -46,7 +46,6 @@ Example (needs JAX with at least 4 devices; seconds on 2 cores):
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import os
 import platform
@@ -443,27 +442,8 @@ def save_pools(pools: Pools, path: str | os.PathLike[str], measurement: Mapping[
     """
     meas = dict(measurement if measurement is not None else pools.model.get("measurement", {}))
     model = {k: v for k, v in pools.model.items() if k != "measurement"}
-    meta = {
-        "schema": POOL_SCHEMA,
-        "config": pools.config.to_dict(),
-        "contexts": pools.contexts,
-        "arms": pools.arms,
-        "model": model,
-        "views": sorted(pools.predictions),
-        "sim_wall_s": pools.sim_wall_s,
-        "source": meas.get("source", MEASURED_SOURCE),
-        "measurement": meas,
-    }
-    arrays = {"sim_s": pools.sim_s, "samples": pools.samples.astype(np.float32)}
-    for view, pred in pools.predictions.items():
-        arrays[f"pred_{view}"] = pred
-    path = os.fspath(path)
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    buf = io.BytesIO()
-    np.savez_compressed(buf, meta=np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8), **arrays)
-    with open(path, "wb") as f:
-        f.write(buf.getvalue())
+    extra = {"source": meas.get("source", MEASURED_SOURCE), "measurement": meas}
+    dataclasses.replace(pools, model=model).save(path, extra=extra)
 
 
 def read_measurement(path: str | os.PathLike[str]) -> dict[str, Any] | None:

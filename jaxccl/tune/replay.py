@@ -190,8 +190,8 @@ class Pools:
         """``[contexts, arms]`` steady-state means (samples after the first 10)."""
         return self.samples[:, :, STEADY_FROM:].astype(np.float64).mean(axis=2)
 
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Writes one compressed ``.npz`` (arrays + JSON metadata)."""
+    def save(self, path: str | os.PathLike[str], extra: Mapping[str, Any] | None = None) -> None:
+        """Writes one compressed ``.npz`` (arrays + JSON metadata, with ``extra``'s keys added to it)."""
         meta = {
             "schema": POOL_SCHEMA,
             "config": self.config.to_dict(),
@@ -200,6 +200,7 @@ class Pools:
             "model": self.model,
             "views": sorted(self.predictions),
             "sim_wall_s": self.sim_wall_s,
+            **(extra or {}),
         }
         arrays = {"sim_s": self.sim_s, "samples": self.samples.astype(np.float32)}
         for view, pred in self.predictions.items():
@@ -277,6 +278,19 @@ def _pool(config: PoolConfig, sim_s: float, *key: Any) -> np.ndarray:
     return x
 
 
+def arm_sim_seconds(arm: Arm, ctx: Context, topo: Any, cache: dict[tuple[str, str, float], float]) -> float:
+    """The simulator's time of ``arm`` (its parts back to back) for ``ctx`` on ``topo``; ``cache`` keeps each
+    part's time by (schedule, topology, bytes per rank)."""
+    total = 0.0
+    for part in arm.parts:
+        b = ctx.part_bytes(part.collective)
+        key = (part.digest, topo.fingerprint, b)
+        if key not in cache:
+            cache[key] = float(sim.run(topo, part, bytes_per_rank=b).time_s)
+        total += cache[key]
+    return total
+
+
 def simulate_pools(
     config: PoolConfig | None = None,
     *,
@@ -301,14 +315,7 @@ def simulate_pools(
                 ctx = Context(coll, topo.num_gpus, int(n))
                 times = {}
                 for arm in catalog:
-                    total = 0.0
-                    for part in arm.parts:
-                        b = ctx.part_bytes(part.collective)
-                        key = (part.digest, topo.fingerprint, b)
-                        if key not in cache:
-                            cache[key] = float(sim.run(topo, part, bytes_per_rank=b).time_s)
-                        total += cache[key]
-                    times[arm.name] = total
+                    times[arm.name] = arm_sim_seconds(arm, ctx, topo, cache)
                 split = "train" if hosts in cfg.train_hosts else "test"
                 meta = {
                     "collective": coll,
