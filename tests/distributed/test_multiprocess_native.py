@@ -44,7 +44,7 @@ def _report(results: list[ProcessResult]) -> str:
 LOOPBACK_JOBS = {
     (2, 1): "exchange+collectives",
     (2, 2): "collectives+mesh+swap:14+sums:ppermute",
-    (2, 4): "layouts+sums:cpu",
+    (2, 4): "layouts+sums:cpu+collectives:ppermute",
     (3, 2): "sums:cpu:d,data,model/data",
     (8, 1): "collectives",
 }
@@ -241,6 +241,10 @@ def _check_collectives(results: list[ProcessResult]) -> None:
 def test_native_collectives_across_processes_on_loopback(processes, local_devices, loopback_job):
     # 4 collectives x 2 dtypes + 4 ordered-sum checks + native launches
     _check_part(loopback_job(processes, local_devices), "collectives", 13)
+
+
+def test_ppermute_backend_across_two_processes(loopback_job):
+    _check_part(loopback_job(2, 4), "collectives:ppermute", 12)  # 4 collectives x 2 dtypes + 4 ordered-sum checks
 
 
 def test_native_collectives_over_the_axes_of_a_two_dimensional_mesh_across_processes(loopback_job):

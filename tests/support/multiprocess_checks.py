@@ -1,10 +1,9 @@
 """The four collectives checked across the processes of a job, and the loop workers' training step: shared
 by the multi-process workers.
 
-:func:`check_collectives` runs jaxccl's collectives (with the communicator given: the ppermute
-backend in tests/workers/multiprocess_worker.py, the native CPU backend in
-tests/workers/multiprocess_native_worker.py) over every device of every process, on random data of
-float32 and int32, and compares this process's shards bitwise:
+:func:`check_collectives` runs jaxccl's collectives (with the communicator given: the ppermute or the
+native CPU backend, in tests/workers/multiprocess_native_worker.py) over every device of every
+process, on random data of float32 and int32, and compares this process's shards bitwise:
 
 - with ``jax.lax`` on the same inputs (``CHECK <case> lax ok|MISMATCH``);
 - for reductions, also with a NumPy fold in jaxccl's default order across processes (``CHECK

@@ -44,9 +44,9 @@ Usage: python tests/workers/multiprocess_native_worker.py MODE [ARGS]
   schedule, whose local ranks wait for local ranks).
 - ``stale LOCAL_DEVICES``: process 1 sends one message with a stale identity; process 0 prints
   ``REFUSED <error>``, then both check three more AllGathers (``CHECK after k ok``).
-- ``parts LOCAL_DEVICES PART+PART+...``: several of ``exchange``, ``collectives``, ``mesh``, ``layouts``,
-  ``sums:BACKEND`` and ``swap:STEPS`` in one job, in turn, each after a line ``PART <part>``; ``ALL OK``
-  when every part's checks passed.
+- ``parts LOCAL_DEVICES PART+PART+...``: several of ``exchange``, ``collectives`` (``collectives:ppermute``:
+  the same checks on the ppermute backend), ``mesh``, ``layouts``, ``sums:BACKEND`` and ``swap:STEPS`` in
+  one job, in turn, each after a line ``PART <part>``; ``ALL OK`` when every part's checks passed.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ def stream(t, nbytes: int, rounds: int) -> bool:
     return t.process_id != 1 or buf.tobytes() == payload(0, 1, nbytes).tobytes()
 
 
-def collectives(t) -> bool:
+def collectives(t, backend: str = "cpu") -> bool:
     import jax
     from jax.sharding import Mesh
 
@@ -116,6 +116,11 @@ def collectives(t) -> bool:
     from jaxccl.distributed.transport import attach
 
     mesh = Mesh(np.array(jax.devices()), ("d",))
+    if backend == "ppermute":  # rounds of jax.lax.ppermute (gloo): no transport, no native launch
+        comm = jaxccl.Communicator(mesh, "d", backend="ppermute")
+        ok = check_collectives(comm, mesh)
+        comm.close()
+        return ok
     attach(t, mesh, "d")
     comm = jaxccl.Communicator(mesh, "d", backend="cpu")
     ok = check_collectives(comm, mesh)
@@ -511,7 +516,7 @@ def run_part(t, part: str) -> bool:
     if mode == "exchange":
         return exchange(t)
     if mode == "collectives":
-        return collectives(t)
+        return collectives(t, arg or "cpu")
     if mode == "mesh":
         return mesh_axes(t)
     if mode == "layouts":
