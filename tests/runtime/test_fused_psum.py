@@ -172,6 +172,8 @@ def test_swapping_a_half_refuses_psum_without_recompiling(backend):
         ("reduce_scatter", ordered_reduce_scatter(RAIL)),  # rank order again
         ("all_gather", baselines.ring_allgather(8, channels=2)),
     ]
+    if backend == "ppermute":  # every install retraces and recompiles there (8 s each): one swap of each half
+        steps = steps[:2]
     for coll, schedule in steps:
         fused.install(coll, schedule)
         two.install(coll, schedule)
