@@ -3,18 +3,20 @@
 A 2-D mesh job (8 emulated CPU devices, mesh 2 x 4, the communicator over both
 axes) on the emulated rail 2 x 4 all-gathers four buffers of different sizes
 in one jitted step: four contexts, one per size bucket
-(``Communicator(..., size_buckets=True)``). Three policies run side by side,
+(``Communicator(..., size_buckets=True)``). Four policies run side by side,
 each on its own communicator and emulated fabric, interleaved step by step
 (the order rotates every step), with the same fault schedule: ``--steps``
 healthy steps, then GPU 0's NIC drops to ``--fault-gbps`` on every fabric
 and ``--steps`` more run. Every communicator starts on the synthesized
-AllGather and runs the closed loop (a step-driven :class:`jaxccl.control.Controller`),
-which re-synthesizes after the fault.
+AllGather and, except ``nccl_auto``'s, runs the closed loop (a step-driven
+:class:`jaxccl.control.Controller`), which re-synthesizes after the fault.
 
 - ``ucb1``: :class:`jaxccl.tune.OnlineTuner` with NCCL-BOT's UCB1 champion,
   following the controller (its re-synthesis replaces the tree arm and
   restarts the contexts from the prior on the measured fabric);
 - ``auto``: the same tuner with the AUTO policy (the cost model's choice);
+- ``nccl_auto``: the AUTO tuner without the closed loop, as NCCL's AUTO: its model knows the healthy
+  fabric only and its arms are the catalogue's (no controller runs on its communicator);
 - ``static``: no tuner, the closed loop alone (what jaxccl runs by default).
 
 The reward of each step is the executor's launch time of each context's
@@ -56,7 +58,7 @@ from jaxccl.util import report
 
 AXES = ("a", "b")
 ELEMS = (2048, 8192, 32768, 131072)  # float32 elements per rank of the four AllGathers
-POLICIES = ("ucb1", "auto", "static")
+POLICIES = ("ucb1", "auto", "nccl_auto", "static")
 PHASES = ("healthy", "degraded")
 
 
@@ -79,9 +81,11 @@ class Run:
             size_buckets=True,
         )  # fmt: skip
         self.comm.install("all_gather", jaxccl.synth.all_gather(topo))
-        self.controller = Controller(self.comm, gamma=0.15)
+        self.controller = None if policy == "nccl_auto" else Controller(self.comm, gamma=0.15)
         self.tuner = None
-        if policy != "static":
+        if policy == "nccl_auto":  # no loop: the model knows the healthy fabric only, the arms are the catalogue's
+            self.tuner = OnlineTuner(self.comm, policy="auto")
+        elif policy != "static":
             self.tuner = OnlineTuner(self.comm, policy=None if policy == "ucb1" else policy).follow(self.controller)
         self.step_fn = step_fn
         self.contexts = [("all_gather", message_bytes(e)) for e in ELEMS]
@@ -106,6 +110,8 @@ class Run:
             self.tuner.record_all()
         self.ran.append([s.digest for s in launched])
         self.arms.append(arms if arms is not None else [s.name for s in launched])
+        if self.controller is None:
+            return
         before = {e.time_ns for e in self.controller.events if e.kind == "staged"}
         self.controller.step()
         if any(e.kind == "staged" and e.time_ns not in before for e in self.controller.events):
@@ -362,7 +368,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "load_average_end": load,
         "wall_s": time.perf_counter() - t_start,
         "summary": summary,
-        "controller_events": {p: [(e.kind, e.collective) for e in r.controller.events] for p, r in runs.items()},
+        "controller_events": {
+            p: [(e.kind, e.collective) for e in r.controller.events] for p, r in runs.items() if r.controller
+        },
         "resyntheses": {p: (r.tuner.resyntheses if r.tuner else []) for p, r in runs.items()},
         "steps": {
             p: {"times_s": _rounded(r.times), "arms": r.arms, "ran": [[d[:12] for d in s] for s in r.ran]}
