@@ -12,8 +12,7 @@ from jaxccl.errors import JaxcclError
 from jaxccl.runtime import native
 from jaxccl.runtime.emulated import LinkEmulation
 from jaxccl.topology import rail
-from jaxccl.tune import OnlineTuner, Selector, TuneError
-from jaxccl.tune.online import exact_arm
+from jaxccl.tune import OnlineTuner, Selector, TuneError, exact_arm
 
 TOPO = rail(hosts=2, gpus_per_host=4)
 AXES = ("a", "b")
@@ -208,3 +207,35 @@ def test_tuner_bad_input():
     tuner.prepare("all_gather", 1024)
     with pytest.raises(TuneError, match="latency"):
         tuner.record("all_gather", 1024, latency_s=-1.0)
+
+
+def test_a_jitted_step_drives_the_tuner_at_its_end():
+    """``at_step_end(tuner, ...)``: each step's callback learns from its launch and stages the next arm."""
+    from jaxccl.control.step_driven import at_step_end
+
+    mesh = _mesh()
+    comm = _comm(mesh)
+    n = 512  # elements per rank
+    tuner = OnlineTuner(comm, policy=EXPLORE)
+    tuner.prepare_all([("all_gather", 8 * n * 4)])
+    gather = jax.shard_map(lambda v: jaxccl.all_gather(v, AXES, tiled=True), mesh=mesh, in_specs=SPEC, out_specs=SPEC)
+    reference = jax.jit(
+        jax.shard_map(lambda v: jax.lax.all_gather(v, AXES, tiled=True), mesh=mesh, in_specs=SPEC, out_specs=SPEC)
+    )
+
+    @jax.jit
+    def step(x):
+        y = gather(x)
+        at_step_end(tuner, y)  # outside shard_map: one callback per step
+        return y
+
+    rng = np.random.default_rng(4)
+    with comm:
+        for _ in range(6):
+            x = _data(rng, 8 * n)
+            _same([step(x)], [reference(x)])
+        jax.effects_barrier()
+    assert tuner.errors == []
+    assert len(tuner.history) == 6 and all(lat is not None and lat > 0 for _, _, lat in tuner.history)
+    assert len({arm for _, arm, _ in tuner.history}) >= 2  # the callbacks switched arms between steps
+    assert step._cache_size() == 1
