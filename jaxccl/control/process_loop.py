@@ -55,6 +55,7 @@ from jaxccl.distributed.transport import (
     MIN_MEASURED_BYTES,
     TransportMeter,
     check_loop_backend,
+    plausible_ceiling,
     stage_agreed,
     swap_key,
 )
@@ -194,8 +195,11 @@ class ProcessLoop:
             calls :meth:`step` only after its collectives finished.
         key_prefix: where in the key-value store the loop keeps its messages (one per loop of a job).
         min_measured_bytes: the transport's sends smaller than this are not measured (:class:`TransportMeter`'s
-            ``min_bytes``): raise it above what the job's smaller collectives send, whose messages finish in
-            the sockets' buffers and would report rates far above the link's, hiding a degradation.
+            ``min_bytes``): raise it above what a job's smaller collectives send, whose messages finish in the
+            sockets' buffers and report rates far above the link's, hiding a degradation in the pair's mean.
+        max_over_capacity: or leave out every window faster than this many times what ``comm.topology`` says
+            its pair's path carries (:func:`~jaxccl.distributed.transport.plausible_ceiling`; e.g. 4). Off by
+            default: a topology that understates its links by more than that would lose real measurements.
         **controller_options: passed to the :class:`~jaxccl.control.Controller` of process 0
             (``gamma``, ``confirm``, ``tolerance``, ``synthesizers``, ...).
 
@@ -225,6 +229,7 @@ class ProcessLoop:
         margin: int = DEFAULT_SWAP_MARGIN,
         key_prefix: str = LOOP_KEY_PREFIX,
         min_measured_bytes: int = MIN_MEASURED_BYTES,
+        max_over_capacity: float | None = None,
         **controller_options: Any,
     ):
         check_loop_backend(comm, "ProcessLoop")
@@ -237,6 +242,14 @@ class ProcessLoop:
             raise ArgumentError(f"ProcessLoop: every must be a positive integer, got {every!r}")
         if not isinstance(min_measured_bytes, int) or isinstance(min_measured_bytes, bool) or min_measured_bytes < 0:
             raise ArgumentError(f"ProcessLoop: min_measured_bytes must be an integer >= 0, got {min_measured_bytes!r}")
+        if max_over_capacity is not None and not (
+            isinstance(max_over_capacity, (int, float))
+            and not isinstance(max_over_capacity, bool)
+            and max_over_capacity >= 1
+        ):
+            raise ArgumentError(
+                f"ProcessLoop: max_over_capacity must be a number >= 1 or None, got {max_over_capacity!r}"
+            )
         self.comm = comm
         self.process_id, self.num_processes = int(process_id), int(num_processes)
         self.every, self.timeout_s, self.margin = every, float(timeout_s), int(margin)
@@ -250,7 +263,8 @@ class ProcessLoop:
         self.published: list[list[float]] = []
         attached = process_layouts.find(comm.mesh, comm.axis_name) if comm.mesh is not None else None
         layout = attached.number if attached is not None else 0
-        self.meter = TransportMeter(n, layout=layout, min_bytes=min_measured_bytes)
+        ceiling = None if max_over_capacity is None else plausible_ceiling(comm.topology, n, max_over_capacity)
+        self.meter = TransportMeter(n, layout=layout, min_bytes=min_measured_bytes, ceiling=ceiling)
         self.meter.drain()  # what was sent before the loop began is not its to judge
         self._collector = TelemetryCollector(n, alpha=alpha)
         self._snapshot = self._collector.snapshot()

@@ -455,6 +455,28 @@ _pending_lost: dict[int, int] = {}
 _pending_lock = threading.Lock()
 
 
+MAX_OVER_CAPACITY = 4.0  # plausible_ceiling's default factor
+
+
+def plausible_ceiling(topology: Any, ranks: int, factor: float = MAX_OVER_CAPACITY) -> np.ndarray:
+    """``factor`` x the capacity of each pair's primary route in ``topology`` (bytes/s; inf on the diagonal):
+    the fastest window a :class:`TransportMeter` takes as a measurement of the link. The factor leaves room for
+    sends the sockets' buffers absorb in part (about 1.5x the NIC's rate on the netns lab) and for a
+    topology that understates its links.
+
+    >>> from jaxccl.topology import rail
+    >>> c = plausible_ceiling(rail(hosts=2, gpus_per_host=1, nic_gbps=8), 2)
+    >>> float(c[0, 1])
+    4000000000.0
+    """
+    out = np.full((ranks, ranks), np.inf)
+    for u in range(ranks):
+        for v in range(ranks):
+            if u != v:
+                out[u, v] = factor * topology.path_capacity(u, v)
+    return out
+
+
 class TransportMeter:
     """Measured rates of this process's connections to ranks in other processes, from the transport.
 
@@ -471,7 +493,10 @@ class TransportMeter:
     count``). The records name no connection, so each message counts as its own: the meter's active
     count is the pair's messages in flight, which opens and closes windows exactly where active
     connections do at the executor's inter-node threshold of 1. Sends under ``min_bytes`` are left
-    out: they complete in the transport's buffers.
+    out: they complete in the transport's buffers. With a ``ceiling`` (bytes/s per pair: what its path
+    can carry at most, :func:`plausible_ceiling`), windows above it are dropped too (counted in
+    :attr:`implausible`): a window faster than the link is a send that finished in the sockets'
+    buffers, and one such window would outweigh many real ones in the pair's mean.
 
     Two 1 MiB sends that overlap are one window of 2 MiB in 2 ms; a third, later, is a window of its own:
 
@@ -481,6 +506,12 @@ class TransportMeter:
     {(0, 2): [1048576000.0, 2097152000.0]}
     >>> float(TransportMeter.pair_rates(rec, 4)[0, 2])
     1572864000.0
+
+    A ceiling of 1.5 GB/s for the pair leaves the 2 GB/s window out:
+
+    >>> ceiling = np.full((4, 4), 1.5e9)
+    >>> float(TransportMeter.pair_rates(rec, 4, ceiling=ceiling)[0, 2])
+    1048576000.0
     """
 
     def __init__(
@@ -490,10 +521,18 @@ class TransportMeter:
         layout: int = 0,
         min_bytes: int = MIN_MEASURED_BYTES,
         min_window_bytes: int = MIN_WINDOW_BYTES,
+        ceiling: np.ndarray | None = None,
     ):
         self.num_ranks, self.min_bytes, self.min_window_bytes = int(num_ranks), int(min_bytes), int(min_window_bytes)
         self.layout = int(layout)
+        self.ceiling = None if ceiling is None else np.asarray(ceiling, dtype=np.float64)
+        if self.ceiling is not None and self.ceiling.shape != (self.num_ranks, self.num_ranks):
+            raise ArgumentError(
+                f"TransportMeter: ceiling must be {self.num_ranks} x {self.num_ranks}, got {self.ceiling.shape}"
+            )
         self.dropped = 0
+        #: Windows dropped because they were faster than the pair's ``ceiling``.
+        self.implausible = 0
 
     def drain(self) -> list[tuple[int, int, int, int, int]]:
         """The records of its ``layout`` since the last drain: (src rank, dst rank, bytes, post ns, done ns).
@@ -520,7 +559,10 @@ class TransportMeter:
     def rates(self) -> np.ndarray:
         """Drains and returns the ``num_ranks x num_ranks`` matrix of measured bytes/s (NaN: not measured)."""
         records = [r for r in self.drain() if r[2] >= self.min_bytes]
-        return self.pair_rates(records, self.num_ranks, min_window_bytes=self.min_window_bytes)
+        windows = self.pair_windows(records, min_window_bytes=self.min_window_bytes)
+        out, implausible = self._mean_rates(windows, self.num_ranks, self.ceiling)
+        self.implausible += implausible
+        return out
 
     @staticmethod
     def pair_windows(
@@ -549,10 +591,26 @@ class TransportMeter:
 
     @staticmethod
     def pair_rates(
-        records: list[tuple[int, int, int, int, int]], num_ranks: int, *, min_window_bytes: int = MIN_WINDOW_BYTES
+        records: list[tuple[int, int, int, int, int]],
+        num_ranks: int,
+        *,
+        min_window_bytes: int = MIN_WINDOW_BYTES,
+        ceiling: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Per pair: the mean bandwidth (bytes/s) of its windows (:meth:`pair_windows`); NaN where it has none."""
-        out = np.full((num_ranks, num_ranks), np.nan)
-        for (src, dst), windows in TransportMeter.pair_windows(records, min_window_bytes=min_window_bytes).items():
-            out[src, dst] = sum(windows) / len(windows)
-        return out
+        """Per pair: the mean bandwidth (bytes/s) of its windows (:meth:`pair_windows`) at most its ``ceiling``;
+        NaN where it has none."""
+        windows = TransportMeter.pair_windows(records, min_window_bytes=min_window_bytes)
+        return TransportMeter._mean_rates(windows, num_ranks, ceiling)[0]
+
+    @staticmethod
+    def _mean_rates(
+        windows: dict[tuple[int, int], list[float]], num_ranks: int, ceiling: np.ndarray | None
+    ) -> tuple[np.ndarray, int]:
+        """The pairs' mean window rates, and how many windows were above their pair's ``ceiling`` (left out)."""
+        out, implausible = np.full((num_ranks, num_ranks), np.nan), 0
+        for (src, dst), rates in windows.items():
+            kept = rates if ceiling is None else [w for w in rates if w <= ceiling[src, dst]]
+            implausible += len(rates) - len(kept)
+            if kept:
+                out[src, dst] = sum(kept) / len(kept)
+        return out, implausible

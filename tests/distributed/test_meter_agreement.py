@@ -110,3 +110,22 @@ def test_one_busy_period_is_bytes_over_time_in_flight():
     mib = 1 << 20
     records = [(0, 1, mib, 0, 4_000_000), (0, 1, mib, 1_000_000, 2_000_000), (0, 1, mib, 4_000_000, 6_000_000)]
     assert TransportMeter.pair_rates(records, 2)[0, 1] == pytest.approx(3 * mib / 6e-3)
+
+
+def test_windows_faster_than_the_path_can_carry_are_left_out():
+    from jaxccl.distributed.transport import MAX_OVER_CAPACITY, plausible_ceiling
+    from jaxccl.errors import ArgumentError
+    from jaxccl.labs.netlab import LinkShape
+    from jaxccl.labs.rail import rank_rail
+
+    topo = rank_rail(2, 2, LinkShape(rate_mbit=200))  # 25 MB/s NICs
+    ceiling = plausible_ceiling(topo, 4)
+    assert np.isinf(np.diag(ceiling)).all()
+    assert ceiling[0, 2] == pytest.approx(MAX_OVER_CAPACITY * 25e6)
+    mib = 1 << 20
+    # 40 ms at ~26 MB/s (the link), then a send the sockets' buffers took in 0.5 ms (2 GB/s): not the link
+    records = [(0, 2, mib, 0, 40_000_000), (0, 2, mib, 100_000_000, 100_500_000)]
+    assert TransportMeter.pair_rates(records, 4)[0, 2] > 1e9  # the artifact dominates the mean
+    assert TransportMeter.pair_rates(records, 4, ceiling=ceiling)[0, 2] == pytest.approx(mib / 0.04)
+    with pytest.raises(ArgumentError, match="ceiling must be 4 x 4"):
+        TransportMeter(4, ceiling=np.ones((2, 2)))
