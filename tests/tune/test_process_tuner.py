@@ -51,7 +51,7 @@ def test_every_process_learns_the_slowest_launch_and_swaps_at_agreed_calls(tuned
     histories = [json.loads(_lines(r.output, "HISTORY")[0]) for r in tuned_job]
     owns = [json.loads(_lines(r.output, "OWN")[0]) for r in tuned_job]
     assert histories[0] == histories[1]  # the same arms and the same latencies, in the same order
-    assert len(histories[0]) == STEPS
+    assert len(histories[0]) >= STEPS
     for k, (_, _, latency) in enumerate(histories[0]):
         assert latency is None or latency == max(own[k] for own in owns)  # the slowest process's launch time
     arms = [arm for _, arm, _ in histories[0]]

@@ -4,7 +4,8 @@ Usage: python tests/workers/process_tuner_worker.py MODE STEPS
 
 Two processes of two CPU devices, the transport attached, a ``cpu`` communicator over the four ranks
 (rail of 2 hosts x 2: each process a host). MODE ``run``: a :class:`ProcessTuner` (cold UCB1 over every
-arm, its own selector) runs STEPS AllGather steps, every result compared with ``jax.lax``'s, and follows a
+arm, its own selector) runs at least STEPS AllGather steps (on until the loop's re-synthesis reached the
+tuner), every result compared with ``jax.lax``'s, and follows a
 :class:`ProcessLoop` on the same communicator, whose topology overstates one rail so that the loop
 re-synthesizes in its first steps (as in multiprocess_loop_worker.py). MODE ``diverge``: process 1's
 selector offers the arms in another order, so the processes choose different first arms; the tuner
@@ -74,7 +75,10 @@ def main(argv: list[str]) -> int:
     loop = ProcessLoop(comm, margin=0, timeout_s=60, confirm=1)
     tuner.follow(loop)
     own, swaps, ok = [], 0, True
-    for k in range(steps):
+    # STEPS steps, and on until the loop's re-synthesis was agreed (every process sees it at the same step), then
+    # one more, whose prepare takes it into the tuner's arms; at most 60 (a loaded machine measures late)
+    k, last = 0, None
+    while k < steps or last is None or k <= last:
         before = comm.schedule("all_gather").digest
         arm = tuner.prepare("all_gather", nbytes)
         swaps += comm.schedule("all_gather").digest != before
@@ -86,6 +90,9 @@ def main(argv: list[str]) -> int:
         same = b"".join(s.tobytes() for s in local_shards(out)) == expected
         ok &= same
         print(f"CHECK step {k} {'ok' if same else 'MISMATCH'}", flush=True)
+        if last is None and (any(e.kind == "agreed" for e in loop.events) or k >= 60):
+            last = k + 1
+        k += 1
     print(f"HISTORY {json.dumps(tuner.history)}", flush=True)
     print(f"OWN {json.dumps(own)}", flush=True)
     print(f"SWAPS {swaps}", flush=True)
