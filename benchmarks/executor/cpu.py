@@ -41,6 +41,29 @@ QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20]
 ACCEPT = ((1 << 20, None, 1.0), (4 << 10, 4 << 10, 1.3))  # (from size, to size or None, largest ratio)
 
 
+def add_sweep_options(ap: argparse.ArgumentParser, impls: tuple[str, ...], default_impls: str) -> None:
+    """The options of an executor sweep against ``jax.lax``: sizes, runs, warm-up, implementations, JSON."""
+    ap.add_argument("--quick", action="store_true", help="small sizes and few runs (smoke test)")
+    ap.add_argument("--runs", type=int, default=None, help="timed runs per point (default 15; --quick: 5)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    ap.add_argument("--impls", default=default_impls, help=f"comma-separated, from {impls}")
+    ap.add_argument("--sizes", default=None, help="comma-separated per-rank sizes in bytes")
+
+
+def sweep_options(
+    ap: argparse.ArgumentParser, args: argparse.Namespace, impls: tuple[str, ...]
+) -> tuple[int, list[int], list[str]]:
+    """``(runs, sizes, implementations)`` of :func:`add_sweep_options`' options; an unknown one is a usage error."""
+    runs = args.runs or (5 if args.quick else 15)
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else FULL_SIZES
+    chosen = [i for i in args.impls.split(",") if i]
+    for i in chosen:
+        if i not in impls:
+            ap.error(f"unknown implementation {i!r}; choose from {impls}")
+    return runs, sizes, chosen
+
+
 def measure_interleaved(
     fns: dict[str, Callable[[Any], Any]], x: Any, *, warmup: int, runs: int, rotate: bool = False
 ) -> tuple[dict[str, Any], dict[str, list[float]]]:
@@ -101,20 +124,10 @@ def _bound(size: int) -> float | None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes and few runs (smoke test)")
-    ap.add_argument("--runs", type=int, default=None, help="timed runs per point (default 15; --quick: 5)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    add_sweep_options(ap, IMPLS, "jaxccl-cpu,lax")
     ap.add_argument("--collectives", default=",".join(COLLECTIVES))
-    ap.add_argument("--impls", default="jaxccl-cpu,lax", help=f"comma-separated, from {IMPLS}")
-    ap.add_argument("--sizes", default=None, help="comma-separated per-rank sizes in bytes")
     args = ap.parse_args(argv)
-    runs = args.runs or (5 if args.quick else 15)
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else FULL_SIZES
-    impls = [i for i in args.impls.split(",") if i]
-    for i in impls:
-        if i not in IMPLS:
-            ap.error(f"unknown implementation {i!r}; choose from {IMPLS}")
+    runs, sizes, impls = sweep_options(ap, args, IMPLS)
     collectives = [c for c in args.collectives.split(",") if c]
     for c in collectives:
         if c not in COLLECTIVES:

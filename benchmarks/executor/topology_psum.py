@@ -32,35 +32,23 @@ import os
 import sys
 
 import jaxccl
-from benchmarks.executor.cpu import measure_interleaved, point_rows
+from benchmarks.executor.cpu import add_sweep_options, measure_interleaved, point_rows, sweep_options
 from jaxccl.cli.args import topology as parse_topology
 from jaxccl.cli.bench_run import implementation_runner  # axis "d"
 from jaxccl.util import report
 
 NUM_DEVICES = 8
 IMPLS = ("jaxccl-two-launch", "jaxccl-fused", "lax", "jaxccl-direct")
-FULL_SIZES = [4 << 10 << (2 * i) for i in range(7)]  # 4 KiB, 16 KiB, ..., 16 MiB
-QUICK_SIZES = [4 << 10, 64 << 10, 1 << 20]
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small sizes and few runs (smoke test)")
-    ap.add_argument("--runs", type=int, default=None, help="timed runs per point (default 15; --quick: 5)")
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    add_sweep_options(ap, IMPLS, "jaxccl-two-launch,jaxccl-fused,lax")
     ap.add_argument("--topology", default="rail:2x4", help="the communicator's topology (default rail:2x4)")
     ap.add_argument("--synthesized", action="store_true", help="install the closed loop's synthesized halves")
-    ap.add_argument("--impls", default="jaxccl-two-launch,jaxccl-fused,lax", help=f"comma-separated, from {IMPLS}")
-    ap.add_argument("--sizes", default=None, help="comma-separated per-rank sizes in bytes")
     ap.add_argument("--repeat", type=int, default=1, help="sweeps of every size (the table: medians over them)")
     args = ap.parse_args(argv)
-    runs = args.runs or (5 if args.quick else 15)
-    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else FULL_SIZES
-    impls = [i for i in args.impls.split(",") if i]
-    for i in impls:
-        if i not in IMPLS:
-            ap.error(f"unknown implementation {i!r}; choose from {IMPLS}")
+    runs, sizes, impls = sweep_options(ap, args, IMPLS)
     topo = parse_topology(args.topology)
     if topo.num_gpus != NUM_DEVICES:
         ap.error(f"--topology has {topo.num_gpus} GPUs; the benchmark runs {NUM_DEVICES} devices")
