@@ -40,9 +40,17 @@ def launch_rows(
     argv_worker = [sys.executable, script, "--worker", *(argv if argv is not None else sys.argv[1:])]
     path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
     results = launch(argv_worker, processes, lab=lab, timeout_s=timeout_s, env={**(env or {}), "PYTHONPATH": path})
-    lines = results[0].output.splitlines()
+    return collected_rows(results, results[0].output.splitlines())
+
+
+def collected_rows(results: Sequence[Any], lines: Sequence[str]) -> list[dict[str, Any]] | None:
+    """Process 0's published rows among ``lines`` (its output), or ``None`` after printing every process's exit
+    status and output tail (``lines``' too, where the caller read them itself) when a process failed or process
+    0 published none."""
     rows = next((json.loads(line[len(ROWS_PREFIX) :]) for line in lines if line.startswith(ROWS_PREFIX)), None)
     if rows is None or any(r.returncode != 0 for r in results):
+        if not results[0].output:  # the caller consumed process 0's output
+            print("".join(lines[-40:]))
         for r in results:
             print(f"process {r.process_id} (rc {r.returncode}):\n{r.output[-3000:]}")
         return None

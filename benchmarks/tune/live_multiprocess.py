@@ -32,13 +32,12 @@ Usage (root, for the namespaces):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.multiprocess.jobs import ROWS_PREFIX, publish_rows
+from benchmarks.multiprocess.jobs import collected_rows, publish_rows
 from jaxccl.util import report
 
 POLICIES = ("ucb1", "auto", "loop", "static")
@@ -283,11 +282,8 @@ def main(argv: list[str] | None = None) -> int:
 
         with RailLab(2, 4, LinkShape(rate_mbit=args.rate_mbit)) as lab:
             results = lab.launch(worker_argv, timeout_s=args.timeout_s, during=relay, env={"PYTHONPATH": str(_ROOT)})
-    rows = next((json.loads(x[len(ROWS_PREFIX) :]) for x in lines if x.startswith(ROWS_PREFIX)), None)
-    if rows is None or any(r.returncode != 0 for r in results):
-        print("".join(lines[-40:]))
-        for r in results:
-            print(f"process {r.process_id} (rc {r.returncode}):\n{r.output[-3000:]}")
+    rows = collected_rows(results, lines)
+    if rows is None:
         return 1
     check = rows.pop()
     summary = _summary(rows, args.steps)
