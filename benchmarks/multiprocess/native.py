@@ -71,15 +71,15 @@ def worker(args: argparse.Namespace) -> int:
             data = np.random.default_rng(size).standard_normal(n * elems).astype(np.float32)
             x = jax.make_array_from_callback(data.shape, sharding, lambda idx, data=data: data[idx])
             out_bytes = {"all_gather": size * n, "psum_scatter": size // n}.get(collective, size)
-            fns = {impl: build(collective, impl) for impl in IMPLS}
+            fns = {impl: build(collective, impl) for impl in args.impls}
             first = {}
             for impl, fn in fns.items():
                 for _ in range(args.warmup):
                     out = fn(x)
                     out.block_until_ready()
                 first[impl] = local_bytes(out)
-            times = {impl: [] for impl in IMPLS}
-            cpu = {impl: [] for impl in IMPLS}
+            times = {impl: [] for impl in args.impls}
+            cpu = {impl: [] for impl in args.impls}
             for _ in range(args.runs):
                 for impl, fn in fns.items():  # interleaved
                     c0, t0 = time.process_time(), time.perf_counter()
@@ -88,7 +88,7 @@ def worker(args: argparse.Namespace) -> int:
                     cpu[impl].append(time.process_time() - c0)
             reference = "lax"
             lax_t = report.median(times["lax"])
-            for impl in IMPLS:
+            for impl in args.impls:
                 t = report.median(times[impl])
                 rows.append(
                     {
@@ -126,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--collectives", default=",".join(COLLECTIVES))
     ap.add_argument("--sizes", default=None, help="comma-separated per-rank sizes in bytes")
+    ap.add_argument(
+        "--impls", default=",".join(IMPLS), help="implementations to run (jax.lax always runs: it is the baseline)"
+    )
     ap.add_argument("--timeout-s", type=float, default=3000.0)
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -133,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     args.runs = args.runs or (5 if args.quick else 11)
     args.sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else FULL_SIZES
     args.collectives = [c for c in args.collectives.split(",") if c]
+    chosen = {i for i in args.impls.split(",") if i}
+    if unknown := chosen - set(IMPLS):
+        ap.error(f"unknown implementations {sorted(unknown)}; choose from {IMPLS}")
+    args.impls = [i for i in IMPLS if i in chosen or i == "lax"]
     for c in args.collectives:
         if c not in COLLECTIVES:
             ap.error(f"unknown collective {c!r}; choose from {COLLECTIVES}")

@@ -219,6 +219,17 @@ class ProcessTransport:
         """Raises :class:`ExecutorError` when the connection to ``peer`` has failed."""
         self._call("check_peer", peer)
 
+    def peer_transports(self, peer: int) -> list[str]:
+        """UCX's ``"transport/device"`` pairs the connection to ``peer`` uses, once it carried a message.
+
+        A peer on this machine connects over shared memory (``"posix/memory"``, ``"cma/memory"``...) unless
+        the transport's options choose UCX's transports (:data:`NETWORK_ONLY`: ``"tcp/..."`` only).
+
+        Raises:
+            TransportArgumentError: ``peer`` is not a connected peer.
+        """
+        return [str(t) for t in self._call("peer_transports", peer)]
+
     def close(self) -> None:
         """Closes every connection (never waiting for a dead peer); idempotent. Detaches it first if attached."""
         if _attached is self:

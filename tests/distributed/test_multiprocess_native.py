@@ -100,8 +100,30 @@ def _check_exchange(results: list[ProcessResult], n: int) -> None:
         assert "ALL OK" in r.output, report
 
 
+def _transports_to_peers(results: list[ProcessResult]) -> list[set[str]]:
+    return [
+        {t.split("/")[0] for t in line.split()[2].split(",")}
+        for r in results
+        for line in r.output.splitlines()
+        if line.startswith("VIA ")
+    ]
+
+
+SHARED_MEMORY = {"posix", "sysv", "cma", "xpmem", "knem"}
+
+
 def test_bitwise_exchange_across_two_processes_on_loopback(loopback_job):
-    _check_part(loopback_job(2, 1), "exchange", 3)  # 3 sizes from the other process
+    results = loopback_job(2, 1)
+    _check_part(results, "exchange", 3)  # 3 sizes from the other process
+    via = _transports_to_peers(results)
+    assert len(via) == 2 and all(v & SHARED_MEMORY for v in via), (via, _report(results))
+
+
+def test_peers_on_one_machine_keep_to_the_network_when_the_options_say_so():
+    results = launch([sys.executable, str(WORKER), "exchange"], 2, env=NETWORK_ONLY, timeout_s=120)
+    _check_exchange(results, 2)
+    via = _transports_to_peers(results)
+    assert len(via) == 2 and all(v == {"tcp"} for v in via), (via, _report(results))
 
 
 @needs_netns
@@ -109,6 +131,7 @@ def test_bitwise_exchange_across_four_processes_on_real_links():
     with NetLab(4, LinkShape(rate_mbit=400)) as lab:
         results = launch([sys.executable, str(WORKER), "exchange"], 4, lab=lab, env=NETWORK_ONLY, timeout_s=240)
     _check_exchange(results, 4)
+    assert all(v == {"tcp"} for v in _transports_to_peers(results)), _report(results)
     rate = LinkShape(rate_mbit=400).rate_bytes_per_s
     for r in results:  # three peers share each NIC: no flow beats its rate
         for line in r.output.splitlines():
@@ -162,7 +185,8 @@ def _kill_last_after(marker: str, delay_s: float, sig: int = signal.SIGKILL):
     return kill
 
 
-def _check_named_failure(results: list[ProcessResult], deadline_s: float, victim: int) -> None:
+def _check_named_failure(results: list[ProcessResult], deadline_s: float, victim: int) -> tuple[str, float, str]:
+    """Process 0 reported an error naming ``victim`` within the deadline; returns (error type, seconds, message)."""
     survivor = results[0]
     assert survivor.returncode == 0, _report(results)
     match = re.search(r"ERROR (\w+) after ([\d.]+) s: (.*)", survivor.output)
@@ -173,6 +197,14 @@ def _check_named_failure(results: list[ProcessResult], deadline_s: float, victim
     # Measured from the last completed step: the stuck wait's own deadline starts when that wait begins, which
     # on a loaded 2-core machine can be seconds into the collective (15.0 s seen for a 10 s deadline).
     assert seconds <= deadline_s + 10, seconds
+    return kind, seconds, message
+
+
+def _check_seen_exiting(failure: tuple[str, float, str], deadline_s: float) -> None:
+    """A killed peer on this machine is seen exiting (its pidfd), long before the deadline."""
+    kind, seconds, message = failure
+    assert kind == "ExecutorError" and "exited" in message, message
+    assert seconds < deadline_s / 2, (seconds, message)
 
 
 @pytest.mark.parametrize("network", ["loopback", pytest.param("netns", marks=needs_netns)])
@@ -186,7 +218,21 @@ def test_killed_peer_is_named_within_the_deadline(network):
             results = launch(argv, 2, lab=lab, env=env | NETWORK_ONLY, timeout_s=120, during=kill)
     else:
         results = launch(argv, 2, env=env, timeout_s=120, during=kill)
-    _check_named_failure(results, deadline_s, victim=1)
+    failure = _check_named_failure(results, deadline_s, victim=1)
+    if network == "loopback":
+        _check_seen_exiting(failure, deadline_s)
+
+
+def test_a_peer_killed_inside_a_shared_memory_transfer_is_named_and_the_transport_closes():
+    deadline_s = 20.0
+    results = launch(
+        [sys.executable, str(WORKER), "kill", "streaming"],
+        2,
+        env={"JAXCCL_TEST_DEADLINE_S": str(deadline_s)},
+        timeout_s=120,
+        during=_kill_last_after("SENT", 0.01),
+    )
+    _check_seen_exiting(_check_named_failure(results, deadline_s, victim=1), deadline_s)
 
 
 @pytest.mark.parametrize(("local_devices", "schedule"), [(2, "direct"), (4, "ring")])
@@ -222,7 +268,7 @@ def test_native_collective_fails_naming_a_killed_process():
         timeout_s=200,
         during=_kill_last_after("STEP 2", 0.05),
     )
-    _check_named_failure(results, deadline_s, victim=1)
+    _check_seen_exiting(_check_named_failure(results, deadline_s, victim=1), deadline_s)
 
 
 def _check_collectives(results: list[ProcessResult]) -> None:

@@ -5,7 +5,7 @@ Usage: python tests/workers/multiprocess_native_worker.py MODE [ARGS]
 - ``exchange``: every process sends random data of several sizes to every other through the
   transport (bootstrapped on jax.distributed) and checks what it receives bitwise against the
   sender's generator; prints ``CHECK ...`` lines, ``RATE src dst bytes/s`` for the largest size,
-  and ``ALL OK``.
+  ``VIA peer transport/device,...`` (UCX's transports to each peer) and ``ALL OK``.
 - ``stream NBYTES ROUNDS``: process 0 sends ROUNDS messages of NBYTES to process 1, which prints
   the throughput of each receive from the transport's completion times (``RATE bytes/s``).
 - ``collectives LOCAL_DEVICES``: the four collectives on the native CPU backend over every device
@@ -37,8 +37,10 @@ Usage: python tests/workers/multiprocess_native_worker.py MODE [ARGS]
 - ``meter LOCAL_DEVICES STEPS``: native AllGather steps of 1 MiB per rank; after each, this
   process's measured send rates to the other process's ranks (``METER k bytes/s``, the median
   over pairs, from the transport's completion times).
-- ``kill``: the last process sends one message to process 0, prints ``SENT`` and sleeps (the test
+- ``kill [streaming]``: the last process sends one message to process 0, prints ``SENT`` and sleeps (the test
   kills it); process 0 waits for a second message and prints ``ERROR <type> after <s> s: <message>``.
+  ``streaming``: the last process sends 64 MiB messages to process 0 without pause (``SENT`` after the
+  third), so that the kill lands inside a transfer (over shared memory: while process 0 reads its memory).
 - ``killnative LOCAL_DEVICES [ring]``: native AllGather steps in a loop (``STEP k``) until one fails; the
   test kills the last process mid-run, and the others print ``ERROR ...`` as above (``ring``: a ring
   schedule, whose local ranks wait for local ranks).
@@ -64,6 +66,7 @@ from multiprocess_checks import check_collectives  # noqa: E402
 
 SIZES = (4 << 10, 1 << 20, 8 << 20)
 TIMEOUT_S = 60.0
+STREAM_KILL_BYTES = 64 << 20
 
 
 def payload(src: int, dst: int, nbytes: int) -> np.ndarray:
@@ -94,6 +97,9 @@ def exchange(t) -> bool:
             print(f"CHECK {nbytes} from {p} {'ok' if same else 'MISMATCH'}", flush=True)
             if nbytes == SIZES[-1]:
                 print(f"RATE {p} {me} {nbytes / max(done[p].seconds, 1e-9):.0f}", flush=True)
+    for p in range(n):
+        if p != me:
+            print(f"VIA {p} {','.join(t.peer_transports(p))}", flush=True)
     return ok
 
 
@@ -453,9 +459,11 @@ def meter(t, steps: int) -> bool:
     return True
 
 
-def kill(t) -> bool:
+def kill(t, streaming: bool = False) -> bool:
     from jaxccl.errors import ExecutorError
 
+    if streaming:
+        return kill_streaming(t)
     buf = np.zeros(1 << 18, np.int32)
     victim = t.num_processes - 1  # never process 0: it runs jax.distributed's coordinator
     if t.process_id == victim:
@@ -474,6 +482,31 @@ def kill(t) -> bool:
         return True
     print("NO ERROR", flush=True)
     return False
+
+
+def kill_streaming(t) -> bool:
+    from jaxccl.errors import ExecutorError
+
+    buf = np.ones(STREAM_KILL_BYTES // 4, np.int32)
+    victim = t.num_processes - 1
+    k = 0
+    if t.process_id == victim:
+        while True:
+            t.wait(t.isend(0, k, buf), TIMEOUT_S)
+            k += 1
+            if k == 3:
+                print("SENT", flush=True)  # the test kills this process during one of the next transfers
+    if t.process_id != 0:
+        return True
+    start = time.monotonic()
+    try:
+        while True:
+            t.wait(t.irecv(victim, k, buf), float(os.environ.get("JAXCCL_TEST_DEADLINE_S", "20")))
+            k += 1
+            start = time.monotonic()
+    except ExecutorError as e:
+        print(f"ERROR {type(e).__name__} after {time.monotonic() - start:.2f} s: {e}", flush=True)
+        return True
 
 
 def kill_native(t, schedule: str = "direct") -> bool:
@@ -541,7 +574,7 @@ def main(argv: list[str]) -> int:
     elif mode == "stream":
         ok = stream(t, int(argv[1]), int(argv[2]))
     elif mode == "kill":
-        ok = kill(t)
+        ok = kill(t, streaming=argv[1:2] == ["streaming"])
     elif mode == "collectives":
         ok = collectives(t)
     elif mode == "mesh":

@@ -97,6 +97,11 @@ class PyTransport {
     ffi::Error e = Get()->PeerError(peer);
     if (e.failure()) Raise(e);
   }
+  std::vector<std::string> PeerTransports(int32_t peer) {
+    auto r = Get()->PeerTransports(peer);
+    if (!r.has_value()) Raise(r.error());
+    return *r;
+  }
   void Close() {
     if (t_) t_->Close();
     t_.reset();
@@ -191,6 +196,7 @@ NB_MODULE(_transport, m) {
       .def("test", &PyTransport::Test, nb::arg("request"))
       .def("wait", &PyTransport::Wait, nb::arg("request"), nb::arg("timeout_s"))
       .def("check_peer", &PyTransport::CheckPeer, nb::arg("peer"))
+      .def("peer_transports", &PyTransport::PeerTransports, nb::arg("peer"))
       .def("close", &PyTransport::Close)
       .def("capsule", &PyTransport::Capsule)
       .def_prop_ro("closed", &PyTransport::closed)

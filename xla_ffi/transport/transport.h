@@ -29,7 +29,8 @@ namespace jaxccl {
 // Version of this interface; an implementation reports the version it was built against.
 // 2: IsendWithTrailer (a message followed by a small trailer, one transfer).
 // 3: the memory kind of every transfer's buffer.
-inline constexpr int32_t kTransportVersion = 3;
+// 4: PeerTransports (which of the library's transports a connection uses).
+inline constexpr int32_t kTransportVersion = 4;
 
 // Which memory a transfer's buffer is in. kCuda: device memory (of the GPU current when it is posted).
 // A transfer never mixes kinds: a message in device memory travels without its host trailer.
@@ -86,6 +87,9 @@ class Transport {
   virtual ffi::ErrorOr<TransportCompletion> Wait(TransportRequest request, Clock::time_point deadline) = 0;
   // The error that ended the connection to `peer`, if one did (kOk while it is healthy).
   virtual ffi::Error PeerError(int32_t peer) = 0;
+  // The library's "transport/device" pairs the connection to `peer` uses ("posix/memory", "tcp/eth0"), once
+  // it carried a message; an error when `peer` is not a connected peer.
+  virtual ffi::ErrorOr<std::vector<std::string>> PeerTransports(int32_t peer) = 0;
   // Closes every connection (forcibly: a dead peer never holds it up) and frees the transport's resources.
   virtual void Close() = 0;
 };

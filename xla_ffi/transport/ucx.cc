@@ -1,5 +1,11 @@
-// The UCX transport (transport.h): one UCP worker per process with the tag-matching API, an endpoint
-// per peer process in peer-failure mode (a dead peer fails its requests instead of aborting the job).
+// The UCX transport (transport.h): one UCP worker per process with the tag-matching API and an endpoint per
+// peer process. A dead peer fails its requests instead of aborting the job:
+//   * a peer on another machine (or every peer, when the transport's options choose UCX's transports, e.g.
+//     NETWORK_ONLY): the endpoint is in UCX's peer-failure mode, which only network transports support;
+//   * a peer on this machine (same boot and process namespace): the endpoint lets UCX use shared memory
+//     (posix/sysv and cma: one copy, against two over loopback TCP and its kernel work), and the transport
+//     watches the peer process itself through a pidfd; its exit fails the requests on it as a peer failure does.
+// Every published address starts with the publisher's HostIdentity, which is how a peer tells the two apart.
 //
 // Tags: the source process in the high 16 bits, the caller's 48-bit tag below, so a receive matches
 // exactly one (peer, tag). All UCP calls of a transport run under one mutex; a waiting thread
@@ -9,9 +15,16 @@
 // socket is full) and moves them, and answers a peer's rendezvous, only inside progress. A process
 // that stopped progressing after a launch (waiting in jax.distributed's key-value store for a peer)
 // held back the tail of a message that the peer's launch waited for: both waited until a deadline.
+#include <poll.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
 #include <atomic>
 #include <chrono>
 #include <map>
@@ -26,6 +39,50 @@ namespace {
 
 // How long progress may pause before the progress thread drives it (an idle process costs a wakeup per period).
 constexpr std::chrono::microseconds kIdleProgressPeriod{500};
+// How often progress looks whether a peer process on this machine exited (one poll() of their pidfds), and how
+// long a request that failed on such a peer waits to see the process exit.
+constexpr int64_t kLivenessPeriodNs = 1'000'000;
+constexpr int kExitGraceMs = 200;
+
+// What precedes the worker address in a published address: where the publisher runs.
+struct HostIdentity {
+  uint64_t magic = 0;  // kAddressMagic
+  char boot_id[40] = {};  // /proc/sys/kernel/random/boot_id: the machine's current boot
+  uint64_t pid_ns_dev = 0, pid_ns_ino = 0;  // /proc/self/ns/pid: process ids mean the same in both processes
+  int64_t pid = 0;
+};
+constexpr uint64_t kAddressMagic = 0x4A43434C55435832ull;  // "JCCLUCX2"
+
+HostIdentity ThisHost() {
+  HostIdentity h;
+  h.magic = kAddressMagic;
+  std::ifstream boot("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  if (boot && std::getline(boot, id)) std::strncpy(h.boot_id, id.c_str(), sizeof(h.boot_id) - 1);
+  struct stat ns{};
+  if (stat("/proc/self/ns/pid", &ns) == 0) {
+    h.pid_ns_dev = static_cast<uint64_t>(ns.st_dev);
+    h.pid_ns_ino = static_cast<uint64_t>(ns.st_ino);
+  }
+  h.pid = static_cast<int64_t>(getpid());
+  return h;
+}
+
+// Whether `a` and `b` run on one machine in one process namespace (an unknown boot or namespace: never).
+bool SameHost(const HostIdentity& a, const HostIdentity& b) {
+  return a.boot_id[0] != 0 && a.pid_ns_ino != 0 && std::strncmp(a.boot_id, b.boot_id, sizeof(a.boot_id)) == 0 &&
+         a.pid_ns_dev == b.pid_ns_dev && a.pid_ns_ino == b.pid_ns_ino;
+}
+
+// A descriptor that becomes readable when process `pid` exits (-1: not available, errno says why).
+int OpenPidfd(int64_t pid) {
+#ifdef SYS_pidfd_open
+  return static_cast<int>(syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0));
+#else
+  errno = ENOSYS;
+  return -1;
+#endif
+}
 
 struct UcxRequestState {
   bool done = false;
@@ -72,6 +129,9 @@ class UcxTransport final : public Transport {
   ~UcxTransport() override { Close(); }
 
   ffi::Error Init(const TransportOptions& options) {
+    for (const auto& option : options) {
+      if (option.first == "TLS") shared_memory_ = false;  // the caller chose UCX's transports (NETWORK_ONLY)
+    }
     ucp_config_t* config = nullptr;
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
     if (st != UCS_OK) return UcxError("ucp_config_read", st);
@@ -111,7 +171,9 @@ class UcxTransport final : public Transport {
     size_t len = 0;
     ucs_status_t st = ucp_worker_get_address(worker_, &addr, &len);
     if (st != UCS_OK) return ErrorResult<std::string>(UcxError("ucp_worker_get_address", st));
-    std::string out(reinterpret_cast<const char*>(addr), len);
+    const HostIdentity host = ThisHost();
+    std::string out(reinterpret_cast<const char*>(&host), sizeof(host));
+    out.append(reinterpret_cast<const char*>(addr), len);
     ucp_worker_release_address(worker_, addr);
     return out;
   }
@@ -124,16 +186,37 @@ class UcxTransport final : public Transport {
           StrCat("jaxccl transport ucx: peer process ", peer, " is not another process of 0..", num_processes_ - 1));
     }
     if (eps_[peer] != nullptr) return ffi::Error::Success();
-    if (address.empty()) return ffi::Error::InvalidArgument(StrCat("jaxccl transport ucx: empty address of process ", peer));
+    HostIdentity host;
+    if (address.size() <= sizeof(host)) {
+      return ffi::Error::InvalidArgument(StrCat("jaxccl transport ucx: the address of process ", peer, " has ",
+                                                address.size(), " bytes: not a jaxccl transport's address"));
+    }
+    std::memcpy(&host, address.data(), sizeof(host));
+    if (host.magic != kAddressMagic) {
+      return ffi::Error::InvalidArgument(StrCat("jaxccl transport ucx: the address of process ", peer,
+                                                " is not this jaxccl version's (another jaxccl in that process?)"));
+    }
     peer_args_.resize(num_processes_);
     peer_args_[peer] = {this, peer};
     ucp_ep_params_t ep{};
-    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    ep.address = reinterpret_cast<const ucp_address_t*>(address.data());
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    ep.address = reinterpret_cast<const ucp_address_t*>(address.data() + sizeof(host));
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    ep.err_handler.cb = &UcxTransport::OnPeerError;
-    ep.err_handler.arg = &peer_args_[peer];
+    if (shared_memory_ && SameHost(ThisHost(), host)) {
+      const int fd = OpenPidfd(host.pid);
+      if (fd >= 0) {
+        pidfds_.push_back({fd, peer, host.pid});
+        ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;  // UCX's shared memory has no peer-failure mode: the pidfd watches
+      } else if (errno == ESRCH) {
+        peer_status_[peer] = UCS_ERR_CONNECTION_RESET;
+        exited_pid_[peer] = host.pid;
+      }
+    }
+    if (ep.err_mode == UCP_ERR_HANDLING_MODE_PEER) {
+      ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      ep.err_handler.cb = &UcxTransport::OnPeerError;
+      ep.err_handler.arg = &peer_args_[peer];
+    }
     ucs_status_t st = ucp_ep_create(worker_, &ep, &eps_[peer]);
     if (st != UCS_OK) {
       eps_[peer] = nullptr;
@@ -261,6 +344,30 @@ class UcxTransport final : public Transport {
     return ffi::Error::Success();
   }
 
+  ffi::ErrorOr<std::vector<std::string>> PeerTransports(int32_t peer) override {
+    using R = std::vector<std::string>;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_ == nullptr) return ErrorResult<R>(Closed());
+    if (peer < 0 || peer >= num_processes_ || eps_[peer] == nullptr) {
+      return ErrorResult<R>(ffi::Error::InvalidArgument(StrCat("jaxccl transport ucx: process ", peer,
+                                                               " is not a connected peer")));
+    }
+    std::vector<ucp_transport_entry_t> entries(16);
+    ucp_ep_attr_t attr{};
+    attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
+    attr.transports.entries = entries.data();
+    attr.transports.num_entries = static_cast<unsigned>(entries.size());
+    attr.transports.entry_size = sizeof(ucp_transport_entry_t);
+    ucs_status_t st = ucp_ep_query(eps_[peer], &attr);
+    if (st != UCS_OK) return ErrorResult<R>(UcxError(StrCat("querying the connection to process ", peer), st));
+    R out;
+    for (unsigned i = 0; i < attr.transports.num_entries; ++i) {
+      std::string name = StrCat(entries[i].transport_name, "/", entries[i].device_name);
+      if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(std::move(name));
+    }
+    return out;
+  }
+
   void Close() override {
     stop_progress_.store(true);
     if (progress_thread_.joinable()) progress_thread_.join();
@@ -286,6 +393,8 @@ class UcxTransport final : public Transport {
       ucp_worker_destroy(worker_);
       worker_ = nullptr;
     }
+    for (const PeerProcess& p : pidfds_) close(p.fd);
+    pidfds_.clear();
     if (context_ != nullptr) {
       ucp_cleanup(context_);
       context_ = nullptr;
@@ -303,7 +412,31 @@ class UcxTransport final : public Transport {
     if (worker_ == nullptr) return;
     while (ucp_worker_progress(worker_) != 0) {
     }
-    last_progress_ns_.store(NowNs(), std::memory_order_relaxed);
+    const int64_t now = NowNs();
+    last_progress_ns_.store(now, std::memory_order_relaxed);
+    if (!pidfds_.empty() && now - last_liveness_ns_ >= kLivenessPeriodNs) {
+      last_liveness_ns_ = now;
+      WatchPeerProcesses();
+    }
+  }
+
+  // Marks the watched peer processes that exited as failed (their requests then fail as on a peer failure);
+  // `only` >= 0: looks at that peer alone, waiting up to `wait_ms` for its exit. Under mu_.
+  void WatchPeerProcesses(int32_t only = -1, int wait_ms = 0) {
+    std::vector<pollfd> fds;
+    std::vector<const PeerProcess*> watched;
+    for (const PeerProcess& p : pidfds_) {
+      if (only >= 0 && p.peer != only) continue;
+      fds.push_back(pollfd{p.fd, POLLIN, 0});
+      watched.push_back(&p);
+    }
+    if (fds.empty() || poll(fds.data(), fds.size(), wait_ms) <= 0) return;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      const PeerProcess& p = *watched[i];
+      if (peer_status_[p.peer] == UCS_OK) peer_status_[p.peer] = UCS_ERR_CONNECTION_RESET;
+      exited_pid_[p.peer] = p.pid;
+    }
   }
 
   // The progress thread: drives progress when no caller did for kIdleProgressPeriod (between launches,
@@ -394,6 +527,8 @@ class UcxTransport final : public Transport {
   }
 
   ffi::Error RequestError(const UcxRequest& r) {
+    // A watched peer's shared memory fails as the process exits, a moment before its pidfd says so.
+    if (peer_status_[r.peer] == UCS_OK) WatchPeerProcesses(r.peer, kExitGraceMs);
     if (peer_status_[r.peer] != UCS_OK) return PeerFailed(r.peer, peer_status_[r.peer]);
     if (r.state.status == UCS_ERR_MESSAGE_TRUNCATED) {
       return ffi::Error::InvalidArgument(StrCat("jaxccl transport ucx: message from process ", r.peer,
@@ -402,7 +537,12 @@ class UcxTransport final : public Transport {
     return UcxError(StrCat(r.is_send ? "send to" : "receive from", " process ", r.peer), r.state.status);
   }
 
-  static ffi::Error PeerFailed(int32_t peer, ucs_status_t status) {
+  ffi::Error PeerFailed(int32_t peer, ucs_status_t status) const {
+    if (auto it = exited_pid_.find(peer); it != exited_pid_.end()) {
+      return ffi::Error(ffi::ErrorCode::kUnavailable,
+                        StrCat("jaxccl transport ucx: process ", peer, " failed (it exited: pid ", it->second,
+                               " on this machine)"));
+    }
     return ffi::Error(ffi::ErrorCode::kUnavailable, StrCat("jaxccl transport ucx: process ", peer,
                                                            " failed (its connection reported: ",
                                                            ucs_status_string(status), ")"));
@@ -420,6 +560,16 @@ class UcxTransport final : public Transport {
   std::vector<ucp_ep_h> eps_;
   std::vector<ucs_status_t> peer_status_;
   std::vector<PeerArg> peer_args_;
+  // Peer processes on this machine, watched through their pidfds (their endpoints use shared memory).
+  struct PeerProcess {
+    int fd;
+    int32_t peer;
+    int64_t pid;
+  };
+  std::vector<PeerProcess> pidfds_;
+  std::map<int32_t, int64_t> exited_pid_;  // watched peers that exited: their pids
+  int64_t last_liveness_ns_ = 0;
+  bool shared_memory_ = true;  // false: the options chose UCX's transports; every endpoint in peer-failure mode
   std::map<TransportRequest, std::unique_ptr<UcxRequest>> requests_;
   TransportRequest next_id_ = 1;
   std::atomic<int64_t> last_progress_ns_{0};
