@@ -223,10 +223,11 @@ def test_killed_peer_is_named_within_the_deadline(network):
         _check_seen_exiting(failure, deadline_s)
 
 
-def test_a_peer_killed_inside_a_shared_memory_transfer_is_named_and_the_transport_closes():
+@pytest.mark.parametrize("victim", ["sending", "receiving"])
+def test_a_peer_killed_inside_a_shared_memory_transfer_is_named_and_the_transport_closes(victim):
     deadline_s = 20.0
     results = launch(
-        [sys.executable, str(WORKER), "kill", "streaming"],
+        [sys.executable, str(WORKER), "kill", victim],
         2,
         env={"JAXCCL_TEST_DEADLINE_S": str(deadline_s)},
         timeout_s=120,

@@ -37,10 +37,11 @@ Usage: python tests/workers/multiprocess_native_worker.py MODE [ARGS]
 - ``meter LOCAL_DEVICES STEPS``: native AllGather steps of 1 MiB per rank; after each, this
   process's measured send rates to the other process's ranks (``METER k bytes/s``, the median
   over pairs, from the transport's completion times).
-- ``kill [streaming]``: the last process sends one message to process 0, prints ``SENT`` and sleeps (the test
-  kills it); process 0 waits for a second message and prints ``ERROR <type> after <s> s: <message>``.
-  ``streaming``: the last process sends 64 MiB messages to process 0 without pause (``SENT`` after the
-  third), so that the kill lands inside a transfer (over shared memory: while process 0 reads its memory).
+- ``kill [sending|receiving]``: the last process sends one message to process 0, prints ``SENT`` and sleeps (the
+  test kills it); process 0 waits for a second message and prints ``ERROR <type> after <s> s: <message>``.
+  ``sending`` / ``receiving``: the last process sends 64 MiB messages to process 0 (receives them from it) without
+  pause (``SENT`` after the third), so that the kill lands inside a transfer (over shared memory: while process 0
+  reads the victim's memory, or while the victim reads process 0's).
 - ``killnative LOCAL_DEVICES [ring]``: native AllGather steps in a loop (``STEP k``) until one fails; the
   test kills the last process mid-run, and the others print ``ERROR ...`` as above (``ring``: a ring
   schedule, whose local ranks wait for local ranks).
@@ -459,11 +460,11 @@ def meter(t, steps: int) -> bool:
     return True
 
 
-def kill(t, streaming: bool = False) -> bool:
+def kill(t, streaming: str = "") -> bool:
     from jaxccl.errors import ExecutorError
 
     if streaming:
-        return kill_streaming(t)
+        return kill_streaming(t, victim_sends=streaming == "sending")
     buf = np.zeros(1 << 18, np.int32)
     victim = t.num_processes - 1  # never process 0: it runs jax.distributed's coordinator
     if t.process_id == victim:
@@ -484,7 +485,7 @@ def kill(t, streaming: bool = False) -> bool:
     return False
 
 
-def kill_streaming(t) -> bool:
+def kill_streaming(t, victim_sends: bool) -> bool:
     from jaxccl.errors import ExecutorError
 
     buf = np.ones(STREAM_KILL_BYTES // 4, np.int32)
@@ -492,16 +493,23 @@ def kill_streaming(t) -> bool:
     k = 0
     if t.process_id == victim:
         while True:
-            t.wait(t.isend(0, k, buf), TIMEOUT_S)
+            if victim_sends:
+                t.wait(t.isend(0, k, buf), TIMEOUT_S)
+            else:
+                t.wait(t.irecv(0, k, buf), TIMEOUT_S)
             k += 1
             if k == 3:
                 print("SENT", flush=True)  # the test kills this process during one of the next transfers
     if t.process_id != 0:
         return True
     start = time.monotonic()
+    deadline_s = float(os.environ.get("JAXCCL_TEST_DEADLINE_S", "20"))
     try:
         while True:
-            t.wait(t.irecv(victim, k, buf), float(os.environ.get("JAXCCL_TEST_DEADLINE_S", "20")))
+            if victim_sends:
+                t.wait(t.irecv(victim, k, buf), deadline_s)
+            else:
+                t.wait(t.isend(victim, k, buf), deadline_s)
             k += 1
             start = time.monotonic()
     except ExecutorError as e:
@@ -574,7 +582,7 @@ def main(argv: list[str]) -> int:
     elif mode == "stream":
         ok = stream(t, int(argv[1]), int(argv[2]))
     elif mode == "kill":
-        ok = kill(t, streaming=argv[1:2] == ["streaming"])
+        ok = kill(t, streaming=argv[1] if len(argv) > 1 else "")
     elif mode == "collectives":
         ok = collectives(t)
     elif mode == "mesh":

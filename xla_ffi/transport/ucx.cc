@@ -377,19 +377,7 @@ class UcxTransport final : public Transport {
         Cancel(*it->second);
         it = Free(it);
       }
-      for (ucp_ep_h& ep : eps_) {
-        if (ep == nullptr) continue;
-        ucp_request_param_t p{};
-        p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        p.flags = UCP_EP_CLOSE_FLAG_FORCE;  // never waits for a peer that may be dead
-        ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &p);
-        if (UCS_PTR_IS_PTR(r)) {
-          const auto until = DeadlineAfter(5.0);
-          while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until) ucp_worker_progress(worker_);
-          ucp_request_free(r);
-        }
-        ep = nullptr;
-      }
+      for (ucp_ep_h& ep : eps_) CloseEndpoint(&ep);
       ucp_worker_destroy(worker_);
       worker_ = nullptr;
     }
@@ -420,23 +408,49 @@ class UcxTransport final : public Transport {
     }
   }
 
+  // Closes `*ep` forcibly (never waiting for a peer that may be dead): UCX completes its outstanding requests with
+  // an error and touches none of their buffers after. Under mu_.
+  void CloseEndpoint(ucp_ep_h* ep) {
+    if (*ep == nullptr) return;
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    ucs_status_ptr_t r = ucp_ep_close_nbx(*ep, &p);
+    if (UCS_PTR_IS_PTR(r)) {
+      const auto until = DeadlineAfter(5.0);
+      while (ucp_request_check_status(r) == UCS_INPROGRESS && Clock::now() < until) ucp_worker_progress(worker_);
+      ucp_request_free(r);
+    }
+    *ep = nullptr;
+  }
+
   // Marks the watched peer processes that exited as failed (their requests then fail as on a peer failure);
   // `only` >= 0: looks at that peer alone, waiting up to `wait_ms` for its exit. Under mu_.
   void WatchPeerProcesses(int32_t only = -1, int wait_ms = 0) {
     std::vector<pollfd> fds;
-    std::vector<const PeerProcess*> watched;
-    for (const PeerProcess& p : pidfds_) {
-      if (only >= 0 && p.peer != only) continue;
-      fds.push_back(pollfd{p.fd, POLLIN, 0});
-      watched.push_back(&p);
+    std::vector<size_t> watched;  // indices into pidfds_
+    for (size_t i = 0; i < pidfds_.size(); ++i) {
+      if (only >= 0 && pidfds_[i].peer != only) continue;
+      fds.push_back(pollfd{pidfds_[i].fd, POLLIN, 0});
+      watched.push_back(i);
     }
     if (fds.empty() || poll(fds.data(), fds.size(), wait_ms) <= 0) return;
-    for (size_t i = 0; i < fds.size(); ++i) {
-      if (fds[i].revents == 0) continue;
-      const PeerProcess& p = *watched[i];
+    std::vector<PeerProcess> alive;
+    for (size_t i = 0, w = 0; i < pidfds_.size(); ++i) {
+      const PeerProcess& p = pidfds_[i];
+      const bool exited = w < watched.size() && watched[w] == i && fds[w++].revents != 0;
+      if (!exited) {
+        alive.push_back(p);
+        continue;
+      }
       if (peer_status_[p.peer] == UCS_OK) peer_status_[p.peer] = UCS_ERR_CONNECTION_RESET;
       exited_pid_[p.peer] = p.pid;
+      close(p.fd);
+      // Without peer-failure mode nothing else ends the requests on it: a send queued for the dead process would
+      // read its buffer whenever progress next ran, after XLA freed it.
+      CloseEndpoint(&eps_[p.peer]);
     }
+    pidfds_ = std::move(alive);
   }
 
   // The progress thread: drives progress when no caller did for kIdleProgressPeriod (between launches,
@@ -477,10 +491,10 @@ class UcxTransport final : public Transport {
       return ffi::Error::InvalidArgument(StrCat("jaxccl transport ucx: tag ", tag, " has more than ",
                                                 kTransportTagBits, " bits"));
     }
+    if (peer_status_[peer] != UCS_OK) return PeerFailed(peer, peer_status_[peer]);
     if (eps_[peer] == nullptr) {
       return ffi::Error(ffi::ErrorCode::kFailedPrecondition, StrCat("jaxccl transport ucx: process ", peer, " is not connected"));
     }
-    if (peer_status_[peer] != UCS_OK) return PeerFailed(peer, peer_status_[peer]);
     return ffi::Error::Success();
   }
 
