@@ -461,7 +461,9 @@ def get_timeout() -> float:
 
 
 def stats() -> dict[str, int]:
-    """Executor bookkeeping: pending rendezvous entries, occurrence counters, slots."""
+    """Executor bookkeeping: pending rendezvous entries, occurrence counters, slots, and across processes the
+    messages received straight into their receiver's output (``in_place_receives``) and the connections closed
+    because a failed launch left such a message in flight (``in_place_disconnects``)."""
     return {k: int(v) for k, v in _native.stats().items()}
 
 

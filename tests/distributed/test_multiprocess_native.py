@@ -44,7 +44,7 @@ def _report(results: list[ProcessResult]) -> str:
 LOOPBACK_JOBS = {
     (2, 1): "exchange+collectives",
     (2, 2): "collectives+mesh+swap:14+sums:ppermute",
-    (2, 4): "layouts+sums:cpu+collectives:ppermute",
+    (2, 4): "layouts+sums:cpu+collectives:ppermute+inplace",
     (3, 2): "sums:cpu:d,data,model/data",
     (8, 1): "collectives",
 }
@@ -221,6 +221,44 @@ def test_killed_peer_is_named_within_the_deadline(network):
     failure = _check_named_failure(results, deadline_s, victim=1)
     if network == "loopback":
         _check_seen_exiting(failure, deadline_s)
+
+
+def test_large_messages_from_other_processes_land_in_place_bitwise(loopback_job):
+    _check_part(loopback_job(2, 4), "inplace", 2)
+
+
+@pytest.mark.parametrize("network", ["loopback", pytest.param("netns", marks=needs_netns)])
+def test_a_failed_launch_leaves_no_receive_writing_into_freed_outputs(network):
+    # The last process stops in the middle of AllToAll steps whose 1 MiB messages land in the receivers' outputs
+    # (over shared memory), and resumes once the others failed at their deadline: whatever it still sends must
+    # not land in memory XLA freed. Over shared memory the receiver reads the stopped process's memory itself, so
+    # the receive ends; over TCP the sender pushes, and a resumed sender's fragments reached a freed output even
+    # after its connection was closed (a segfault or a corrupted heap in 3 of 4 runs), so those messages go
+    # through staging.
+    deadline_s, resume_after_s = 5.0, 9.0
+
+    def stop_then_resume(procs: list[subprocess.Popen]) -> None:
+        _kill_last_after("STEP 2", 0.05, signal.SIGSTOP)(procs)
+        time.sleep(resume_after_s)
+        os.kill(procs[-1].pid, signal.SIGCONT)
+
+    env = {"JAXCCL_TIMEOUT_S": str(deadline_s), "JAXCCL_TEST_RESUME_WAIT_S": str(resume_after_s + 3)}
+    argv = [sys.executable, str(WORKER), "hanginplace", "4"]
+    if network == "netns":
+        with NetLab(2, LinkShape(rate_mbit=200)) as lab:
+            results = launch(argv, 2, lab=lab, env=env | NETWORK_ONLY, timeout_s=200, during=stop_then_resume)
+    else:
+        results = launch(argv, 2, env=env, timeout_s=200, during=stop_then_resume)
+    _check_named_failure(results, deadline_s, victim=1)
+    match = re.search(r"CANARY (\w+) landed (\d+) disconnects (\d+)", results[0].output)
+    assert match and match.group(1) == "ok", _report(results)
+    landed, disconnects = int(match.group(2)), int(match.group(3))
+    if network == "loopback":
+        # A receive whose bytes were all read can wait for its acknowledgement to the stopped process: after a
+        # second the launch gives up on it and closes that connection (its bytes are in place, nothing writes).
+        assert landed > 0, _report(results)
+    else:
+        assert landed == 0 and disconnects == 0, _report(results)
 
 
 @pytest.mark.parametrize("victim", ["sending", "receiving"])

@@ -45,10 +45,17 @@ Usage: python tests/workers/multiprocess_native_worker.py MODE [ARGS]
 - ``killnative LOCAL_DEVICES [ring]``: native AllGather steps in a loop (``STEP k``) until one fails; the
   test kills the last process mid-run, and the others print ``ERROR ...`` as above (``ring``: a ring
   schedule, whose local ranks wait for local ranks).
+- ``hanginplace LOCAL_DEVICES``: AllToAll steps of 8 MiB per rank (1 MiB messages, which land in place) until one
+  fails (``STEP k``, then ``ERROR ...``); the test stops the last process mid-run and resumes it later. Process 0
+  then fills canaries of the outputs' size, waits ``JAXCCL_TEST_RESUME_WAIT_S`` while the resumed process sends
+  what it had left, and prints ``CANARY ok|CORRUPTED landed N disconnects M`` (native.stats()).
 - ``stale LOCAL_DEVICES``: process 1 sends one message with a stale identity; process 0 prints
   ``REFUSED <error>``, then both check three more AllGathers (``CHECK after k ok``).
+- ``inplace`` (a part only): an AllToAll of 8 MiB per rank and a ring AllGather of 1 MiB per rank, whose 1 MiB
+  messages from other processes land in the receiver's output: bitwise against ``jax.lax`` and counted
+  (``CHECK in place ...``).
 - ``parts LOCAL_DEVICES PART+PART+...``: several of ``exchange``, ``collectives`` (``collectives:ppermute``:
-  the same checks on the ppermute backend), ``mesh``, ``layouts``, ``sums:BACKEND`` and ``swap:STEPS`` in
+  the same checks on the ppermute backend), ``mesh``, ``layouts``, ``sums:BACKEND``, ``swap:STEPS`` and ``inplace`` in
   one job, in turn, each after a line ``PART <part>``; ``ALL OK`` when every part's checks passed.
 """
 
@@ -551,6 +558,104 @@ def kill_native(t, schedule: str = "direct") -> bool:
     return False
 
 
+def _large_steps(mesh):
+    """AllToAll of 8 MiB per rank (1 MiB messages between 8 ranks) and a ring AllGather of 1 MiB per rank, jaxccl's
+    and jax.lax's, on random data: the sizes whose messages from another process land in place."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import jaxccl
+
+    n = mesh.shape["d"]
+    bodies = {
+        "all_to_all": lambda lib: lambda v: lib.all_to_all(v, "d", 0, 0, tiled=True),
+        "all_gather": lambda lib: lambda v: lib.all_gather(v, "d", axis=0, tiled=True),
+    }
+    rows = {"all_to_all": 8 << 20, "all_gather": 1 << 20}
+    steps = {}
+    for name, body in bodies.items():
+        raw = np.random.default_rng(len(name)).standard_normal((n * rows[name] // 4096, 1024)).astype(np.float32)
+        x = jax.make_array_from_callback(raw.shape, NamedSharding(mesh, P("d")), lambda idx, raw=raw: raw[idx])
+        steps[name] = (
+            x,
+            {
+                lib: jax.jit(jax.shard_map(body(lib), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+                for lib in (jaxccl, jax.lax)
+            },
+        )
+    return steps
+
+
+def in_place(t) -> bool:
+    """Messages of 1 MiB from other processes land in the receiver's output, bitwise as through staging."""
+    import jax
+    from jax.sharding import Mesh
+
+    import jaxccl
+    from jaxccl.distributed.transport import attach, local_shards
+    from jaxccl.runtime import native
+    from jaxccl.synth.baselines import ring_allgather
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    attach(t, mesh, "d")
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    comm.install("all_gather", ring_allgather(mesh.shape["d"]))
+    ok = True
+    with comm:
+        for name, (x, fns) in _large_steps(mesh).items():
+            before = native.stats()["in_place_receives"]
+            for _ in range(2):
+                got, want = fns[jaxccl](x), fns[jax.lax](x)
+                same = all(a.tobytes() == b.tobytes() for a, b in zip(local_shards(got), local_shards(want)))
+                ok &= same
+            landed = native.stats()["in_place_receives"] - before
+            ok &= landed > 0
+            print(f"CHECK in place {name} {'ok' if same and landed > 0 else 'MISMATCH'} ({landed} landed)", flush=True)
+    comm.close()
+    return ok
+
+
+def hang_in_place(t) -> bool:
+    """AllToAll steps whose messages land in place until one fails (the test stops the last process mid-run and
+    resumes it after the others failed); process 0 then checks that nothing wrote into freed outputs: canaries
+    of the outputs' size stay intact while the resumed process sends what it had left."""
+    import jax
+    from jax.sharding import Mesh
+
+    import jaxccl
+    from jaxccl.distributed.transport import attach
+    from jaxccl.errors import ExecutorError
+    from jaxccl.runtime import native
+
+    mesh = Mesh(np.array(jax.devices()), ("d",))
+    attach(t, mesh, "d")
+    comm = jaxccl.Communicator(mesh, "d", backend="cpu")
+    x, fns = _large_steps(mesh)["all_to_all"]
+    last = time.monotonic()
+    try:
+        with comm:
+            for k in range(100_000):
+                fns[jaxccl](x).block_until_ready()
+                last = time.monotonic()
+                print(f"STEP {k}", flush=True)
+    except ExecutorError as e:
+        print(f"ERROR {type(e).__name__} after {time.monotonic() - last:.2f} s: {e}", flush=True)
+    if t.process_id != 0:
+        return True
+    pattern = np.uint32(0xA5C3E1F7)
+    canaries = [np.full((8 << 20) // 4, pattern, np.uint32) for _ in range(4 * mesh.shape["d"])]
+    time.sleep(float(os.environ.get("JAXCCL_TEST_RESUME_WAIT_S", "8")))  # the test resumes the stopped process
+    intact = all(bool(np.all(c == pattern)) for c in canaries)
+    stats = native.stats()
+    print(
+        f"CANARY {'ok' if intact else 'CORRUPTED'} landed {stats['in_place_receives']} "
+        f"disconnects {stats['in_place_disconnects']}",
+        flush=True,
+    )
+    return intact
+
+
 def run_part(t, part: str) -> bool:
     """One part of a ``parts`` job: ``MODE`` or ``MODE:ARG``."""
     mode, _, arg = part.partition(":")
@@ -566,6 +671,8 @@ def run_part(t, part: str) -> bool:
         return sums(t, *arg.split(":", 1))
     if mode == "swap":
         return swap(t, int(arg))
+    if mode == "inplace":
+        return in_place(t)
     raise SystemExit(f"unknown part {part!r}")
 
 
@@ -574,7 +681,18 @@ def main(argv: list[str]) -> int:
     from jaxccl.distributed.transport import ProcessTransport
 
     mode = argv[0]
-    with_devices = ("collectives", "mesh", "layouts", "sums", "swap", "killnative", "meter", "stale", "parts")
+    with_devices = (
+        "collectives",
+        "mesh",
+        "layouts",
+        "sums",
+        "swap",
+        "killnative",
+        "hanginplace",
+        "meter",
+        "stale",
+        "parts",
+    )
     initialize_from_env(local_devices=int(argv[1]) if mode in with_devices else 1)
     t = ProcessTransport.bootstrap(timeout_s=TIMEOUT_S, options=transport_options())
     if mode == "exchange":
@@ -595,6 +713,8 @@ def main(argv: list[str]) -> int:
         ok = meter(t, int(argv[2]))
     elif mode == "killnative":
         ok = kill_native(t, *argv[2:3])
+    elif mode == "hanginplace":
+        ok = hang_in_place(t)
     elif mode == "swap":
         ok = swap(t, int(argv[2]))
     elif mode == "stale":
@@ -607,7 +727,7 @@ def main(argv: list[str]) -> int:
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     print("ALL OK" if ok else "FAILED", flush=True)
-    if mode in ("kill", "killnative"):
+    if mode in ("kill", "killnative", "hanginplace"):
         os._exit(0 if ok else 1)  # the peer is dead: jax.distributed's shutdown barrier would wait for it
     t.close()
     import jax

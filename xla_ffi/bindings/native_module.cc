@@ -416,8 +416,11 @@ NB_MODULE(_native, m) {
     d["occurrence_entries"] = CpuOccurrenceEntries();
     d["slots"] = Registry::Get().NumSlots();
     d["context_pools"] = NumContextPools();
+    d["in_place_receives"] = InPlaceReceives();
+    d["in_place_disconnects"] = InPlaceDisconnects();
     return d;
-  }, "Executor bookkeeping (for tests): rendezvous entries, slots.");
+  }, "Executor bookkeeping (for tests): rendezvous entries, slots, messages from other processes received in "
+     "place and connections closed after a failed launch left one in flight.");
   m.def(
       "_test_arrive",
       [](int64_t run_id, int64_t site, int64_t group, int32_t rank, int32_t axis_size, double timeout_s) {

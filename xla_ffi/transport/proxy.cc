@@ -34,6 +34,14 @@ int64_t ProcessGroup::NextLaunch(int64_t slot) const {
 
 int64_t NextLaunchNumber(const ProcessGroup& group, int64_t slot) { return group.NextLaunch(slot); }
 
+namespace {
+std::atomic<int64_t> in_place_receives{0};
+std::atomic<int64_t> in_place_disconnects{0};
+}  // namespace
+
+int64_t InPlaceReceives() { return in_place_receives.load(); }
+int64_t InPlaceDisconnects() { return in_place_disconnects.load(); }
+
 ffi::Error AttachProcessGroups(Transport* transport, int32_t process_id,
                                const std::vector<std::vector<int32_t>>& process_of_rank, int32_t* first,
                                int32_t* layout) {
@@ -194,6 +202,7 @@ ffi::ErrorOr<std::unique_ptr<Proxy>> Proxy::Create(ProxyLaunch* launch, std::sha
   struct Planned {
     int32_t conn, msg, rank, peer_rank;
     size_t bytes;
+    char* dst;  // where the op copies the message to (its output), if it may land there
   };
   std::vector<Planned> plan;
   for (int32_t c = 0; c < t.num_conns(); ++c) {
@@ -215,8 +224,13 @@ ffi::ErrorOr<std::unique_ptr<Proxy>> Proxy::Create(ProxyLaunch* launch, std::sha
         return ErrorResult<R>(ffi::Error::Internal(StrCat("jaxccl: connection ", c, " has a malformed message ", u.recv_msg)));
       }
       const size_t bytes = v.buffers[rank].RecvBytes(op, u.tile);
+      char* dst = nullptr;
+      if (!proxy->split_ && bytes >= kInPlaceMinBytes && proxy->shared_->MayLandInPlace(c, u.recv_msg) &&
+          pg.transport->EndableInFlight(pg.process_of_rank[conn.sender], bytes)) {
+        dst = v.buffers[rank].Addr(op.dst_buf, op.dst_off, u.tile);
+      }
       by_msg[u.recv_msg] = static_cast<int32_t>(plan.size());
-      plan.push_back(Planned{c, u.recv_msg, rank, conn.sender, bytes});
+      plan.push_back(Planned{c, u.recv_msg, rank, conn.sender, bytes, dst});
     }
     if (std::find(by_msg.begin(), by_msg.end(), -1) != by_msg.end()) {
       return ErrorResult<R>(ffi::Error::Internal(StrCat("jaxccl: connection ", c, " has a message no op receives")));
@@ -226,9 +240,9 @@ ffi::ErrorOr<std::unique_ptr<Proxy>> Proxy::Create(ProxyLaunch* launch, std::sha
   }
   proxy->next_.assign(proxy->order_.size(), 0);
   // One transfer per group of messages that share it; a message sharing another's takes its transfer. In host
-  // memory the trailer lands behind the message; in device memory it has a host array of its own.
+  // memory the trailer lands behind the message, unless it travels apart (device memory, or a message that may
+  // land in place): then it has a host array of its own. A message that lands in place takes no staging.
   const size_t align = proxy->split_ ? 256 : 64;
-  const size_t trailer_space = proxy->split_ ? 0 : kWireTrailerBytes;
   std::map<std::pair<int32_t, int32_t>, int32_t> transfer_of;  // by the (connection, message) that names it
   std::vector<size_t> offsets;
   size_t total = 0;
@@ -240,8 +254,12 @@ ffi::ErrorOr<std::unique_ptr<Proxy>> Proxy::Create(ProxyLaunch* launch, std::sha
       offsets.push_back(total);
       InTransfer in;
       in.bytes = x.bytes;
+      in.split = proxy->TravelsApart(lead, x.bytes);
+      in.in_place = x.dst != nullptr;
+      in.data = x.dst;
+      in.process = pg.process_of_rank[x.peer_rank];
       proxy->transfers_.push_back(in);
-      total += (x.bytes + trailer_space + align - 1) / align * align;
+      if (!in.in_place) total += (x.bytes + (in.split ? 0 : kWireTrailerBytes) + align - 1) / align * align;
     } else if (proxy->transfers_[it->second].bytes != x.bytes) {
       return ErrorResult<R>(ffi::Error::Internal(StrCat("jaxccl: message ", x.msg, " of connection ", x.conn,
                                                         " shares a transfer of another size")));
@@ -256,9 +274,9 @@ ffi::ErrorOr<std::unique_ptr<Proxy>> Proxy::Create(ProxyLaunch* launch, std::sha
                                             staging.error().message())));
   }
   proxy->staging_ = *staging;
-  if (proxy->split_) proxy->trailers_.assign(proxy->transfers_.size(), WireTrailer{});
+  proxy->trailers_.assign(proxy->transfers_.size(), WireTrailer{});
   for (const auto& [lead, k] : transfer_of) {
-    proxy->transfers_[k].data = proxy->staging_ + offsets[k];
+    if (!proxy->transfers_[k].in_place) proxy->transfers_[k].data = proxy->staging_ + offsets[k];
     if (ffi::Error e = proxy->PostReceive(k, MessageRef{lead.first, lead.second}); e.failure()) {
       proxy->CancelAll();
       return ErrorResult<R>(std::move(e));
@@ -272,11 +290,11 @@ ffi::Error Proxy::PostReceive(int32_t k, const MessageRef& lead) {
   const ProcessGroup& pg = *group_;
   const TableConn& conn = v_->table->conns[lead.conn];
   InTransfer& x = transfers_[k];
-  for (int part = 0; part < parts(); ++part) {
+  for (int part = 0; part < PartsOf(x.split); ++part) {
     auto tag = TagOf(lead.conn, lead.msg, part);
     if (!tag.has_value()) return std::move(tag.error());
     void* into = part == 0 ? static_cast<void*>(x.data) : static_cast<void*>(&trailers_[k]);
-    const size_t bytes = part == 1 ? kWireTrailerBytes : split_ ? x.bytes : x.bytes + kWireTrailerBytes;
+    const size_t bytes = part == 1 ? kWireTrailerBytes : x.split ? x.bytes : x.bytes + kWireTrailerBytes;
     const MemoryKind memory = part == 0 ? memory_ : MemoryKind::kHost;
     auto req = pg.transport->Irecv(pg.process_of_rank[conn.sender], *tag, into, bytes, memory);
     if (!req.has_value()) {
@@ -298,7 +316,7 @@ ffi::ErrorOr<bool> Proxy::Arrived(InTransfer& x, int32_t k, const Recv& r) {
                                         StrCat("jaxccl: rank ", r.rank, " receiving from rank ", r.peer_rank,
                                                " in process ", group_->process_of_rank[r.peer_rank], ": ", e.message())));
   };
-  for (int part = 0; part < parts(); ++part) {
+  for (int part = 0; part < PartsOf(x.split); ++part) {
     if (x.part_done[part]) continue;
     auto st = tr.Test(x.request[part]);
     if (!st.has_value()) {
@@ -309,18 +327,19 @@ ffi::ErrorOr<bool> Proxy::Arrived(InTransfer& x, int32_t k, const Recv& r) {
     auto c = tr.Wait(x.request[part], Clock::now());
     x.part_done[part] = true;
     if (!c.has_value()) return failed(c.error());
-    const size_t expected = part == 1 ? kWireTrailerBytes : split_ ? r.bytes : r.bytes + kWireTrailerBytes;
+    const size_t expected = part == 1 ? kWireTrailerBytes : x.split ? r.bytes : r.bytes + kWireTrailerBytes;
     if (c->bytes != expected) {
       return failed(ffi::Error::Internal(
           part == 1 ? StrCat("the trailer of message ", r.msg, " has ", c->bytes, " bytes, expected ", kWireTrailerBytes)
-          : split_  ? StrCat("message ", r.msg, " has ", c->bytes, " bytes, expected ", r.bytes)
+          : x.split ? StrCat("message ", r.msg, " has ", c->bytes, " bytes, expected ", r.bytes)
                     : StrCat("message ", r.msg, " has ", c->bytes, " bytes, expected ", r.bytes, " and a trailer of ",
                              kWireTrailerBytes)));
     }
   }
   x.arrived = true;
+  if (x.in_place) in_place_receives.fetch_add(1, std::memory_order_relaxed);
   WireTrailer got;
-  if (split_) {
+  if (x.split) {
     got = trailers_[k];
   } else {
     std::memcpy(&got, x.data + x.bytes, sizeof(got));
@@ -364,6 +383,7 @@ std::string Proxy::Describe(bool pending_only) const {
     }
     const MessageRef lead = shared_->LeaderOf(r.conn, r.msg);
     recvs += StrCat(" c", r.conn, "m", r.msg, "<-r", r.peer_rank, "(tag c", lead.conn, "m", lead.msg, ",", r.bytes, "B,",
+                    x.in_place ? "in place," : "",
                     r.delivered ? "delivered" : x.arrived ? "arrived" : "posted", ")");
   }
   out += StrCat(" receives", pending_only ? " not delivered" : "", " (", recvs_.size(), " in all):", recvs.empty() ? " none" : recvs);
@@ -443,6 +463,7 @@ void Proxy::Send(int32_t rank, int32_t conn, int32_t msg, const void* data, size
       return;
     }
     OutTransfer& x = it->second;
+    x.split = TravelsApart(lead, bytes);
     x.trailer = WireTrailer{WireIdentity(), kWireTrailerMagic};
     if (TakeStaleInjection(v_->slot, /*remote=*/true)) {
       x.trailer.identity = LaunchIdentity(v_->table->checksum, launch_number_ - 1);
@@ -451,7 +472,7 @@ void Proxy::Send(int32_t rank, int32_t conn, int32_t msg, const void* data, size
       Fail(StrCat("jaxccl: rank ", rank, " cannot send message ", msg, " to rank ", peer, ": ", e.message()),
            e.errc().value_or(ffi::ErrorCode::kInternal));
     };
-    auto req = split_ ? group_->transport->Isend(process, *tag, data, bytes, memory_)
+    auto req = x.split ? group_->transport->Isend(process, *tag, data, bytes, memory_)
                       : group_->transport->IsendWithTrailer(process, *tag, data, bytes, &x.trailer, sizeof(x.trailer),
                                                             MemoryKind::kHost);
     if (!req.has_value()) {
@@ -460,7 +481,7 @@ void Proxy::Send(int32_t rank, int32_t conn, int32_t msg, const void* data, size
       return;
     }
     x.request[0] = *req;
-    if (split_) {
+    if (x.split) {
       auto trailer_tag = TagOf(lead.conn, lead.msg, /*part=*/1);
       auto treq = group_->transport->Isend(process, *trailer_tag, &x.trailer, sizeof(x.trailer), MemoryKind::kHost);
       if (!treq.has_value()) {
@@ -511,12 +532,46 @@ void Proxy::CancelAll() {
   // Waiting with a deadline that has passed cancels and frees a request.
   Transport& tr = *group_->transport;
   const auto now = Clock::now();
+  std::vector<InTransfer*> draining;  // receives into the receivers' outputs, which go back to XLA
   for (InTransfer& x : transfers_) {
     for (int part = 0; part < kParts; ++part) {
-      if (!x.part_done[part] && x.request[part] != 0) (void)tr.Wait(x.request[part], now);
+      if (x.part_done[part] || x.request[part] == 0) {
+        x.part_done[part] = true;
+        continue;
+      }
+      if (part == 0 && x.in_place) {
+        auto ended = tr.Drain(x.request[part], now);  // cancels it
+        if (ended.has_value() && !*ended) {
+          draining.push_back(&x);
+          continue;
+        }
+      } else {
+        (void)tr.Wait(x.request[part], now);
+      }
       x.part_done[part] = true;
     }
     x.arrived = true;
+  }
+  // Matched receives end by themselves (EndableInFlight); the last resort cuts their senders off.
+  const auto until = DeadlineAfter(kInPlaceDrainSeconds);
+  while (!draining.empty()) {
+    const bool late = Clock::now() >= until;
+    for (auto it = draining.begin(); it != draining.end();) {
+      InTransfer& x = **it;
+      auto ended = tr.Drain(x.request[0], Clock::now());
+      if (ended.has_value() && !*ended && !late) {
+        ++it;
+        continue;
+      }
+      if (ended.has_value() && !*ended) {
+        tr.Disconnect(x.process, StrCat("a failed launch's receive from it did not end (slot ", v_->slot, ", launch ",
+                                        launch_number_, ")"));
+        in_place_disconnects.fetch_add(1, std::memory_order_relaxed);
+      }
+      x.part_done[0] = true;
+      it = draining.erase(it);
+    }
+    if (!draining.empty()) std::this_thread::yield();
   }
   std::lock_guard<std::mutex> lock(send_mu_);
   for (auto& [lead, x] : out_) {
@@ -536,7 +591,7 @@ bool Proxy::ProgressSends(bool* progress) {
   for (auto& [lead, x] : out_) {
     if (x.done) continue;
     bool all = true;
-    for (int part = 0; part < parts(); ++part) {
+    for (int part = 0; part < PartsOf(x.split); ++part) {
       if (x.part_done[part]) continue;
       auto st = tr.Test(x.request[part]);
       if (st.has_value() && !*st) {

@@ -15,7 +15,15 @@
 //     so the receiver's op reads the message as it reads a local one;
 //   * sends of the same bytes from one rank to several ranks of one other process share one transfer
 //     (shared_sends.h), which the receiving proxy hands to each of its receivers;
-//   * staging memory is reused from launch to launch (no page faults on every launch).
+//   * staging memory is reused from launch to launch (no page faults on every launch);
+//   * a message of at least kInPlaceMinBytes that may land in place (shared_sends.h) travels with its trailer
+//     apart, and is received straight into the receiver's output, where its op would have copied it, when the
+//     transport can always end that receive (Transport::EndableInFlight: over shared memory, where the receiver
+//     reads the sender's memory itself). When such a launch fails, the proxy ends those receives before the
+//     launch returns: it cancels them and makes progress until each completed (Transport::Drain), so that
+//     nothing writes into memory XLA may free; one still in flight after kInPlaceDrainSeconds (which the
+//     transport says does not happen) has its sender's connection closed (Transport::Disconnect). Every other
+//     message lands in staging, which a failed launch never gives back.
 // Every message of a launch carries the tag (slot, group, launch number, part, connection, message) and a
 // trailer with its identity (core/protocol.h, LaunchIdentity of the table checksum and the full launch
 // number): the receiving proxy refuses a message of another table or launch. In host memory a message and
@@ -94,6 +102,16 @@ struct TransportHandle {
   Transport* transport = nullptr;
 };
 
+// The smallest message that lands in place (above UCX's rendezvous thresholds: shared memory and TCP move it by
+// rendezvous only), and how long a failed launch waits for such a message in flight before it closes the
+// sender's connection.
+inline constexpr size_t kInPlaceMinBytes = 512 << 10;
+inline constexpr double kInPlaceDrainSeconds = 1.0;
+// Messages from other processes received in place since the process started, and connections closed because a
+// failed launch left one in flight (for tests and stats).
+int64_t InPlaceReceives();
+int64_t InPlaceDisconnects();
+
 // The most groups that may span processes at once (their index travels in every message's tag).
 inline constexpr int32_t kMaxSpanningGroups = 256;
 
@@ -156,9 +174,12 @@ class Proxy final : public ProxyHandle {
   struct InTransfer {
     TransportRequest request[kParts] = {0, 0};
     bool part_done[kParts] = {false, false};
-    char* data = nullptr;
+    char* data = nullptr;  // staging, or the receiver's output (in_place)
     size_t bytes = 0;
     bool arrived = false;
+    bool split = false;     // its trailer travels apart (device memory, or a message that may land in place)
+    bool in_place = false;  // data is the receiver's output
+    int32_t process = -1;   // the sender's
   };
   // One message from another process to a local rank: its transfer (shared with other messages of
   // the same bytes, or its own).
@@ -175,6 +196,7 @@ class Proxy final : public ProxyHandle {
     bool done = false;
     TransportCompletion completion;
     WireTrailer trailer;  // sent after the message's bytes; lives until the request completes
+    bool split = false;   // the trailer travels apart
   };
   struct Send_ {
     int32_t rank, conn, msg, peer_rank;
@@ -183,7 +205,12 @@ class Proxy final : public ProxyHandle {
   };
   Proxy() = default;
   void Run();
-  int parts() const { return split_ ? 2 : 1; }
+  static int PartsOf(bool split) { return split ? 2 : 1; }
+  // Whether message `lead`'s trailer travels apart: in device memory, or when it may land in place (the same
+  // rule in both processes).
+  bool TravelsApart(const MessageRef& lead, size_t bytes) const {
+    return split_ || (bytes >= kInPlaceMinBytes && shared_->MayLandInPlace(lead.conn, lead.msg));
+  }
   // The identity every message of this launch carries on the wire.
   unsigned long long WireIdentity() const;
   // The tag of message `msg` of connection `conn` (part 0: the message, 1: its trailer when split).

@@ -6,9 +6,61 @@
 #include <tuple>
 
 #include "core/program.h"
+#include "core/protocol.h"
 #include "core/stable_source.h"
 
 namespace jaxccl {
+
+namespace {
+// Whether receiving op `r` of a rank's program may have its message land in place (SharedSends): the only
+// writer of its output range, and every reader of the range follows it.
+bool LandsInPlace(ProgramAncestry& a, int32_t r) {
+  const ProgramView& p = a.program();
+  const ProgOp op = p.op(r);
+  if ((op.kind != OpCode::kRecv && op.kind != OpCode::kRecvCopySend) || op.dst_buf != BufferId::kOutput) return false;
+  const int32_t lo = op.dst_off, hi = op.dst_off + op.count;
+  auto overlaps = [&](BufferId buf, int32_t off, int32_t count) {
+    return buf == BufferId::kOutput && off < hi && off + count > lo;
+  };
+  for (int32_t o = 0; o < p.num_ops(); ++o) {
+    if (o == r) continue;
+    const ProgOp w = p.op(o);
+    if (OpWritesDst(w.kind) && overlaps(w.dst_buf, w.dst_off, w.count)) return false;
+    const bool reads = (OpReadsSrc(w.kind) && overlaps(w.src_buf, w.src_off, w.count)) ||
+                       (w.sends() && overlaps(w.send_buf(), w.send_offset(), w.count));
+    if (reads && !a.Precedes(r, o)) return false;
+  }
+  return true;
+}
+
+// Marks the messages between processes that may land in place: alone on their transfer, received by an op
+// that LandsInPlace.
+void MarkInPlace(const Table& t, int32_t tiles, std::vector<ProgramAncestry>& ancestry, SharedSends* out) {
+  std::map<std::pair<int32_t, int32_t>, int32_t> riders;  // per leading message: the messages on its transfer
+  for (const auto& conn_leaders : out->leader) {
+    for (const MessageRef& l : conn_leaders) ++riders[{l.conn, l.msg}];
+  }
+  out->in_place.resize(t.num_conns());
+  for (int32_t c = 0; c < t.num_conns(); ++c) {
+    if (out->leader[c].empty()) continue;
+    const TableConn& conn = t.conns[c];
+    const ProgramView p(t.programs[conn.receiver].data());
+    const ProgTb tb = p.tb(conn.recv_tb - t.rank_first_tb[conn.receiver]);
+    std::vector<uint8_t>& in_place = out->in_place[c];
+    in_place.assign(out->leader[c].size(), 0);
+    std::map<int32_t, bool> op_lands;  // per receiving op of the threadblock
+    for (int32_t v = 0; v < tiles * tb.num_ops; ++v) {
+      const Unit u = UnitOf(p, tb, v);
+      if (u.recv_msg < 0 || u.recv_msg >= static_cast<int32_t>(in_place.size())) continue;
+      const MessageRef lead = out->leader[c][u.recv_msg];
+      if (!(lead == MessageRef{c, u.recv_msg}) || riders[{c, u.recv_msg}] != 1) continue;
+      auto [it, fresh] = op_lands.try_emplace(u.op, false);
+      if (fresh) it->second = LandsInPlace(ancestry[conn.receiver], u.op);
+      in_place[u.recv_msg] = it->second ? 1 : 0;
+    }
+  }
+}
+}  // namespace
 
 SharedSends ShareIdenticalSends(const Table& t, int32_t tiles, const std::vector<int32_t>& process_of_rank) {
   SharedSends out;
@@ -44,6 +96,7 @@ SharedSends ShareIdenticalSends(const Table& t, int32_t tiles, const std::vector
       }
     }
   }
+  MarkInPlace(t, tiles, ancestry, &out);
   return out;
 }
 

@@ -1,4 +1,4 @@
-// Messages to another process that carry the same bytes travel once.
+// Messages to another process that carry the same bytes travel once; which messages may land in place.
 //
 // A schedule written for ranks that share memory sends a block to every rank that needs it (the direct
 // AllGather sends each rank's input to all N - 1 peers). Across processes the ranks of one process
@@ -30,11 +30,22 @@ struct MessageRef {
 };
 
 // For every message between ranks of different processes: the first message of the group whose
-// transfer it shares (the message itself when it shares none). Empty for connections within a process.
+// transfer it shares (the message itself when it shares none), and whether it may land in place. Empty for
+// connections within a process.
+//
+// Landing in place: the receiving proxy receives the message straight into the receiver's output, where the
+// receiving op would copy it (the op then finds it there and copies nothing). A message may when it travels
+// alone (shares no transfer), its receiving op is a receive that copies (`r`, `rcs`) into the output, that op
+// is the only writer of its chunk range in the receiving rank's program, and every op that reads the range
+// follows it (dependencies and waits, per tile). Nothing else of the rank then touches the range before the
+// op, so bytes that arrive early change nothing the program reads. Whether a launch uses it also depends on
+// the message's size (kInPlaceMinBytes, proxy.h), which both processes know; its trailer then travels apart.
 struct SharedSends {
-  std::vector<std::vector<MessageRef>> leader;  // [conn][msg]
-  int64_t shared = 0;                           // messages that ride on another's transfer
+  std::vector<std::vector<MessageRef>> leader;   // [conn][msg]
+  std::vector<std::vector<uint8_t>> in_place;    // [conn][msg]: may land in place
+  int64_t shared = 0;                            // messages that ride on another's transfer
   MessageRef LeaderOf(int32_t conn, int32_t msg) const { return leader[conn][msg]; }
+  bool MayLandInPlace(int32_t conn, int32_t msg) const { return in_place[conn][msg] != 0; }
 };
 
 // The groups of a launch of `t` in `tiles` tiles, where rank r runs in process process_of_rank[r].

@@ -30,7 +30,8 @@ namespace jaxccl {
 // 2: IsendWithTrailer (a message followed by a small trailer, one transfer).
 // 3: the memory kind of every transfer's buffer.
 // 4: PeerTransports (which of the library's transports a connection uses).
-inline constexpr int32_t kTransportVersion = 4;
+// 5: Drain, Disconnect and EndableInFlight (receives into memory the caller gives back when they fail).
+inline constexpr int32_t kTransportVersion = 5;
 
 // Which memory a transfer's buffer is in. kCuda: device memory (of the GPU current when it is posted).
 // A transfer never mixes kinds: a message in device memory travels without its host trailer.
@@ -87,6 +88,17 @@ class Transport {
   virtual ffi::ErrorOr<TransportCompletion> Wait(TransportRequest request, Clock::time_point deadline) = 0;
   // The error that ended the connection to `peer`, if one did (kOk while it is healthy).
   virtual ffi::Error PeerError(int32_t peer) = 0;
+  // Ends `request` for good: cancels it and makes progress until it completed or `until`. True when it completed
+  // (freed: nothing writes its buffer after), false when the library still owns it (a receive it matched and is
+  // still moving bytes into); the request then stays the transport's, and Disconnect(peer) ends it.
+  virtual ffi::ErrorOr<bool> Drain(TransportRequest request, Clock::time_point until) = 0;
+  // Closes the connection to `peer` forcibly; `peer` counts as failed from then on (PeerError says `why`). The
+  // last resort for a receive Drain could not end (which EndableInFlight says does not happen).
+  virtual void Disconnect(int32_t peer, const std::string& why) = 0;
+  // Whether a receive of `bytes` from `peer` always ends (Drain) once cancelled, also when `peer` hangs in the
+  // middle of the message, so that the caller may give its buffer back after a failure (proxy.h: messages
+  // that land in place).
+  virtual bool EndableInFlight(int32_t peer, size_t bytes) = 0;
   // The library's "transport/device" pairs the connection to `peer` uses ("posix/memory", "tcp/eth0"), once
   // it carried a message; an error when `peer` is not a connected peer.
   virtual ffi::ErrorOr<std::vector<std::string>> PeerTransports(int32_t peer) = 0;

@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <atomic>
@@ -43,6 +44,9 @@ constexpr std::chrono::microseconds kIdleProgressPeriod{500};
 // long a request that failed on such a peer waits to see the process exit.
 constexpr int64_t kLivenessPeriodNs = 1'000'000;
 constexpr int kExitGraceMs = 200;
+// From this size UCX 1.22 sends a message over shared memory by rendezvous only (UCX_PROTO_INFO=y: multi-fragment
+// eager ends below 256 KiB), unless UCX_RNDV_THRESH moves the switch.
+constexpr size_t kSharedMemoryRendezvousBytes = 256 << 10;
 
 // What precedes the worker address in a published address: where the publisher runs.
 struct HostIdentity {
@@ -98,6 +102,7 @@ struct UcxRequest {
   bool is_send = false;
   size_t posted_bytes = 0;
   int64_t post_ns = 0;
+  bool cancelled = false;    // Drain asked UCX to cancel it
   ucp_dt_iov_t iov[2] = {};  // a send with a trailer: UCP reads the vector until the request completes
   ucp_tag_recv_info_t recv_info = {};  // a receive that completes inline: what arrived
 };
@@ -129,8 +134,11 @@ class UcxTransport final : public Transport {
   ~UcxTransport() override { Close(); }
 
   ffi::Error Init(const TransportOptions& options) {
+    watched_.assign(num_processes_, false);
+    rendezvous_threshold_set_ = std::getenv("UCX_RNDV_THRESH") != nullptr;
     for (const auto& option : options) {
       if (option.first == "TLS") shared_memory_ = false;  // the caller chose UCX's transports (NETWORK_ONLY)
+      if (option.first == "RNDV_THRESH") rendezvous_threshold_set_ = true;
     }
     ucp_config_t* config = nullptr;
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
@@ -206,6 +214,7 @@ class UcxTransport final : public Transport {
       const int fd = OpenPidfd(host.pid);
       if (fd >= 0) {
         pidfds_.push_back({fd, peer, host.pid});
+        watched_[peer] = true;
         ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;  // UCX's shared memory has no peer-failure mode: the pidfd watches
       } else if (errno == ESRCH) {
         peer_status_[peer] = UCS_ERR_CONNECTION_RESET;
@@ -333,6 +342,53 @@ class UcxTransport final : public Transport {
         std::this_thread::sleep_for(std::chrono::microseconds(50));
       }
     }
+  }
+
+  ffi::ErrorOr<bool> Drain(TransportRequest request, Clock::time_point until) override {
+    int spins = 0;
+    while (true) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = requests_.find(request);
+        if (it == requests_.end()) return ErrorResult<bool>(UnknownRequest(request));
+        UcxRequest& r = *it->second;
+        if (!r.state.done && r.ucp_request != nullptr && worker_ != nullptr) {
+          Cancel(r);
+          Progress();
+        }
+        if (r.state.done || r.ucp_request == nullptr) {
+          Free(it);
+          return true;
+        }
+        if (Clock::now() >= until) return false;  // still UCX's: it stays tracked until Close
+      }
+      if (++spins < 64) {
+        std::this_thread::yield();
+      } else {
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+      }
+    }
+  }
+
+  void Disconnect(int32_t peer, const std::string& why) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (worker_ == nullptr || peer < 0 || peer >= num_processes_ || peer == process_id_) return;
+    if (peer_status_[peer] == UCS_OK) {
+      peer_status_[peer] = UCS_ERR_CANCELED;
+      disconnected_[peer] = why;
+    }
+    CloseEndpoint(&eps_[peer]);
+  }
+
+  bool EndableInFlight(int32_t peer, size_t bytes) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (peer < 0 || peer >= num_processes_) return false;
+    // Over shared memory a rendezvous ends by itself: the receiver's own progress reads the sender's memory
+    // (also a stopped process's; a dead one's read fails). Over TCP the sender pushes the fragments of a
+    // rendezvous, which UCX matches by the receive's id, not by connection: a hung peer that resumes writes them
+    // into the receive even after this process closed its endpoint (measured: a heap corrupted after the
+    // launch failed, tests/distributed/test_multiprocess_native.py). Eager fragments are matched the same way.
+    return watched_[peer] && !rendezvous_threshold_set_ && bytes >= kSharedMemoryRendezvousBytes;
   }
 
   ffi::Error PeerError(int32_t peer) override {
@@ -519,11 +575,13 @@ class UcxTransport final : public Transport {
     return id;
   }
 
+  // Cancels `r`: an unmatched receive completes at once; a matched receive or a send that UCX cannot cancel goes
+  // on (waiting for it would not end it: Free keeps its memory, Drain waits where the caller must know).
   void Cancel(UcxRequest& r) {
     if (r.ucp_request == nullptr || r.state.done) return;
-    ucp_request_cancel(worker_, r.ucp_request);
-    const auto until = DeadlineAfter(1.0);
-    while (!r.state.done && Clock::now() < until) ucp_worker_progress(worker_);
+    if (!r.cancelled) ucp_request_cancel(worker_, r.ucp_request);
+    r.cancelled = true;
+    ucp_worker_progress(worker_);
   }
 
   std::map<TransportRequest, std::unique_ptr<UcxRequest>>::iterator Free(
@@ -552,6 +610,11 @@ class UcxTransport final : public Transport {
   }
 
   ffi::Error PeerFailed(int32_t peer, ucs_status_t status) const {
+    if (auto it = disconnected_.find(peer); it != disconnected_.end()) {
+      return ffi::Error(ffi::ErrorCode::kUnavailable,
+                        StrCat("jaxccl transport ucx: process ", peer, " failed (this process closed the connection: ",
+                               it->second, ")"));
+    }
     if (auto it = exited_pid_.find(peer); it != exited_pid_.end()) {
       return ffi::Error(ffi::ErrorCode::kUnavailable,
                         StrCat("jaxccl transport ucx: process ", peer, " failed (it exited: pid ", it->second,
@@ -584,6 +647,9 @@ class UcxTransport final : public Transport {
   std::map<int32_t, int64_t> exited_pid_;  // watched peers that exited: their pids
   int64_t last_liveness_ns_ = 0;
   bool shared_memory_ = true;  // false: the options chose UCX's transports; every endpoint in peer-failure mode
+  std::vector<bool> watched_;  // per peer: connected over shared memory, watched through its pidfd
+  std::map<int32_t, std::string> disconnected_;  // peers this process disconnected (Disconnect): why
+  bool rendezvous_threshold_set_ = false;  // UCX_RNDV_THRESH (or the option) moves UCX's eager/rendezvous switch
   std::map<TransportRequest, std::unique_ptr<UcxRequest>> requests_;
   TransportRequest next_id_ = 1;
   std::atomic<int64_t> last_progress_ns_{0};
