@@ -235,14 +235,14 @@ def test_a_failed_launch_leaves_no_receive_writing_into_freed_outputs(network):
     # the receive ends; over TCP the sender pushes, and a resumed sender's fragments reached a freed output even
     # after its connection was closed (a segfault or a corrupted heap in 3 of 4 runs), so those messages go
     # through staging.
-    deadline_s, resume_after_s = 5.0, 9.0
+    deadline_s, resume_after_s = 3.0, 5.0
 
     def stop_then_resume(procs: list[subprocess.Popen]) -> None:
         _kill_last_after("STEP 2", 0.05, signal.SIGSTOP)(procs)
         time.sleep(resume_after_s)
         os.kill(procs[-1].pid, signal.SIGCONT)
 
-    env = {"JAXCCL_TIMEOUT_S": str(deadline_s), "JAXCCL_TEST_RESUME_WAIT_S": str(resume_after_s + 3)}
+    env = {"JAXCCL_TIMEOUT_S": str(deadline_s), "JAXCCL_TEST_RESUME_WAIT_S": str(resume_after_s)}
     argv = [sys.executable, str(WORKER), "hanginplace", "4"]
     if network == "netns":
         with NetLab(2, LinkShape(rate_mbit=200)) as lab:
