@@ -107,6 +107,15 @@ struct UcxRequest {
   ucp_tag_recv_info_t recv_info = {};  // a receive that completes inline: what arrived
 };
 
+// A wait loop's pause between looks: yields first, then sleeps.
+void BackOff(int* spins) {
+  if (++*spins < 64) {
+    std::this_thread::yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
 ffi::Error UcxError(const std::string& what, ucs_status_t status) {
   return ffi::Error::Internal(StrCat("jaxccl transport ucx: ", what, ": ", ucs_status_string(status)));
 }
@@ -335,12 +344,7 @@ class UcxTransport final : public Transport {
           return ErrorResult<R>(std::move(e));
         }
       }
-      // Nothing to do: let the other threads (and processes: 2 cores) run.
-      if (++spins < 64) {
-        std::this_thread::yield();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      }
+      BackOff(&spins);  // nothing to do: let the other threads (and processes: 2 cores) run
     }
   }
 
@@ -362,11 +366,7 @@ class UcxTransport final : public Transport {
         }
         if (Clock::now() >= until) return false;  // still UCX's: it stays tracked until Close
       }
-      if (++spins < 64) {
-        std::this_thread::yield();
-      } else {
-        std::this_thread::sleep_for(std::chrono::microseconds(50));
-      }
+      BackOff(&spins);
     }
   }
 
