@@ -278,7 +278,7 @@ def test_a_peer_killed_inside_a_shared_memory_transfer_is_named_and_the_transpor
 def test_native_collective_fails_naming_a_hung_process_at_the_deadline(local_devices, schedule):
     # In the ring, three of a process's four ranks wait for local ranks, which wait for the hung process: the
     # deadline that fires first must name the hung process all the same (it named a local rank before).
-    deadline_s = 10.0
+    deadline_s = 5.0
 
     def hang_then_kill(procs: list[subprocess.Popen]) -> None:
         _kill_last_after("STEP 2", 0.05, signal.SIGSTOP)(procs)
