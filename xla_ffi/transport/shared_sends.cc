@@ -26,9 +26,8 @@ bool LandsInPlace(ProgramAncestry& a, int32_t r) {
     if (o == r) continue;
     const ProgOp w = p.op(o);
     if (OpWritesDst(w.kind) && overlaps(w.dst_buf, w.dst_off, w.count)) return false;
-    const bool reads = (OpReadsSrc(w.kind) && overlaps(w.src_buf, w.src_off, w.count)) ||
-                       (w.sends() && overlaps(w.send_buf(), w.send_offset(), w.count));
-    if (reads && !a.Precedes(r, o)) return false;
+    // Every other op that reads the range reads its src (an op that sends its dst writes it: refused above).
+    if (OpReadsSrc(w.kind) && overlaps(w.src_buf, w.src_off, w.count) && !a.Precedes(r, o)) return false;
   }
   return true;
 }

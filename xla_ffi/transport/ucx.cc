@@ -22,12 +22,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <atomic>
-#include <chrono>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -143,6 +143,7 @@ class UcxTransport final : public Transport {
   ~UcxTransport() override { Close(); }
 
   ffi::Error Init(const TransportOptions& options) {
+    host_ = ThisHost();
     watched_.assign(num_processes_, false);
     rendezvous_threshold_set_ = std::getenv("UCX_RNDV_THRESH") != nullptr;
     for (const auto& option : options) {
@@ -188,8 +189,7 @@ class UcxTransport final : public Transport {
     size_t len = 0;
     ucs_status_t st = ucp_worker_get_address(worker_, &addr, &len);
     if (st != UCS_OK) return ErrorResult<std::string>(UcxError("ucp_worker_get_address", st));
-    const HostIdentity host = ThisHost();
-    std::string out(reinterpret_cast<const char*>(&host), sizeof(host));
+    std::string out(reinterpret_cast<const char*>(&host_), sizeof(host_));
     out.append(reinterpret_cast<const char*>(addr), len);
     ucp_worker_release_address(worker_, addr);
     return out;
@@ -219,15 +219,14 @@ class UcxTransport final : public Transport {
     ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
     ep.address = reinterpret_cast<const ucp_address_t*>(address.data() + sizeof(host));
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    if (shared_memory_ && SameHost(ThisHost(), host)) {
+    if (shared_memory_ && SameHost(host_, host)) {
       const int fd = OpenPidfd(host.pid);
       if (fd >= 0) {
         pidfds_.push_back({fd, peer, host.pid});
         watched_[peer] = true;
         ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;  // UCX's shared memory has no peer-failure mode: the pidfd watches
       } else if (errno == ESRCH) {
-        peer_status_[peer] = UCS_ERR_CONNECTION_RESET;
-        exited_pid_[peer] = host.pid;
+        Exited(peer, host.pid);
       }
     }
     if (ep.err_mode == UCP_ERR_HANDLING_MODE_PEER) {
@@ -373,10 +372,7 @@ class UcxTransport final : public Transport {
   void Disconnect(int32_t peer, const std::string& why) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (worker_ == nullptr || peer < 0 || peer >= num_processes_ || peer == process_id_) return;
-    if (peer_status_[peer] == UCS_OK) {
-      peer_status_[peer] = UCS_ERR_CANCELED;
-      disconnected_[peer] = why;
-    }
+    MarkFailed(peer, UCS_ERR_CANCELED, StrCat("this process closed the connection: ", why));
     CloseEndpoint(&eps_[peer]);
   }
 
@@ -464,6 +460,16 @@ class UcxTransport final : public Transport {
     }
   }
 
+  // Marks `peer` failed with `status`, for `reason` (the first failure wins). Under mu_.
+  void MarkFailed(int32_t peer, ucs_status_t status, std::string reason) {
+    if (peer_status_[peer] != UCS_OK) return;
+    peer_status_[peer] = status;
+    failure_reason_[peer] = std::move(reason);
+  }
+  void Exited(int32_t peer, int64_t pid) {
+    MarkFailed(peer, UCS_ERR_CONNECTION_RESET, StrCat("it exited: pid ", pid, " on this machine"));
+  }
+
   // Closes `*ep` forcibly (never waiting for a peer that may be dead): UCX completes its outstanding requests with
   // an error and touches none of their buffers after. Under mu_.
   void CloseEndpoint(ucp_ep_h* ep) {
@@ -499,8 +505,7 @@ class UcxTransport final : public Transport {
         alive.push_back(p);
         continue;
       }
-      if (peer_status_[p.peer] == UCS_OK) peer_status_[p.peer] = UCS_ERR_CONNECTION_RESET;
-      exited_pid_[p.peer] = p.pid;
+      Exited(p.peer, p.pid);
       close(p.fd);
       // Without peer-failure mode nothing else ends the requests on it: a send queued for the dead process would
       // read its buffer whenever progress next ran, after XLA freed it.
@@ -610,19 +615,10 @@ class UcxTransport final : public Transport {
   }
 
   ffi::Error PeerFailed(int32_t peer, ucs_status_t status) const {
-    if (auto it = disconnected_.find(peer); it != disconnected_.end()) {
-      return ffi::Error(ffi::ErrorCode::kUnavailable,
-                        StrCat("jaxccl transport ucx: process ", peer, " failed (this process closed the connection: ",
-                               it->second, ")"));
-    }
-    if (auto it = exited_pid_.find(peer); it != exited_pid_.end()) {
-      return ffi::Error(ffi::ErrorCode::kUnavailable,
-                        StrCat("jaxccl transport ucx: process ", peer, " failed (it exited: pid ", it->second,
-                               " on this machine)"));
-    }
-    return ffi::Error(ffi::ErrorCode::kUnavailable, StrCat("jaxccl transport ucx: process ", peer,
-                                                           " failed (its connection reported: ",
-                                                           ucs_status_string(status), ")"));
+    auto it = failure_reason_.find(peer);
+    const std::string why =
+        it != failure_reason_.end() ? it->second : StrCat("its connection reported: ", ucs_status_string(status));
+    return ffi::Error(ffi::ErrorCode::kUnavailable, StrCat("jaxccl transport ucx: process ", peer, " failed (", why, ")"));
   }
   static ffi::Error Closed() { return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "jaxccl transport ucx: transport is closed"); }
   static ffi::Error UnknownRequest(TransportRequest r) {
@@ -644,11 +640,11 @@ class UcxTransport final : public Transport {
     int64_t pid;
   };
   std::vector<PeerProcess> pidfds_;
-  std::map<int32_t, int64_t> exited_pid_;  // watched peers that exited: their pids
+  std::map<int32_t, std::string> failure_reason_;  // peers this process saw exit or disconnected (MarkFailed): why
   int64_t last_liveness_ns_ = 0;
+  HostIdentity host_;  // this process's, published before its worker address
   bool shared_memory_ = true;  // false: the options chose UCX's transports; every endpoint in peer-failure mode
   std::vector<bool> watched_;  // per peer: connected over shared memory, watched through its pidfd
-  std::map<int32_t, std::string> disconnected_;  // peers this process disconnected (Disconnect): why
   bool rendezvous_threshold_set_ = false;  // UCX_RNDV_THRESH (or the option) moves UCX's eager/rendezvous switch
   std::map<TransportRequest, std::unique_ptr<UcxRequest>> requests_;
   TransportRequest next_id_ = 1;
