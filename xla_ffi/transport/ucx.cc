@@ -30,6 +30,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -314,59 +315,45 @@ class UcxTransport final : public Transport {
 
   ffi::ErrorOr<TransportCompletion> Wait(TransportRequest request, Clock::time_point deadline) override {
     using R = TransportCompletion;
-    int spins = 0;
-    while (true) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = requests_.find(request);
-        if (it == requests_.end()) return ErrorResult<R>(UnknownRequest(request));
-        UcxRequest& r = *it->second;
-        // Progress until nothing more happens, then look at the request.
-        Progress();
-        if (r.state.done) {
-          ffi::Error e = r.state.status == UCS_OK ? ffi::Error::Success() : RequestError(r);
-          R out{r.is_send ? r.posted_bytes : r.state.bytes, r.post_ns, r.state.done_ns};
-          Free(it);
-          if (e.failure()) return ErrorResult<R>(std::move(e));
-          return out;
-        }
-        const bool peer_down = peer_status_[r.peer] != UCS_OK;
-        if (peer_down || Clock::now() >= deadline) {
-          ffi::Error e = peer_down ? PeerFailed(r.peer, peer_status_[r.peer])
-                                   : ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                                                StrCat("jaxccl transport ucx: ", r.is_send ? "send to" : "receive from",
-                                                       " process ", r.peer, " (", r.posted_bytes,
-                                                       " bytes) did not complete before its deadline; process ",
-                                                       r.peer, " may be dead or hung"));
-          Cancel(r);
-          Free(it);
-          return ErrorResult<R>(std::move(e));
-        }
+    return PollRequest<R>(request, [&](RequestIt it) -> std::optional<ffi::ErrorOr<R>> {
+      UcxRequest& r = *it->second;
+      // Progress until nothing more happens, then look at the request.
+      Progress();
+      if (r.state.done) {
+        ffi::Error e = r.state.status == UCS_OK ? ffi::Error::Success() : RequestError(r);
+        R out{r.is_send ? r.posted_bytes : r.state.bytes, r.post_ns, r.state.done_ns};
+        Free(it);
+        if (e.failure()) return ErrorResult<R>(std::move(e));
+        return ffi::ErrorOr<R>(out);
       }
-      BackOff(&spins);  // nothing to do: let the other threads (and processes: 2 cores) run
-    }
+      const bool peer_down = peer_status_[r.peer] != UCS_OK;
+      if (!peer_down && Clock::now() < deadline) return std::nullopt;
+      ffi::Error e = peer_down ? PeerFailed(r.peer, peer_status_[r.peer])
+                               : ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                                            StrCat("jaxccl transport ucx: ", r.is_send ? "send to" : "receive from",
+                                                   " process ", r.peer, " (", r.posted_bytes,
+                                                   " bytes) did not complete before its deadline; process ", r.peer,
+                                                   " may be dead or hung"));
+      Cancel(r);
+      Free(it);
+      return ErrorResult<R>(std::move(e));
+    });
   }
 
   ffi::ErrorOr<bool> Drain(TransportRequest request, Clock::time_point until) override {
-    int spins = 0;
-    while (true) {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = requests_.find(request);
-        if (it == requests_.end()) return ErrorResult<bool>(UnknownRequest(request));
-        UcxRequest& r = *it->second;
-        if (!r.state.done && r.ucp_request != nullptr && worker_ != nullptr) {
-          Cancel(r);
-          Progress();
-        }
-        if (r.state.done || r.ucp_request == nullptr) {
-          Free(it);
-          return true;
-        }
-        if (Clock::now() >= until) return false;  // still UCX's: it stays tracked until Close
+    return PollRequest<bool>(request, [&](RequestIt it) -> std::optional<ffi::ErrorOr<bool>> {
+      UcxRequest& r = *it->second;
+      if (!r.state.done && r.ucp_request != nullptr && worker_ != nullptr) {
+        Cancel(r);
+        Progress();
       }
-      BackOff(&spins);
-    }
+      if (r.state.done || r.ucp_request == nullptr) {
+        Free(it);
+        return ffi::ErrorOr<bool>(true);
+      }
+      if (Clock::now() >= until) return ffi::ErrorOr<bool>(false);  // still UCX's: it stays tracked until Close
+      return std::nullopt;
+    });
   }
 
   void Disconnect(int32_t peer, const std::string& why) override {
@@ -580,6 +567,24 @@ class UcxTransport final : public Transport {
     return id;
   }
 
+  using RequestIt = std::map<TransportRequest, std::unique_ptr<UcxRequest>>::iterator;
+
+  // Looks at `request` under mu_ with `look` until it gives the result, backing off between looks (nothing to do:
+  // the other threads, and processes on the same cores, run).
+  template <class T, class Look>
+  ffi::ErrorOr<T> PollRequest(TransportRequest request, Look look) {
+    int spins = 0;
+    while (true) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = requests_.find(request);
+        if (it == requests_.end()) return ErrorResult<T>(UnknownRequest(request));
+        if (std::optional<ffi::ErrorOr<T>> out = look(it)) return std::move(*out);
+      }
+      BackOff(&spins);
+    }
+  }
+
   // Cancels `r`: an unmatched receive completes at once; a matched receive or a send that UCX cannot cancel goes
   // on (waiting for it would not end it: Free keeps its memory, Drain waits where the caller must know).
   void Cancel(UcxRequest& r) {
@@ -589,8 +594,7 @@ class UcxTransport final : public Transport {
     ucp_worker_progress(worker_);
   }
 
-  std::map<TransportRequest, std::unique_ptr<UcxRequest>>::iterator Free(
-      std::map<TransportRequest, std::unique_ptr<UcxRequest>>::iterator it) {
+  RequestIt Free(RequestIt it) {
     UcxRequest& r = *it->second;
     if (r.ucp_request != nullptr) {
       if (!r.state.done) {
