@@ -76,20 +76,12 @@ ffi::ErrorOr<Call> ReadCall(const char* target, cudaStream_t stream, ffi::AnyBuf
   return call;
 }
 
-// Numbers the rank's call on its slot (the hot-swap transition point, host/core_api.h).
-ffi::Error NoteIssued(int64_t slot, Call* call) {
-  std::string error;
-  if (!AttachedCore()->note_issued(slot, call->rank, &call->me.seq, &error)) return ffi::Error::InvalidArgument(error);
-  return ffi::Error::Success();
-}
-
 ffi::Error CudaCollective(cudaStream_t stream, ffi::RunId run_id, ffi::AnyBuffer x, ffi::AnyBuffer coords,
                           ffi::Result<ffi::AnyBuffer> out, int64_t slot, int64_t site, int64_t axis_size,
                           int64_t reduce_op) {
   DeviceGuard guard;
   auto call = ReadCall("jaxccl_cuda_collective", stream, x, coords, *out, axis_size, reduce_op);
   if (!call.has_value()) return std::move(call.error());
-  if (ffi::Error e = NoteIssued(slot, &*call); e.failure()) return e;
   return RunLaunch(stream, run_id.run_id, slot, site, call->group, call->rank, static_cast<int32_t>(axis_size),
                    call->me, nullptr);
 }
@@ -112,7 +104,6 @@ ffi::Error CudaMpCollective(cudaStream_t stream, ffi::RunId run_id, ffi::AnyBuff
   std::string error;
   if (!core->process_group(call->group, &group, &error)) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, error);
   if (ffi::Error e = CheckLocalRank(*group, call->group, call->rank, axis_size); e.failure()) return e;
-  if (ffi::Error e = NoteIssued(slot, &*call); e.failure()) return e;
   return RunLaunch(stream, run_id.run_id, slot, site, call->group, call->rank, static_cast<int32_t>(axis_size),
                    call->me, std::move(group));
 }

@@ -501,9 +501,21 @@ ffi::Error RunLaunch(cudaStream_t stream, int64_t run_id, int64_t slot, int64_t 
                      int32_t axis_size, const CudaArrival& me, std::shared_ptr<const ProcessGroup> processes) {
   const CoreApi* core = AttachedCore();
   const int32_t n = axis_size;
+  CudaArrival arrival = me;
+  std::string not_issued;  // the call's number on its slot: the hot-swap transition point (host/core_api.h)
+  if (!core->note_issued(slot, rank, &arrival.seq, &not_issued)) {
+    // The ranks already waiting for this one learn it now instead of at the deadline.
+    if (processes) {
+      ProcessRendezvous().Abandon(run_id, site, group, processes->local_index[rank], processes->num_local,
+                                  core->timeout_s(), not_issued);
+    } else {
+      TheRendezvous().Abandon(run_id, site, group, rank, n, core->timeout_s(), not_issued);
+    }
+    return ffi::Error::InvalidArgument(not_issued);
+  }
   auto started =
       processes ? ProcessRendezvous().Arrive(run_id, site, group, processes->local_index[rank], processes->num_local,
-                                             me, core->timeout_s(),
+                                             arrival, core->timeout_s(),
                                              [&](const std::vector<CudaArrival>& local) {
                                                std::vector<CudaArrival> all(n);
                                                for (int32_t r = 0; r < n; ++r) {
@@ -511,7 +523,7 @@ ffi::Error RunLaunch(cudaStream_t stream, int64_t run_id, int64_t slot, int64_t 
                                                }
                                                return StartLaunch(slot, group, n, all, processes);
                                              })
-                : TheRendezvous().Arrive(run_id, site, group, rank, n, me, core->timeout_s(),
+                : TheRendezvous().Arrive(run_id, site, group, rank, n, arrival, core->timeout_s(),
                                          [&](const std::vector<CudaArrival>& all) {
                                            return StartLaunch(slot, group, n, all, nullptr);
                                          });

@@ -53,8 +53,10 @@ struct CudaArrival {
   ReduceOp reduce_op = ReduceOp::kSum;  // the call's operator (used when its table reduces)
 };
 
-// Runs rank `rank`'s part of the launch its call `me` belongs to (call site `site` of run `run_id`, group
-// `group` of `axis_size` ranks, schedule slot `slot`) on `stream`, and waits for the kernel to report.
+// Numbers the call on its slot, then runs rank `rank`'s part of the launch its call `me` belongs to (call
+// site `site` of run `run_id`, group `group` of `axis_size` ranks, schedule slot `slot`) on `stream`, and
+// waits for the kernel to report. A call its slot refuses (a closed communicator) fails the launch's
+// rendezvous at once for every rank.
 // `processes`: the group's process group when it may span processes (jaxccl_cuda_mp_collective: this
 // process's ranks meet, and the proxy in jaxccl._native carries the connections to the others); null
 // when every rank runs in this process.

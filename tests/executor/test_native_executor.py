@@ -631,6 +631,24 @@ def test_rendezvous_tombstones_and_counters_expire():
     assert native._native._test_rendezvous_stats() == {"pending": 0, "occurrence_entries": 0}
 
 
+def test_rendezvous_rank_that_cannot_join_fails_the_waiting_ranks_at_once():
+    # Rank 1's call is refused before it arrives (its communicator closed under it): ranks 0 and 2, already
+    # waiting with a 20 s deadline, fail with its reason now; a rank that comes later gets the same error.
+    why = "jaxccl: schedule slot 9 was removed: the communicator that owned it is closed"
+    waiting = [(5005, 1, 0, 0, 4, 20.0), (5005, 1, 0, 2, 4, 20.0)]
+    t0 = time.monotonic()
+    abandon = threading.Timer(0.2, native._native._test_abandon, args=(5005, 1, 0, 1, 4, 20.0, why))
+    abandon.start()
+    out = _arrive_all(waiting)
+    abandon.join()
+    assert time.monotonic() - t0 < 5.0, out
+    expected = f"jaxccl: rank 1 could not join the rendezvous at site 1, group 0, occurrence 0: {why}"
+    assert out == [expected, expected]
+    late = _arrive_all([(5005, 1, 0, 3, 4, 20.0)])[0]
+    assert "rank 3 arrived after the rendezvous" in late and why in late
+    assert native._native._test_rendezvous_stats()["pending"] == 0  # all four accounted for
+
+
 def test_rendezvous_duplicate_ranks_and_size_changes():
     # Two calls claiming rank 0 are two occurrences of rank 0: each waits for a rank 1 that never comes.
     out = _arrive_all([(4004, 1, 0, 0, 2, 0.3), (4004, 1, 0, 0, 2, 0.3)])

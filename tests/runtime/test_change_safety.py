@@ -13,6 +13,7 @@ The A->B->A sequences themselves are in ``tests/runtime/test_swap_pairs.py`` and
 from __future__ import annotations
 
 import threading
+import time
 
 import jax
 import numpy as np
@@ -224,16 +225,28 @@ def test_a_program_of_a_closed_communicator_raises_a_named_error(mesh):
 
 
 def test_collectives_racing_close_either_finish_right_or_name_the_closed_communicator(mesh):
+    # When close lands between ranks' arrivals, the ranks already waiting must learn it from the rank whose
+    # call was refused (Rendezvous::Abandon), not wait out the deadline: a short one makes that a failure.
+    # Eight rounds, each closing at a random moment: about half of them land between arrivals.
+    timeout = native.get_timeout()
+    native.set_timeout(5.0)
+    try:
+        for seed in range(8):
+            _race_collectives_with_close(mesh, np.random.default_rng(seed))
+    finally:
+        native.set_timeout(timeout)
+
+
+def _race_collectives_with_close(mesh: Mesh, rng: np.random.Generator) -> None:
     comm = jaxccl.Communicator(mesh, "data", backend="cpu")
     step = _all_gather_step(comm, mesh)
-    rng = np.random.default_rng(6)
     _check(step, rng)
     outcomes: list[str] = []
     started = threading.Event()
 
     def run() -> None:
-        local = np.random.default_rng(7)
-        for _ in range(400):
+        local = np.random.default_rng(rng.integers(1 << 30))
+        for _ in range(200):
             x = local.standard_normal(N * 64).astype(np.float32)
             try:
                 with executor_errors():
@@ -251,6 +264,7 @@ def test_collectives_racing_close_either_finish_right_or_name_the_closed_communi
     thread = threading.Thread(target=run)
     thread.start()
     started.wait(60)
+    time.sleep(rng.uniform(0.0, 0.02))
     comm.close()
     thread.join(120)
     assert not thread.is_alive()

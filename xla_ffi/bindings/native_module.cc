@@ -434,6 +434,11 @@ NB_MODULE(_native, m) {
         return result.has_value() ? std::string("ok") : result.error().message();
       },
       "Test hook: one rank's arrival at a probe rendezvous (same code as the executors'); 'ok' or the error.");
+  m.def(
+      "_test_abandon",
+      [](int64_t run_id, int64_t site, int64_t group, int32_t rank, int32_t axis_size, double timeout_s,
+         const std::string& why) { ProbeRendezvous().Abandon(run_id, site, group, rank, axis_size, timeout_s, why); },
+      "Test hook: one rank of a probe rendezvous says it cannot take part (Rendezvous::Abandon).");
   m.def("_test_rendezvous_stats", [] {
     nb::dict d;
     d["pending"] = ProbeRendezvous().NumPending();

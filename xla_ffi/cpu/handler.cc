@@ -35,9 +35,12 @@ ffi::Error CpuCollective(ffi::RunId run_id, ffi::AnyBuffer x, Coords coords,
     return ffi::Error::InvalidArgument(
         StrCat("jaxccl_cpu_collective: rank ", rank, " is outside the axis of size ", axis_size));
   }
-  auto me = ArrivalOf(x, *out, slot, rank, reduce_op);
-  if (!me.has_value()) return std::move(me.error());
   const int32_t n = static_cast<int32_t>(axis_size);
+  auto me = ArrivalOf(x, *out, slot, rank, reduce_op);
+  if (!me.has_value()) {
+    TheRendezvous().Abandon(run_id.run_id, site, group, rank, n, Registry::Get().timeout_s(), me.error().message());
+    return std::move(me.error());
+  }
   auto launch = TheRendezvous().Arrive(
       run_id.run_id, site, group, rank, n, *me, Registry::Get().timeout_s(),
       [&](const std::vector<CpuArrival>& all) { return CpuLaunch::Start(slot, n, all); });

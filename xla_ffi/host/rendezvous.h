@@ -36,30 +36,15 @@ class Rendezvous {
                                                const Build& build) {
     using R = std::shared_ptr<Result>;
     std::unique_lock<std::mutex> lock(mu_);
-    const Clock::time_point now = Clock::now();
-    MaybePrune(now, timeout_s);
-
-    const auto occ_key = std::make_tuple(run_id, site, group);
-    Occurrences& occ = occurrences_[occ_key];
-    if (occ.counts.empty()) occ.counts.assign(axis_size, 0);
-    if (static_cast<int32_t>(occ.counts.size()) != axis_size) {
-      return ErrorResult<R>(ffi::Error::InvalidArgument(
-          StrCat("jaxccl: collective site ", site, " (group ", group, ") was called with axis sizes ",
-                 occ.counts.size(), " and ", axis_size, " in one launch")));
-    }
-    occ.last_touch = now;
-    if (run_id > max_run_id_) max_run_id_ = run_id;
-    const int64_t occurrence = occ.counts[rank]++;
-
-    const Key key{run_id, site, group, occurrence};
-    std::shared_ptr<Entry>& slot = pending_[key];
-    if (!slot) slot = std::make_shared<Entry>(axis_size, DeadlineAfter(timeout_s));
-    std::shared_ptr<Entry> e = slot;
-    const std::string where = StrCat("site ", site, ", group ", group, ", occurrence ", occurrence);
+    auto joined = Join(run_id, site, group, rank, axis_size, timeout_s);
+    if (!joined.has_value()) return ErrorResult<R>(std::move(joined.error()));
+    const Key key = joined->key;
+    const std::shared_ptr<Entry> e = joined->entry;
+    const std::string& where = joined->where;
 
     if (e->failed) {
       if (++e->accounted == e->axis_size) pending_.erase(key);
-      return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+      return ErrorResult<R>(ffi::Error(e->code,
                                        StrCat("jaxccl: rank ", rank, " arrived after the rendezvous at ", where,
                                               " had already failed: ", e->error)));
     }
@@ -104,10 +89,29 @@ class Rendezvous {
       return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, StrCat("jaxccl: ", e->error)));
     }
     if (e->failed) {
-      return ErrorResult<R>(ffi::Error(ffi::ErrorCode::kDeadlineExceeded, StrCat("jaxccl: ", e->error)));
+      return ErrorResult<R>(ffi::Error(e->code, StrCat("jaxccl: ", e->error)));
     }
     if (!e->result) return ErrorResult<R>(ffi::Error::InvalidArgument(e->error));
     return e->result;
+  }
+
+  // A rank that cannot take part in a launch (its arrival failed: its communicator closed under it, a bad
+  // input) says so instead of arriving: the ranks waiting for it fail at once with `why` instead of at the
+  // deadline, and the ones still to come get the same error.
+  void Abandon(int64_t run_id, int64_t site, int64_t group, int32_t rank, int32_t axis_size, double timeout_s,
+               const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto joined = Join(run_id, site, group, rank, axis_size, timeout_s);
+    if (!joined.has_value()) return;  // this rank's call contradicts the others' (named to it already)
+    const std::shared_ptr<Entry>& e = joined->entry;
+    if (!e->failed) {
+      e->failed = true;
+      e->code = ffi::ErrorCode::kAborted;
+      e->error = StrCat("rank ", rank, " could not join the rendezvous at ", joined->where, ": ", why);
+      e->expiry = DeadlineAfter(timeout_s);
+      e->cv.notify_all();
+    }
+    if (++e->accounted == e->axis_size) pending_.erase(joined->key);
   }
 
   // Entries waiting for ranks or kept as failed tombstones.
@@ -139,6 +143,7 @@ class Rendezvous {
     Clock::time_point deadline;
     Clock::time_point expiry;
     bool done = false, failed = false;
+    ffi::ErrorCode code = ffi::ErrorCode::kDeadlineExceeded;  // of a failed entry
     std::shared_ptr<Result> result;
     std::string error;
     std::condition_variable cv;
@@ -147,6 +152,32 @@ class Rendezvous {
     std::vector<int64_t> counts;  // per rank
     Clock::time_point last_touch;
   };
+
+  struct Joined {
+    Key key;
+    std::shared_ptr<Entry> entry;
+    std::string where;
+  };
+  // Counts this rank's occurrence of (run, site, group) and finds or makes its entry. Requires mu_.
+  ffi::ErrorOr<Joined> Join(int64_t run_id, int64_t site, int64_t group, int32_t rank, int32_t axis_size,
+                            double timeout_s) {
+    const Clock::time_point now = Clock::now();
+    MaybePrune(now, timeout_s);
+    Occurrences& occ = occurrences_[std::make_tuple(run_id, site, group)];
+    if (occ.counts.empty()) occ.counts.assign(axis_size, 0);
+    if (static_cast<int32_t>(occ.counts.size()) != axis_size) {
+      return ErrorResult<Joined>(ffi::Error::InvalidArgument(
+          StrCat("jaxccl: collective site ", site, " (group ", group, ") was called with axis sizes ",
+                 occ.counts.size(), " and ", axis_size, " in one launch")));
+    }
+    occ.last_touch = now;
+    if (run_id > max_run_id_) max_run_id_ = run_id;
+    const int64_t occurrence = occ.counts[rank]++;
+    const Key key{run_id, site, group, occurrence};
+    std::shared_ptr<Entry>& slot = pending_[key];
+    if (!slot) slot = std::make_shared<Entry>(axis_size, DeadlineAfter(timeout_s));
+    return Joined{key, slot, StrCat("site ", site, ", group ", group, ", occurrence ", occurrence)};
+  }
 
   // Pruning scans everything, so it runs at most every 100 ms or when the maps grow.
   void MaybePrune(Clock::time_point now, double timeout_s) {

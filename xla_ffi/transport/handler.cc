@@ -32,7 +32,11 @@ ffi::Error CpuMpCollective(ffi::RunId run_id, ffi::AnyBuffer x, Coords coords, f
   const int32_t rgroup = coords.typed_data()[1];
   if (ffi::Error e = CheckLocalRank(*group, rgroup, rank, axis_size); e.failure()) return e;
   auto me = ArrivalOf(x, *out, slot, rank, reduce_op);
-  if (!me.has_value()) return std::move(me.error());
+  if (!me.has_value()) {
+    TheRendezvous().Abandon(run_id.run_id, site, rgroup, group->local_index[rank], group->num_local,
+                            Registry::Get().timeout_s(), me.error().message());
+    return std::move(me.error());
+  }
   const int32_t n = static_cast<int32_t>(axis_size);
   auto launch = TheRendezvous().Arrive(
       run_id.run_id, site, rgroup, group->local_index[rank], group->num_local, *me, Registry::Get().timeout_s(),
