@@ -22,8 +22,9 @@ link estimates from one of two detectors (``detector=``):
 
 On a decision the controller re-synthesizes the schedule warm-started from
 the running schedule (AllGather: tree packing, AllToAll: column generation;
-ReduceScatter: the rank-ordered fold of :mod:`jaxccl.synth.ordered_reduce_scatter`, so that
-sums stay bitwise equal to ``jax.lax``; AllReduce: both of its halves) on
+ReduceScatter: a fold in the running schedule's order, so that sums stay bitwise equal to
+``jax.lax``: the rank-ordered fold of :mod:`jaxccl.synth.ordered_reduce_scatter` in one process,
+gloo's tree of :mod:`jaxccl.synth.tree_reduce_scatter` across processes; AllReduce: both of its halves) on
 the topology as measured, validates the result with the reference
 interpreter, drains once more and aborts if the degradation cleared
 meanwhile, and otherwise stages it (the executor switches at the agreed
@@ -66,6 +67,7 @@ from jaxccl.control.step_driven import StepTimes, at_step_end
 from jaxccl.errors import ArgumentError
 from jaxccl.schedule.table import compiled_table
 from jaxccl.synth.ordered_reduce_scatter import ordered_reduce_scatter
+from jaxccl.synth.tree_reduce_scatter import tree_reduce_scatter
 from jaxccl.telemetry.matrix import entry_capacities, route_links
 
 __all__ = ["DETECTORS", "REDUCTIONS", "Controller", "Event", "managed_collectives", "measured_topology"]
@@ -94,8 +96,8 @@ _ALIASES = {"psum_scatter": "reduce_scatter", "psum": "all_reduce"}
 
 
 def _default_synthesizers(exact_reductions: bool) -> dict[str, Synthesizer]:
-    if exact_reductions:  # the fold order of jax.lax: bitwise equal results
-        reduce_scatter: Synthesizer = lambda topo, prev: ordered_reduce_scatter(topo, previous=prev)  # noqa: E731
+    if exact_reductions:  # the running schedule's fold order (jax.lax's): bitwise equal results
+        reduce_scatter: Synthesizer = _same_fold_reduce_scatter
     else:  # the reversed AllGather tree packing, warm-started: faster, sums in tree order
         reduce_scatter = lambda topo, prev: synth.reduce_scatter(topo, previous=_tree_or_none(prev))  # noqa: E731
     return {
@@ -103,6 +105,25 @@ def _default_synthesizers(exact_reductions: bool) -> dict[str, Synthesizer]:
         "all_to_all": lambda topo, prev: synth.all_to_all(topo, previous=prev),
         "reduce_scatter": reduce_scatter,
     }
+
+
+def _same_fold_reduce_scatter(topo: Any, previous: Any) -> Any:
+    """A ReduceScatter for ``topo`` that sums as ``previous`` does: gloo's tree (across processes) or rank order."""
+    if _fold_of(previous) == "gloo_tree":
+        return tree_reduce_scatter(topo, previous=previous)
+    return ordered_reduce_scatter(topo, previous=previous)
+
+
+def _fold_of(schedule: Any) -> str:
+    """The order a reduction schedule sums in: ``"gloo_tree"``, ``"gloo_ring"``, ``"rank"`` or ``""`` (another).
+
+    Across processes ``jax.lax`` sums in gloo's orders and a communicator's default schedules follow
+    them (``info["fold"]``); in one process it sums in ascending rank order (``info["ordered_reduction"]``).
+    """
+    info = getattr(schedule, "info", None) or {}
+    if info.get("fold"):
+        return str(info["fold"])
+    return "rank" if info.get("ordered_reduction") else ""
 
 
 def _tree_or_none(previous: Any) -> Any:
@@ -250,12 +271,17 @@ class Controller:
             also limited by the receivers; our choice, MCCL does not say).
         synthesizers: per collective, ``fn(measured_topology, running_schedule) -> Schedule``
             (default: the warm-started jaxccl synthesizers; for ReduceScatter
-            the rank-ordered fold of :mod:`jaxccl.synth.ordered_reduce_scatter`).
+            a fold in the running schedule's order: the rank-ordered fold of
+            :mod:`jaxccl.synth.ordered_reduce_scatter`, or gloo's tree of
+            :mod:`jaxccl.synth.tree_reduce_scatter` when the running schedule
+            sums as gloo does across processes).
         exact_reductions: keep every reduction bitwise equal to ``jax.lax``
             (default). A re-synthesized ``reduce_scatter`` is then staged only
-            if it declares ``info["ordered_reduction"]`` and the reference
-            interpreter proves it sums in ascending rank order; any other is
-            ``"rejected"`` and the running schedule stays. ``False`` lets the
+            if it sums in the running schedule's order: gloo's tree
+            (``info["fold"] == "gloo_tree"``) after a schedule that does, else
+            ascending rank order (``info["ordered_reduction"]``); the reference
+            interpreter proves either. Any other is ``"rejected"`` and the
+            running schedule stays. ``False`` lets the
             faster tree packing (:func:`jaxccl.synth.reduce_scatter`, warm)
             sum in tree order: exact for integers, not for floats.
         min_gain: a re-synthesized schedule is staged only if its predicted algbw on the
@@ -735,18 +761,19 @@ class Controller:
             self._emit("rejected", coll, reason=reason, stale_algbw=stale, predicted_algbw=predicted)
             m.belief, m.digest, m.rejected = target, "", target
             return
-        if coll in REDUCTIONS and self.exact_reductions and not (new.info or {}).get("ordered_reduction"):
+        wanted = _fold_of(running) if _fold_of(running) in ("gloo_tree", "gloo_ring") else "rank"
+        if coll in REDUCTIONS and self.exact_reductions and _fold_of(new) != wanted:
             self._emit(
                 "rejected",
                 coll,
-                reason="sums in another order than jax.lax (info['ordered_reduction'] is false); results would "
-                "differ in the last bits",
+                reason=f"sums in another order ({_fold_of(new) or 'unordered'}) than the running schedule and "
+                f"jax.lax ({wanted}); results would differ in the last bits",
                 name=new.name,
             )
             m.belief, m.digest, m.rejected = target, "", target
             return
         t1 = time.perf_counter()
-        new.validate()  # with info["ordered_reduction"], also proves the ascending-rank fold
+        new.validate()  # with info["ordered_reduction"] or info["fold"], also proves the fold
         table = compiled_table(new, num_slots=8)  # memoized: staging checks the table against it for free
         t2 = time.perf_counter()
         version = self.comm.stage_validated(coll, new, table=table, defer_psum=True)

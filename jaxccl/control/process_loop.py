@@ -33,8 +33,12 @@ Example (in every process, after :func:`~jaxccl.distributed.transport.attach`)::
         loop.step()                        # measure, gather, decide (process 0), agree, swap
     loop.events                            # detected, confirmed, synthesized, staged, activated
 
->>> decision_key("jaxccl/loop/1", 7)
-'jaxccl/loop/1/7/decision'
+A step may stage several schedules (the controller manages every collective it was given): process 0
+publishes them as the step's decisions 0, 1, ..., each agreed in turn, and ends the list with an empty
+decision, so every process takes part in the same swaps in the same order.
+
+>>> decision_key("jaxccl/loop/1", 7), decision_key("jaxccl/loop/1", 7, 1)
+('jaxccl/loop/1/7/decision/0', 'jaxccl/loop/1/7/decision/1')
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxccl.control.controller import Controller, Event
+from jaxccl.control.controller import Controller, Event, managed_collectives
 from jaxccl.distributed import kv
 from jaxccl.distributed.transport import (
     DEFAULT_SWAP_MARGIN,
@@ -84,14 +88,14 @@ def round_key(prefix: str, step: int) -> str:
     return f"{prefix}/{step}"
 
 
-def decision_key(prefix: str, step: int) -> str:
-    """Where process 0 publishes the decision of step ``step``."""
-    return f"{prefix}/{step}/decision"
+def decision_key(prefix: str, step: int, index: int = 0) -> str:
+    """Where process 0 publishes decision ``index`` of step ``step`` (an empty decision ends the step's list)."""
+    return f"{prefix}/{step}/decision/{index}"
 
 
-def topology_key(prefix: str, step: int) -> str:
-    """Where process 0 publishes the topology a re-synthesis of step ``step`` planned for (for the hooks)."""
-    return f"{prefix}/{step}/topology"
+def topology_key(prefix: str, step: int, index: int = 0) -> str:
+    """Where process 0 publishes the topology re-synthesis ``index`` of step ``step`` planned for (for the hooks)."""
+    return f"{prefix}/{step}/topology/{index}"
 
 
 def records_of(matrix: np.ndarray) -> bytes:
@@ -274,7 +278,8 @@ class ProcessLoop:
             comm.measurement()
         self._calls = 0
         self._round = 0
-        self._staged_this_step = False
+        self._decisions = 0  # process 0: decisions published in the current step
+        self._collectives = managed_collectives(collectives)
         self._spent: list[str] = []  # process 0: key directories of earlier rounds, deleted once all read them
         self._events: list[Event] = []
         self.times = _StepTimes()
@@ -304,7 +309,7 @@ class ProcessLoop:
     def _announce(self, collective: str, schedule: Schedule, topology: Topology) -> None:
         """Process 0, after the controller's agreed swap: publishes the planned topology and runs the hooks."""
         text = topology.to_json()
-        self._client.key_value_set(topology_key(self.key_prefix, self._decision_step), text)
+        self._client.key_value_set(topology_key(self.key_prefix, self._decision_step, self._decisions - 1), text)
         self._run_hooks(collective, schedule, Topology.from_json(text))
 
     def _run_hooks(self, collective: str, schedule: Schedule, topology: Topology) -> None:
@@ -379,11 +384,10 @@ class ProcessLoop:
         self._spent.append(round_key(self.key_prefix, k))
         t2 = time.perf_counter()
         self.times.gather_ms = (t2 - t1) * 1e3
-        self._staged_this_step = False
+        self._decisions = 0
         self._decision_step = k
         self.controller.step()  # stages through _publish_and_stage when it re-synthesizes; never raises
-        if not self._staged_this_step:
-            self._client.key_value_set(decision_key(self.key_prefix, k), json.dumps({}))
+        self._client.key_value_set(decision_key(self.key_prefix, k, self._decisions), json.dumps({}))
         self.times.decide_ms = (time.perf_counter() - t2) * 1e3
 
     def _measure(self) -> list[list[float]]:
@@ -448,9 +452,10 @@ class ProcessLoop:
         k = self._decision_step
         t0 = time.perf_counter()
         self._client.key_value_set(
-            decision_key(self.key_prefix, k), json.dumps({"collective": collective, "schedule": schedule.to_json()})
+            decision_key(self.key_prefix, k, self._decisions),
+            json.dumps({"collective": collective, "schedule": schedule.to_json()}),
         )
-        self._staged_this_step = True
+        self._decisions += 1
         t1 = time.perf_counter()
         version = self._agree(k, collective, schedule)
         self._emit(
@@ -480,19 +485,21 @@ class ProcessLoop:
         return version
 
     def _follow(self, k: int) -> None:
-        """A process other than 0: waits for this step's decision and takes part in its swap."""
+        """A process other than 0: waits for this step's decisions and takes part in their swaps, in order."""
         t0 = time.perf_counter()
-        decision = json.loads(self._get(decision_key(self.key_prefix, k), "process 0's decision"))
-        self.times.decide_ms = (time.perf_counter() - t0) * 1e3
-        if "error" in decision:
-            self._emit("skipped", None, reason=decision["error"])
-            return
-        if "schedule" not in decision:
-            return
-        collective = decision["collective"]
-        schedule = Schedule.from_json(decision["schedule"])
-        version = self._agree(k, collective, schedule)
-        self._emit("agreed", collective, version=version, agree_ms=self.times.agree_ms)
-        if self._hooks:
-            planned = self._get(topology_key(self.key_prefix, k), "the topology of process 0's re-synthesis")
-            self._run_hooks(collective, schedule, Topology.from_json(planned))
+        for index in range(len(self._collectives) + 1):
+            decision = json.loads(self._get(decision_key(self.key_prefix, k, index), "process 0's decision"))
+            if index == 0:
+                self.times.decide_ms = (time.perf_counter() - t0) * 1e3
+            if "error" in decision:
+                self._emit("skipped", None, reason=decision["error"])
+                return
+            if "schedule" not in decision:
+                return
+            collective = decision["collective"]
+            schedule = Schedule.from_json(decision["schedule"])
+            version = self._agree(k, collective, schedule)
+            self._emit("agreed", collective, version=version, agree_ms=self.times.agree_ms)
+            if self._hooks:
+                planned = self._get(topology_key(self.key_prefix, k, index), "the topology of process 0's re-synthesis")
+                self._run_hooks(collective, schedule, Topology.from_json(planned))

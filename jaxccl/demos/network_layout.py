@@ -22,6 +22,7 @@ from jaxccl import synth
 from jaxccl.errors import DemoNetworkError
 from jaxccl.labs.netlab import LinkShape
 from jaxccl.labs.rail import rank_rail
+from jaxccl.synth.tree_reduce_scatter import tree_reduce_scatter
 from jaxccl.topology.presets import tor
 
 HOSTS = 2
@@ -86,6 +87,19 @@ def demo_allgather(topo: Any, previous: Any = None) -> Any:
     True
     """
     return synth.all_gather(topo, previous=previous, max_chunks=MAX_CHUNKS)
+
+
+def demo_reduce_scatter(topo: Any, previous: Any = None) -> Any:
+    """The demo's ReduceScatter synthesizer (the healthy schedule's and the controller's): gloo's tree
+    fold, routed for ``topo`` (:func:`jaxccl.synth.tree_reduce_scatter.tree_reduce_scatter`), so its sums
+    are XLA's across processes bit for bit; at most ``MAX_CHUNKS`` chunks per shard, as
+    :func:`demo_allgather`.
+
+    >>> s = demo_reduce_scatter(demo_topology(200))
+    >>> s.info["fold"], s.chunks_per_period <= MAX_CHUNKS
+    ('gloo_tree', True)
+    """
+    return tree_reduce_scatter(topo, previous=previous, max_chunks=MAX_CHUNKS)
 
 
 def failed_link(rank: int = FAILED_RANK) -> tuple[int, str]:

@@ -4,16 +4,18 @@ The process reads the demo's settings from ``JAXCCL_DEMO_CONFIG`` (JSON) and its
 launcher's ``JAXCCL_*`` variables, joins the JAX job (gloo for ``jax.lax``), connects jaxccl's
 transport (on a rail lab restricted to its own NIC and its host's loopback; elsewhere every byte
 on sockets) and attaches it to the 8-rank mesh. It trains the demo's MLP twice from the same
-start: with ``jax.lax`` collectives (the reference), then with the AllGather through jaxccl's
-native executor under the closed loop across processes
-(:class:`~jaxccl.control.process_loop.ProcessLoop`: every process's measurements, one
-controller in process 0, agreed swaps); the gradient reduction and the loss sum stay ``jax.lax``
-in both runs. At the failure step process 0 asks the launcher to cut the NICs (:data:`CUT_REQUEST`
-on its output; the launcher answers with the file :data:`CUT_DONE_FILE` in ``JAXCCL_DEMO_DIR``
-holding its ``time.monotonic_ns()`` of the cut), and every process waits for that answer before
-the step, so that the failure step's transfers all meet the cut network. After the run the stale and the re-synthesized
-schedule alternate on the cut network (A/B). Each process writes ``process-<id>.json`` there;
-process 0 also ``result.json``.
+start: with ``jax.lax`` collectives (the reference), then with every collective through jaxccl's
+native executor (the AllGather, the gradient ReduceScatter and the loss sum) under the closed loop
+across processes (:class:`~jaxccl.control.process_loop.ProcessLoop`: every process's measurements,
+one controller in process 0, agreed swaps). The loop manages the AllGather and the ReduceScatter:
+both re-route around a cut NIC, and the ReduceScatter keeps gloo's tree order
+(:func:`~jaxccl.demos.network_layout.demo_reduce_scatter`) and the loss sum gloo's ring, so the
+losses stay bitwise equal to the reference. At the failure step process 0 asks the launcher to
+cut the NICs (:data:`CUT_REQUEST` on its output; the launcher answers with the file
+:data:`CUT_DONE_FILE` in ``JAXCCL_DEMO_DIR`` holding its ``time.monotonic_ns()`` of the cut), and
+every process waits for that answer before the step, so that the failure step's transfers all
+meet the cut network. After the run the stale and the re-synthesized schedules alternate on the
+cut network (A/B). Each process writes ``process-<id>.json`` there; process 0 also ``result.json``.
 
 >>> CUT_REQUEST
 'JAXCCL-DEMO-CUT'
@@ -44,6 +46,7 @@ from jaxccl.demos.network_layout import (
     NUM_RANKS,
     check_processes,
     demo_allgather,
+    demo_reduce_scatter,
     demo_topology,
     failed_links,
     process_of_rank,
@@ -96,6 +99,9 @@ class _Worker:
         self.healthy = demo_allgather(self.topo)
         self.comm.install("all_gather", self.healthy)
         self.slot = self.comm.slot("all_gather")
+        self.healthy_rs = demo_reduce_scatter(self.topo)
+        self.comm.install("reduce_scatter", self.healthy_rs)
+        self.rs_slot = self.comm.slot("reduce_scatter")
 
         rng = np.random.default_rng(0)  # the same model and data in every process
         sizes = tuple(cfg["sizes"])
@@ -108,7 +114,7 @@ class _Worker:
         self.out_bytes = self.flat.size * 4
         self.sizes = sizes
         self.reference = _programs(jax.lax, mesh, shapes, self.train)
-        self.programs = _programs(jaxccl, mesh, shapes, self.train, reductions=jax.lax)
+        self.programs = _programs(jaxccl, mesh, shapes, self.train)
 
     def reference_losses(self) -> list[Any]:
         gather, step = self.reference
@@ -126,7 +132,7 @@ class _Worker:
         shard = self.put(self.flat)
         with self.comm:
             for _ in range(2):  # compile, and connect every pair once, outside the timeline
-                gather_fn(shard).block_until_ready()
+                step_fn(shard, gather_fn(shard), self.xb, self.yb)[1].block_until_ready()
         loop = ProcessLoop(
             self.comm,
             margin=0,  # loop.step() runs after the step's collectives finished in every process
@@ -136,7 +142,8 @@ class _Worker:
             gamma=cfg["gamma"],
             confirm=cfg["confirm"],
             detector=cfg["detector"],
-            synthesizers={"all_gather": demo_allgather},
+            collectives=("all_gather", "reduce_scatter"),
+            synthesizers={"all_gather": demo_allgather, "reduce_scatter": demo_reduce_scatter},
         )
         labels = {native.current_version(self.slot): "healthy"}
         rows, losses, inject_ns, told = [], [], 0, 0
@@ -158,6 +165,7 @@ class _Worker:
                 labels.setdefault(version, f"re-synthesized #{len(labels)}")
                 shard, loss = step_fn(shard, full, self.xb, self.yb)
                 losses.append(_first_shard(loss))
+                rs_version = native.last_launch_version(self.rs_slot)
                 loop.step()  # measure, gather, decide (process 0), agree, swap: never raises
                 rows.append(
                     {
@@ -168,6 +176,7 @@ class _Worker:
                         "algbw": self.out_bytes / t_ag,
                         "version": version,
                         "schedule": labels[version],
+                        "rs_version": rs_version,
                         "loop_ms": {k: round(v, 3) for k, v in vars(loop.times).items()},
                     }
                 )
@@ -184,10 +193,10 @@ class _Worker:
                 told = len(events)
         return rows, losses, loop, inject_ns, labels
 
-    def ab(self, recovered: Any, rounds: int) -> dict[str, list[float]]:
-        """The stale and the re-synthesized schedule alternately on the cut network: algbw of each call
-        (``stale``, ``recovered``) and the whole step's time in ms, the AllGather and the training step
-        (``step_stale``, ``step_recovered``)."""
+    def ab(self, recovered: Any, recovered_rs: Any, rounds: int) -> dict[str, list[float]]:
+        """The stale and the re-synthesized schedules alternately on the cut network: the AllGather's algbw
+        (``stale``, ``recovered``) and the whole step's time in ms, the AllGather and the training step with
+        its ReduceScatter (``step_stale``, ``step_recovered``)."""
         from jaxccl.runtime import native  # the native module loads on demand (and imports JAX)
 
         gather_fn, step_fn = self.programs
@@ -195,13 +204,24 @@ class _Worker:
         ab: dict[str, list[float]] = {"stale": [], "recovered": [], "step_stale": [], "step_recovered": []}
         with self.comm:
             for i in range(rounds):
-                for key, schedule in (("stale", self.healthy), ("recovered", recovered)):
+                for key, schedule, rs in (
+                    ("stale", self.healthy, self.healthy_rs),
+                    ("recovered", recovered, recovered_rs),
+                ):
                     version, _ = stage_agreed(
                         self.comm, "all_gather", schedule, round_id=f"{LOOP_KEY_PREFIX}/ab/{i}/{key}", margin=0
                     )
-                    gather_fn(shard).block_until_ready()  # the agreed transition call
+                    rs_version, _ = stage_agreed(
+                        self.comm, "reduce_scatter", rs, round_id=f"{LOOP_KEY_PREFIX}/ab-rs/{i}/{key}", margin=0
+                    )
+                    full = gather_fn(shard)
+                    step_fn(shard, full, self.xb, self.yb)[1].block_until_ready()  # the agreed transition calls
                     if native.last_launch_version(self.slot) != version:
-                        raise DemoNetworkError(f"A/B: the staged v{version} did not run at the agreed call")
+                        raise DemoNetworkError(f"A/B: the staged AllGather v{version} did not run at the agreed call")
+                    if native.last_launch_version(self.rs_slot) != rs_version:
+                        raise DemoNetworkError(
+                            f"A/B: the staged ReduceScatter v{rs_version} did not run at the agreed call"
+                        )
                     t0 = time.perf_counter()
                     gather_fn(shard).block_until_ready()
                     ab[key].append(self.out_bytes / (time.perf_counter() - t0))
@@ -219,20 +239,21 @@ class _Worker:
         )
         self.say(f"running the jax.lax reference ({cfg['steps']} steps, gloo across the processes) ...")
         ref_losses = self.reference_losses()
-        self.say("compiling the jaxccl training step (AllGather on the native executor across processes) ...")
+        self.say("compiling the jaxccl training step (every collective on the native executor across processes) ...")
         rows, losses, loop, inject_ns, labels = self.train_under_loop()
-        swapped = any(r["version"] != rows[0]["version"] for r in rows)
+        swapped = any(r["version"] != rows[0]["version"] or r["rs_version"] != rows[0]["rs_version"] for r in rows)
         recovered = self.comm.schedule("all_gather")
+        recovered_rs = self.comm.schedule("reduce_scatter")
         if swapped:
             self.say(f"A/B on the cut network: stale vs re-synthesized, {cfg['ab_runs']} rounds ...")
-        ab = self.ab(recovered, cfg["ab_runs"] if swapped else 0)
+        ab = self.ab(recovered, recovered_rs, cfg["ab_runs"] if swapped else 0)
         step_ratio = None
         if swapped:
             stale_ms, recovered_ms = report.median(ab["step_stale"]), report.median(ab["step_recovered"])
             step_ratio = stale_ms / recovered_ms
             self.say(
-                f"the whole step (AllGather + training step): stale {stale_ms:.1f} ms, re-synthesized "
-                f"{recovered_ms:.1f} ms ({step_ratio:.2f}x; A/B medians)"
+                f"the whole step (AllGather + training step with its ReduceScatter): stale {stale_ms:.1f} ms, "
+                f"re-synthesized {recovered_ms:.1f} ms ({step_ratio:.2f}x; A/B medians)"
             )
         matches = len(losses) == len(ref_losses) and all(a.tobytes() == b.tobytes() for a, b in zip(losses, ref_losses))
         detail = {
@@ -241,6 +262,7 @@ class _Worker:
             "ag_ms": [r["ag_ms"] for r in rows],
             "loop_ms": [r["loop_ms"] for r in rows],
             "versions": [r["version"] for r in rows],
+            "rs_versions": [r["rs_version"] for r in rows],
             "ab_stale": ab["stale"],
             "ab_recovered": ab["recovered"],
             "loss_matches_reference": bool(matches),
@@ -264,6 +286,12 @@ class _Worker:
                 "bytes_per_rank": bytes_per_rank,
                 "predicted_algbw_healthy": float(self.healthy.algbw),
                 "predicted_algbw_recovered": float(recovered.algbw),
+                "reduce_scatter": {
+                    "healthy": self.healthy_rs.name,
+                    "predicted_algbw_healthy": float(self.healthy_rs.algbw),
+                    "predicted_algbw_recovered": float(recovered_rs.algbw),
+                    "swapped": any(r["rs_version"] != rows[0]["rs_version"] for r in rows),
+                },
                 "simulated_algbw_healthy": simulated,
                 "simulated_algbw_healthy_in_order": simulated_in_order,
                 "measured_over_predicted": measured / self.healthy.algbw,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from jaxccl.errors import ArgumentError
 from jaxccl.schedule import Buffer, OpKind, Schedule, ScheduleBuilder
+from jaxccl.schedule.reduction import GlooTree, gloo_tree
 
 __all__ = ["direct_allgather", "direct_allreduce", "gloo_ring_allreduce", "gloo_tree_reduce_scatter"]
 
@@ -119,7 +120,8 @@ def gloo_ring_allreduce(n: int) -> Schedule:
 def gloo_tree_reduce_scatter(n: int) -> Schedule:
     """ReduceScatter in the order of gloo's halving-doubling (XLA:CPU's ``psum_scatter`` across processes).
 
-    Every element of every shard is the same tree over the ranks, whatever the chunk size. For a
+    Every element of every shard is the same tree over the ranks
+    (:func:`~jaxccl.schedule.reduction.gloo_tree`), whatever the chunk size. For a
     power of two it is the butterfly tree, lowest bit first: ``(x0 + x1) + (x2 + x3)`` for 4 ranks,
     ``((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))`` for 8. Other counts split into gloo's binary
     blocks, largest first (6 = 4 + 2), each a butterfly tree, folded from the smallest up:
@@ -139,18 +141,10 @@ def gloo_tree_reduce_scatter(n: int) -> Schedule:
     """
     if n < 1:
         raise ArgumentError(f"gloo_tree_reduce_scatter: needs at least one rank, got {n}")
-    blocks, start = [], 0
-    for bit in reversed(range(n.bit_length())):
-        if n >> bit & 1:
-            blocks.append(range(start, start + (1 << bit)))
-            start += 1 << bit
+    tree = gloo_tree(n)
     plans = [_TreeFold(r) for r in range(n)]
     for fold in plans:
-        roots = [fold.tree(block) for block in blocks]
-        acc = roots[-1]
-        for root in reversed(roots[:-1]):
-            acc = fold.add(root, acc)
-        fold.root = acc
+        fold.root = fold.sum(tree)
     b = ScheduleBuilder(
         "reduce_scatter", num_ranks=n, chunks_per_period=1, scratch_chunks=max(p.scratch for p in plans)
     )
@@ -173,11 +167,25 @@ class _TreeFold:
     def leaf(self, s: int) -> tuple:
         return ("own",) if s == self.r else ("remote", s)
 
-    def tree(self, ranks: range) -> tuple:
-        level = [self.leaf(s) for s in ranks]
-        while len(level) > 1:
-            level = [self.add(a, b) for a, b in zip(level[::2], level[1::2])]
-        return level[0]
+    def sum(self, tree: GlooTree) -> tuple:
+        """The additions of ``tree`` (:func:`~jaxccl.schedule.reduction.gloo_tree`) in gloo's order.
+
+        A node whose halves have equal sizes is one of gloo's blocks (a butterfly tree): its
+        additions go level by level, as gloo's rounds do. Any other node is the fold of blocks:
+        its left block, then the rest, then their sum.
+        """
+        if isinstance(tree, int):
+            return self.leaf(tree)
+        left, right = tree
+        if _size(left) != _size(right):
+            return self.add(self.sum(left), self.sum(right))
+        levels = [[tree]]
+        while not isinstance(levels[-1][0], int):
+            levels.append([half for node in levels[-1] for half in node])
+        terms = [self.leaf(s) for s in levels.pop()]
+        for _ in levels:
+            terms = [self.add(a, b) for a, b in zip(terms[::2], terms[1::2])]
+        return terms[0]
 
     def add(self, a: tuple, b: tuple) -> tuple:
         if b[0] == "slot" and a[0] != "slot":
@@ -224,3 +232,8 @@ class _TreeFold:
                 last[slot] = b.reduce(r, (I, r), dst, after=after)
             else:
                 last[slot] = b.reduce(r, where[term[1]], dst, after=[*after, last[term[1]]])
+
+
+def _size(tree: GlooTree) -> int:
+    """The number of ranks (leaves) of ``tree``."""
+    return 1 if isinstance(tree, int) else _size(tree[0]) + _size(tree[1])

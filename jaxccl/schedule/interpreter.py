@@ -23,7 +23,10 @@ that it
    every output chunk must equal the collective's definition (for reductions:
    exactly one leaf per rank; with ``ordered_reduction`` the term must be the
    ascending left fold ``((x0 + x1) + x2) + ...`` up to commutativity of each
-   addition). The proof is the operator's too: a reduction is a property of
+   addition; with ``info["fold"] == "gloo_tree"`` it must be gloo's tree,
+   :func:`jaxccl.schedule.reduction.gloo_tree`, what XLA:CPU's reductions across
+   processes compute, e.g. ``((x0 + x1) + (x2 + x3)) + (x4 + x5)`` for 6
+   ranks, again up to commutativity). The proof is the operator's too: a reduction is a property of
    the call (sum, max or min, :mod:`jaxccl.schedule.reduction`), so a schedule
    that folds in rank order computes ``jax.lax``'s max and min as well; the
    values of one step per dtype are :func:`jaxccl.schedule.reduction.step`'s,
@@ -64,7 +67,7 @@ from typing import NamedTuple
 
 from jaxccl.errors import ArgumentError, ScheduleError
 from jaxccl.schedule.ir import Buffer, Collective, OpKind, Schedule, chunk_bounds, period_elements
-from jaxccl.schedule.reduction import ReduceOp, finish, step
+from jaxccl.schedule.reduction import ReduceOp, finish, gloo_tree, step
 
 DEFAULT_NUM_SLOTS = 8
 _MAX_REPORTED = 12
@@ -269,6 +272,7 @@ class _Interpreter:
         if ordered is None:
             ordered = bool(schedule.info.get("ordered_reduction", False))
         self.ordered = bool(ordered) and schedule.collective.reduces
+        self.gloo_tree = schedule.info.get("fold") == "gloo_tree" and schedule.collective.reduces
         self.record = record
         self.n = schedule.num_ranks
         self.period = schedule.chunks_per_period
@@ -819,6 +823,20 @@ class _Interpreter:
                 folds[j] = f
             return f
 
+        shape = gloo_tree(n) if self.gloo_tree else None
+        trees: dict[int, int] = {}
+
+        def tree(j: int) -> int:
+            """The term of gloo's tree over input chunk ``j`` of every rank."""
+
+            def term(t) -> int:
+                return t * ic + j if isinstance(t, int) else self.add(term(t[0]), term(t[1]))
+
+            f = trees.get(j)
+            if f is None:
+                f = trees[j] = term(shape)
+            return f
+
         for r in range(n):
             out = mem[r][Buffer.OUTPUT]
             for x in range(self.sizes[1]):
@@ -835,6 +853,11 @@ class _Interpreter:
                         _fail(
                             f"{where}: the reduction does not sum in ascending rank order "
                             f"((x0 + x1) + x2) + ... as ordered_reduction requires"
+                        )
+                    if self.gloo_tree and v != tree(j):
+                        _fail(
+                            f"{where}: the reduction does not sum in gloo's tree order {_tree_text(shape)} as "
+                            f'info["fold"] == "gloo_tree" requires'
                         )
                     continue
                 if v != want:
@@ -857,3 +880,15 @@ class _Interpreter:
                 _fail(f"{where}: expected {want}, got {self._describe(v)} (input chunk {chunk} of rank {rank})")
             seen.add(rank)
         verified.add((v, j))
+
+
+def _tree_text(tree, limit: int = 8) -> str:
+    """``tree`` (:func:`~jaxccl.schedule.reduction.gloo_tree`) as a sum, e.g. ``(x0 + x1) + x2``; large ones cut."""
+    if isinstance(tree, int):
+        return f"x{tree}"
+
+    def text(t) -> str:
+        return f"x{t}" if isinstance(t, int) else f"({text(t[0])} + {text(t[1])})"
+
+    out = f"{text(tree[0])} + {text(tree[1])}"
+    return out if len(out) <= 12 * limit else out[: 12 * limit] + " ..."

@@ -35,7 +35,9 @@ Across processes XLA:CPU's reductions are gloo's instead (every device is a gloo
 the collective's axes in mesh order): a ring all-reduce whose chunk ``c`` folds the ranks
 downwards from ``c - 1``, ``x_c + (x_(c+1) + (... + (x_(c-2) + x_(c-1))))`` (indices mod N), on
 chunks of :func:`gloo_ring_chunk` elements; a schedule with that order
-(:func:`jaxccl.runtime.default_schedules.gloo_ring_allreduce`) gives gloo's sums. Three
+(:func:`jaxccl.runtime.default_schedules.gloo_ring_allreduce`) gives gloo's sums. A reduce-scatter
+across processes is gloo's halving-doubling instead, whose every element is one tree over the
+ranks, :func:`gloo_tree` (``info["fold"] == "gloo_tree"``, proven by the reference interpreter). Three
 differences remain: gloo's fold has no identity (a sum of negative zeros stays ``-0``, this rule
 makes it ``+0``), its float16 addition drops the incoming partial sum where its ``float16``
 comparison mistakes bits for an integer (large values only), and its NaN choice is the hardware's.
@@ -63,7 +65,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ReduceOp", "finish", "gloo_ring_chunk", "reduce_terms", "step", "supports", "wire_dtype"]
+from jaxccl.errors import ArgumentError
+
+__all__ = ["ReduceOp", "finish", "gloo_ring_chunk", "gloo_tree", "reduce_terms", "step", "supports", "wire_dtype"]
 
 GLOO_MAX_SEGMENT_BYTES = 1 << 20  # gloo::AllreduceOptions' default maxSegmentSize, which XLA:CPU keeps
 
@@ -143,6 +147,44 @@ def gloo_ring_chunk(elems: int, itemsize: int, ranks: int) -> int:
     segments = ceil_div(max(ceil_div(total, max_segment), 2 * ranks), ranks) * ranks
     segment_elems = ceil_div(ceil_div(total, segments), itemsize)
     return segments // ranks * segment_elems
+
+
+GlooTree = Any  # a rank (a leaf, int) or a pair (left, right) of trees: the sum left + right
+
+
+def gloo_tree(n: int) -> GlooTree:
+    """The order of gloo's halving-doubling sums (XLA:CPU's reduce-scatter across processes) over ``n`` ranks.
+
+    A binary tree as nested pairs: a leaf is a rank (``int``), a node ``(left, right)`` the sum
+    ``left + right`` (sums commute bit for bit: only the shape matters). Every element of every
+    shard is summed along this one tree, whatever the chunk size. For a power of two it is the
+    butterfly tree, lowest bit first: ``(x0 + x1) + (x2 + x3)`` for 4 ranks. Other counts split
+    into gloo's binary blocks, largest first (6 = 4 + 2), each a butterfly tree, folded from the
+    smallest up: ``T(block 0) + (T(block 1) + (... + T(block k)))`` (measured against XLA at 3 and
+    6 ranks). :func:`jaxccl.runtime.default_schedules.gloo_tree_reduce_scatter` and
+    :func:`jaxccl.synth.tree_reduce_scatter.tree_reduce_scatter` sum along it; the reference
+    interpreter proves it of every schedule with ``info["fold"] == "gloo_tree"``.
+
+    >>> gloo_tree(8)
+    (((0, 1), (2, 3)), ((4, 5), (6, 7)))
+    >>> gloo_tree(6), gloo_tree(7), gloo_tree(3), gloo_tree(1)
+    ((((0, 1), (2, 3)), (4, 5)), (((0, 1), (2, 3)), ((4, 5), 6)), ((0, 1), 2), 0)
+    """
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ArgumentError(f"gloo_tree: needs at least one rank, got {n!r}")
+    blocks: list[GlooTree] = []
+    start = 0
+    for bit in reversed(range(n.bit_length())):
+        if n >> bit & 1:
+            level: list[GlooTree] = list(range(start, start + (1 << bit)))
+            while len(level) > 1:  # the butterfly: neighbours first, then pairs of pairs
+                level = [(a, b) for a, b in zip(level[::2], level[1::2])]
+            blocks.append(level[0])
+            start += 1 << bit
+    tree = blocks[-1]
+    for block in reversed(blocks[:-1]):
+        tree = (block, tree)
+    return tree
 
 
 def step(op: ReduceOp, acc: Any, x: Any, xp: Any = np) -> Any:

@@ -205,6 +205,8 @@ def test_netns_demo_detects_the_cut_and_swaps(tmp_path):
     # asserted here: on this machine it was 2 steps in two runs and 7 in a third (see docs/guides/multiprocess.md).
     assert r["detector"] == "cusum" and r["steps_to_active"] is not None, r["events"]
     assert len({tuple(p["versions"]) for p in r["per_process"]}) == 1  # every process swapped at the same step
+    assert len({tuple(p["rs_versions"]) for p in r["per_process"]}) == 1  # the ReduceScatter's swaps too
+    assert r["reduce_scatter"]["healthy"] == "tree_reduce_scatter"
     assert r["ab_stale"] and r["ab_recovered"]
     assert png.stat().st_size > 10_000
     prefix = r["lab_prefix"]
@@ -227,4 +229,6 @@ def test_netns_demo_with_four_groups_per_nic_swaps_every_group(tmp_path):
     u, v = r["failed_link"].split("->")
     assert confirmed and {f"{u}->{v}", f"{v}->{u}"} & set(confirmed[0]["detail"]["degraded"]), r["events"]
     assert len({tuple(p["versions"]) for p in r["per_process"]}) == 1
+    assert len({tuple(p["rs_versions"]) for p in r["per_process"]}) == 1
+    assert r["reduce_scatter"]["swapped"], r["events"]  # the gradients' ReduceScatter re-routed too (gloo's tree)
     assert len(r["ab_step_stale_ms"]) == len(r["ab_step_recovered_ms"]) == r["config"]["ab_runs"]

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 import jaxccl
 from jaxccl.control import Controller, managed_collectives, ordered_reduce_scatter, predicted_algbw
 from jaxccl.errors import ScheduleError, SynthesisError, TopologyError
+from jaxccl.runtime.default_schedules import gloo_tree_reduce_scatter
 from jaxccl.runtime.emulated import LinkEmulation
 from jaxccl.synth import baselines
 from jaxccl.topology import fat_tree, rail, ring, single_node
@@ -181,6 +182,57 @@ def test_a_reduction_that_changes_the_sum_order_is_never_staged():
     assert "synthesized" in kinds and "rejected" in kinds and "staged" not in kinds, kinds
     rejected = next(e for e in ctl.events if e.kind == "rejected")
     assert "order" in rejected.detail["reason"]
+    assert comm.schedule("reduce_scatter") is running
+
+
+def _psum_scatter_alone(lib):
+    body = lambda g: lib.psum_scatter(g, "d", scatter_dimension=0, tiled=True)  # noqa: E731
+    return jax.jit(jax.shard_map(body, mesh=Mesh(np.array(jax.devices()), ("d",)), in_specs=P("d"), out_specs=P("d")))
+
+
+def _step_with_all_gather(comm, ctl):
+    """FSDP steps (the AllGather's messages are what the emulated meter measures), a NIC degraded after HEALTHY."""
+    step = jax.jit(_fsdp_body(jaxccl))
+    with comm:
+        for k in range(HEALTHY + 11):
+            if k == HEALTHY:
+                comm.inject(FAILED)
+            jax.block_until_ready(step(*_inputs(k)))
+            ctl.step()
+
+
+def test_a_reduce_scatter_in_gloo_tree_order_is_resynthesized_in_that_order():
+    # Across processes jax.lax sums a ReduceScatter in gloo's tree and so does the running schedule
+    # (info["fold"]): the loop re-routes it with tree_reduce_scatter, whose sums are the same bits.
+    _, comm = _comm()
+    comm.install("reduce_scatter", gloo_tree_reduce_scatter(8))
+    ours, ascending = _psum_scatter_alone(jaxccl), _psum_scatter_alone(jax.lax)
+    grads, _ = _inputs(7)
+    with comm:
+        before = np.asarray(ours(grads))
+    ctl = Controller(comm, collectives=("reduce_scatter",), gamma=0.15)
+    _step_with_all_gather(comm, ctl)
+    assert "activated" in _kinds(ctl, "reduce_scatter"), ctl.events
+    new = comm.schedule("reduce_scatter")
+    assert new.name == "tree_reduce_scatter" and new.info["fold"] == "gloo_tree"
+    assert predicted_algbw(new, FAILED) > predicted_algbw(gloo_tree_reduce_scatter(8), FAILED)
+    with comm:
+        after = np.asarray(ours(grads))
+    np.testing.assert_array_equal(after, before)
+    assert not np.array_equal(after, np.asarray(ascending(grads)))  # gloo's bits, not one process's order
+    assert not ctl.errors
+
+
+def test_a_rank_ordered_reduce_scatter_never_replaces_one_in_gloo_tree_order():
+    _, comm = _comm()
+    comm.install("reduce_scatter", gloo_tree_reduce_scatter(8))
+    running = comm.schedule("reduce_scatter")
+    synthesizers = {"reduce_scatter": lambda topo, previous: ordered_reduce_scatter(topo)}
+    ctl = Controller(comm, collectives=("reduce_scatter",), gamma=0.15, synthesizers=synthesizers)
+    _step_with_all_gather(comm, ctl)
+    rejected = [e for e in ctl.events if e.kind == "rejected"]
+    assert rejected and "gloo_tree" in rejected[0].detail["reason"], ctl.events
+    assert "staged" not in _kinds(ctl, "reduce_scatter")
     assert comm.schedule("reduce_scatter") is running
 
 
