@@ -62,6 +62,18 @@ class Action:
     after: tuple[int, ...] = ()
 
 
+class ScratchCopies:
+    """Hands out one chunk's scratch locations: ``scratch(rank)`` is a fresh ``("s", rank, visit)``."""
+
+    def __init__(self) -> None:
+        self._visits: dict[int, int] = {}
+
+    def __call__(self, rank: int) -> tuple[str, int, int]:
+        v = self._visits.get(rank, 0)
+        self._visits[rank] = v + 1
+        return ("s", rank, v)
+
+
 def routes_from(topo: Any, g: int, root: int) -> list[tuple[int, ...]]:
     """The routes of a finished sum from ``g`` to ``root``: direct, or through one GPU of the root's host.
 

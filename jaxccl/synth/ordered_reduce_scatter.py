@@ -48,7 +48,15 @@ from collections.abc import Iterator
 from typing import Any
 
 from jaxccl.schedule.ir import Schedule
-from jaxccl.synth.fold_routing import DEFAULT_MAX_CHUNKS, EXHAUSTIVE, Action, predicted_algbw, routes_from, synthesize
+from jaxccl.synth.fold_routing import (
+    DEFAULT_MAX_CHUNKS,
+    EXHAUSTIVE,
+    Action,
+    ScratchCopies,
+    predicted_algbw,
+    routes_from,
+    synthesize,
+)
 
 __all__ = ["DEFAULT_MAX_CHUNKS", "ordered_reduce_scatter", "predicted_algbw"]
 
@@ -72,12 +80,7 @@ def _fold(runs: list[tuple[int, list[int]]], folders: tuple[int, ...], final: tu
     (its GPUs after the folder; empty when the folder is the root).
     """
     acts: list[Action] = []
-    visits: dict[int, int] = {}
-
-    def scratch(rank: int) -> tuple[str, int, int]:
-        v = visits.get(rank, 0)
-        visits[rank] = v + 1
-        return ("s", rank, v)
+    scratch = ScratchCopies()
 
     where, at, idx = None, None, None  # the running sum: its location, rank and producing action
     for (_, ranks), g in zip(runs, folders):

@@ -68,6 +68,7 @@ from jaxccl.synth.fold_routing import (
     DEFAULT_MAX_CHUNKS,
     EXHAUSTIVE,
     Action,
+    ScratchCopies,
     check_arguments,
     predicted_algbw,
     routes_from,
@@ -110,12 +111,7 @@ def _fold(n: int, adds: list[tuple[int, int]], at: list[int], final: tuple[int, 
     GPUs after it; empty when the sum is computed at the owner).
     """
     acts: list[Action] = []
-    visits: dict[int, int] = {}
-
-    def scratch(rank: int) -> tuple[str, int, int]:
-        v = visits.get(rank, 0)
-        visits[rank] = v + 1
-        return ("s", rank, v)
+    scratch = ScratchCopies()
 
     where: list[tuple[Any, int | None]] = [("in", None)] * n  # every term: its location and producing action
     for k, (left, right) in enumerate(adds):
@@ -184,24 +180,12 @@ def tree_reduce_scatter(
 ) -> Schedule:
     """A ReduceScatter for ``topo`` in gloo's tree order (XLA:CPU's across processes), balanced over NICs.
 
-    Args:
-        topo: the topology (as measured: degraded links have their measured capacity).
-        previous: the running schedule; unused (the greedy routing takes
-            milliseconds, so there is nothing to warm-start), accepted so the
-            controller can call every synthesizer the same way.
-        max_chunks: the most sub-chunks per block tried; the count with the
-            highest predicted algbw wins (the smallest on ties).
-
-    Returns:
-        A validated ``REDUCE_SCATTER`` schedule with ``info["fold"] == "gloo_tree"``
-        (every output proven to be :func:`~jaxccl.schedule.reduction.gloo_tree`'s
-        sum), its predicted ``algbw`` on ``topo`` (bytes/s, the nccl-tests
-        convention), ``info["chunk_loads"]`` (the chunks per period on each link)
-        and ``info["synth_ms"]``.
-
-    Raises:
-        TopologyError: fewer than 2 GPUs.
-        SynthesisError: ``max_chunks`` is not an integer >= 1.
+    Takes the arguments of :func:`~jaxccl.synth.ordered_reduce_scatter.ordered_reduce_scatter` (the
+    measured topology, the running schedule, which is unused, and ``max_chunks``) and raises its
+    errors. Returns a validated ``REDUCE_SCATTER`` schedule with ``info["fold"] == "gloo_tree"``
+    (every output proven to be :func:`~jaxccl.schedule.reduction.gloo_tree`'s sum), its predicted
+    ``algbw`` on ``topo`` (bytes/s, the nccl-tests convention), ``info["chunk_loads"]`` (the chunks
+    per period on each link) and ``info["synth_ms"]``.
     """
     del previous
     check_arguments("tree_reduce_scatter", topo, max_chunks)
