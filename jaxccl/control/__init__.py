@@ -4,6 +4,7 @@ from jaxccl.control.algorithm1 import CheckResult, ScheduleProfile, check, nomin
 from jaxccl.control.controller import DETECTORS, REDUCTIONS, Controller, Event, managed_collectives, measured_topology
 from jaxccl.control.detector import Change, ChangeDetector, cusum_threshold
 from jaxccl.synth.ordered_reduce_scatter import ordered_reduce_scatter, predicted_algbw
+from jaxccl.synth.tree_reduce_scatter import tree_reduce_scatter
 
 __all__ = [
     "DETECTORS",
@@ -22,4 +23,5 @@ __all__ = [
     "ordered_reduce_scatter",
     "predicted_algbw",
     "profile",
+    "tree_reduce_scatter",
 ]
