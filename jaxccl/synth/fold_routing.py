@@ -34,6 +34,7 @@ __all__ = [
     "emit",
     "plan",
     "predicted_algbw",
+    "relay",
     "routes_from",
     "synthesize",
 ]
@@ -72,6 +73,17 @@ class ScratchCopies:
         v = self._visits.get(rank, 0)
         self._visits[rank] = v + 1
         return ("s", rank, v)
+
+
+def relay(acts: list[Action], hops: tuple[int, ...], src: Any, idx: int | None, scratch: ScratchCopies) -> None:
+    """Appends the transfers of a finished sum at ``src`` on ``hops[0]`` (made by action ``idx``) along ``hops``.
+
+    Every hop but the last receives into a scratch copy; the last, the owner, into its output.
+    """
+    for x, y in zip(hops[:-1], hops[1:]):
+        dst = "out" if y == hops[-1] else scratch(y)
+        acts.append(Action(x, y, src, dst, None, (idx,)))
+        src, idx = dst, len(acts) - 1
 
 
 def routes_from(topo: Any, g: int, root: int) -> list[tuple[int, ...]]:

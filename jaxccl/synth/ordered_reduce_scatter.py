@@ -54,6 +54,7 @@ from jaxccl.synth.fold_routing import (
     Action,
     ScratchCopies,
     predicted_algbw,
+    relay,
     routes_from,
     synthesize,
 )
@@ -73,11 +74,11 @@ def _runs(topo: Any) -> list[tuple[int, list[int]]]:
     return out
 
 
-def _fold(runs: list[tuple[int, list[int]]], folders: tuple[int, ...], final: tuple[int, ...], root: int):
+def _fold(runs: list[tuple[int, list[int]]], folders: tuple[int, ...], final: tuple[int, ...]):
     """The actions of one chunk: each run's blocks sent to its folder, folded there in rank order, passed on.
 
-    ``final`` is the route of the sum from the last folder to ``root``
-    (its GPUs after the folder; empty when the folder is the root).
+    ``final`` is the route of the sum from the last folder to the chunk's owner
+    (its GPUs after the folder, ending at the owner; empty when the folder is the owner).
     """
     acts: list[Action] = []
     scratch = ScratchCopies()
@@ -115,10 +116,7 @@ def _fold(runs: list[tuple[int, list[int]]], folders: tuple[int, ...], final: tu
         else:
             acts.append(Action(at, at, where, "out", None, (idx,)))
         return acts
-    for x, y in zip(hops[:-1], hops[1:]):
-        dst = "out" if y == root and y == hops[-1] else scratch(y)
-        acts.append(Action(x, y, where, dst, None, (idx,)))
-        where, idx = dst, len(acts) - 1
+    relay(acts, hops, where, idx, scratch)
     return acts
 
 
@@ -188,7 +186,7 @@ def ordered_reduce_scatter(
     runs = _runs(topo)
 
     def folds_of(root: int) -> list[list[Action]]:
-        return [_fold(runs, folders, route, root) for folders, route in _options(topo, runs, root, EXHAUSTIVE)]
+        return [_fold(runs, folders, route) for folders, route in _options(topo, runs, root, EXHAUSTIVE)]
 
     info = {"algorithm": "ordered_fold", "ordered_reduction": True}
     schedule = synthesize(topo, "ordered_reduce_scatter", folds_of, info, max_chunks)

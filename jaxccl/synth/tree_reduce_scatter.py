@@ -71,6 +71,7 @@ from jaxccl.synth.fold_routing import (
     ScratchCopies,
     check_arguments,
     predicted_algbw,
+    relay,
     routes_from,
     synthesize,
 )
@@ -128,12 +129,7 @@ def _fold(n: int, adds: list[tuple[int, int]], at: list[int], final: tuple[int, 
         after = tuple(i for i in (moved_by, held_by) if i is not None)
         acts.append(Action(at[other], g, moved, dst, held, after))
         where.append((dst, len(acts) - 1))
-    hops = (at[-1], *final)
-    src, idx = where[-1]
-    for x, y in zip(hops[:-1], hops[1:]):
-        dst = "out" if y == hops[-1] else scratch(y)
-        acts.append(Action(x, y, src, dst, None, (idx,)))
-        src, idx = dst, len(acts) - 1
+    relay(acts, (at[-1], *final), *where[-1], scratch)
     return acts
 
 
