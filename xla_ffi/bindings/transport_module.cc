@@ -16,13 +16,13 @@
 #include <cstdlib>
 #include <map>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
 
 #include "transport/transport.h"
 #include "transport/proxy.h"
+#include "transport/ucx_settings.h"
 
 namespace nb = nanobind;
 
@@ -130,8 +130,7 @@ std::string UcxVersion() { return ucp_get_version_string(); }
 
 // The transports UCX would choose from here, as "transport/device" (e.g. "tcp/eth0", "posix/memory"): the
 // resources of a UCP context opened as the transport opens its own (tag matching, this process's UCX_*
-// variables, e.g. UCX_TLS). ucp_context_print_info writes them as "#  resource N : md M dev D flags F --
-// tl/dev"; UCX has no structured query for them. `options` are UCX variables without "UCX_", as for Transport.
+// variables, e.g. UCX_TLS). `options` are UCX variables without "UCX_", as for Transport.
 std::vector<std::string> UcxTransports(const std::map<std::string, std::string>& options) {
   ucp_config_t* config = nullptr;
   ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
@@ -150,26 +149,8 @@ std::vector<std::string> UcxTransports(const std::map<std::string, std::string>&
   st = ucp_init(&params, config, &context);
   ucp_config_release(config);
   if (st != UCS_OK) throw std::runtime_error(std::string("ucp_init: ") + ucs_status_string(st));
-  char* text = nullptr;
-  size_t size = 0;
-  FILE* stream = open_memstream(&text, &size);
-  if (stream == nullptr) {
-    ucp_cleanup(context);
-    throw std::runtime_error("open_memstream failed");
-  }
-  ucp_context_print_info(context, stream);
-  std::fclose(stream);
+  std::vector<std::string> transports = UcxContextTransports(context);
   ucp_cleanup(context);
-  std::vector<std::string> transports;
-  std::istringstream lines(std::string(text, size));
-  std::free(text);
-  for (std::string line; std::getline(lines, line);) {
-    size_t arrow = line.rfind(" -- ");
-    if (line.find("resource") == std::string::npos || arrow == std::string::npos) continue;
-    std::string tl = line.substr(arrow + 4);
-    tl.erase(tl.find_last_not_of(" \t\r") + 1);
-    if (!tl.empty()) transports.push_back(tl);
-  }
   return transports;
 }
 
@@ -186,6 +167,7 @@ NB_MODULE(_transport, m) {
   m.def("ucx_transports", &jaxccl::UcxTransports, nb::arg("options"));
   m.attr("TRANSPORT_VERSION") = jaxccl::kTransportVersion;
   m.attr("TAG_BITS") = jaxccl::kTransportTagBits;
+  m.attr("TCP_PIECE_BYTES") = jaxccl::kUcxTcpPieceBytes;
   nb::class_<PyTransport>(m, "Transport")
       .def(nb::init<const std::string&, int32_t, int32_t, const std::map<std::string, std::string>&>(),
            nb::arg("name"), nb::arg("process_id"), nb::arg("num_processes"), nb::arg("options"))

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
@@ -36,6 +37,28 @@ ffi::ErrorOr<T> ErrorResult(ffi::Error e) {
 
 // Formats a duration in seconds the way error messages print it ("60 s", "0.25 s").
 inline std::string Seconds(double s) { return StrCat(s, " s"); }
+
+// A wait loop's pause between two looks at what it waits for: `yields` yields first (what it waits for usually
+// comes from a thread that runs as soon as this one lets it), then sleeps of `sleep` each (the other threads, and
+// processes on the same cores, run). Reset() after progress starts over with yields.
+class Backoff {
+ public:
+  Backoff(int yields, std::chrono::microseconds sleep) : yields_(yields), sleep_(sleep) {}
+  void Pause() {
+    if (spins_ < yields_) {
+      ++spins_;
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(sleep_);
+    }
+  }
+  void Reset() { spins_ = 0; }
+
+ private:
+  int yields_;
+  std::chrono::microseconds sleep_;
+  int spins_ = 0;
+};
 
 }  // namespace jaxccl
 

@@ -116,16 +116,7 @@ void RecordError(const HostRegion& me, int32_t code, int32_t tb, int32_t op) {
 bool Failed(const HostRegion& me) { return me.error()->load(std::memory_order_acquire) != kProtocolOk; }
 
 // The kernel's bounded back-off (__nanosleep there): yields first, then short sleeps.
-struct Backoff {
-  int spins = 0;
-  void Wait() {
-    if (++spins < 32) {
-      std::this_thread::yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
-  }
-};
+Backoff KernelBackoff() { return Backoff(32, std::chrono::microseconds(50)); }
 
 // One local rank's launch, as KernelArgs (kernels/interpreter.cuh) carries it.
 struct HostKernel {
@@ -158,7 +149,7 @@ void RunThreadblock(const HostKernel& a, int32_t t) {
   int32_t first = 0;
   for (;;) {
     int32_t v = kNoneReady;
-    for (Backoff backoff;; backoff.Wait()) {
+    for (Backoff backoff = KernelBackoff();; backoff.Pause()) {
       v = NextReadyUnit(p, tb, a.tiles, &first, probe);
       if (v != kNoneReady) break;
       if (Failed(me)) {
@@ -212,7 +203,8 @@ void RunThreadblock(const HostKernel& a, int32_t t) {
       const int32_t last = LastMessageOfSlot(s, total, num_slots);
       if (last < 0) break;
       const std::atomic<uint64_t>& flag = me.consumed()[a.layout.cell(tb.send_conn, s)];
-      for (Backoff backoff; flag.load(std::memory_order_acquire) < Tag(a.epoch, last + 1); backoff.Wait()) {
+      for (Backoff backoff = KernelBackoff(); flag.load(std::memory_order_acquire) < Tag(a.epoch, last + 1);
+           backoff.Pause()) {
         if (Failed(me)) break;
         if (NowNs() > deadline) {
           RecordError(me, kTimeoutDrain, t, tb.num_ops);

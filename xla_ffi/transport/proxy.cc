@@ -641,7 +641,7 @@ bool Proxy::ProgressSends(bool* progress) {
 void Proxy::Run() {
   const RegionLayout& layout = v_->layout;
   const uint64_t epoch = v_->epoch;
-  int idle = 0;
+  Backoff idle(64, std::chrono::microseconds(20));
   int64_t posted_seen = 0;
   while (true) {
     if (l_->Aborted()) {
@@ -718,11 +718,9 @@ void Proxy::Run() {
       break;
     }
     if (progress) {
-      idle = 0;
-    } else if (++idle < 64) {
-      std::this_thread::yield();
+      idle.Reset();
     } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      idle.Pause();
     }
   }
   {

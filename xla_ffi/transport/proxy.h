@@ -19,7 +19,8 @@
 //   * a message of at least kInPlaceMinBytes that may land in place (shared_sends.h) travels with its trailer
 //     apart, and is received straight into the receiver's output, where its op would have copied it, when the
 //     transport can always end that receive (Transport::EndableInFlight: over shared memory, where the receiver
-//     reads the sender's memory itself). When such a launch fails, the proxy ends those receives before the
+//     reads the sender's memory itself; over TCP, where the message travels in pieces of one eager fragment
+//     each). When such a launch fails, the proxy ends those receives before the
 //     launch returns: it cancels them and makes progress until each completed (Transport::Drain), so that
 //     nothing writes into memory XLA may free; one still in flight after kInPlaceDrainSeconds (which the
 //     transport says does not happen) has its sender's connection closed (Transport::Disconnect). Every other

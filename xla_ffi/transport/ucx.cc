@@ -6,6 +6,9 @@
 //     (posix/sysv and cma: one copy, against two over loopback TCP and its kernel work), and the transport
 //     watches the peer process itself through a pidfd; its exit fails the requests on it as a peer failure does.
 // Every published address starts with the publisher's HostIdentity, which is how a peer tells the two apart.
+// Over TCP (a context whose only network transport is tcp, and no UCX variable that moves its protocol choice)
+// a message travels in pieces of one eager fragment each (kTcpPieceBytes), so that a receive UCX matched has
+// also completed: nothing writes into a receive's buffer after it was cancelled.
 //
 // Tags: the source process in the high 16 bits, the caller's 48-bit tag below, so a receive matches
 // exactly one (peer, tag). All UCP calls of a transport run under one mutex; a waiting thread
@@ -25,16 +28,20 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <sstream>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "transport/transport.h"
+#include "transport/ucx_settings.h"
 
 namespace jaxccl {
 namespace {
@@ -48,6 +55,26 @@ constexpr int kExitGraceMs = 200;
 // From this size UCX 1.22 sends a message over shared memory by rendezvous only (UCX_PROTO_INFO=y: multi-fragment
 // eager ends below 256 KiB), unless UCX_RNDV_THRESH moves the switch.
 constexpr size_t kSharedMemoryRendezvousBytes = 256 << 10;
+// Over TCP a message travels in pieces (pieced_, per peer): bytes / kTcpPieceBytes pieces of kTcpPieceBytes, then a
+// last, shorter one (possibly empty), each a tagged message with the message's tag; UCX matches one sender's
+// messages of one tag in the order they were sent, and the receiver posts the pieces in that order. With
+// kTcpPieceSettings every piece is one eager fragment (UCX 1.22, UCX_PROTO_INFO=y: "eager zero-copy copy-out" up
+// to 131064 bytes; tests/distributed/test_multiprocess_native.py pins it), which UCX matches and writes in one step:
+// a piece's receive is unmatched, and a cancel ends it at once, or complete. A whole large message is a
+// rendezvous whose fragments the sender pushes and UCX matches by the receive's id, which nothing ends while the
+// sender hangs (EndableInFlight). Pieces cost no more over TCP than whole messages, less up to a few MiB
+// (benchmarks/multiprocess/tcp_pieces.py).
+constexpr size_t kTcpPieceBytes = kUcxTcpPieceBytes;
+constexpr std::pair<const char*, const char*> kTcpPieceSettings[] = {{"TCP_TX_SEG_SIZE", "64k"},
+                                                                      {"TCP_RX_SEG_SIZE", "128k"}};
+// UCX variables that move its choice of protocol: with any set (environment or options) messages travel whole.
+constexpr const char* kProtocolVariables[] = {"RNDV_THRESH",  "RNDV_SCHEME",     "ZCOPY_THRESH",   "BCOPY_THRESH",
+                                              "PROTO_ENABLE", "TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"};
+// UCX transports that never leave the machine: next to them, a context whose every other transport is tcp sends
+// over the network by TCP only.
+constexpr const char* kLocalTransports[] = {"self",     "posix",    "sysv",      "cma",       "knem",
+                                            "xpmem",    "cuda_copy", "cuda_ipc", "gdr_copy",  "rocm_copy",
+                                            "rocm_ipc", "rocm_gdr", "ze_copy",   "ze_ipc"};
 
 // What precedes the worker address in a published address: where the publisher runs.
 struct HostIdentity {
@@ -55,8 +82,10 @@ struct HostIdentity {
   char boot_id[40] = {};  // /proc/sys/kernel/random/boot_id: the machine's current boot
   uint64_t pid_ns_dev = 0, pid_ns_ino = 0;  // /proc/self/ns/pid: process ids mean the same in both processes
   int64_t pid = 0;
+  uint32_t pieces = 0;  // 1: the publisher sends to peers over TCP in pieces (kTcpPieceBytes)
+  uint32_t reserved = 0;
 };
-constexpr uint64_t kAddressMagic = 0x4A43434C55435832ull;  // "JCCLUCX2"
+constexpr uint64_t kAddressMagic = 0x4A43434C55435833ull;  // "JCCLUCX3"
 
 HostIdentity ThisHost() {
   HostIdentity h;
@@ -79,6 +108,27 @@ bool SameHost(const HostIdentity& a, const HostIdentity& b) {
          a.pid_ns_dev == b.pid_ns_dev && a.pid_ns_ino == b.pid_ns_ino;
 }
 
+// Whether the UCX variable `variable` (without "UCX_") is set, in the environment or in `options`.
+bool Configured(const TransportOptions& options, const char* variable) {
+  if (std::getenv(StrCat("UCX_", variable).c_str()) != nullptr) return true;
+  return std::any_of(options.begin(), options.end(), [&](const auto& option) { return option.first == variable; });
+}
+
+// Whether a context with `transports` ("tl/dev") reaches other machines by TCP alone: it has tcp, and every other
+// transport stays on the machine.
+bool NetworkIsTcpOnly(const std::vector<std::string>& transports) {
+  bool tcp = false;
+  for (const std::string& entry : transports) {
+    const std::string tl = entry.substr(0, entry.find('/'));
+    if (tl == "tcp") {
+      tcp = true;
+    } else if (std::find(std::begin(kLocalTransports), std::end(kLocalTransports), tl) == std::end(kLocalTransports)) {
+      return false;
+    }
+  }
+  return tcp;
+}
+
 // A descriptor that becomes readable when process `pid` exits (-1: not available, errno says why).
 int OpenPidfd(int64_t pid) {
 #ifdef SYS_pidfd_open
@@ -96,26 +146,72 @@ struct UcxRequestState {
   int64_t done_ns = 0;
 };
 
-struct UcxRequest {
+// One tagged message of UCX: a request's whole message, or one of its pieces over TCP.
+struct UcxPiece {
   UcxRequestState state;
   void* ucp_request = nullptr;  // null when UCP completed it inline
+  size_t bytes = 0;             // posted: what it sends, or at most receives
+  bool cancelled = false;       // asked UCX to cancel it
+  ucp_dt_iov_t iov[2] = {};     // a send that spans the message and its trailer: UCP reads it until it completes
+  ucp_tag_recv_info_t recv_info = {};  // a receive that completes inline: what arrived
+};
+
+struct UcxRequest {
+  std::vector<UcxPiece> pieces;  // sized before the first is posted: UCP keeps pointers to their states
   int32_t peer = 0;
   bool is_send = false;
   size_t posted_bytes = 0;
   int64_t post_ns = 0;
-  bool cancelled = false;    // Drain asked UCX to cancel it
-  ucp_dt_iov_t iov[2] = {};  // a send with a trailer: UCP reads the vector until the request completes
-  ucp_tag_recv_info_t recv_info = {};  // a receive that completes inline: what arrived
-};
 
-// A wait loop's pause between looks: yields first, then sleeps.
-void BackOff(int* spins) {
-  if (++*spins < 64) {
-    std::this_thread::yield();
-  } else {
-    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  // The pieces that make up the message: all of a send's; a receive's up to the first that arrived shorter than
+  // posted, which ends the message (the pieces behind it are cancelled, and never written).
+  size_t Counted() const {
+    if (is_send) return pieces.size();
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      const UcxRequestState& s = pieces[i].state;
+      if (s.done && s.status == UCS_OK && s.bytes < pieces[i].bytes) return i + 1;
+    }
+    return pieces.size();
   }
-}
+  // Whether it completed: every piece of the message did, or one failed.
+  bool Done() const {
+    const size_t n = Counted();
+    bool all = true;
+    for (size_t i = 0; i < n; ++i) {
+      if (pieces[i].state.done && pieces[i].state.status != UCS_OK) return true;
+      all &= pieces[i].state.done;
+    }
+    return all;
+  }
+  // The first failed piece's status, or UCS_OK.
+  ucs_status_t Status() const {
+    const size_t n = Counted();
+    for (size_t i = 0; i < n; ++i) {
+      if (pieces[i].state.done && pieces[i].state.status != UCS_OK) return pieces[i].state.status;
+    }
+    return UCS_OK;
+  }
+  // A completed receive: the bytes that arrived.
+  size_t Arrived() const {
+    const size_t n = Counted();
+    size_t total = 0;
+    for (size_t i = 0; i < n; ++i) total += pieces[i].state.bytes;
+    return total;
+  }
+  int64_t DoneNs() const {
+    const size_t n = Counted();
+    int64_t last = 0;
+    for (size_t i = 0; i < n; ++i) last = std::max(last, pieces[i].state.done_ns);
+    return last;
+  }
+  // Whether UCP may still write or read a piece's buffer.
+  bool OwnedByUcp() const {
+    for (const UcxPiece& p : pieces) {
+      if (p.ucp_request != nullptr && !p.state.done) return true;
+    }
+    return false;
+  }
+};
 
 ffi::Error UcxError(const std::string& what, ucs_status_t status) {
   return ffi::Error::Internal(StrCat("jaxccl transport ucx: ", what, ": ", ucs_status_string(status)));
@@ -146,11 +242,13 @@ class UcxTransport final : public Transport {
   ffi::Error Init(const TransportOptions& options) {
     host_ = ThisHost();
     watched_.assign(num_processes_, false);
-    rendezvous_threshold_set_ = std::getenv("UCX_RNDV_THRESH") != nullptr;
+    pieced_.assign(num_processes_, false);
+    rendezvous_threshold_set_ = Configured(options, "RNDV_THRESH");
     for (const auto& option : options) {
       if (option.first == "TLS") shared_memory_ = false;  // the caller chose UCX's transports (NETWORK_ONLY)
-      if (option.first == "RNDV_THRESH") rendezvous_threshold_set_ = true;
     }
+    bool protocol_moved = false;
+    for (const char* variable : kProtocolVariables) protocol_moved |= Configured(options, variable);
     ucp_config_t* config = nullptr;
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
     if (st != UCS_OK) return UcxError("ucp_config_read", st);
@@ -162,6 +260,15 @@ class UcxTransport final : public Transport {
             StrCat("jaxccl transport ucx: option ", key, "=", value, ": ", ucs_status_string(st)));
       }
     }
+    if (!protocol_moved) {
+      for (const auto& [key, value] : kTcpPieceSettings) {
+        st = ucp_config_modify(config, key, value);
+        if (st != UCS_OK) {
+          ucp_config_release(config);
+          return UcxError(StrCat("setting ", key, "=", value), st);
+        }
+      }
+    }
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_TAG;
@@ -169,6 +276,7 @@ class UcxTransport final : public Transport {
     st = ucp_init(&params, config, &context_);
     ucp_config_release(config);
     if (st != UCS_OK) return UcxError("ucp_init", st);
+    host_.pieces = !protocol_moved && NetworkIsTcpOnly(UcxContextTransports(context_)) ? 1 : 0;
     ucp_worker_params_t wp{};
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
     wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;  // serialized by mu_
@@ -231,6 +339,7 @@ class UcxTransport final : public Transport {
       }
     }
     if (ep.err_mode == UCP_ERR_HANDLING_MODE_PEER) {
+      pieced_[peer] = host_.pieces == 1 && host.pieces == 1;  // both send over TCP in pieces
       ep.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
       ep.err_handler.cb = &UcxTransport::OnPeerError;
       ep.err_handler.arg = &peer_args_[peer];
@@ -257,47 +366,50 @@ class UcxTransport final : public Transport {
     }
     std::lock_guard<std::mutex> lock(mu_);
     if (auto e = CheckPeer(peer, tag); e.failure()) return ErrorResult<TransportRequest>(std::move(e));
-    auto req = std::make_unique<UcxRequest>();
-    req->peer = peer;
-    req->is_send = true;
-    req->posted_bytes = bytes + trailer_bytes;
-    req->post_ns = NowNs();
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    p.cb.send = &OnSend;
-    p.user_data = &req->state;
-    SetMemoryType(&p, memory);
-    const void* buffer = data;
-    size_t count = bytes;
-    if (trailer_bytes > 0) {
-      req->iov[0] = ucp_dt_iov_t{const_cast<void*>(data), bytes};
-      req->iov[1] = ucp_dt_iov_t{const_cast<void*>(trailer), trailer_bytes};
-      p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
-      p.datatype = ucp_dt_make_iov();
-      buffer = req->iov;
-      count = 2;
+    const size_t total = bytes + trailer_bytes;
+    auto req = NewRequest(peer, /*is_send=*/true, total, memory);
+    const char* message = static_cast<const char*>(data);
+    const char* behind = static_cast<const char*>(trailer);
+    size_t begin = 0;
+    for (UcxPiece& piece : req->pieces) {
+      const size_t end = begin + piece.bytes;
+      ucp_request_param_t p = PieceParam(piece, memory);
+      p.cb.send = &OnSend;
+      // The piece's bytes of the message, then of the trailer: one span, or two as an IO vector.
+      const void* buffer = end <= bytes ? message + begin : behind + (begin - std::min(begin, bytes));
+      size_t count = piece.bytes;
+      if (begin < bytes && end > bytes) {
+        piece.iov[0] = ucp_dt_iov_t{const_cast<char*>(message + begin), bytes - begin};
+        piece.iov[1] = ucp_dt_iov_t{const_cast<char*>(behind), end - bytes};
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+        p.datatype = ucp_dt_make_iov();
+        buffer = piece.iov;
+        count = 2;
+      }
+      ucs_status_ptr_t r = ucp_tag_send_nbx(eps_[peer], buffer, count, WireTag(process_id_, tag), &p);
+      if (ffi::Error e = Posted(*req, piece, r, "send"); e.failure()) return Abandon(std::move(req), std::move(e));
+      begin = end;
     }
-    ucs_status_ptr_t r = ucp_tag_send_nbx(eps_[peer], buffer, count, WireTag(process_id_, tag), &p);
-    return Track(std::move(req), r, "send");
+    return Track(std::move(req));
   }
 
   ffi::ErrorOr<TransportRequest> Irecv(int32_t peer, uint64_t tag, void* data, size_t bytes,
                                        MemoryKind memory) override {
     std::lock_guard<std::mutex> lock(mu_);
     if (auto e = CheckPeer(peer, tag); e.failure()) return ErrorResult<TransportRequest>(std::move(e));
-    auto req = std::make_unique<UcxRequest>();
-    req->peer = peer;
-    req->posted_bytes = bytes;
-    req->post_ns = NowNs();
-    ucp_request_param_t p{};
-    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-    p.cb.recv = &OnRecv;
-    p.user_data = &req->state;
-    p.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
-    p.recv_info.tag_info = &req->recv_info;
-    SetMemoryType(&p, memory);
-    ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_, data, bytes, WireTag(peer, tag), ~uint64_t{0}, &p);
-    return Track(std::move(req), r, "receive");
+    auto req = NewRequest(peer, /*is_send=*/false, bytes, memory);
+    char* into = static_cast<char*>(data);
+    for (UcxPiece& piece : req->pieces) {
+      ucp_request_param_t p = PieceParam(piece, memory);
+      p.cb.recv = &OnRecv;
+      p.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
+      p.recv_info.tag_info = &piece.recv_info;
+      ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_, into, piece.bytes, WireTag(peer, tag), ~uint64_t{0}, &p);
+      if (ffi::Error e = Posted(*req, piece, r, "receive"); e.failure()) return Abandon(std::move(req), std::move(e));
+      if (piece.state.done && piece.state.bytes < piece.bytes) break;  // the message had arrived, and ended here
+      into += piece.bytes;
+    }
+    return Track(std::move(req));
   }
 
   ffi::ErrorOr<bool> Test(TransportRequest request) override {
@@ -306,11 +418,15 @@ class UcxTransport final : public Transport {
     if (it == requests_.end()) return ErrorResult<bool>(UnknownRequest(request));
     Progress();
     UcxRequest& r = *it->second;
-    if (r.state.done && r.state.status != UCS_OK) return ErrorResult<bool>(RequestError(r));
-    if (!r.state.done && !peer_status_.empty() && peer_status_[r.peer] != UCS_OK) {
+    if (r.Done()) {
+      Cancel(r);  // the pieces behind one that failed or ended the message
+      if (r.Status() != UCS_OK) return ErrorResult<bool>(RequestError(r));
+      return true;
+    }
+    if (!peer_status_.empty() && peer_status_[r.peer] != UCS_OK) {
       return ErrorResult<bool>(PeerFailed(r.peer, peer_status_[r.peer]));
     }
-    return r.state.done;
+    return false;
   }
 
   ffi::ErrorOr<TransportCompletion> Wait(TransportRequest request, Clock::time_point deadline) override {
@@ -319,9 +435,10 @@ class UcxTransport final : public Transport {
       UcxRequest& r = *it->second;
       // Progress until nothing more happens, then look at the request.
       Progress();
-      if (r.state.done) {
-        ffi::Error e = r.state.status == UCS_OK ? ffi::Error::Success() : RequestError(r);
-        R out{r.is_send ? r.posted_bytes : r.state.bytes, r.post_ns, r.state.done_ns};
+      if (r.Done()) {
+        Cancel(r);
+        ffi::Error e = r.Status() == UCS_OK ? ffi::Error::Success() : RequestError(r);
+        R out{r.is_send ? r.posted_bytes : r.Arrived(), r.post_ns, r.DoneNs()};
         Free(it);
         if (e.failure()) return ErrorResult<R>(std::move(e));
         return ffi::ErrorOr<R>(out);
@@ -343,11 +460,11 @@ class UcxTransport final : public Transport {
   ffi::ErrorOr<bool> Drain(TransportRequest request, Clock::time_point until) override {
     return PollRequest<bool>(request, [&](RequestIt it) -> std::optional<ffi::ErrorOr<bool>> {
       UcxRequest& r = *it->second;
-      if (!r.state.done && r.ucp_request != nullptr && worker_ != nullptr) {
+      if (r.OwnedByUcp() && worker_ != nullptr) {
         Cancel(r);
         Progress();
       }
-      if (r.state.done || r.ucp_request == nullptr) {
+      if (!r.OwnedByUcp()) {
         Free(it);
         return ffi::ErrorOr<bool>(true);
       }
@@ -370,8 +487,10 @@ class UcxTransport final : public Transport {
     // (also a stopped process's; a dead one's read fails). Over TCP the sender pushes the fragments of a
     // rendezvous, which UCX matches by the receive's id, not by connection: a hung peer that resumes writes them
     // into the receive even after this process closed its endpoint (measured: a heap corrupted after the
-    // launch failed, tests/distributed/test_multiprocess_native.py). Eager fragments are matched the same way.
-    return watched_[peer] && !rendezvous_threshold_set_ && bytes >= kSharedMemoryRendezvousBytes;
+    // launch failed, tests/distributed/test_multiprocess_native.py), as are the fragments of a multi-fragment
+    // eager message. A message in pieces (kTcpPieceBytes; in host memory, the only kind the proxy asks about)
+    // has none: every piece is one eager fragment, whose receive is unmatched or complete.
+    return pieced_[peer] || (watched_[peer] && !rendezvous_threshold_set_ && bytes >= kSharedMemoryRendezvousBytes);
   }
 
   ffi::Error PeerError(int32_t peer) override {
@@ -546,25 +665,60 @@ class UcxTransport final : public Transport {
     return ffi::Error::Success();
   }
 
-  ffi::ErrorOr<TransportRequest> Track(std::unique_ptr<UcxRequest> req, ucs_status_ptr_t r, const char* what) {
+  // A request to or from `peer` of `bytes` in `memory`, its pieces sized: one, or over TCP in pieces
+  // (kTcpPieceBytes): the same count and sizes for a send and for a receive of the same bytes.
+  std::unique_ptr<UcxRequest> NewRequest(int32_t peer, bool is_send, size_t bytes, MemoryKind memory) {
+    auto req = std::make_unique<UcxRequest>();
+    req->peer = peer;
+    req->is_send = is_send;
+    req->posted_bytes = bytes;
+    req->post_ns = NowNs();
+    const bool in_pieces = pieced_[peer] && memory == MemoryKind::kHost;
+    req->pieces.resize(in_pieces ? bytes / kTcpPieceBytes + 1 : 1);
+    for (UcxPiece& piece : req->pieces) piece.bytes = in_pieces ? kTcpPieceBytes : bytes;
+    if (in_pieces) req->pieces.back().bytes = bytes % kTcpPieceBytes;
+    return req;
+  }
+
+  static ucp_request_param_t PieceParam(UcxPiece& piece, MemoryKind memory) {
+    ucp_request_param_t p{};
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    p.user_data = &piece.state;
+    SetMemoryType(&p, memory);
+    return p;
+  }
+
+  // Records what posting `piece` of `req` returned: in flight, completed inline, or an error.
+  ffi::Error Posted(UcxRequest& req, UcxPiece& piece, ucs_status_ptr_t r, const char* what) {
     if (UCS_PTR_IS_ERR(r)) {
-      req->state.status = UCS_PTR_STATUS(r);
+      piece.state.status = UCS_PTR_STATUS(r);
+      piece.state.done = true;
       // A receive posted after its message arrived fails at once when the message is larger.
-      if (req->state.status == UCS_ERR_MESSAGE_TRUNCATED) return ErrorResult<TransportRequest>(RequestError(*req));
-      return ErrorResult<TransportRequest>(
-          UcxError(StrCat(what, " with process ", req->peer, " (", req->posted_bytes, " bytes)"), UCS_PTR_STATUS(r)));
+      if (piece.state.status == UCS_ERR_MESSAGE_TRUNCATED) return RequestError(req);
+      return UcxError(StrCat(what, " with process ", req.peer, " (", req.posted_bytes, " bytes)"), piece.state.status);
     }
     if (r == nullptr) {  // completed inline; the callback was not called
-      req->state.done = true;
+      piece.state.done = true;
       // A receive of a message that had arrived: its length (it may be shorter than the receive).
-      req->state.bytes = req->is_send ? req->posted_bytes : req->recv_info.length;
-      req->state.done_ns = NowNs();
+      piece.state.bytes = req.is_send ? piece.bytes : piece.recv_info.length;
+      piece.state.done_ns = NowNs();
     } else {
-      req->ucp_request = r;
+      piece.ucp_request = r;
     }
+    return ffi::Error::Success();
+  }
+
+  ffi::ErrorOr<TransportRequest> Track(std::unique_ptr<UcxRequest> req) {
     const TransportRequest id = next_id_++;
     requests_.emplace(id, std::move(req));
     return id;
+  }
+
+  // A request whose piece could not be posted: the pieces posted before it are cancelled, and `e` returned.
+  ffi::ErrorOr<TransportRequest> Abandon(std::unique_ptr<UcxRequest> req, ffi::Error e) {
+    Cancel(*req);
+    Release(std::move(req));
+    return ErrorResult<TransportRequest>(std::move(e));
   }
 
   using RequestIt = std::map<TransportRequest, std::unique_ptr<UcxRequest>>::iterator;
@@ -573,7 +727,7 @@ class UcxTransport final : public Transport {
   // the other threads, and processes on the same cores, run).
   template <class T, class Look>
   ffi::ErrorOr<T> PollRequest(TransportRequest request, Look look) {
-    int spins = 0;
+    Backoff backoff(64, std::chrono::microseconds(50));
     while (true) {
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -581,41 +735,50 @@ class UcxTransport final : public Transport {
         if (it == requests_.end()) return ErrorResult<T>(UnknownRequest(request));
         if (std::optional<ffi::ErrorOr<T>> out = look(it)) return std::move(*out);
       }
-      BackOff(&spins);
+      backoff.Pause();
     }
   }
 
-  // Cancels `r`: an unmatched receive completes at once; a matched receive or a send that UCX cannot cancel goes
-  // on (waiting for it would not end it: Free keeps its memory, Drain waits where the caller must know).
+  // Cancels the pieces of `r` still in flight: an unmatched receive completes at once; a matched receive or a send
+  // that UCX cannot cancel goes on (waiting for it would not end it: Release keeps its memory, Drain waits where
+  // the caller must know).
   void Cancel(UcxRequest& r) {
-    if (r.ucp_request == nullptr || r.state.done) return;
-    if (!r.cancelled) ucp_request_cancel(worker_, r.ucp_request);
-    r.cancelled = true;
-    ucp_worker_progress(worker_);
+    bool asked = false;
+    for (UcxPiece& piece : r.pieces) {
+      if (piece.ucp_request == nullptr || piece.state.done) continue;
+      if (!piece.cancelled) ucp_request_cancel(worker_, piece.ucp_request);
+      piece.cancelled = true;
+      asked = true;
+    }
+    if (asked) ucp_worker_progress(worker_);
   }
 
   RequestIt Free(RequestIt it) {
-    UcxRequest& r = *it->second;
-    if (r.ucp_request != nullptr) {
-      if (!r.state.done) {
-        // Still owned by UCP (a cancel that did not finish): leak it rather than free memory UCP writes.
-        it->second.release();
-      } else {
-        ucp_request_free(r.ucp_request);
-      }
-    }
+    Release(std::move(it->second));
     return requests_.erase(it);
+  }
+
+  // Frees `req`'s UCP requests, or leaks it whole while UCP still owns a piece (a cancel that did not finish)
+  // rather than free memory UCP writes.
+  static void Release(std::unique_ptr<UcxRequest> req) {
+    if (req->OwnedByUcp()) {
+      static_cast<void>(req.release());
+      return;
+    }
+    for (UcxPiece& piece : req->pieces) {
+      if (piece.ucp_request != nullptr) ucp_request_free(piece.ucp_request);
+    }
   }
 
   ffi::Error RequestError(const UcxRequest& r) {
     // A watched peer's shared memory fails as the process exits, a moment before its pidfd says so.
     if (peer_status_[r.peer] == UCS_OK) WatchPeerProcesses(r.peer, kExitGraceMs);
     if (peer_status_[r.peer] != UCS_OK) return PeerFailed(r.peer, peer_status_[r.peer]);
-    if (r.state.status == UCS_ERR_MESSAGE_TRUNCATED) {
+    if (r.Status() == UCS_ERR_MESSAGE_TRUNCATED) {
       return ffi::Error::InvalidArgument(StrCat("jaxccl transport ucx: message from process ", r.peer,
                                                 " is larger than the ", r.posted_bytes, "-byte receive"));
     }
-    return UcxError(StrCat(r.is_send ? "send to" : "receive from", " process ", r.peer), r.state.status);
+    return UcxError(StrCat(r.is_send ? "send to" : "receive from", " process ", r.peer), r.Status());
   }
 
   ffi::Error PeerFailed(int32_t peer, ucs_status_t status) const {
@@ -649,6 +812,7 @@ class UcxTransport final : public Transport {
   HostIdentity host_;  // this process's, published before its worker address
   bool shared_memory_ = true;  // false: the options chose UCX's transports; every endpoint in peer-failure mode
   std::vector<bool> watched_;  // per peer: connected over shared memory, watched through its pidfd
+  std::vector<bool> pieced_;   // per peer: messages in host memory travel in pieces (kTcpPieceBytes), over TCP
   bool rendezvous_threshold_set_ = false;  // UCX_RNDV_THRESH (or the option) moves UCX's eager/rendezvous switch
   std::map<TransportRequest, std::unique_ptr<UcxRequest>> requests_;
   TransportRequest next_id_ = 1;
@@ -658,6 +822,26 @@ class UcxTransport final : public Transport {
 };
 
 }  // namespace
+
+std::vector<std::string> UcxContextTransports(ucp_context_h context) {
+  char* text = nullptr;
+  size_t size = 0;
+  FILE* stream = open_memstream(&text, &size);
+  if (stream == nullptr) return {};
+  ucp_context_print_info(context, stream);
+  std::fclose(stream);
+  std::vector<std::string> transports;
+  std::istringstream lines(std::string(text, size));
+  std::free(text);
+  for (std::string line; std::getline(lines, line);) {
+    const size_t arrow = line.rfind(" -- ");
+    if (line.find("resource") == std::string::npos || arrow == std::string::npos) continue;
+    std::string tl = line.substr(arrow + 4);
+    tl.erase(tl.find_last_not_of(" \t\r") + 1);
+    if (!tl.empty()) transports.push_back(tl);
+  }
+  return transports;
+}
 
 const char* TransportsBuilt() { return "ucx"; }
 
