@@ -65,11 +65,12 @@ constexpr size_t kSharedMemoryRendezvousBytes = 256 << 10;
 // sender hangs (EndableInFlight). Pieces cost no more over TCP than whole messages, less up to a few MiB
 // (benchmarks/multiprocess/tcp_pieces.py).
 constexpr size_t kTcpPieceBytes = kUcxTcpPieceBytes;
-constexpr std::pair<const char*, const char*> kTcpPieceSettings[] = {{"TCP_TX_SEG_SIZE", "64k"},
-                                                                      {"TCP_RX_SEG_SIZE", "128k"}};
-// UCX variables that move its choice of protocol: with any set (environment or options) messages travel whole.
-constexpr const char* kProtocolVariables[] = {"RNDV_THRESH",  "RNDV_SCHEME",     "ZCOPY_THRESH",   "BCOPY_THRESH",
-                                              "PROTO_ENABLE", "TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"};
+// What makes every piece one eager fragment: larger TCP segments, and UCX's protocol choice at its defaults, which
+// the transport sets so that no UCX configuration file (ucx.conf, UCX_CONFIG_FILE) moves them. When the environment
+// or the transport's options set any of these, the caller chose UCX's protocols, and messages travel whole.
+constexpr std::pair<const char*, const char*> kTcpPieceSettings[] = {
+    {"TCP_TX_SEG_SIZE", "64k"}, {"TCP_RX_SEG_SIZE", "128k"}, {"RNDV_THRESH", "auto"}, {"RNDV_SCHEME", "auto"},
+    {"ZCOPY_THRESH", "auto"},   {"BCOPY_THRESH", "auto"},    {"PROTO_ENABLE", "y"}};
 // UCX transports that never leave the machine: next to them, a context whose every other transport is tcp sends
 // over the network by TCP only.
 constexpr const char* kLocalTransports[] = {"self",     "posix",    "sysv",      "cma",       "knem",
@@ -248,7 +249,7 @@ class UcxTransport final : public Transport {
       if (option.first == "TLS") shared_memory_ = false;  // the caller chose UCX's transports (NETWORK_ONLY)
     }
     bool protocol_moved = false;
-    for (const char* variable : kProtocolVariables) protocol_moved |= Configured(options, variable);
+    for (const auto& setting : kTcpPieceSettings) protocol_moved |= Configured(options, setting.first);
     ucp_config_t* config = nullptr;
     ucs_status_t st = ucp_config_read(nullptr, nullptr, &config);
     if (st != UCS_OK) return UcxError("ucp_config_read", st);
