@@ -23,7 +23,8 @@ SERIAL_DIRS = ("cli", "distributed", "examples", "gpu", "labs", "packaging", "tu
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        parts = item.path.resolve().relative_to(ROOT).parts if item.path.resolve().is_relative_to(ROOT) else ()
+        path = item.path.resolve()
+        parts = path.relative_to(ROOT).parts if path.is_relative_to(ROOT) else ()
         in_serial_dir = len(parts) > 2 and parts[0] == "tests" and parts[1] in SERIAL_DIRS
         if in_serial_dir or item.get_closest_marker("multiprocess") is not None:
             item.add_marker(pytest.mark.serial)

@@ -404,10 +404,11 @@ def test_a_stale_message_between_processes_is_refused_by_its_identity():
 # ------------------------------------------------------------------ in one process (no jax.distributed)
 
 
-def _pair():
+def _pair(options: dict[str, str] | None = None):
+    """Two transports of this process connected to each other (over shared memory, or as ``options`` choose)."""
     from jaxccl.distributed.transport import ProcessTransport
 
-    a, b = ProcessTransport(0, 2), ProcessTransport(1, 2)
+    a, b = ProcessTransport(0, 2, options=options), ProcessTransport(1, 2, options=options)
     a.connect(1, b.address())
     b.connect(0, a.address())
     return a, b
@@ -457,11 +458,9 @@ def test_transport_progresses_while_the_process_waits_elsewhere():
     # until a deadline. Process 0 here posts its receive and makes no further call.
     import numpy as np
 
-    from jaxccl.distributed.transport import NETWORK_ONLY, ProcessTransport
+    from jaxccl.distributed.transport import NETWORK_ONLY
 
-    a, b = ProcessTransport(0, 2, options=NETWORK_ONLY), ProcessTransport(1, 2, options=NETWORK_ONLY)
-    a.connect(1, b.address())
-    b.connect(0, a.address())
+    a, b = _pair(NETWORK_ONLY)
     with a, b:
         data = np.random.default_rng(7).integers(1, 2**31 - 1, 1 << 18, dtype=np.int32)  # 1 MiB, never zero
         inbox = np.zeros_like(data)
@@ -473,12 +472,9 @@ def test_transport_progresses_while_the_process_waits_elsewhere():
 
 def _tcp_pair():
     """Two transports of this process connected over TCP (tcp/lo), where messages travel in pieces."""
-    from jaxccl.distributed.transport import NETWORK_ONLY, ProcessTransport
+    from jaxccl.distributed.transport import NETWORK_ONLY
 
-    a, b = ProcessTransport(0, 2, options=NETWORK_ONLY), ProcessTransport(1, 2, options=NETWORK_ONLY)
-    a.connect(1, b.address())
-    b.connect(0, a.address())
-    return a, b
+    return _pair(NETWORK_ONLY)
 
 
 def _piece_bytes() -> int:

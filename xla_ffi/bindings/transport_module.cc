@@ -12,7 +12,6 @@
 
 #include <ucp/api/ucp.h>
 
-#include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <memory>

@@ -174,15 +174,14 @@ struct UcxRequest {
     }
     return pieces.size();
   }
-  // Whether it completed: every piece of the message did, or one failed.
+  // Whether it completed: one piece of the message failed, or every piece completed.
   bool Done() const {
+    if (Status() != UCS_OK) return true;
     const size_t n = Counted();
-    bool all = true;
     for (size_t i = 0; i < n; ++i) {
-      if (pieces[i].state.done && pieces[i].state.status != UCS_OK) return true;
-      all &= pieces[i].state.done;
+      if (!pieces[i].state.done) return false;
     }
-    return all;
+    return true;
   }
   // The first failed piece's status, or UCS_OK.
   ucs_status_t Status() const {
