@@ -10,11 +10,13 @@ Skips with the reason where the transport was not built or namespaces are not av
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -414,9 +416,22 @@ def _pair(options: dict[str, str] | None = None):
     return a, b
 
 
-def test_transport_moves_bytes_and_reports_completion_times():
-    import threading
+@contextlib.contextmanager
+def _sending(sender, peer: int, tag: int, data):
+    """``sender`` sends ``data`` to ``peer`` while the block runs, waiting for the send in a thread: each side
+    progresses its own worker, as each process does. Yields a dict that holds the send's completion as ``"c"``
+    once the block has left."""
+    send = sender.isend(peer, tag, data)
+    sent = {}
+    thread = threading.Thread(target=lambda: sent.update(c=sender.wait(send, 30)))
+    thread.start()
+    try:
+        yield sent
+    finally:
+        thread.join(30)
 
+
+def test_transport_moves_bytes_and_reports_completion_times():
     import numpy as np
 
     a, b = _pair()
@@ -424,13 +439,8 @@ def test_transport_moves_bytes_and_reports_completion_times():
         data = np.random.default_rng(3).integers(1, 2**31 - 1, 1 << 20, dtype=np.int32)  # 4 MiB, never zero
         inbox = np.zeros_like(data)
         recv = b.irecv(0, 5, inbox)
-        send = a.isend(1, 5, data)
-        sent = {}
-        # Each side progresses its own worker, as each process does.
-        th = threading.Thread(target=lambda: sent.update(c=a.wait(send, 30)))
-        th.start()
-        got = b.wait(recv, 30)
-        th.join(30)
+        with _sending(a, 1, 5, data) as sent:
+            got = b.wait(recv, 30)
         assert inbox.tobytes() == data.tobytes()
         assert got.bytes == data.nbytes and sent["c"].bytes == data.nbytes
         assert 0 < got.post_ns <= got.done_ns and got.seconds > 0
@@ -487,8 +497,6 @@ def _piece_bytes() -> int:
 def test_messages_over_tcp_arrive_whole_at_every_size_around_a_piece(send_first):
     # Over TCP a message travels in pieces (64 KiB, then a shorter last one, possibly empty); sizes just below,
     # at and above the piece size and its multiples, posted before or after the message arrived.
-    import threading
-
     import numpy as np
 
     piece = _piece_bytes()
@@ -498,18 +506,12 @@ def test_messages_over_tcp_arrive_whole_at_every_size_around_a_piece(send_first)
         for k, nbytes in enumerate(sizes):
             data = np.random.default_rng(k).integers(1, 255, nbytes, dtype=np.uint8)  # never zero
             inbox = np.zeros(nbytes, np.uint8)
-            if send_first:
-                send = a.isend(1, 100 + k, data)
-                time.sleep(0.05)  # process 1's progress thread takes the pieces in before the receive is posted
-                recv = b.irecv(0, 100 + k, inbox)
-            else:
-                recv = b.irecv(0, 100 + k, inbox)
-                send = a.isend(1, 100 + k, data)
-            sent = {}
-            th = threading.Thread(target=lambda sent=sent, send=send: sent.update(c=a.wait(send, 30)))
-            th.start()
-            got = b.wait(recv, 30)
-            th.join(30)
+            recv = None if send_first else b.irecv(0, 100 + k, inbox)
+            with _sending(a, 1, 100 + k, data) as sent:
+                if send_first:
+                    time.sleep(0.05)  # process 1's progress thread takes the pieces in before the receive is posted
+                    recv = b.irecv(0, 100 + k, inbox)
+                got = b.wait(recv, 30)
             assert got.bytes == nbytes and sent["c"].bytes == nbytes, nbytes
             assert inbox.tobytes() == data.tobytes(), nbytes
 
@@ -518,8 +520,6 @@ def test_a_receive_over_tcp_larger_than_its_message_ends_with_the_message():
     # A message whose size is a multiple of the piece size ends with an empty piece, so a larger receive
     # completes with the bytes that came instead of waiting for pieces that never come; a message larger than
     # its receive is an error that says so.
-    import threading
-
     import numpy as np
 
     from jaxccl.distributed.transport import TransportArgumentError
@@ -531,22 +531,15 @@ def test_a_receive_over_tcp_larger_than_its_message_ends_with_the_message():
             data = np.random.default_rng(k).integers(1, 255, nbytes, dtype=np.uint8)
             inbox = np.zeros(16 * piece, np.uint8)
             recv = b.irecv(0, k, inbox)
-            send = a.isend(1, k, data)
-            th = threading.Thread(target=lambda send=send: a.wait(send, 30))
-            th.start()
             start = time.monotonic()
-            got = b.wait(recv, 10)
-            th.join(30)
+            with _sending(a, 1, k, data):
+                got = b.wait(recv, 10)
             assert got.bytes == nbytes and time.monotonic() - start < 5
             assert inbox[:nbytes].tobytes() == data.tobytes() and not inbox[nbytes:].any()
         data = np.ones(3 * piece, np.uint8)
         recv = b.irecv(0, 9, np.zeros(piece + 10, np.uint8))
-        send = a.isend(1, 9, data)
-        th = threading.Thread(target=lambda: a.wait(send, 30))
-        th.start()
-        with pytest.raises(TransportArgumentError, match="larger than"):
+        with _sending(a, 1, 9, data), pytest.raises(TransportArgumentError, match="larger than"):
             b.wait(recv, 10)
-        th.join(30)
 
 
 def _ucx_bytes(text: str) -> float:
