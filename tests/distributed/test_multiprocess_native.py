@@ -416,6 +416,13 @@ def _pair(options: dict[str, str] | None = None):
     return a, b
 
 
+def _tcp_pair():
+    """Two transports of this process connected over TCP (tcp/lo), where messages travel in pieces."""
+    from jaxccl.distributed.transport import NETWORK_ONLY
+
+    return _pair(NETWORK_ONLY)
+
+
 @contextlib.contextmanager
 def _sending(sender, peer: int, tag: int, data):
     """``sender`` sends ``data`` to ``peer`` while the block runs, waiting for the send in a thread: each side
@@ -468,9 +475,7 @@ def test_transport_progresses_while_the_process_waits_elsewhere():
     # until a deadline. Process 0 here posts its receive and makes no further call.
     import numpy as np
 
-    from jaxccl.distributed.transport import NETWORK_ONLY
-
-    a, b = _pair(NETWORK_ONLY)
+    a, b = _tcp_pair()
     with a, b:
         data = np.random.default_rng(7).integers(1, 2**31 - 1, 1 << 18, dtype=np.int32)  # 1 MiB, never zero
         inbox = np.zeros_like(data)
@@ -478,13 +483,6 @@ def test_transport_progresses_while_the_process_waits_elsewhere():
         sent = b.wait(b.isend(0, 3, data), 5.0)  # only process 1 calls its transport
         assert sent.bytes == data.nbytes
         assert a.wait(recv, 5.0).bytes == data.nbytes and inbox.tobytes() == data.tobytes()
-
-
-def _tcp_pair():
-    """Two transports of this process connected over TCP (tcp/lo), where messages travel in pieces."""
-    from jaxccl.distributed.transport import NETWORK_ONLY
-
-    return _pair(NETWORK_ONLY)
 
 
 def _piece_bytes() -> int:

@@ -7,7 +7,7 @@
 //     watches the peer process itself through a pidfd; its exit fails the requests on it as a peer failure does.
 // Every published address starts with the publisher's HostIdentity, which is how a peer tells the two apart.
 // Over TCP (a context whose only network transport is tcp, and no UCX variable that moves its protocol choice)
-// a message travels in pieces of one eager fragment each (kTcpPieceBytes), so that a receive UCX matched has
+// a message travels in pieces of one eager fragment each (kUcxTcpPieceBytes), so that a receive UCX matched has
 // also completed: nothing writes into a receive's buffer after it was cancelled.
 //
 // Tags: the source process in the high 16 bits, the caller's 48-bit tag below, so a receive matches
@@ -55,18 +55,18 @@ constexpr int kExitGraceMs = 200;
 // From this size UCX 1.22 sends a message over shared memory by rendezvous only (UCX_PROTO_INFO=y: multi-fragment
 // eager ends below 256 KiB), unless UCX_RNDV_THRESH moves the switch.
 constexpr size_t kSharedMemoryRendezvousBytes = 256 << 10;
-// Over TCP a message travels in pieces (pieced_, per peer): bytes / kTcpPieceBytes pieces of kTcpPieceBytes, then a
-// last, shorter one (possibly empty), each a tagged message with the message's tag; UCX matches one sender's
-// messages of one tag in the order they were sent, and the receiver posts the pieces in that order. With
-// kTcpPieceSettings every piece is one eager fragment (UCX 1.22, UCX_PROTO_INFO=y: "eager zero-copy copy-out" up
-// to 131064 bytes; tests/distributed/test_multiprocess_native.py pins it), which UCX matches and writes in one step:
-// a piece's receive is unmatched, and a cancel ends it at once, or complete. A whole large message is a
-// rendezvous whose fragments the sender pushes and UCX matches by the receive's id, which nothing ends while the
-// sender hangs (EndableInFlight). Pieces cost no more over TCP than whole messages, less up to a few MiB
+// Over TCP a message travels in pieces (pieced_, per peer): bytes / kUcxTcpPieceBytes (ucx_settings.h) pieces of
+// kUcxTcpPieceBytes, then a last, shorter one (possibly empty), each a tagged message with the message's tag; UCX
+// matches one sender's messages of one tag in the order they were sent, and the receiver posts the pieces in that
+// order. With kTcpPieceSettings every piece is one eager fragment (UCX 1.22, UCX_PROTO_INFO=y: "eager zero-copy
+// copy-out" up to 131064 bytes; tests/distributed/test_multiprocess_native.py pins it), which UCX matches and
+// writes in one step: a piece's receive is unmatched, and a cancel ends it at once, or complete. A whole large
+// message is a rendezvous whose fragments the sender pushes and UCX matches by the receive's id, which nothing ends
+// while the sender hangs (EndableInFlight). Pieces cost no more over TCP than whole messages, less up to a few MiB
 // (benchmarks/multiprocess/tcp_pieces.py). Not larger: 256 KiB pieces sent a tenth faster but sit 4% below UCX's
 // automatic rendezvous threshold (273,411 bytes over tcp/lo, estimated per interface); 64 KiB is bounded by the
 // receive segment, four times below it (docs/guides/multiprocess.md, "Over TCP a message travels in pieces").
-constexpr size_t kTcpPieceBytes = kUcxTcpPieceBytes;
+//
 // What makes every piece one eager fragment: larger TCP segments, and UCX's protocol choice at its defaults, which
 // the transport sets so that no UCX configuration file (ucx.conf, UCX_CONFIG_FILE) moves them. When the environment
 // or the transport's options set any of these, the caller chose UCX's protocols, and messages travel whole.
@@ -85,7 +85,7 @@ struct HostIdentity {
   char boot_id[40] = {};  // /proc/sys/kernel/random/boot_id: the machine's current boot
   uint64_t pid_ns_dev = 0, pid_ns_ino = 0;  // /proc/self/ns/pid: process ids mean the same in both processes
   int64_t pid = 0;
-  uint32_t pieces = 0;  // 1: the publisher sends to peers over TCP in pieces (kTcpPieceBytes)
+  uint32_t pieces = 0;  // 1: the publisher sends to peers over TCP in pieces (kUcxTcpPieceBytes)
   uint32_t reserved = 0;
 };
 constexpr uint64_t kAddressMagic = 0x4A43434C55435833ull;  // "JCCLUCX3"
@@ -490,7 +490,7 @@ class UcxTransport final : public Transport {
     // rendezvous, which UCX matches by the receive's id, not by connection: a hung peer that resumes writes them
     // into the receive even after this process closed its endpoint (measured: a heap corrupted after the
     // launch failed, tests/distributed/test_multiprocess_native.py), as are the fragments of a multi-fragment
-    // eager message. A message in pieces (kTcpPieceBytes; in host memory, the only kind the proxy asks about)
+    // eager message. A message in pieces (kUcxTcpPieceBytes; in host memory, the only kind the proxy asks about)
     // has none: every piece is one eager fragment, whose receive is unmatched or complete.
     return pieced_[peer] || (watched_[peer] && !rendezvous_threshold_set_ && bytes >= kSharedMemoryRendezvousBytes);
   }
@@ -668,7 +668,7 @@ class UcxTransport final : public Transport {
   }
 
   // A request to or from `peer` of `bytes` in `memory`, its pieces sized: one, or over TCP in pieces
-  // (kTcpPieceBytes): the same count and sizes for a send and for a receive of the same bytes.
+  // (kUcxTcpPieceBytes): the same count and sizes for a send and for a receive of the same bytes.
   std::unique_ptr<UcxRequest> NewRequest(int32_t peer, bool is_send, size_t bytes, MemoryKind memory) {
     auto req = std::make_unique<UcxRequest>();
     req->peer = peer;
@@ -676,9 +676,9 @@ class UcxTransport final : public Transport {
     req->posted_bytes = bytes;
     req->post_ns = NowNs();
     const bool in_pieces = pieced_[peer] && memory == MemoryKind::kHost;
-    req->pieces.resize(in_pieces ? bytes / kTcpPieceBytes + 1 : 1);
-    for (UcxPiece& piece : req->pieces) piece.bytes = in_pieces ? kTcpPieceBytes : bytes;
-    if (in_pieces) req->pieces.back().bytes = bytes % kTcpPieceBytes;
+    req->pieces.resize(in_pieces ? bytes / kUcxTcpPieceBytes + 1 : 1);
+    for (UcxPiece& piece : req->pieces) piece.bytes = in_pieces ? kUcxTcpPieceBytes : bytes;
+    if (in_pieces) req->pieces.back().bytes = bytes % kUcxTcpPieceBytes;
     return req;
   }
 
@@ -814,7 +814,7 @@ class UcxTransport final : public Transport {
   HostIdentity host_;  // this process's, published before its worker address
   bool shared_memory_ = true;  // false: the options chose UCX's transports; every endpoint in peer-failure mode
   std::vector<bool> watched_;  // per peer: connected over shared memory, watched through its pidfd
-  std::vector<bool> pieced_;   // per peer: messages in host memory travel in pieces (kTcpPieceBytes), over TCP
+  std::vector<bool> pieced_;   // per peer: messages in host memory travel in pieces (kUcxTcpPieceBytes), over TCP
   bool rendezvous_threshold_set_ = false;  // UCX_RNDV_THRESH (or the option) moves UCX's eager/rendezvous switch
   std::map<TransportRequest, std::unique_ptr<UcxRequest>> requests_;
   TransportRequest next_id_ = 1;

@@ -12,7 +12,7 @@
 namespace jaxccl {
 
 // Over TCP a message in host memory travels in pieces of this size and a last, shorter one (ucx.cc), each one
-// eager fragment under the TCP segment sizes the transport sets (UCX_TCP_TX_SEG_SIZE=64k, UCX_TCP_RX_SEG_SIZE=128k).
+// eager fragment under the TCP segment sizes the transport sets (kTcpPieceSettings in ucx.cc).
 inline constexpr size_t kUcxTcpPieceBytes = size_t{64} << 10;
 
 // The context's resources as "transport/device" pairs ("tcp/eth0", "posix/memory"), in UCX's order.
