@@ -1,7 +1,7 @@
 """One message between two processes over TCP: in pieces (what jaxccl's transport sends) vs whole.
 
 Two processes on this machine connect two transports each over ``tcp/lo`` (``NETWORK_ONLY``): one
-as jaxccl opens it, whose messages travel in 64 KiB pieces of one eager fragment each
+as jaxccl opens it, whose messages travel in pieces of one eager fragment each (about 127 KiB)
 (docs/guides/multiprocess.md, "Over TCP a message travels in pieces"), and one with
 ``RNDV_THRESH=auto`` (UCX's default value, which keeps every message whole: a rendezvous from
 256 KiB). For each size process 1 times ``--runs`` receives of each variant, interleaved (each run

@@ -493,7 +493,7 @@ def _piece_bytes() -> int:
 
 @pytest.mark.parametrize("send_first", [False, True])
 def test_messages_over_tcp_arrive_whole_at_every_size_around_a_piece(send_first):
-    # Over TCP a message travels in pieces (64 KiB, then a shorter last one, possibly empty); sizes just below,
+    # Over TCP a message travels in pieces (TCP_PIECE_BYTES, then a shorter last one, possibly empty); sizes below,
     # at and above the piece size and its multiples, posted before or after the message arrived.
     import numpy as np
 

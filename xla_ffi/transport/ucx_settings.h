@@ -11,9 +11,21 @@
 
 namespace jaxccl {
 
-// Over TCP a message in host memory travels in pieces of this size and a last, shorter one (ucx.cc), each one
-// eager fragment under the TCP segment sizes the transport sets (kTcpPieceSettings in ucx.cc).
-inline constexpr size_t kUcxTcpPieceBytes = size_t{64} << 10;
+// Over TCP a message in host memory travels in pieces of kUcxTcpPieceBytes and a last, shorter one (ucx.cc), each
+// one eager fragment under the TCP segment sizes the transport sets (kTcpPieceSettings in ucx.cc): UCX 1.22 sends
+// up to kUcxEagerFragmentBytes so (UCX_PROTO_INFO=y), and its automatic rendezvous threshold starts at 273,411
+// bytes over tcp/lo, twice a piece.
+//
+// A piece and the header UCX sends before it fill whole TCP segments of an Ethernet frame: with TCP_NODELAY (which
+// UCX sets) a send whose bytes end inside a segment sends that short segment at once, so 64 KiB pieces (65,549
+// bytes on the wire: 45 segments and 389 bytes) doubled the packets, and with them the acknowledgements and the
+// kernel's work per byte (docs/guides/multiprocess.md, "Over TCP a message travels in pieces"). Over links with
+// other segment sizes a piece's last segment is short, as every piece's was before.
+inline constexpr size_t kUcxEagerFragmentBytes = 131064;  // TCP_RX_SEG_SIZE=128k less UCX's receive header
+inline constexpr size_t kUcxTagEagerHeaderBytes = 13;    // UCX 1.22: the TCP active message's 5, the tag's 8
+inline constexpr size_t kEthernetTcpSegmentBytes = 1448;  // MTU 1500 less IPv4's, TCP's and the timestamps' headers
+inline constexpr size_t kUcxTcpPieceBytes = 90 * kEthernetTcpSegmentBytes - kUcxTagEagerHeaderBytes;  // 130,307
+static_assert(kUcxTcpPieceBytes <= kUcxEagerFragmentBytes, "a piece must stay one eager fragment");
 
 // The context's resources as "transport/device" pairs ("tcp/eth0", "posix/memory"), in UCX's order.
 // ucp_context_print_info writes them as "#  resource N : md M dev D flags F -- tl/dev"; UCX has no structured
