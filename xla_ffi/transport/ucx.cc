@@ -63,10 +63,7 @@ constexpr size_t kSharedMemoryRendezvousBytes = 256 << 10;
 // and writes in one step: a piece's receive is unmatched, and a cancel ends it at once, or complete. A whole large
 // message is a rendezvous whose fragments the sender pushes and UCX matches by the receive's id, which nothing ends
 // while the sender hangs (EndableInFlight). Pieces cost no more over TCP than whole messages, less up to a few MiB
-// (benchmarks/multiprocess/tcp_pieces.py). A piece fills the receive segment and whole Ethernet TCP segments
-// (ucx_settings.h). Not larger: 256 KiB pieces sit 4% below UCX's automatic rendezvous threshold (273,411 bytes
-// over tcp/lo, estimated per interface), twice above a piece (docs/guides/multiprocess.md, "Over TCP a message
-// travels in pieces").
+// (benchmarks/multiprocess/tcp_pieces.py). Why a piece is that size and not larger: ucx_settings.h.
 //
 // What makes every piece one eager fragment: larger TCP segments, and UCX's protocol choice at its defaults, which
 // the transport sets so that no UCX configuration file (ucx.conf, UCX_CONFIG_FILE) moves them. When the environment
