@@ -19,7 +19,7 @@ namespace jaxccl {
 // A piece and the header UCX sends before it fill whole TCP segments of an Ethernet frame: with TCP_NODELAY (which
 // UCX sets) a send whose bytes end inside a segment sends that short segment at once, so 64 KiB pieces (65,549
 // bytes on the wire: 45 segments and 389 bytes) doubled the packets, and with them the acknowledgements and the
-// kernel's work per byte (docs/guides/multiprocess.md, "Over TCP a message travels in pieces"). Over links with
+// kernel's work per byte (docs/guides/multiprocess.md, "Pieces fill whole TCP segments"). Over links with
 // other segment sizes a piece's last segment is short, as every piece's was before.
 inline constexpr size_t kUcxEagerFragmentBytes = 131064;  // TCP_RX_SEG_SIZE=128k less UCX's receive header
 inline constexpr size_t kUcxTagEagerHeaderBytes = 13;    // UCX 1.22: the TCP active message's 5, the tag's 8
